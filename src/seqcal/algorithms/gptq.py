@@ -1,0 +1,293 @@
+"""GPTQ (Frantar et al. 2022, arXiv:2210.17323) as pure tensor functions.
+
+Notation follows the paper: ``W [out, in]`` the weight, ``X [tokens, in]`` the layer inputs,
+``H = 2 X^T X / tokens [in, in]`` the Hessian of the layer's squared output error, ``Hinv`` the
+upper Cholesky factor of ``H^-1`` (so ``Hinv[i, i]`` is the paper's ``[H_F^-1]_qq ** 0.5``).
+Columns are quantized one at a time; each column's rounding error is spread over the not yet
+quantized columns, in blocks of ``block_size`` columns with lazy batch updates (paper, Sec. 3.4).
+Everything is computed in float32 whatever W's dtype.
+
+Quantization parameters follow llm-compressor: they are computed once, before the column loop,
+from the (dead-column-masked) weight, and rounded to their storage dtype so that the returned
+``Q`` is exactly ``dequantize(q, scale, zero_point)`` with the stored values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from seqcal.algorithms.quant import (
+    STRATEGIES,
+    QuantType,
+    Strategy,
+    code_dtype,
+    quant_range,
+    weight_qparams,
+)
+
+# "static" and "dynamic" are compressed-tensors' aliases of "weight" and "group"
+ACTORDER: dict[str, str] = {"weight": "weight", "static": "weight", "group": "group", "dynamic": "group"}
+
+
+class GPTQNumericalError(RuntimeError):
+    """The Hessian could not be inverted even after extra dampening; fall back to RTN for this module."""
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    """What :func:`gptq_quantize` returns.
+
+    Attributes:
+        Q: dequantized weight ``[out, in]``, W's dtype (load it into the module).
+        q: codes ``[out, in]`` in the original column order (int8, or float8_e4m3fn for fp8),
+            what the checkpoint stores; ``dequantize(q, scale, zero_point, ...) == Q`` in float32.
+        scale: ``[1]`` / ``[out, 1]`` / ``[out, G]`` in ``scale_dtype``.
+        zero_point: same shape, int8 (float8 zeros for fp8); zeros when symmetric.
+        g_idx: ``[in]`` int32 group of each original column, only for ``actorder="group"`` with
+            the group strategy (groups then follow the activation order); otherwise None.
+        loss: GPTQ objective ``sum((w - q)^2 / Hinv_ii^2) / 2`` (reference implementation's value);
+            with H from :func:`accumulate_hessian` and no dampening it equals the mean over tokens of
+            ``||(W - Q) x||^2``.
+        dampening_frac: the dampening fraction that made the Cholesky succeed.
+        retries: how many times dampening had to be increased (0 = first try worked).
+    """
+
+    Q: Tensor
+    q: Tensor
+    scale: Tensor
+    zero_point: Tensor
+    g_idx: Tensor | None
+    loss: float
+    dampening_frac: float
+    retries: int
+
+
+def accumulate_hessian(H: Tensor | None, X: Tensor, n_seen: int) -> tuple[Tensor, int]:
+    """Running average of ``2 x x^T`` over tokens: ``H_n = 2 / n * sum_t x_t x_t^T``, in float32.
+
+    Same update as the GPTQ reference (``H *= n / (n + m); H += 2 / (n + m) X^T X``) except that
+    every token counts, not every sequence, so padded batches or mixed lengths weigh tokens equally.
+    Drop padding positions from ``X`` before calling.
+
+    Args:
+        H: current Hessian ``[in, in]`` float32 (updated in place), or None to start one on X's device.
+        X: layer inputs ``[..., in]``; any leading dims are tokens.
+        n_seen: tokens already averaged into ``H``.
+
+    Returns:
+        ``(H, n_seen + tokens in X)``.
+
+    Example:
+        >>> H, n = accumulate_hessian(None, torch.randn(2, 16, 8), 0)
+        >>> H.shape, n
+        (torch.Size([8, 8]), 32)
+    """
+    X = X.reshape(-1, X.shape[-1])  # [m, in]
+    if H is None:
+        H = torch.zeros(X.shape[1], X.shape[1], dtype=torch.float32, device=X.device)
+    if H.shape != (X.shape[1], X.shape[1]) or H.dtype != torch.float32:
+        raise ValueError(
+            f"accumulate_hessian: H must be float32 [{X.shape[1]}, {X.shape[1]}] to match inputs with "
+            f"{X.shape[1]} features, got {H.dtype} {list(H.shape)}"
+        )
+    m = X.shape[0]
+    if m == 0:
+        return H, n_seen
+    n = n_seen + m
+    H.mul_(n_seen / n)
+    Xs = X.to(device=H.device, dtype=torch.float32) * math.sqrt(2 / n)  # [m, in]
+    H.addmm_(Xs.T, Xs)
+    return H, n
+
+
+def _check_inputs(W: Tensor, H: Tensor, strategy: str, group_size: int | None, block_size: int) -> None:
+    if W.ndim != 2:
+        raise ValueError(f"gptq_quantize: W must be 2-D [out, in], got shape {list(W.shape)}; flatten it first")
+    if H.shape != (W.shape[1], W.shape[1]):
+        raise ValueError(
+            f"gptq_quantize: H must be [{W.shape[1]}, {W.shape[1]}] for W {list(W.shape)}, got {list(H.shape)}"
+        )
+    if strategy not in STRATEGIES:
+        raise ValueError(f"gptq_quantize: unknown strategy {strategy!r}; valid: {STRATEGIES}")
+    if strategy == "group" and (group_size is None or group_size <= 0 or W.shape[1] % group_size):
+        raise ValueError(
+            f"gptq_quantize: group strategy needs a group_size > 0 dividing in_features {W.shape[1]}, "
+            f"got {group_size}"
+        )
+    if block_size <= 0:
+        raise ValueError(f"gptq_quantize: block_size must be > 0, got {block_size}")
+    if not torch.isfinite(W).all():
+        raise ValueError("gptq_quantize: W contains NaN or inf; the checkpoint is broken upstream of GPTQ")
+
+
+def _inverse_hessian_factor(
+    H: Tensor, dampening_frac: float, max_retries: int, damp_growth: float
+) -> tuple[Tensor, float, int]:
+    """Upper Cholesky factor of ``(H + damp I)^-1``, raising dampening ``damp_growth``x per failure.
+
+    ``H`` [in, in] is modified in place (it holds the dampened matrix afterwards).
+    """
+    if not torch.isfinite(H).all():
+        raise GPTQNumericalError("Hessian contains NaN or inf (inputs overflowed?); use RTN for this module")
+    mean_diag = H.diagonal().mean().item()
+    applied = 0.0
+    for retry in range(max_retries + 1):
+        frac = dampening_frac * damp_growth**retry
+        H.diagonal().add_((frac - applied) * mean_diag)
+        applied = frac
+        L, info = torch.linalg.cholesky_ex(H)  # H = L L^T
+        if info.item() == 0:
+            Hinv, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info.item() == 0 and torch.isfinite(Hinv).all():
+                return Hinv, frac, retry
+    raise GPTQNumericalError(
+        f"Cholesky of the Hessian failed up to dampening_frac={applied:g} "
+        f"({max_retries} retries x{damp_growth:g}); raise dampening_frac, add calibration samples, "
+        "or quantize this module with RTN"
+    )
+
+
+def _order_and_qparams(W: Tensor, H: Tensor, actorder: str | None, group_size: int | None, qkw: dict):
+    """Processing order and qparams.
+
+    Returns ``W, H`` permuted into processing order, ``perm`` (or None), ``scale, zero_point``,
+    ``col_group [in]`` (the qparam column used by each processed column) and ``g_idx`` (or None).
+    """
+    n_in = W.shape[1]
+    col_group = torch.arange(n_in, device=W.device)
+    col_group = col_group // group_size if qkw["strategy"] == "group" else torch.zeros_like(col_group)
+    if actorder is None:
+        return W, H, None, *weight_qparams(W, **qkw), col_group, None
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True)  # most active inputs first
+    if actorder == "weight":
+        # groups stay contiguous in the original order: the checkpoint format does not change
+        scale, zero_point = weight_qparams(W, **qkw)
+        return W[:, perm], H[perm][:, perm], perm, scale, zero_point, col_group[perm], None
+    W, H = W[:, perm], H[perm][:, perm]
+    scale, zero_point = weight_qparams(W, **qkw)  # groups of consecutive *permuted* columns
+    g_idx = col_group[torch.argsort(perm)].to(torch.int32) if qkw["strategy"] == "group" else None
+    return W, H, perm, scale, zero_point, col_group, g_idx
+
+
+def _quantize_columns(
+    W: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple
+) -> tuple[Tensor, Tensor, float]:
+    """The GPTQ column loop (paper Alg. 1); ``W`` [out, in] float32 is overwritten.
+
+    ``scale``/``zero`` are float32 ``[out or 1, G]``; ``qrange = (qmin, qmax, is_fp8)``.
+    Returns ``(Q, codes, loss)`` in processing order, both ``[out, in]`` float32.
+    """
+    qmin, qmax, is_fp8 = qrange
+    n_out, n_in = W.shape
+    Q, codes = torch.empty_like(W), torch.empty_like(W)
+    losses = torch.zeros(n_out, dtype=torch.float32, device=W.device)
+    for i1 in range(0, n_in, block_size):
+        i2 = min(i1 + block_size, n_in)
+        W1 = W[:, i1:i2].clone()  # [out, B]: the block, updated eagerly
+        Err1 = torch.empty_like(W1)  # [out, B]: scaled errors, applied to W[:, i2:] once per block
+        Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
+        for i in range(i2 - i1):
+            w, d, g = W1[:, i], Hinv1[i, i], col_group[i1 + i]
+            s, z = scale[:, g], zero[:, g]  # [out] or [1]
+            c = torch.clamp(w / s + z, qmin, qmax)  # same op order as quant.fake_quantize
+            c = c.to(torch.float8_e4m3fn).float() if is_fp8 else torch.round(c)
+            q = (c - z) * s  # [out]
+            codes[:, i1 + i], Q[:, i1 + i] = c, q
+            err = (w - q) / d  # [out]
+            losses += err * err
+            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # OBS update of the rest of the block
+            Err1[:, i] = err
+        W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1)  # lazy batch update of later blocks
+    return Q, codes, losses.sum().item() / 2
+
+
+def gptq_quantize(
+    W: Tensor,
+    H: Tensor,
+    *,
+    num_bits: int = 4,
+    symmetric: bool = True,
+    strategy: Strategy = "group",
+    group_size: int | None = 128,
+    type: QuantType = "int",
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    actorder: Literal["static", "weight", "group", "dynamic"] | None = None,
+    observer: str = "minmax",
+    max_retries: int = 3,
+    damp_growth: float = 10.0,
+    scale_dtype: torch.dtype | None = None,
+) -> GPTQResult:
+    """Quantize ``W`` with GPTQ given the Hessian ``H`` of its inputs.
+
+    Dead inputs (``H_ii == 0``) get ``H_ii = 1`` and ``W[:, i] = 0`` before the qparams are observed.
+    ``H`` is dampened by ``dampening_frac * mean(diag(H))``; if a Cholesky fails the fraction is
+    multiplied by ``damp_growth`` up to ``max_retries`` times, then :class:`GPTQNumericalError` is
+    raised (fall back to RTN). ``actorder`` processes columns by descending ``diag(H)``:
+    ``"weight"``/``"static"`` keeps contiguous groups of original columns (format unchanged, no
+    g_idx); ``"group"``/``"dynamic"`` makes groups of consecutive permuted columns and returns g_idx
+    (compressed-tensors 0.20 rejects ``actorder="group"`` in configs; prefer ``"weight"``).
+
+    Args:
+        W: weight ``[out, in]``, any float dtype (not modified).
+        H: Hessian ``[in, in]`` from :func:`accumulate_hessian` (not modified).
+        num_bits, symmetric, type: target format (``type="float"``: fp8 e4m3, symmetric).
+        strategy, group_size: qparam granularity (``"tensor"``, ``"channel"``, ``"group"``).
+        block_size: columns per lazy-update block.
+        dampening_frac: relative dampening added to the diagonal.
+        actorder: None, ``"static"``/``"weight"`` or ``"group"``/``"dynamic"``.
+        observer: ``"minmax"`` or ``"mse"``.
+        max_retries, damp_growth: dampening retry policy.
+        scale_dtype: dtype of the stored scale; default W's dtype (float16 if W is not a float).
+
+    Returns:
+        :class:`GPTQResult`.
+
+    Example:
+        >>> X = torch.randn(256, 64); H, _ = accumulate_hessian(None, X, 0)
+        >>> r = gptq_quantize(torch.randn(32, 64), H, num_bits=4, group_size=32)
+        >>> r.Q.shape, r.scale.shape, r.g_idx is None
+        (torch.Size([32, 64]), torch.Size([32, 2]), True)
+    """
+    _check_inputs(W, H, strategy, group_size, block_size)
+    if actorder is not None and actorder not in ACTORDER:
+        raise ValueError(f"gptq_quantize: unknown actorder {actorder!r}; valid: None, {sorted(ACTORDER)}")
+    if scale_dtype is None:
+        scale_dtype = W.dtype if W.dtype.is_floating_point and W.dtype.itemsize >= 2 else torch.float16
+    qkw = dict(num_bits=num_bits, symmetric=symmetric, strategy=strategy, group_size=group_size)
+    qkw.update(type=type, observer=observer)
+
+    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
+    H32 = H.detach().to(device=W.device, dtype=torch.float32, copy=True)  # [in, in]
+    dead = H32.diagonal() == 0  # inputs never seen: any weight is free, so make it 0
+    H32.diagonal()[dead] = 1
+    W32[:, dead] = 0
+
+    W32, H32, perm, scale, zero_point, col_group, g_idx = _order_and_qparams(
+        W32, H32, ACTORDER.get(actorder) if actorder else None, group_size, qkw
+    )
+    scale = scale.to(scale_dtype)  # round first, so Q is exactly what the checkpoint dequantizes to
+    Hinv, frac, retries = _inverse_hessian_factor(H32, dampening_frac, max_retries, damp_growth)
+    del H32
+    scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
+    zero32 = zero_point.float().reshape(scale32.shape)
+    qrange = (*quant_range(num_bits, type), type == "float")
+    Q, codes, loss = _quantize_columns(W32, Hinv, scale32, zero32, col_group, block_size, qrange)
+    if perm is not None:
+        inv = torch.argsort(perm)
+        Q, codes = Q[:, inv], codes[:, inv]
+    return GPTQResult(
+        Q=Q.to(W.dtype),
+        q=codes.to(code_dtype(type)),
+        scale=scale,
+        zero_point=zero_point,
+        g_idx=g_idx,
+        loss=loss,
+        dampening_frac=frac,
+        retries=retries,
+    )

@@ -1,0 +1,497 @@
+"""Quantization primitives in the compressed-tensors convention (pure tensor functions).
+
+Notation: ``W`` is a weight ``[out, in]``; ``q`` its integer (or fp8) codes. Scale and zero-point
+shapes follow compressed-tensors per strategy:
+
+    tensor  -> [1]
+    channel -> [out, 1]
+    group   -> [out, in // group_size]
+
+Integer codes are signed, ``[-2^(b-1), 2^(b-1) - 1]`` (int4: ``[-8, 7]``), stored as int8; zero points
+are int8 codes in the same range (all zeros when symmetric). ``quantize`` computes
+``clamp(round_half_even(W / scale + zero_point))`` in W's dtype, and ``dequantize`` computes
+``(q - zero_point) * scale`` in the scale's dtype, exactly as compressed-tensors 0.20 does, so the
+results match it bit for bit. FP8 (``type="float"``, ``num_bits=8``) rounds by casting to
+``torch.float8_e4m3fn`` after clamping to +-448.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+QuantType = Literal["int", "float"]
+Strategy = Literal["tensor", "channel", "group"]
+STRATEGIES: tuple[str, ...] = ("tensor", "channel", "group")
+OBSERVERS: tuple[str, ...] = ("minmax", "mse")
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+def quant_range(num_bits: int, type: QuantType = "int") -> tuple[float, float]:
+    """Return the representable code range ``(qmin, qmax)``.
+
+    Args:
+        num_bits: bits per code; 1..8 for ``"int"``, 8 for ``"float"`` (fp8 e4m3).
+        type: ``"int"`` (signed integer codes) or ``"float"`` (fp8 e4m3fn).
+
+    Returns:
+        ``(qmin, qmax)`` as Python floats.
+
+    Example:
+        >>> quant_range(4)
+        (-8.0, 7.0)
+    """
+    if type == "int":
+        if not 1 <= num_bits <= 8:
+            raise ValueError(f"quant_range: int num_bits must be in 1..8, got {num_bits}; use 4 or 8")
+        return float(-(2 ** (num_bits - 1))), float(2 ** (num_bits - 1) - 1)
+    if type == "float":
+        if num_bits != 8:
+            raise ValueError(f"quant_range: float quantization supports num_bits=8 (fp8 e4m3), got {num_bits}")
+        info = torch.finfo(FP8_DTYPE)
+        return float(info.min), float(info.max)
+    raise ValueError(f"quant_range: type must be 'int' or 'float', got {type!r}")
+
+
+def code_dtype(type: QuantType) -> torch.dtype:
+    """Storage dtype of codes and zero points: int8 for ``"int"``, float8_e4m3fn for ``"float"``."""
+    return FP8_DTYPE if type == "float" else torch.int8
+
+
+def compute_qparams(
+    w_min: Tensor,
+    w_max: Tensor,
+    *,
+    num_bits: int,
+    symmetric: bool,
+    type: QuantType = "int",
+    eps: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Scale and zero point from observed ranges (compressed-tensors ``calculate_qparams``).
+
+    The range is first widened to include 0 so that 0 is exactly representable. Symmetric:
+    ``scale = max(|min|, |max|) / ((qmax - qmin) / 2)``, zero point 0. Asymmetric:
+    ``scale = (max - min) / (qmax - qmin)``, ``zero_point = round(clamp(qmin - min / scale))``.
+    A zero scale (all-zero group) becomes ``eps``; its zero point is 0.
+
+    Args:
+        w_min: minima, any shape (the qparams shape); its dtype is the compute dtype.
+        w_max: maxima, same shape as ``w_min``.
+        num_bits: code width.
+        symmetric: zero point fixed at 0 when True.
+        type: ``"int"`` or ``"float"`` (fp8; symmetric only).
+        eps: replacement for zero scales; default ``torch.finfo(scale.dtype).eps`` like compressed-tensors.
+
+    Returns:
+        ``(scale, zero_point)``: scale in ``w_min``'s dtype, zero point in ``code_dtype(type)``;
+        0-dim inputs give shape ``[1]``.
+
+    Example:
+        >>> s, z = compute_qparams(torch.tensor([-1.0]), torch.tensor([3.0]), num_bits=4, symmetric=True)
+        >>> s
+        tensor([0.4000])
+    """
+    qmin, qmax = quant_range(num_bits, type)
+    zeros = torch.zeros_like(w_min)
+    w_min = torch.minimum(w_min, zeros)  # 0 must be representable: padding and ReLU outputs are exact
+    w_max = torch.maximum(w_max, zeros)
+    # same operand order and dtype as compressed-tensors, so the roundings are identical
+    bit_range = torch.tensor(qmax - qmin, dtype=w_max.dtype, device=w_max.device)
+    if symmetric:
+        scale = torch.maximum(w_min.abs(), w_max.abs()) / (bit_range / 2)
+        zero = torch.zeros_like(scale)
+    else:
+        if type == "float":
+            raise ValueError("compute_qparams: fp8 quantization must be symmetric; set symmetric=True")
+        scale = (w_max - w_min) / bit_range
+        zero = torch.clamp(qmin - w_min / scale, qmin, qmax)
+        # all-zero group: 0 / 0 is NaN; compressed-tensors' NaN -> int8 cast gives 0 on x86, we make it explicit
+        zero = torch.where(scale == 0, zeros, zero)
+    eps = torch.finfo(scale.dtype).eps if eps is None else eps
+    scale = torch.where(scale == 0, torch.tensor(eps, dtype=scale.dtype, device=scale.device), scale)
+    zero_point = zero.to(FP8_DTYPE) if type == "float" else torch.round(zero).to(torch.int8)
+    if scale.ndim == 0:
+        scale, zero_point = scale.reshape(1), zero_point.reshape(1)
+    return scale, zero_point
+
+
+def _grouped(W: Tensor, group_size: int | None) -> Tensor:
+    """View ``W [..., in]`` as ``[..., in // group_size, group_size]``."""
+    if group_size is None or group_size <= 0:
+        raise ValueError(f"group strategy needs group_size > 0, got {group_size}")
+    if W.shape[-1] % group_size != 0:
+        raise ValueError(
+            f"in_features {W.shape[-1]} is not divisible by group_size {group_size}; "
+            "choose a divisor of in_features or ignore this module"
+        )
+    return W.unflatten(-1, (W.shape[-1] // group_size, group_size))
+
+
+def _as_rows(W: Tensor, strategy: Strategy, group_size: int | None) -> Tensor:
+    """Rows that share one qparam: tensor -> [1, numel], channel -> [out, in], group -> [out * G, gs]."""
+    if strategy == "tensor":
+        return W.reshape(1, -1)
+    if strategy == "channel":
+        return W.reshape(-1, W.shape[-1])
+    if strategy == "group":
+        return _grouped(W, group_size).reshape(-1, group_size)
+    raise ValueError(f"unknown strategy {strategy!r}; valid: {STRATEGIES}")
+
+
+def _qparams_shape(W: Tensor, strategy: Strategy, group_size: int | None) -> tuple[int, ...]:
+    if strategy == "tensor":
+        return ()
+    if strategy == "channel":
+        return (*W.shape[:-1], 1)
+    return (*W.shape[:-1], W.shape[-1] // group_size)
+
+
+def observe_minmax(W: Tensor, *, strategy: Strategy, group_size: int | None = None) -> tuple[Tensor, Tensor]:
+    """Min-max observer (compressed-tensors / llm-compressor ``"minmax"``).
+
+    Args:
+        W: weight ``[out, in]``.
+        strategy: ``"tensor"``, ``"channel"`` or ``"group"``.
+        group_size: columns per group (group strategy only).
+
+    Returns:
+        ``(w_min, w_max)`` shaped ``[]`` (tensor), ``[out, 1]`` (channel) or ``[out, G]`` (group),
+        in W's dtype.
+
+    Example:
+        >>> lo, hi = observe_minmax(torch.randn(8, 64), strategy="group", group_size=32)
+        >>> lo.shape
+        torch.Size([8, 2])
+    """
+    rows = _as_rows(W, strategy, group_size)  # [R, k]
+    shape = _qparams_shape(W, strategy, group_size)
+    return rows.amin(dim=-1).reshape(shape), rows.amax(dim=-1).reshape(shape)
+
+
+def observe_mse(
+    W: Tensor,
+    *,
+    strategy: Strategy,
+    num_bits: int,
+    symmetric: bool,
+    group_size: int | None = None,
+    type: QuantType = "int",
+    maxshrink: float = 0.2,
+    grid: int = 100,
+    patience: int = 5,
+    norm: float = 2.4,
+) -> tuple[Tensor, Tensor]:
+    """MSE-search observer: shrink the min-max range to minimise the quantization error.
+
+    Tries ``p = 1, 1 - 1/grid, ...`` (down to ``1 - maxshrink``) times the min-max range per qparam
+    row and keeps the ``p`` with the lowest ``sum |fake_quant(W) - W| ** norm``, stopping after
+    ``patience`` steps without improvement (llm-compressor ``"mse"`` observer defaults). Errors are
+    summed in float32.
+
+    Args:
+        W: weight ``[out, in]``.
+        strategy, group_size: as in :func:`observe_minmax`.
+        num_bits, symmetric, type: the target format (the search quantizes with it).
+        maxshrink, grid, patience, norm: search settings.
+
+    Returns:
+        ``(w_min, w_max)`` shaped like :func:`observe_minmax`'s.
+
+    Example:
+        >>> lo, hi = observe_mse(torch.randn(8, 64), strategy="channel", num_bits=4, symmetric=True)
+    """
+    rows = _as_rows(W, strategy, group_size)  # [R, k]
+    lo, hi = rows.amin(dim=-1), rows.amax(dim=-1)  # [R]
+    best_lo, best_hi = lo.clone(), hi.clone()
+    best_err = torch.full(lo.shape, math.inf, dtype=torch.float32, device=W.device)
+    stale = 0
+    for i in range(int(maxshrink * grid)):
+        p = 1 - i / grid
+        scale, zero = compute_qparams(p * lo, p * hi, num_bits=num_bits, symmetric=symmetric, type=type)
+        Q = fake_quantize(rows, scale.reshape(-1, 1), zero.reshape(-1, 1), num_bits=num_bits, type=type)
+        err = (Q.float() - rows.float()).abs().pow(norm).sum(dim=-1)  # [R]
+        better = err < best_err
+        if better.any():
+            best_err[better], best_lo[better], best_hi[better] = err[better], p * lo[better], p * hi[better]
+            stale = 0
+        else:
+            stale += 1
+            if stale >= patience:
+                break
+    shape = _qparams_shape(W, strategy, group_size)
+    return best_lo.reshape(shape), best_hi.reshape(shape)
+
+
+def weight_qparams(
+    W: Tensor,
+    *,
+    num_bits: int,
+    symmetric: bool,
+    strategy: Strategy,
+    group_size: int | None = None,
+    type: QuantType = "int",
+    observer: str = "minmax",
+) -> tuple[Tensor, Tensor]:
+    """Observe ``W`` and compute its qparams, in W's dtype (as llm-compressor does for RTN).
+
+    Args:
+        W: weight ``[out, in]``.
+        num_bits, symmetric, type: the target format.
+        strategy, group_size: qparam granularity.
+        observer: ``"minmax"`` or ``"mse"``.
+
+    Returns:
+        ``(scale, zero_point)`` with the shapes listed in the module docstring.
+
+    Example:
+        >>> s, z = weight_qparams(torch.randn(8, 64), num_bits=4, symmetric=True, strategy="group", group_size=32)
+        >>> s.shape, z.dtype
+        (torch.Size([8, 2]), torch.int8)
+    """
+    if observer == "minmax":
+        w_min, w_max = observe_minmax(W, strategy=strategy, group_size=group_size)
+    elif observer == "mse":
+        w_min, w_max = observe_mse(
+            W, strategy=strategy, group_size=group_size, num_bits=num_bits, symmetric=symmetric, type=type
+        )
+    else:
+        raise ValueError(f"unknown observer {observer!r}; valid: {OBSERVERS}")
+    return compute_qparams(w_min, w_max, num_bits=num_bits, symmetric=symmetric, type=type)
+
+
+def _broadcastable(W: Tensor, p: Tensor, group_size: int | None, g_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Return ``(W', p')`` that broadcast elementwise: ``W'`` is ``W`` or its grouped view."""
+    if g_idx is not None:
+        if g_idx.shape != (W.shape[-1],):
+            raise ValueError(f"g_idx must have shape [{W.shape[-1]}] (one group per column), got {tuple(g_idx.shape)}")
+        return W, p[..., g_idx.long()]  # [out, in]: each column takes its group's qparam
+    if group_size is not None:
+        return _grouped(W, group_size), p.unsqueeze(-1)  # [out, G, gs] with [out, G, 1]
+    if p.numel() > 1 and p.shape[-1] != 1:
+        raise ValueError(
+            f"qparams of shape {tuple(p.shape)} are per group; pass group_size (or g_idx) to apply them"
+        )
+    return W, p
+
+
+def _round_codes(x: Tensor, num_bits: int, type: QuantType) -> Tensor:
+    """Clamp to the code range and round (half to even, or to fp8), keeping x's dtype."""
+    qmin, qmax = quant_range(num_bits, type)
+    x = torch.clamp(x, qmin, qmax)
+    return x.to(FP8_DTYPE).to(x.dtype) if type == "float" else torch.round(x)
+
+
+def quantize(
+    W: Tensor,
+    scale: Tensor,
+    zero_point: Tensor | None = None,
+    *,
+    num_bits: int,
+    type: QuantType = "int",
+    group_size: int | None = None,
+    g_idx: Tensor | None = None,
+) -> Tensor:
+    """Quantize ``W`` to codes: ``clamp(round(W / scale + zero_point))``, computed in W's dtype.
+
+    Args:
+        W: weight ``[out, in]`` (or activations ``[..., in]`` with broadcastable qparams).
+        scale: ``[1]``, ``[out, 1]`` or ``[out, G]``.
+        zero_point: same shape as ``scale``; None means symmetric (0).
+        num_bits, type: the code format.
+        group_size: set for group qparams ``[out, G]`` with contiguous groups.
+        g_idx: ``[in]`` group of each column (activation-ordered groups); overrides ``group_size``.
+
+    Returns:
+        Codes shaped like ``W``: int8 for ``"int"``, float8_e4m3fn for ``"float"``.
+
+    Example:
+        >>> W = torch.randn(4, 64); s, z = weight_qparams(W, num_bits=4, symmetric=True, strategy="channel")
+        >>> quantize(W, s, z, num_bits=4).dtype
+        torch.int8
+    """
+    Wb, s = _broadcastable(W, scale, group_size, g_idx)
+    x = Wb / s
+    if zero_point is not None:
+        x = x + _broadcastable(W, zero_point, group_size, g_idx)[1].to(W.dtype)
+    return _round_codes(x, num_bits, type).to(code_dtype(type)).reshape(W.shape)
+
+
+def dequantize(
+    q: Tensor,
+    scale: Tensor,
+    zero_point: Tensor | None = None,
+    *,
+    group_size: int | None = None,
+    g_idx: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Dequantize codes: ``(q - zero_point) * scale``, computed in the scale's dtype.
+
+    Args:
+        q: codes ``[out, in]`` (int8 or fp8).
+        scale, zero_point, group_size, g_idx: as in :func:`quantize`.
+        dtype: output dtype; default the scale's dtype.
+
+    Returns:
+        Float tensor shaped like ``q``.
+
+    Example:
+        >>> dequantize(torch.tensor([[3, -8]], dtype=torch.int8), torch.tensor([[0.5]]))
+        tensor([[ 1.5000, -4.0000]])
+    """
+    qb, s = _broadcastable(q, scale, group_size, g_idx)
+    x = qb.to(scale.dtype)
+    if zero_point is not None:
+        x = x - _broadcastable(q, zero_point, group_size, g_idx)[1].to(scale.dtype)
+    return (x * s).reshape(q.shape).to(dtype or scale.dtype)
+
+
+def fake_quantize(
+    W: Tensor,
+    scale: Tensor,
+    zero_point: Tensor | None = None,
+    *,
+    num_bits: int,
+    type: QuantType = "int",
+    group_size: int | None = None,
+    g_idx: Tensor | None = None,
+) -> Tensor:
+    """Quantize then dequantize (``dequantize(quantize(W))``), returned in W's dtype.
+
+    Args:
+        W, scale, zero_point, num_bits, type, group_size, g_idx: as in :func:`quantize`.
+
+    Returns:
+        ``W`` rounded to the quantization grid, same shape and dtype.
+
+    Example:
+        >>> W = torch.randn(4, 64); s, z = weight_qparams(W, num_bits=8, symmetric=True, strategy="channel")
+        >>> (fake_quantize(W, s, z, num_bits=8) - W).abs().max() <= s.max() / 2
+        tensor(True)
+    """
+    Wb, s = _broadcastable(W, scale, group_size, g_idx)
+    x = Wb / s
+    z = None
+    if zero_point is not None:
+        z = _broadcastable(W, zero_point, group_size, g_idx)[1]
+        x = x + z.to(W.dtype)
+    x = _round_codes(x, num_bits, type).to(scale.dtype)
+    if z is not None:
+        x = x - z.to(scale.dtype)
+    return (x * s).reshape(W.shape).to(W.dtype)
+
+
+def fake_quantize_per_token(
+    x: Tensor, *, num_bits: int = 8, symmetric: bool = True, type: QuantType = "int"
+) -> Tensor:
+    """Dynamic per-token activation fake-quant (W8A8 inputs): one scale per row of ``x [..., hidden]``.
+
+    Matches compressed-tensors' dynamic ``strategy="token"`` for 3-D ``[batch, seq, hidden]``
+    inputs; 2-D ``[tokens, hidden]`` inputs are also per token here (compressed-tensors falls back to
+    one scale per tensor for 2-D inputs).
+
+    Args:
+        x: activations ``[..., hidden]``.
+        num_bits, symmetric, type: the format (int8 symmetric or fp8 in practice).
+
+    Returns:
+        Fake-quantized activations, same shape and dtype as ``x``.
+
+    Example:
+        >>> y = fake_quantize_per_token(torch.randn(2, 5, 16))
+    """
+    x_min = x.amin(dim=-1, keepdim=True)  # [..., 1]
+    x_max = x.amax(dim=-1, keepdim=True)
+    scale, zero = compute_qparams(x_min, x_max, num_bits=num_bits, symmetric=symmetric, type=type)
+    return fake_quantize(x, scale, zero, num_bits=num_bits, type=type)
+
+
+def _check_pack_args(num_bits: int, dim: int, ndim: int) -> int:
+    if not 1 <= num_bits <= 8:
+        raise ValueError(f"packing supports num_bits in 1..8, got {num_bits}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim {dim} is out of range for a {ndim}-D tensor")
+    return dim % ndim
+
+
+def pack_int32(q: Tensor, num_bits: int, dim: int = -1) -> Tensor:
+    """Pack signed ``num_bits`` codes densely into int32 words (compressed-tensors ``pack-quantized``).
+
+    Codes are offset to unsigned (``q + 2^(b-1)``); element ``i`` of a row occupies bits
+    ``[i*b, i*b + b)`` of the row's little-endian bit stream, so codes can straddle words. For int4
+    this is 8 nibbles per word, element ``8k + j`` in bits ``4j..4j+3`` of word ``k``.
+
+    Args:
+        q: int8 codes, e.g. ``[out, in]``.
+        num_bits: 1..8.
+        dim: dimension to pack along: -1 (1 in compressed-tensors) for weights, 0 for the
+            zero points of asymmetric channel/group schemes.
+
+    Returns:
+        int32 tensor with ``ceil(q.shape[dim] * num_bits / 32)`` entries along ``dim``.
+
+    Example:
+        >>> pack_int32(torch.zeros(2, 8, dtype=torch.int8), 4)
+        tensor([[-2004318072],
+                [-2004318072]], dtype=torch.int32)
+    """
+    if q.dtype != torch.int8:
+        raise ValueError(f"pack_int32 expects int8 codes (from quantize), got {q.dtype}")
+    dim = _check_pack_args(num_bits, dim, q.ndim)
+    u = q.movedim(dim, -1)
+    lead = u.shape[:-1]
+    u = u.reshape(-1, u.shape[-1]).to(torch.int32) + (1 << (num_bits - 1))  # [R, C] unsigned codes
+    R, C = u.shape
+    chunks = math.ceil(C / 32)
+    u = torch.nn.functional.pad(u, (0, chunks * 32 - C)).view(R, chunks, 32)  # 32 codes fill b words
+    words = torch.zeros(R, chunks, num_bits, dtype=torch.int32, device=q.device)
+    for i in range(32):
+        w, off = divmod(i * num_bits, 32)
+        words[:, :, w] |= u[:, :, i] << off  # bits past 31 wrap away; the carry goes to the next word
+        if off + num_bits > 32:
+            words[:, :, w + 1] |= u[:, :, i] >> (32 - off)
+    packed = words.view(R, -1)[:, : math.ceil(C * num_bits / 32)]
+    return packed.reshape(*lead, -1).movedim(-1, dim).contiguous()
+
+
+def unpack_int32(packed: Tensor, num_bits: int, shape: tuple[int, ...] | torch.Size, dim: int = -1) -> Tensor:
+    """Inverse of :func:`pack_int32`.
+
+    Args:
+        packed: int32 words.
+        num_bits: 1..8.
+        shape: shape of the codes before packing.
+        dim: the dimension that was packed.
+
+    Returns:
+        int8 codes of ``shape``.
+
+    Example:
+        >>> q = torch.randint(-8, 8, (3, 40), dtype=torch.int8)
+        >>> torch.equal(unpack_int32(pack_int32(q, 4), 4, q.shape), q)
+        True
+    """
+    if packed.dtype != torch.int32:
+        raise ValueError(f"unpack_int32 expects int32 words, got {packed.dtype}")
+    shape = tuple(shape)
+    dim = _check_pack_args(num_bits, dim, len(shape))
+    words = packed.movedim(dim, -1)
+    lead = words.shape[:-1]
+    words = words.reshape(-1, words.shape[-1])  # [R, W]
+    R, C = words.shape[0], shape[dim]
+    chunks = math.ceil(C / 32)
+    words = torch.nn.functional.pad(words, (0, chunks * num_bits - words.shape[1])).view(R, chunks, num_bits)
+    mask = (1 << num_bits) - 1
+    u = torch.empty(R, chunks, 32, dtype=torch.int32, device=packed.device)
+    for i in range(32):
+        w, off = divmod(i * num_bits, 32)
+        # arithmetic shift drags the sign bit down: keep only the bits this word holds
+        code = (words[:, :, w] >> off) & ((1 << min(num_bits, 32 - off)) - 1)
+        if off + num_bits > 32:
+            code |= (words[:, :, w + 1] << (32 - off)) & mask
+        u[:, :, i] = code
+    q = (u.view(R, -1)[:, :C] - (1 << (num_bits - 1))).to(torch.int8)
+    return q.reshape(*lead, C).movedim(-1, dim).contiguous()

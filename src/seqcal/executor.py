@@ -1,0 +1,124 @@
+"""Run subgraphs one by one over batches, keeping crossing values in an ActivationCache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+from tqdm.auto import tqdm
+
+from seqcal.cache import ActivationCache
+from seqcal.partition import Subgraph
+from seqcal.tracing.tracer import OpaqueCall
+
+
+class SubgraphExecutionError(RuntimeError):
+    """A node failed while running a subgraph; the message names the subgraph, node and source."""
+
+
+def _describe(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, OpaqueCall):
+        site = target.site
+        return f"opaque code of {site.owner} at {site.filename}:{site.lineno} (`{site.source}`)"
+    name = getattr(target, "__qualname__", None) or str(target)
+    return f"{node.op} {name}"
+
+
+class GraphRunner:
+    """Evaluates a subgraph's nodes against a model; modules and attributes are resolved at run time.
+
+    Resolution at run time (not at trace time) is what lets weights be offloaded and swapped in between.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._modules = dict(model.named_modules())
+
+    def attr(self, qualname: str) -> Any:
+        owner, _, leaf = qualname.rpartition(".")
+        return getattr(self._modules[owner] if owner else self.model, leaf) if leaf else self.model
+
+    def run(self, subgraph: Subgraph, env: dict[str, Any]) -> Any:
+        """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs); returns the graph output if any."""
+        result = None
+        for node in subgraph.nodes:
+            args = fx.node.map_arg(node.args, lambda n: self._value(n, env))
+            kwargs = fx.node.map_arg(node.kwargs, lambda n: self._value(n, env))
+            try:
+                if node.op == "output":
+                    result = args[0]
+                    continue
+                env[node.name] = self._call(node, args, kwargs)
+            except Exception as exc:
+                raise SubgraphExecutionError(
+                    f"subgraph {subgraph.index} failed at node {node.name!r} ({_describe(node)}): "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        return result
+
+    def _value(self, node: fx.Node, env: dict[str, Any]) -> Any:
+        return self.attr(str(node.target)) if node.op == "get_attr" else env[node.name]
+
+    def _call(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
+        if node.op == "call_module":
+            return self._modules[str(node.target)](*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)  # type: ignore[operator]
+        if node.op == "call_method":
+            obj, *rest = args
+            return getattr(obj, str(node.target))(*rest, **kwargs)
+        raise AssertionError(f"unexpected node op {node.op!r}")
+
+
+SubgraphCallback = Callable[[Subgraph, int], None]
+
+
+def run_subgraphs(
+    model: torch.nn.Module,
+    subgraphs: Sequence[Subgraph],
+    batches: Sequence[Mapping[str, Any]],
+    cache: ActivationCache,
+    placeholders: Mapping[str, str],
+    keep_output: bool = True,
+    progress: bool = True,
+) -> list[Any]:
+    """Run every subgraph over every batch, subgraph-major, freeing values at their last use.
+
+    Args:
+        model: the traced model (modules are looked up by name at run time).
+        subgraphs: from ``partition``.
+        batches: one dict of tensor inputs per batch (keys: the trace's input names).
+        cache: holds values crossing subgraph boundaries; owned by the caller (closed by it).
+        placeholders: input name -> placeholder node name.
+        keep_output: return the graph output of each batch (False during calibration).
+        progress: show a tqdm bar over subgraphs x batches.
+
+    Returns:
+        The graph output per batch (empty when ``keep_output`` is False).
+    """
+    runner = GraphRunner(model)
+    needed = {name for sg in subgraphs for name in sg.inputs}
+    for b, batch in enumerate(batches):
+        for key, node_name in placeholders.items():
+            if node_name in needed:
+                cache.put(b, node_name, batch[key])
+    outputs: list[Any] = []
+    bar = tqdm(total=len(subgraphs) * len(batches), desc="subgraphs", disable=not progress, leave=False)
+    try:
+        for sg in subgraphs:
+            for b in range(len(batches)):
+                env = {name: cache.fetch(b, name) for name in sg.inputs}
+                result = runner.run(sg, env)
+                for name in sg.outputs:
+                    cache.put(b, name, env[name])
+                if sg.returns and keep_output:
+                    outputs.append(result)
+                bar.update()
+            for name in sg.frees:
+                cache.drop_name(name)
+    finally:
+        bar.close()
+    return outputs

@@ -1,0 +1,159 @@
+"""Tracing: a transformers model and a sample -> an fx graph whose targets are call_module nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from seqcal.tracing.diagnostics import Problem, TracingError
+from seqcal.tracing.rewrite import OpaqueSite
+from seqcal.tracing.targets import check_targets, holders_of, infer_candidates, match_targets, matches
+from seqcal.tracing.tracer import LeafPolicy, contains_proxy, trace_with_retries
+
+__all__ = ["TraceResult", "TracingError", "Problem", "trace", "split_inputs"]
+
+
+@dataclass
+class TraceResult:
+    """The traced graph and what tracing decided.
+
+    Attributes:
+        graph: the fx graph; targets are call_module nodes, opaque code is call_function nodes.
+        targets: qualified names of the target modules, in execution order.
+        input_names: tensor inputs (placeholders), in order.
+        constants: non-tensor inputs the graph was specialised on (they must be the same at run time).
+        opaque_sites: every place where code was made opaque, with why.
+        failures: statements that failed to trace symbolically and were made opaque, with the error.
+    """
+
+    graph: fx.Graph
+    targets: list[str]
+    input_names: list[str]
+    constants: dict[str, Any]
+    opaque_sites: list[OpaqueSite] = field(default_factory=list)
+    failures: dict[tuple[str, int, int], str] = field(default_factory=dict)
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v) for v in value.values())
+    return False
+
+
+def split_inputs(sample: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split model kwargs into tensor inputs (graph placeholders) and constants (baked into the graph)."""
+    tensors = {k: v for k, v in sample.items() if _holds_tensor(v)}
+    constants = {k: v for k, v in sample.items() if k not in tensors}
+    if contains_proxy(constants):
+        raise TypeError("sample values must be real values, not fx proxies")
+    return tensors, constants
+
+
+def trace(
+    model: torch.nn.Module,
+    sample: Mapping[str, Any],
+    sequential_targets: str | Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
+    leaf_modules: Sequence[str] | None = None,
+) -> TraceResult:
+    """Trace ``model(**sample)`` into a graph where each sequential target is one call_module node.
+
+    Only the sample's *structure* is used (which inputs are given, non-tensor flags); its values and
+    shapes are not: data-dependent code runs at execution time inside opaque nodes. No weight is read,
+    copied or moved, so weights may sit on meta, cpu or disk.
+
+    Args:
+        model: a transformers (or any torch) model.
+        sample: keyword inputs as for ``model(**sample)``.
+        sequential_targets: class names or ``re:`` patterns on qualified names; default: the layers of the
+            stacks the (text) model's forward calls.
+        ignore: function or method names always run opaquely (their code is never traced).
+        leaf_modules: class names or ``re:`` patterns of modules kept as single nodes.
+
+    Returns:
+        A TraceResult.
+
+    Raises:
+        TracingError: when some target cannot be its own call_module node; says where and how to fix it.
+
+    Example:
+        >>> result = trace(model, {"input_ids": ids})  # doctest: +SKIP
+        >>> result.targets[:2]  # doctest: +SKIP
+        ['model.layers.0', 'model.layers.1']
+    """
+    if isinstance(sequential_targets, str):
+        sequential_targets = [sequential_targets]
+    inferred = sequential_targets is None
+    targets = infer_candidates(model) if inferred else match_targets(model, list(sequential_targets))
+    if not targets:
+        raise TracingError(
+            [Problem(type(model).__name__, "found no stack of layers to use as targets", "pass sequential_targets")]
+        )
+    user_leaf = (lambda m, name: matches(m, name, list(leaf_modules))) if leaf_modules else (lambda m, name: False)
+    _check_leaf_conflicts(model, targets, user_leaf)
+    tensors, constants = split_inputs(sample)
+    policy = LeafPolicy(targets=targets, holders=holders_of(model, targets), user_leaf=user_leaf)
+    graph, tracer, state = trace_with_retries(model, tensors, constants, policy, frozenset(ignore or ()))
+    if inferred:
+        targets = _called_candidates(graph, model, targets)
+    problems = check_targets(graph, model, targets)
+    if problems:
+        raise TracingError(problems, type(model).__name__)
+    order = [n.target for n in graph.nodes if n.op == "call_module" and n.target in set(targets.values())]
+    return TraceResult(
+        graph=graph,
+        targets=order,
+        input_names=list(tensors),
+        constants=constants,
+        opaque_sites=list(tracer.sites.values()),
+        failures=dict(state.failures),
+    )
+
+
+def _check_leaf_conflicts(model: torch.nn.Module, targets: dict[int, str], user_leaf: Any) -> None:
+    names = set(targets.values())
+    for name, module in model.named_modules():
+        if name and id(module) not in targets and user_leaf(module, name):
+            hidden = [t for t in names if t.startswith(name + ".")]
+            if hidden:
+                raise TracingError(
+                    [
+                        Problem(
+                            where=name,
+                            what=f"leaf module {name} ({type(module).__name__}) contains targets {hidden[:3]}",
+                            fix="remove it from leaf_modules or choose targets outside it",
+                        )
+                    ]
+                )
+
+
+def _called_candidates(graph: fx.Graph, model: torch.nn.Module, candidates: dict[int, str]) -> dict[int, str]:
+    """Inferred targets: the candidate stacks the forward calls. A stack called only in part is an error."""
+    called = {n.target for n in graph.nodes if n.op == "call_module"}
+    stacks: dict[str, list[str]] = {}
+    for name in candidates.values():
+        stacks.setdefault(name.rsplit(".", 1)[0], []).append(name)
+    kept: dict[int, str] = {}
+    for members in stacks.values():
+        if any(m in called for m in members):
+            kept.update({i: n for i, n in candidates.items() if n in members})
+    if not kept:
+        raise TracingError(
+            [
+                Problem(
+                    where=type(model).__name__,
+                    what=f"none of the layer stacks {sorted(stacks)} is called by traced code",
+                    fix="pass sequential_targets explicitly, or report the model (its forward reaches the layers "
+                    "through code seqcal runs opaquely)",
+                )
+            ]
+        )
+    return kept

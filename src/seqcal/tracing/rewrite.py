@@ -1,0 +1,466 @@
+"""Source rewriting of the forwards that tracing goes *through* (the ancestors of the targets).
+
+torch.fx can only trace Python whose control flow does not depend on tensor values. The forwards of
+transformers' top-level models are full of such code (mask creation, cache objects, ``if x is None``,
+``ModelOutput`` construction). Rather than freezing it from the trace sample, we rewrite the forward:
+
+* a statement that reaches a target-holding submodule (``self.layers``, a loop variable bound to a layer,
+  a method that calls them) is *essential*: it is traced, compound statements recurse into their bodies;
+* a compound statement that reaches none is *opaque*: consecutive opaque statements are lifted into a helper
+  function that becomes one ``call_function`` node and runs at execution time with real values;
+* a simple statement that reaches none is tried first; if tracing it fails it is made opaque on a retrace.
+
+Every call in a traced statement goes through ``__seqcal_call`` and every ``is`` comparison through
+``__seqcal_is`` so the tracer can decide at trace time (see ``tracer.py``) instead of specialising silently.
+The math is none; this module only turns a function's AST into another function.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+StmtId = tuple[str, int, int]  # (file, line, column) of a statement: stable across rewrites
+
+_PREFIX = "__seqcal_"
+_COMPOUND = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.AsyncFor, ast.AsyncWith, ast.Match)
+_SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+_MUTATORS = frozenset(
+    {"pop", "update", "setdefault", "append", "extend", "insert", "clear", "remove", "popitem", "add"}
+)
+
+
+@dataclass(frozen=True)
+class OpaqueSite:
+    """One group of statements run opaquely at execution time."""
+
+    site_id: str
+    filename: str
+    lineno: int
+    end_lineno: int
+    owner: str  # qualified name of the function the statements come from
+    reason: str  # why it is opaque
+    source: str  # first line of the statements, for reports
+    touched: tuple[str, ...]  # attributes of ``self`` the statements read (submodules used at run time)
+
+
+@dataclass
+class SourceFunction:
+    """A function's parsed source with where it lives, so rewritten code keeps its file and lines."""
+
+    func: Callable[..., Any]
+    tree: ast.FunctionDef
+    filename: str
+    qualname: str
+
+    @classmethod
+    def of(cls, func: Callable[..., Any]) -> SourceFunction:
+        inner = inspect.unwrap(func)
+        lines, start = inspect.getsourcelines(inner)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        fdef = tree.body[0]
+        if not isinstance(fdef, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise TypeError(f"{inner.__qualname__} is not a plain function definition")
+        ast.increment_lineno(tree, start - 1)
+        return cls(inner, fdef, inspect.getsourcefile(inner) or "<unknown>", inner.__qualname__)
+
+
+@dataclass
+class RewritePlan:
+    """What the rewriter needs to know about the module whose forward it rewrites.
+
+    Attributes:
+        essential_attrs: attributes of ``self`` that hold target modules (directly or nested).
+        essential_methods: methods of ``self`` whose code reaches an essential attribute.
+        ignored: function/method names that are always run opaquely.
+        force_opaque: simple statements that failed to trace on an earlier attempt.
+    """
+
+    essential_attrs: frozenset[str]
+    essential_methods: frozenset[str]
+    ignored: frozenset[str] = frozenset()
+    force_opaque: frozenset[StmtId] = frozenset()
+
+
+@dataclass
+class Rewritten:
+    """The rewritten function plus the opaque helpers and the statements it may retry."""
+
+    factory_source: str
+    sites: dict[str, OpaqueSite] = field(default_factory=dict)
+    tried: dict[StmtId, str] = field(default_factory=dict)  # statement id -> first source line
+
+
+def _stmt_id(node: ast.stmt) -> tuple[int, int]:
+    return (node.lineno, node.col_offset)
+
+
+class _Names(ast.NodeVisitor):
+    """Collects names read and written in statements, skipping nested scopes' own locals."""
+
+    def __init__(self) -> None:
+        self.loads: set[str] = set()
+        self.stores: set[str] = set()
+        self.mutated: set[str] = set()
+        self.self_attrs: set[str] = set()
+        self.calls: set[str] = set()
+        self.has_return = self.has_yield = self.has_scope_stmt = False
+        self.loop_depth = 0
+        self.has_loose_jump = False
+
+    def visit_Name(self, node: ast.Name) -> None:
+        (self.loads if isinstance(node.ctx, ast.Load) else self.stores).add(node.id)
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.value, ast.Name) and node.value.id == "self":
+            self.self_attrs.add(node.attr)
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and isinstance(node.value, ast.Name):
+            self.mutated.add(node.value.id)
+        self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        if isinstance(node.ctx, (ast.Store, ast.Del)) and isinstance(node.value, ast.Name):
+            self.mutated.add(node.value.id)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        if isinstance(func, ast.Name):
+            self.calls.add(func.id)
+        elif isinstance(func, ast.Attribute):
+            self.calls.add(func.attr)
+            if func.attr in _MUTATORS and isinstance(func.value, ast.Name):
+                self.mutated.add(func.value.id)
+        self.generic_visit(node)
+
+    def _visit_scope(self, node: ast.AST) -> None:
+        # A nested function/lambda/comprehension has its own locals; only its free reads matter here.
+        inner = _Names()
+        for child in ast.iter_child_nodes(node):
+            inner.visit(child)
+        self.loads |= inner.loads - inner.stores
+        self.self_attrs |= inner.self_attrs
+        self.calls |= inner.calls
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            self.stores.add(node.name)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = _visit_scope
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _visit_scope
+
+    def visit_Return(self, node: ast.Return) -> None:
+        self.has_return = True
+        self.generic_visit(node)
+
+    def visit_Yield(self, node: ast.AST) -> None:
+        self.has_yield = True
+
+    visit_YieldFrom = visit_Await = visit_Yield
+
+    def visit_Global(self, node: ast.AST) -> None:
+        self.has_scope_stmt = True
+
+    visit_Nonlocal = visit_Global
+
+    def _visit_loop(self, node: ast.AST) -> None:
+        self.loop_depth += 1
+        self.generic_visit(node)
+        self.loop_depth -= 1
+
+    visit_For = visit_While = visit_AsyncFor = _visit_loop
+
+    def visit_Break(self, node: ast.AST) -> None:
+        if self.loop_depth == 0:
+            self.has_loose_jump = True
+
+    visit_Continue = visit_Break
+
+
+def names_of(stmts: Iterable[ast.AST]) -> _Names:
+    visitor = _Names()
+    for stmt in stmts:
+        visitor.visit(stmt)
+    return visitor
+
+
+def _call(name: str, *args: ast.expr) -> ast.Call:
+    return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=list(args), keywords=[])
+
+
+class _CallRouter(ast.NodeTransformer):
+    """Routes calls and ``is`` tests of a traced statement through the tracer's runtime checks."""
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Name) and node.func.id in {"super", "locals", "globals", "vars"}:
+            return node  # zero-argument super() and frame introspection must run in this frame
+        return ast.Call(
+            func=ast.Name(id=f"{_PREFIX}call", ctx=ast.Load()), args=[node.func, *node.args], keywords=node.keywords
+        )
+
+    def visit_Compare(self, node: ast.Compare) -> ast.AST:
+        self.generic_visit(node)
+        if len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)):
+            negate = ast.Constant(isinstance(node.ops[0], ast.IsNot))
+            return _call(f"{_PREFIX}is", node.left, node.comparators[0], negate)
+        return node
+
+    def _keep(self, node: ast.AST) -> ast.AST:
+        return node  # nested scopes run later with real values, not at trace time
+
+    visit_Lambda = visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _keep
+    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _keep
+
+
+class _BodyRewriter:
+    """Rewrites one function body; see the module docstring for the rules."""
+
+    def __init__(self, plan: RewritePlan, src: SourceFunction, params: set[str]) -> None:
+        self.plan = plan
+        self.src = src
+        self.helpers: list[ast.FunctionDef] = []
+        self.result = Rewritten(factory_source="")
+        self.module_names: set[str] = set()  # locals that may hold target-holding modules
+        self.bound: set[str] = set(params)
+        self.params = params
+
+    def is_essential(self, stmts: list[ast.stmt]) -> bool:
+        names = names_of(stmts)
+        return bool(
+            names.self_attrs & (self.plan.essential_attrs | self.plan.essential_methods)
+            or names.loads & self.module_names
+            or ("super" in names.calls and "forward" in names.calls and self.plan.essential_attrs)
+        )
+
+    def rewrite(self, body: list[ast.stmt], top: bool) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        pending: list[ast.stmt] = []
+        for i, stmt in enumerate(body):
+            kind = self._classify(stmt)
+            if kind == "opaque":
+                pending.append(stmt)
+                continue
+            if pending:
+                out += self._lift(pending, top=False)
+                pending = []
+            out += self._traced(stmt, kind)
+            self.bound |= names_of([stmt]).stores
+        if pending:
+            out += self._lift(pending, top=top)
+        return out
+
+    def _classify(self, stmt: ast.stmt) -> str:
+        names = names_of([stmt])
+        if names.calls & self.plan.ignored and not self.is_essential([stmt]):
+            return "opaque"
+        if self.is_essential([stmt]):
+            return "essential"
+        if isinstance(stmt, (ast.Pass, ast.Raise, ast.Assert, ast.Import, ast.ImportFrom)):
+            return "opaque" if isinstance(stmt, (ast.Raise, ast.Assert)) else "keep"
+        if isinstance(stmt, _SIMPLE) and (self.src.filename, *_stmt_id(stmt)) not in self.plan.force_opaque:
+            return "try"
+        return "opaque"
+
+    def _traced(self, stmt: ast.stmt, kind: str) -> list[ast.stmt]:
+        if kind == "keep":
+            return [stmt]
+        if isinstance(stmt, ast.For) and self.is_essential([ast.Expr(stmt.iter)]):
+            self.module_names |= names_of([stmt.target]).stores
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+            if not isinstance(stmt.value, ast.Call) and self.is_essential([ast.Expr(stmt.value)]):
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                self.module_names |= names_of(targets).stores
+        if isinstance(stmt, _COMPOUND):
+            return [self._compound(stmt)]
+        routed = _CallRouter().visit(stmt)
+        if kind == "essential":
+            return [routed]
+        sid = (self.src.filename, *_stmt_id(stmt))
+        self.result.tried[sid] = ast.unparse(stmt).splitlines()[0]
+        handler = ast.ExceptHandler(
+            type=ast.Name(id="Exception", ctx=ast.Load()),
+            name=f"{_PREFIX}err",
+            body=[ast.Expr(_call(f"{_PREFIX}fail", ast.Constant(sid), ast.Name(id=f"{_PREFIX}err", ctx=ast.Load())))],
+        )
+        return [ast.Try(body=[routed], handlers=[handler], orelse=[], finalbody=[])]
+
+    def _compound(self, stmt: ast.stmt) -> ast.stmt:
+        for attr in ("test", "iter", "subject"):
+            if hasattr(stmt, attr):
+                setattr(stmt, attr, _CallRouter().visit(getattr(stmt, attr)))
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):
+            stmt.items = [_CallRouter().visit(item) for item in stmt.items]
+        for attr in ("body", "orelse", "finalbody"):
+            if getattr(stmt, attr, None):
+                setattr(stmt, attr, self.rewrite(getattr(stmt, attr), top=False))
+        if isinstance(stmt, ast.Try):
+            for handler in stmt.handlers:
+                handler.body = self.rewrite(handler.body, top=False)
+        if isinstance(stmt, ast.Match):
+            for case in stmt.cases:
+                case.body = self.rewrite(case.body, top=False)
+        return stmt
+
+    def _lift(self, stmts: list[ast.stmt], top: bool) -> list[ast.stmt]:
+        names = names_of(stmts)
+        if names.has_yield or names.has_scope_stmt or names.has_loose_jump or (names.has_return and not top):
+            # Cannot be moved into a helper without changing control flow: trace it and let the
+            # tracer report precisely if it fails.
+            return [s for stmt in stmts for s in self._traced(stmt, "essential")]
+        site_id = f"{self.src.qualname.replace('.', '_')}_L{stmts[0].lineno}"
+        inputs = sorted((names.loads | names.mutated | names.stores) & self.bound - {"self"})
+        # A mutated name is returned only when it is a local: rebinding a global would make it local.
+        outputs = sorted((names.stores | (names.mutated & self.bound)) - {"self"})
+        fresh = [o for o in outputs if o not in inputs]
+        helper_body: list[ast.stmt] = [
+            ast.Assign(targets=[ast.Name(id=o, ctx=ast.Store())], value=ast.Constant(None)) for o in fresh
+        ]
+        helper_body += stmts
+        if top and names.has_return:
+            helper_body.append(ast.Return(ast.Constant(None)))
+        else:
+            helper_body.append(
+                ast.Return(ast.Tuple(elts=[ast.Name(id=o, ctx=ast.Load()) for o in outputs], ctx=ast.Load()))
+            )
+        helper = ast.FunctionDef(
+            name=f"{_PREFIX}op_{site_id}",
+            args=ast.arguments(
+                posonlyargs=[],
+                args=[ast.arg(arg=a) for a in ["self", *inputs]],
+                kwonlyargs=[],
+                kw_defaults=[],
+                defaults=[],
+            ),
+            body=helper_body,
+            decorator_list=[],
+            returns=None,
+            type_params=[],
+        )
+        ast.copy_location(helper, stmts[0])
+        self.helpers.append(helper)
+        self.result.sites[site_id] = OpaqueSite(
+            site_id=site_id,
+            filename=self.src.filename,
+            lineno=stmts[0].lineno,
+            end_lineno=getattr(stmts[-1], "end_lineno", stmts[-1].lineno) or stmts[-1].lineno,
+            owner=self.src.qualname,
+            reason=_reason(stmts),
+            source=ast.unparse(stmts[0]).splitlines()[0][:120],
+            touched=tuple(sorted(names.self_attrs)),
+        )
+        call = _call(
+            f"{_PREFIX}opaque",
+            ast.Constant(site_id),
+            ast.Name(id=helper.name, ctx=ast.Load()),
+            ast.Name(id="self", ctx=ast.Load()),
+            ast.Tuple(elts=[ast.Name(id=a, ctx=ast.Load()) for a in inputs], ctx=ast.Load()),
+        )
+        if top and names.has_return:
+            out: list[ast.stmt] = [ast.Return(call)]
+        else:
+            tmp = f"{_PREFIX}out"
+            out = [ast.Assign(targets=[ast.Name(id=tmp, ctx=ast.Store())], value=call)]
+            for i, o in enumerate(outputs):
+                index = ast.Subscript(
+                    value=ast.Name(id=tmp, ctx=ast.Load()), slice=ast.Constant(i), ctx=ast.Load()
+                )
+                out.append(ast.Assign(targets=[ast.Name(id=o, ctx=ast.Store())], value=index))
+        for stmt in out:
+            ast.copy_location(stmt, stmts[0])
+        self.bound |= set(outputs)
+        return out
+
+
+def _reason(stmts: list[ast.stmt]) -> str:
+    first = stmts[0]
+    if isinstance(first, ast.If):
+        return "control flow on runtime values (if)"
+    if isinstance(first, (ast.For, ast.While)):
+        return "loop that reaches no target"
+    if isinstance(first, (ast.Raise, ast.Assert)):
+        return "runtime check"
+    if isinstance(first, (ast.Try, ast.With)):
+        return "try/with block that reaches no target"
+    return "statement failed to trace symbolically"
+
+
+def rewrite_source(src: SourceFunction, plan: RewritePlan) -> Rewritten:
+    """Rewrite ``src`` under ``plan`` into the source of a factory ``__seqcal_factory(__class__)``.
+
+    The factory returns ``(function, helpers)``; compiling it in the original function's globals keeps
+    decorators, ``super()`` and global names working.
+
+    Args:
+        src: the parsed function (usually a ``forward``).
+        plan: which attributes/methods are essential and which statements must be opaque.
+
+    Returns:
+        The factory source, the opaque sites and the statements that are traced on trial.
+    """
+    fdef = src.tree
+    args = fdef.args
+    params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
+    params |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+    rewriter = _BodyRewriter(plan, src, params)
+    body = list(fdef.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    new_body = rewriter.rewrite(body, top=True) or [ast.Pass()]
+    new_fdef = ast.FunctionDef(
+        name=fdef.name,
+        args=fdef.args,
+        body=new_body,
+        decorator_list=fdef.decorator_list,
+        returns=None,
+        type_params=[],
+    )
+    ast.copy_location(new_fdef, fdef)
+    helpers_dict = ast.Dict(
+        keys=[ast.Constant(h.name) for h in rewriter.helpers],
+        values=[ast.Name(id=h.name, ctx=ast.Load()) for h in rewriter.helpers],
+    )
+    ret = ast.Return(
+        ast.Tuple(elts=[ast.Name(id=fdef.name, ctx=ast.Load()), helpers_dict], ctx=ast.Load())
+    )
+    factory = ast.FunctionDef(
+        name=f"{_PREFIX}factory",
+        args=ast.arguments(posonlyargs=[], args=[ast.arg(arg="__class__")], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=[*rewriter.helpers, new_fdef, ret],
+        decorator_list=[],
+        returns=None,
+        type_params=[],
+    )
+    ast.copy_location(factory, fdef)
+    ast.copy_location(ret, fdef)
+    module = ast.Module(body=[factory], type_ignores=[])
+    ast.fix_missing_locations(module)
+    rewriter.result.factory_source = module  # type: ignore[assignment]  # an AST, compiled by compile_rewritten
+    return rewriter.result
+
+
+def compile_rewritten(
+    rewritten: Rewritten, src: SourceFunction, owner: type, runtime: dict[str, Any], flags: int = 0
+) -> tuple[Callable[..., Any], dict[str, Callable[..., Any]]]:
+    """Compile a rewrite in a copy of the original globals plus ``runtime`` (the tracer's checks).
+
+    Args:
+        rewritten: output of ``rewrite_source``.
+        src: the original function.
+        owner: the class that defines the function (the ``__class__`` cell for zero-argument ``super()``).
+        runtime: the ``__seqcal_*`` callables, bound to the current tracer.
+        flags: compiler flags (``from __future__ import annotations`` keeps annotations unevaluated).
+
+    Returns:
+        The rewritten function (decorators re-applied) and its opaque helpers by name.
+    """
+    namespace = dict(src.func.__globals__)
+    namespace.update(runtime)
+    code = compile(rewritten.factory_source, src.filename, "exec", flags=flags, dont_inherit=True)  # type: ignore[arg-type]
+    exec(code, namespace)  # noqa: S102 - our own rewrite of source the user already imported
+    fn, helpers = namespace[f"{_PREFIX}factory"](owner)
+    return fn, helpers

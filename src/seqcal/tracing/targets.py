@@ -1,0 +1,185 @@
+"""Sequential targets: matching user patterns, inferring the default, and checking invariant 2."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import fx
+
+from seqcal.tracing.diagnostics import Problem, TracingError
+from seqcal.tracing.tracer import OpaqueCall
+
+# A list of layers is a sequential-target candidate when it holds at least this share of the parameters:
+# that separates decoder/encoder stacks from per-layer norms or small heads kept in module lists.
+MIN_STACK_SHARE = 0.10
+
+
+def matches(module: torch.nn.Module, name: str, patterns: Sequence[str]) -> bool:
+    """Whether ``module`` (qualified ``name``) matches a class name or an ``re:`` name pattern."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif type(module).__name__ == pattern:
+            return True
+    return False
+
+
+def match_targets(model: torch.nn.Module, patterns: Sequence[str]) -> dict[int, str]:
+    """Modules matching ``patterns``, id -> qualified name, in module order.
+
+    Raises:
+        TracingError: nothing matches (the message lists the layer classes that exist), or matches nest.
+    """
+    found = {id(m): n for n, m in model.named_modules() if n and matches(m, n, patterns)}
+    if not found:
+        classes = sorted({type(m).__name__ for m in _stack_members(model)})
+        raise TracingError(
+            [
+                Problem(
+                    where=type(model).__name__,
+                    what=f"no module matches sequential_targets={list(patterns)}",
+                    fix=f"use a class name of the model's layers, e.g. one of {classes}, or an 're:' name pattern",
+                )
+            ]
+        )
+    names = sorted(found.values())
+    for outer, inner in zip(names, names[1:]):
+        if inner.startswith(outer + "."):
+            raise TracingError(
+                [
+                    Problem(
+                        where=inner,
+                        what=f"target {inner!r} is nested inside target {outer!r}; a target runs as one node",
+                        fix="choose targets that do not contain each other",
+                    )
+                ]
+            )
+    return found
+
+
+def _param_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _stack_members(model: torch.nn.Module) -> Iterable[torch.nn.Module]:
+    for container in model.modules():
+        if isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict)) and len(container) >= 1:
+            for child in container.children():
+                if not type(child).__module__.startswith("torch."):
+                    yield child
+
+
+def _language_scope(model: torch.nn.Module) -> str | None:
+    """Qualified name of the text model inside a multimodal model (its config is the text config)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        return None
+    text = config.get_text_config()
+    if text is config:
+        return None
+    for name, module in model.named_modules():
+        cfg = getattr(module, "config", None)
+        if name and (cfg is text or (type(cfg) is type(text) and cfg.to_dict() == text.to_dict())):
+            return name
+    return None
+
+
+def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
+    """Default target candidates: the outermost layers of stacks holding >= 10% of the parameters.
+
+    For a multimodal model, only the text model's stacks (vision towers are left alone unless asked).
+    The tracer then keeps the candidates that the forward actually calls (see ``check_targets``).
+    """
+    total = max(_param_count(model), 1)
+    scope = _language_scope(model)
+    found: dict[int, str] = {}
+    for name, container in model.named_modules():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            continue
+        if scope is not None and not name.startswith(scope + "."):
+            continue
+        members = [(f"{name}.{k}", m) for k, m in container.named_children()]
+        members = [(n, m) for n, m in members if not type(m).__module__.startswith("torch.")]
+        if members and sum(_param_count(m) for _, m in members) >= MIN_STACK_SHARE * total:
+            found.update({id(m): n for n, m in members})
+    names = sorted(found.values())
+    nested = {inner for outer in names for inner in names if inner.startswith(outer + ".")}
+    return {i: n for i, n in found.items() if n not in nested}
+
+
+def holders_of(model: torch.nn.Module, targets: dict[int, str]) -> set[int]:
+    """Ids of the modules that contain a target (the ones tracing goes through)."""
+    by_name = dict(model.named_modules())
+    holders: set[int] = set()
+    for name in targets.values():
+        parts = name.split(".")
+        for i in range(len(parts)):
+            holders.add(id(by_name[".".join(parts[:i])]))
+    return holders
+
+
+def called_targets(graph: fx.Graph, targets: dict[int, str]) -> dict[str, int]:
+    """How often each target's name appears as a call_module node."""
+    names = set(targets.values())
+    counts: dict[str, int] = dict.fromkeys(names, 0)
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in names:
+            counts[node.target] += 1
+    return counts
+
+
+def check_targets(graph: fx.Graph, model: torch.nn.Module, targets: dict[int, str]) -> list[Problem]:
+    """DESIGN invariant 2: every target instance is exactly one call_module node. Returns the violations."""
+    problems = []
+    for name, count in called_targets(graph, targets).items():
+        module = model.get_submodule(name)
+        if count == 1:
+            continue
+        if count == 0:
+            site = _hiding_site(graph, model, name)
+            where = f"{site.filename}:{site.lineno} in {site.owner}" if site else name
+            what = (
+                f"target {name} ({type(module).__name__}) is not called by traced code"
+                + (f"; it runs inside opaque code: `{site.source}`" if site else "; the forward never calls it")
+            )
+            fix = (
+                "if that code must stay opaque, choose sequential_targets outside it; if the function it calls "
+                "reaches the target through an unusual path, report it (with this message)"
+                if site
+                else f"exclude it: sequential_targets=['re:...'] matching only the called layers, or ignore={name!r}"
+            )
+            problems.append(Problem(where=where, what=what, fix=fix, source=site.source if site else ""))
+        else:
+            problems.append(
+                Problem(
+                    where=name,
+                    what=f"target {name} ({type(module).__name__}) is called {count} times (shared/tied layer)",
+                    fix="choose a target class whose instances are each called once, e.g. its parent or children",
+                )
+            )
+    return problems
+
+
+def _hiding_site(graph: fx.Graph, model: torch.nn.Module, name: str):  # noqa: ANN202 - OpaqueSite | None
+    """The opaque node whose code most likely calls the hidden target ``name``."""
+    modules = dict(model.named_modules())
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, OpaqueCall):
+            call = node.target
+            prefix = next((n for n, m in modules.items() if m is call.module), None)
+            if prefix is None:
+                continue
+            rel = name[len(prefix) + 1 :] if prefix else name
+            if (not prefix or name.startswith(prefix + ".")) and rel.split(".")[0] in call.site.touched:
+                return call.site
+    for node in graph.nodes:  # a method of an ancestor that is run opaquely, e.g. get_image_features()
+        if node.op == "call_function" and isinstance(node.target, OpaqueCall):
+            call = node.target
+            prefix = next((n for n, m in modules.items() if m is call.module), None)
+            is_method = any(not isinstance(getattr(call.module, a, None), torch.nn.Module) for a in call.site.touched)
+            if prefix is not None and (not prefix or name.startswith(prefix + ".")) and is_method:
+                return call.site
+    return None

@@ -1,0 +1,388 @@
+"""The fx tracer: leaves are call_module nodes, the forwards above them are rewritten and traced.
+
+Leaf policy (a module becomes one opaque ``call_module`` node): every target, every module the user names
+in ``leaf_modules``, and every module that holds no target. Only the few forwards between the root and the
+targets are traced, after ``rewrite.py`` has made their untraceable statements opaque. Decisions that
+depend on values are never taken at trace time: calls with symbolic arguments become nodes, ``is`` tests
+on runtime values and ``bool()`` of them abort the statement, which is then retried as an opaque node.
+"""
+
+from __future__ import annotations
+
+import __future__
+import enum
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.fx.proxy import Proxy, TraceError
+
+from seqcal.tracing.diagnostics import Problem, TracingError, locate
+from seqcal.tracing.rewrite import (
+    OpaqueSite,
+    RewritePlan,
+    SourceFunction,
+    StmtId,
+    compile_rewritten,
+    names_of,
+    rewrite_source,
+)
+
+MAX_RETRACES = 64
+
+
+class StatementFailed(Exception):
+    """Internal: a statement tried symbolically failed; it is retried as an opaque node."""
+
+    def __init__(self, sid: StmtId, cause: BaseException) -> None:
+        super().__init__(f"statement at {sid} failed: {cause!r}")
+        self.sid = sid
+        self.cause = cause
+
+
+class OpaqueCall:
+    """``call_function`` target running lifted statements of ``module``'s code with real values."""
+
+    def __init__(self, helper: Callable[..., Any], module: torch.nn.Module, site: OpaqueSite) -> None:
+        self.helper = helper
+        self.module = module
+        self.site = site
+        self.__name__ = self.__qualname__ = f"opaque_{site.site_id}"
+        self.__module__ = "seqcal.opaque"
+
+    def __call__(self, *args: Any) -> Any:
+        # Containers are copied so that statements mutating e.g. ``kwargs`` never change the graph's constants.
+        return self.helper(self.module, *(_copy_containers(a) for a in args))
+
+    def __repr__(self) -> str:
+        return f"<opaque {self.site.owner} {self.site.filename}:{self.site.lineno}>"
+
+
+def _copy_containers(value: Any) -> Any:
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_copy_containers(v) for v in value]
+    return value
+
+
+def contains_proxy(value: Any) -> bool:
+    if isinstance(value, Proxy):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(contains_proxy(v) for v in value)
+    if isinstance(value, dict):
+        return any(contains_proxy(v) for v in value.values())
+    if isinstance(value, slice):
+        return any(contains_proxy(v) for v in (value.start, value.stop, value.step))
+    return False
+
+
+_PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, type)
+
+
+def is_static(value: Any) -> bool:
+    """Whether a value computed at trace time from constants may be kept as a constant of the graph.
+
+    Tensors and stateful objects (caches) are not: they are recreated at every run by a node instead.
+    """
+    if isinstance(value, _PLAIN_TYPES) or value is Ellipsis:
+        return True
+    if isinstance(value, (torch.nn.Module, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return True
+    if isinstance(value, functools.partial):
+        return True
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return all(is_static(v) for v in value)
+    if isinstance(value, dict):
+        return all(is_static(v) for v in value.values())
+    if isinstance(value, slice):
+        return all(is_static(v) for v in (value.start, value.stop, value.step))
+    if isinstance(value, (range, Iterator)):
+        return True  # enumerate(self.layers), zip(...), range(n) drive loops over modules
+    return type(value).__name__.endswith("Config")  # configs are read, never written, by forwards
+
+
+def _is_torch_callable(f: Any) -> bool:
+    module = getattr(f, "__module__", None) or ""
+    return module == "torch" or module.startswith(("torch.", "torch._C")) or f in vars(torch).values()
+
+
+@dataclass
+class LeafPolicy:
+    """Which modules are targets, which hold targets, and which the user made leaves."""
+
+    targets: dict[int, str]  # id(module) -> qualified name
+    holders: set[int]  # ids of modules that contain a target (not targets themselves)
+    user_leaf: Callable[[torch.nn.Module, str], bool] = lambda m, name: False
+
+    def is_leaf(self, module: torch.nn.Module, name: str) -> bool:
+        if id(module) in self.targets:
+            return True
+        return id(module) not in self.holders or self.user_leaf(module, name)
+
+
+@dataclass
+class TraceState:
+    """What survives between retraces: statements to make opaque and why they failed."""
+
+    force_opaque: set[StmtId] = field(default_factory=set)
+    failures: dict[StmtId, str] = field(default_factory=dict)
+
+
+class SeqTracer(fx.Tracer):
+    """fx tracer with seqcal's leaf policy and source rewriting (see module docstring)."""
+
+    def __init__(self, policy: LeafPolicy, ignored: frozenset[str], state: TraceState) -> None:
+        super().__init__(autowrap_modules=(), autowrap_functions=(), param_shapes_constant=False)
+        self.policy = policy
+        self.ignored = ignored
+        self.state = state
+        self.sites: dict[str, OpaqueSite] = {}
+        self.helpers: dict[str, Callable[..., Any]] = {}
+        self._compiled: dict[tuple[Any, int], Callable[..., Any]] = {}
+        self._sources: dict[Any, SourceFunction] = {}
+        self.rewritten_files: set[str] = set()
+
+    # -- fx hooks -------------------------------------------------------------------------------------------
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return self.policy.is_leaf(m, module_qualified_name)
+
+    def call_module(self, m: torch.nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        name = self.path_of_module(m)
+        if self.is_leaf_module(m, name):
+            return self.create_proxy("call_module", name, args, kwargs)
+        return self.call_rewritten(m, type(m).forward, args, kwargs)
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, torch.nn.Parameter) or isinstance(a, (torch.nn.Module, Proxy)):
+            return super().create_arg(a)
+        if isinstance(a, torch.Tensor):
+            for name, buf in self.root.named_buffers():
+                if a is buf:
+                    return self.create_node("get_attr", name, (), {})
+            return a  # a constant tensor stays a plain argument: the model is never modified
+        if isinstance(a, (tuple, list, dict, slice, range, *_PLAIN_TYPES)) and not hasattr(a, "_fields"):
+            try:
+                return super().create_arg(a)
+            except NotImplementedError:
+                return a
+        return a  # opaque Python objects (configs, modules' helpers) are kept by reference
+
+    def trace_root(self, root: torch.nn.Module, tensors: dict[str, Any], constants: dict[str, Any]) -> fx.Graph:
+        """Trace ``root(**tensors, **constants)``; tensor inputs become placeholders in that order."""
+        names = list(tensors)
+
+        def create_args_for_root(root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple:
+            proxies = [self.create_proxy("placeholder", n, (), {}) for n in names]
+
+            def entry(*values: Any) -> Any:
+                return self.call_rewritten(root, type(root).forward, (), {**dict(zip(names, values)), **constants})
+
+            return entry, proxies
+
+        self.create_args_for_root = create_args_for_root  # type: ignore[method-assign]
+        return self.trace(root)
+
+    # -- rewriting ------------------------------------------------------------------------------------------
+    def call_rewritten(self, module: torch.nn.Module, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        fn = self._rewritten(module, func)
+        return fn(module, *args, **kwargs)
+
+    def _source(self, func: Callable[..., Any]) -> SourceFunction:
+        key = inspect.unwrap(func)
+        if key not in self._sources:
+            try:
+                self._sources[key] = SourceFunction.of(func)
+            except (OSError, TypeError) as exc:
+                raise TracingError(
+                    [
+                        Problem(
+                            where=getattr(key, "__qualname__", repr(key)),
+                            what=f"its source is not available ({exc}), so it cannot be traced through",
+                            fix="make the module a leaf (leaf_modules=[...]) or choose targets outside it",
+                        )
+                    ]
+                ) from exc
+        return self._sources[key]
+
+    def _rewritten(self, module: torch.nn.Module, func: Callable[..., Any]) -> Callable[..., Any]:
+        key = (func, id(module))
+        if key in self._compiled:
+            return self._compiled[key]
+        src = self._source(func)
+        plan = RewritePlan(
+            essential_attrs=frozenset(self.essential_attrs(module)),
+            essential_methods=frozenset(self.essential_methods(module)),
+            ignored=self.ignored,
+            force_opaque=frozenset(self.state.force_opaque),
+        )
+        rewritten = rewrite_source(src, plan)
+        self.sites.update(rewritten.sites)
+        owner = _defining_class(type(module), src.func)
+        fn, helpers = compile_rewritten(rewritten, src, owner, self._runtime(), flags=_FUTURE_ANNOTATIONS)
+        self.helpers.update(helpers)
+        self.rewritten_files.add(src.filename)
+        self._compiled[key] = fn
+        return fn
+
+    def essential_attrs(self, module: torch.nn.Module) -> set[str]:
+        reach = self.policy.holders | set(self.policy.targets)
+        attrs = {name for name, child in module._modules.items() if child is not None and id(child) in reach}
+        for name, value in vars(type(module)).items():
+            if isinstance(value, property):
+                try:
+                    target = getattr(module, name)
+                except Exception:  # noqa: BLE001 - a property that fails here is simply not a module alias
+                    continue
+                if isinstance(target, torch.nn.Module) and id(target) in reach:
+                    attrs.add(name)
+        return attrs
+
+    def essential_methods(self, module: torch.nn.Module) -> set[str]:
+        """Methods of ``module`` whose code reaches a target-holding attribute (fixpoint over self.X calls)."""
+        attrs = self.essential_attrs(module)
+        if not attrs:
+            return set()
+        methods: dict[str, set[str]] = {}
+        for klass in type(module).__mro__:
+            if klass in (torch.nn.Module, object) or klass.__module__.startswith("torch."):
+                continue
+            for name, value in vars(klass).items():
+                if isinstance(value, types.FunctionType) and name not in methods and name != "forward":
+                    try:
+                        methods[name] = names_of([SourceFunction.of(value).tree]).self_attrs
+                    except (OSError, TypeError, SyntaxError):
+                        methods[name] = set()
+        essential: set[str] = set()
+        changed = True
+        while changed:
+            changed = False
+            for name, refs in methods.items():
+                if name not in essential and refs & (attrs | essential):
+                    essential.add(name)
+                    changed = True
+        return essential
+
+    # -- runtime checks injected into rewritten code --------------------------------------------------------
+    def _runtime(self) -> dict[str, Any]:
+        return {
+            "__seqcal_call": self._call,
+            "__seqcal_is": self._is,
+            "__seqcal_fail": self._fail,
+            "__seqcal_opaque": self._opaque,
+        }
+
+    def _call(self, f: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(f, (Proxy, torch.nn.Module)):
+            return f(*args, **kwargs)
+        name = getattr(f, "__name__", None)
+        owner = getattr(f, "__self__", None)
+        symbolic = contains_proxy(args) or contains_proxy(kwargs)
+        if isinstance(owner, torch.nn.Module) and isinstance(getattr(f, "__func__", None), types.FunctionType):
+            holder = not self.policy.is_leaf(owner, self.path_of_module_safe(owner))
+            if holder and name not in self.ignored and (
+                name == "forward" or name in self.essential_methods(owner)
+            ):
+                return self.call_rewritten(owner, f.__func__, args, kwargs)
+        if not symbolic and name not in self.ignored:
+            if _is_torch_callable(f) and not isinstance(f, type):
+                return self.create_proxy("call_function", f, args, kwargs)  # tensors are made at run time
+            result = f(*args, **kwargs)
+            if is_static(result):
+                return result
+        return self.create_proxy("call_function", f, args, kwargs)
+
+    def path_of_module_safe(self, module: torch.nn.Module) -> str:
+        try:
+            return self.path_of_module(module)
+        except NameError:
+            return ""
+
+    def _is(self, a: Any, b: Any, negate: bool) -> bool:
+        for value in (a, b):
+            if isinstance(value, Proxy) and value.node.op not in ("placeholder", "get_attr"):
+                raise TraceError(
+                    f"`is` test on a value only known at run time ({value.node.format_node()})"
+                )
+        return (a is not b) if negate else (a is b)
+
+    def _fail(self, sid: StmtId, err: BaseException) -> None:
+        if isinstance(err, (StatementFailed, TracingError)):
+            raise err
+        raise StatementFailed(sid, err) from err
+
+    def _opaque(self, site_id: str, helper: Callable[..., Any], module: torch.nn.Module, inputs: tuple) -> Any:
+        site = self.sites[site_id]
+        call = OpaqueCall(helper, module, site)
+        folded: Any = None
+        if not contains_proxy(inputs):
+            folded = self._fold(call, inputs)
+            if folded is not None and is_static(folded[0]):
+                return folded[0]
+        proxy = self.create_proxy("call_function", call, inputs, {})
+        if folded is not None and isinstance(folded[0], tuple):
+            # Keep what is static (flags, sizes) as constants; the rest comes from the node at run time.
+            return tuple(v if is_static(v) else proxy[i] for i, v in enumerate(folded[0]))
+        return proxy
+
+    def _fold(self, call: OpaqueCall, inputs: tuple) -> tuple[Any] | None:
+        """Run constant-only statements now; nodes they created while running are removed again."""
+        last = list(self.graph.nodes)[-1] if len(self.graph.nodes) else None
+        try:
+            result: tuple[Any] | None = (call(*inputs),)
+        except Exception:  # noqa: BLE001 - whatever failed will run (and fail, if it must) at run time
+            result = None
+        for node in reversed(list(self.graph.nodes)):
+            if node is last:
+                break
+            self.graph.erase_node(node)
+        if result is not None and contains_proxy(result[0]):
+            return None
+        return result
+
+
+_FUTURE_ANNOTATIONS = __future__.annotations.compiler_flag
+
+
+def _defining_class(cls: type, func: Callable[..., Any]) -> type:
+    for klass in cls.__mro__:
+        for value in vars(klass).values():
+            if value is func or getattr(value, "__wrapped__", None) is func or inspect.unwrap(value) is func:
+                return klass
+    return cls
+
+
+def trace_with_retries(
+    root: torch.nn.Module,
+    tensors: dict[str, Any],
+    constants: dict[str, Any],
+    policy: LeafPolicy,
+    ignored: frozenset[str],
+) -> tuple[fx.Graph, SeqTracer, TraceState]:
+    """Trace, turning every simple statement that fails symbolically into an opaque node, until it passes.
+
+    Raises:
+        TracingError: a statement that reaches a target failed; the error names file, line and fix.
+    """
+    state = TraceState()
+    for _ in range(MAX_RETRACES):
+        tracer = SeqTracer(policy, ignored, state)
+        try:
+            graph = tracer.trace_root(root, tensors, constants)
+            return graph, tracer, state
+        except StatementFailed as failed:
+            state.force_opaque.add(failed.sid)
+            state.failures[failed.sid] = f"{type(failed.cause).__name__}: {failed.cause}"
+        except TracingError:
+            raise
+        except Exception as exc:
+            raise TracingError([locate(exc, tracer.rewritten_files, root)]) from exc
+    raise TracingError(
+        [Problem(where=type(root).__qualname__, what=f"gave up after {MAX_RETRACES} retraces", fix="report a bug")]
+    )

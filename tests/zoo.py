@@ -1,0 +1,717 @@
+"""A zoo of tiny transformers models with random weights, built offline from config classes.
+
+The tracer's equivalence tests and the benchmarks parametrize over ``ARCHS``. Every entry builds a
+3-layer-ish fp32 model in eval mode (seeded, default attention implementation kept) and makes inputs
+that are valid for it: token ids inside the vocab and away from special tokens, a left-padded
+attention mask, decoder ids for encoder-decoders, and pixel values plus the matching number of
+image placeholder tokens for vision-language models.
+
+Left out (cannot be built from the installed transformers 5.24): none at the time of writing; see
+``tests/test_zoo.py`` for what each entry is checked against.
+
+Example:
+    >>> spec = ARCHS["llama"]
+    >>> model = spec.build()
+    >>> out = model(**spec.make_inputs(model, batch=2, seq_len=9, left_pad=3))
+    >>> out.logits.shape
+    torch.Size([2, 9, 256])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import transformers
+
+FAMILIES = ("decoder", "moe", "hybrid", "encoder", "encoder-decoder", "vlm")
+VOCAB = 256
+# Text ids come from [TOKEN_LOW, TOKEN_HIGH); special and image tokens live at 250..255 so that
+# random text never collides with them.
+TOKEN_LOW, TOKEN_HIGH = 4, 240
+IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN, VIDEO_TOKEN = 250, 251, 252, 253
+
+Inputs = dict[str, Any]
+MakeInputs = Callable[..., Inputs]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One tiny architecture of the zoo.
+
+    Args:
+        name: short key, the transformers ``model_type`` where there is one (``"llama"``).
+        family: one of ``FAMILIES``.
+        build: returns the tiny model, fp32, ``eval()``, weights seeded inside.
+        make_inputs: ``make_inputs(model, batch=1, seq_len=12, left_pad=0)`` -> kwargs for
+            ``model(**kw)``; row ``i`` of the attention mask has ``left_pad * i`` leading zeros.
+        target_class: class name of the repeated layer that should be the sequential target.
+        num_targets: how many ``target_class`` instances one forward of the model calls.
+        other_targets: further repeated layer classes a user would also target (the other layer
+            kind of a hybrid, encoder layers of an encoder-decoder); each is called at least once.
+    """
+
+    name: str
+    family: str
+    build: Callable[[], torch.nn.Module]
+    make_inputs: MakeInputs
+    target_class: str
+    num_targets: int
+    other_targets: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"ArchSpec {self.name!r}: family {self.family!r} is not one of {FAMILIES}")
+        if self.num_targets < 1:
+            raise ValueError(f"ArchSpec {self.name!r}: num_targets must be >= 1, got {self.num_targets}")
+
+
+# ----------------------------------------------------------------------------------------- building
+
+
+def _builder(
+    model_cls: str, config_cls: str, config_kw: dict[str, Any], reinit: tuple[str, ...] = ()
+) -> Callable[[], torch.nn.Module]:
+    """Return a zero-argument builder of ``transformers.<model_cls>(<config_cls>(**config_kw))``.
+
+    Parameters whose name ends with one of ``reinit`` are redrawn from N(0, 0.2): some classes
+    zero-initialize a projection or a tanh gate, which would leave an input path dead.
+    """
+
+    def build() -> torch.nn.Module:
+        config = getattr(transformers, config_cls)(**config_kw)
+        # fork_rng keeps the caller's global RNG untouched while making the weights reproducible.
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            model = getattr(transformers, model_cls)(config)
+            for name, param in model.named_parameters():
+                if name.endswith(reinit):
+                    param.normal_(0.0, 0.2)
+        return model.float().eval()
+
+    build.__qualname__ = f"build_{model_cls}"
+    return build
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+
+def _generator(batch: int, seq_len: int, left_pad: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1_000_003 * batch + 1_009 * seq_len + left_pad)
+
+
+def left_pad_mask(batch: int, seq_len: int, left_pad: int) -> torch.Tensor:
+    """Attention mask whose row ``i`` starts with ``left_pad * i`` zeros.
+
+    Args:
+        batch: number of rows.
+        seq_len: number of columns.
+        left_pad: padding step between consecutive rows.
+
+    Returns:
+        Long tensor ``[batch, seq_len]`` of ones and zeros; ``batch=2, left_pad=3`` gives one
+        unpadded row and one row with three leading zeros.
+
+    Example:
+        >>> left_pad_mask(2, 4, 1).tolist()
+        [[1, 1, 1, 1], [0, 1, 1, 1]]
+    """
+    if left_pad < 0 or left_pad * (batch - 1) >= seq_len:
+        raise ValueError(
+            f"left_pad_mask: left_pad={left_pad} pads the last of {batch} rows by {left_pad * (batch - 1)} "
+            f"tokens, which must be >= 0 and < seq_len={seq_len}; lower left_pad or raise seq_len"
+        )
+    pads = torch.arange(batch)[:, None] * left_pad  # [batch, 1]
+    return (torch.arange(seq_len)[None, :] >= pads).long()  # [batch, seq_len]
+
+
+def _pad_id(model: torch.nn.Module) -> int:
+    config = model.config.get_text_config()
+    pad = getattr(config, "pad_token_id", None)
+    return 0 if pad is None else int(pad)
+
+
+def _tokens(g: torch.Generator, mask: torch.Tensor, pad_id: int) -> torch.Tensor:
+    ids = torch.randint(TOKEN_LOW, TOKEN_HIGH, mask.shape, generator=g)  # [batch, seq]
+    return ids.masked_fill(mask == 0, pad_id)
+
+
+def text_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 12, left_pad: int = 0) -> Inputs:
+    """``input_ids`` + left-padded ``attention_mask`` for decoders and encoders."""
+    mask = left_pad_mask(batch, seq_len, left_pad)
+    return {
+        "input_ids": _tokens(_generator(batch, seq_len, left_pad), mask, _pad_id(model)),
+        "attention_mask": mask,
+    }
+
+
+def seq2seq_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 12, left_pad: int = 0) -> Inputs:
+    """Left-padded encoder ids and mask plus unpadded ``decoder_input_ids`` of the same length."""
+    kw = text_inputs(model, batch, seq_len, left_pad)
+    g = _generator(batch, seq_len, left_pad + 7)
+    kw["decoder_input_ids"] = torch.randint(TOKEN_LOW, TOKEN_HIGH, (batch, seq_len), generator=g)
+    return kw
+
+
+def whisper_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 12, left_pad: int = 0) -> Inputs:
+    """Log-mel ``input_features`` of the exact length the encoder needs, decoder ids and mask."""
+    cfg = model.config
+    g = _generator(batch, seq_len, left_pad)
+    mask = left_pad_mask(batch, seq_len, left_pad)
+    features = torch.randn(batch, cfg.num_mel_bins, 2 * cfg.max_source_positions, generator=g)
+    return {
+        "input_features": features,  # [batch, mel, 2 * max_source_positions]
+        "decoder_input_ids": _tokens(g, mask, _pad_id(model)),
+        "decoder_attention_mask": mask,
+    }
+
+
+def _image_prompt(
+    model: torch.nn.Module, batch: int, seq_len: int, left_pad: int, block: list[int]
+) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
+    """Text ids with ``block`` (image placeholders and markers) right after each row's padding."""
+    g = _generator(batch, seq_len, left_pad)
+    mask = left_pad_mask(batch, seq_len, left_pad)  # [batch, seq]
+    ids = _tokens(g, mask, _pad_id(model))  # [batch, seq]
+    for row in range(batch):
+        start = left_pad * row
+        if start + len(block) >= seq_len:
+            raise ValueError(
+                f"make_inputs for {type(model).__name__}: row {row} has {start} pads + {len(block)} image "
+                f"tokens, leaving no text token in seq_len={seq_len}; raise seq_len or lower left_pad"
+            )
+        ids[row, start : start + len(block)] = torch.tensor(block)
+    return g, mask, ids
+
+
+def llava_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 12, left_pad: int = 0) -> Inputs:
+    """One 8x8 image per row: 4 patches -> 4 placeholder tokens (CLS dropped by the 'default' strategy)."""
+    g, mask, ids = _image_prompt(model, batch, seq_len, left_pad, [IMAGE_TOKEN] * 4)
+    pixels = torch.randn(batch, 3, 8, 8, generator=g)  # [batch, C, H, W]
+    return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixels}
+
+
+def qwen_vl_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 12, left_pad: int = 0) -> Inputs:
+    """One image per row on a 1x4x4 patch grid, merged 2x2 into 4 placeholder tokens."""
+    block = [BOI_TOKEN] + [IMAGE_TOKEN] * 4  # <|vision_start|> then the image pads
+    g, mask, ids = _image_prompt(model, batch, seq_len, left_pad, block)
+    patch_dim = 3 * 2 * 2 * 2  # channels * temporal_patch * patch * patch
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "mm_token_type_ids": (ids == IMAGE_TOKEN).int(),  # 1 marks image tokens for M-RoPE
+        "pixel_values": torch.randn(batch * 16, patch_dim, generator=g),  # [patches, patch_dim]
+        "image_grid_thw": torch.tensor([[1, 4, 4]] * batch),
+    }
+
+
+def gemma3_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 12, left_pad: int = 0) -> Inputs:
+    """One 16x16 image per row: 4x4 patches pooled to 4 placeholder tokens."""
+    block = [BOI_TOKEN] + [IMAGE_TOKEN] * 4
+    g, mask, ids = _image_prompt(model, batch, seq_len, left_pad, block)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "token_type_ids": (ids == IMAGE_TOKEN).long(),  # image tokens attend bidirectionally
+        "pixel_values": torch.randn(batch, 3, 16, 16, generator=g),
+    }
+
+
+def idefics3_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 12, left_pad: int = 0) -> Inputs:
+    """One 16x16 image per row: 4x4 patches pixel-shuffled (scale 2) into 4 placeholder tokens."""
+    g, mask, ids = _image_prompt(model, batch, seq_len, left_pad, [IMAGE_TOKEN] * 4)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "pixel_values": torch.randn(batch, 1, 3, 16, 16, generator=g),  # [batch, images, C, H, W]
+    }
+
+
+def mllama_inputs(model: torch.nn.Module, batch: int = 1, seq_len: int = 12, left_pad: int = 0) -> Inputs:
+    """One single-tile 8x8 image per row behind one <|image|> token, seen through cross-attention."""
+    g, mask, ids = _image_prompt(model, batch, seq_len, left_pad, [IMAGE_TOKEN])
+    # Text from the image token on attends to the image; padding and earlier tokens do not.
+    seen = (torch.cumsum((ids == IMAGE_TOKEN).long(), dim=1) > 0) & (mask == 1)  # [batch, seq]
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "pixel_values": torch.randn(batch, 1, 1, 3, 8, 8, generator=g),  # [batch, images, tiles, C, H, W]
+        "aspect_ratio_ids": torch.ones(batch, 1, dtype=torch.long),  # id 1 = aspect ratio [1, 1]
+        "aspect_ratio_mask": torch.ones(batch, 1, 1, dtype=torch.long),
+        "cross_attention_mask": seen.long()[:, :, None, None],  # [batch, seq, images, tiles]
+    }
+
+
+# -------------------------------------------------------------------------------------------- table
+
+_SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# Llama-style config names; head_dim 16 everywhere it is a separate field.
+_BASE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    **_SPECIAL,
+}
+_HD = {"head_dim": 16}
+# A window smaller than the test sequences, so sliding-window masking changes the result.
+_SW = {"sliding_window": 4}
+_GPT = {"vocab_size": VOCAB, "n_embd": 64, "n_layer": 3, "n_head": 4, **_SPECIAL}
+_MOE4 = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def _spec(
+    name: str,
+    family: str,
+    model_cls: str,
+    config_cls: str,
+    target: str,
+    config: dict[str, Any],
+    num: int = 3,
+    other: tuple[str, ...] = (),
+    inputs: MakeInputs = text_inputs,
+    reinit: tuple[str, ...] = (),
+) -> ArchSpec:
+    return ArchSpec(name, family, _builder(model_cls, config_cls, config, reinit), inputs, target, num, other)
+
+
+def _dense(name: str, prefix: str, config: dict[str, Any], target: str = "", model_cls: str = "") -> ArchSpec:
+    """A dense decoder ``<prefix>ForCausalLM`` built from ``<prefix>Config``."""
+    return _spec(
+        name,
+        "decoder",
+        model_cls or f"{prefix}ForCausalLM",
+        f"{prefix}Config",
+        target or f"{prefix}DecoderLayer",
+        config,
+    )
+
+
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # sums to head_dim / 2
+_VLM_IDS = {"image_token_id": IMAGE_TOKEN, "video_token_id": VIDEO_TOKEN}
+_QWEN_VL_IDS = {**_VLM_IDS, "vision_start_token_id": BOI_TOKEN, "vision_end_token_id": EOI_TOKEN}
+_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+_LLAMA_TEXT = {"model_type": "llama", **_BASE}
+
+_SPECS = (
+    # Dense decoders.
+    _dense("llama", "Llama", _BASE),
+    _dense("mistral", "Mistral", {**_BASE, **_HD, **_SW}),
+    _dense("qwen2", "Qwen2", {**_BASE, **_SW, "use_sliding_window": True, "max_window_layers": 1}),
+    _dense("qwen3", "Qwen3", {**_BASE, **_HD, **_SW, "use_sliding_window": True, "max_window_layers": 1}),
+    _dense("gemma", "Gemma", {**_BASE, **_HD}),
+    _dense("gemma2", "Gemma2", {**_BASE, **_HD, **_SW, "query_pre_attn_scalar": 16}),
+    _dense(
+        "gemma3_text",
+        "Gemma3Text",
+        {
+            **_BASE,
+            **_HD,
+            **_SW,
+            "query_pre_attn_scalar": 16,
+            "layer_types": ["sliding_attention"] * 2 + ["full_attention"],
+        },
+        target="Gemma3DecoderLayer",
+        model_cls="Gemma3ForCausalLM",
+    ),
+    _dense("phi", "Phi", _BASE),
+    _dense("phi3", "Phi3", {**_BASE, **_SW}),
+    _spec("gpt2", "decoder", "GPT2LMHeadModel", "GPT2Config", "GPT2Block", {**_GPT, "n_positions": 128}),
+    _dense("gpt_neox", "GPTNeoX", _BASE, target="GPTNeoXLayer"),
+    _dense("gptj", "GPTJ", {**_GPT, "n_positions": 128, "rotary_dim": 8}, target="GPTJBlock"),
+    _dense("falcon", "Falcon", {**_BASE, "num_kv_heads": 2, "new_decoder_architecture": True}),
+    _dense("opt", "OPT", {**_BASE, "ffn_dim": 128, "word_embed_proj_dim": 64}),
+    _dense(
+        "bloom",
+        "Bloom",
+        {"vocab_size": VOCAB, "hidden_size": 64, "n_layer": 3, "n_head": 4, **_SPECIAL},
+        "BloomBlock",
+    ),
+    _dense("starcoder2", "Starcoder2", {**_BASE, **_SW}),
+    _dense("olmo", "Olmo", _BASE),
+    _dense("olmo2", "Olmo2", _BASE),
+    _dense("cohere", "Cohere", _BASE),
+    _dense("granite", "Granite", _BASE),
+    _dense("stablelm", "StableLm", _BASE),
+    _dense(
+        "mpt",
+        "Mpt",
+        {"vocab_size": VOCAB, "d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 128, **_SPECIAL},
+        target="MptBlock",
+    ),
+    _dense(
+        "codegen",
+        "CodeGen",
+        {**_GPT, "n_positions": 128, "n_ctx": 128, "rotary_dim": 8},
+        target="CodeGenBlock",
+    ),
+    # Mixture of experts: 4 experts, top-2.
+    _spec(
+        "mixtral",
+        "moe",
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        "MixtralDecoderLayer",
+        {**_BASE, **_HD, **_SW, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    _spec(
+        "qwen2_moe",
+        "moe",
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        "Qwen2MoeDecoderLayer",
+        {**_BASE, **_MOE4, "num_experts": 4, "shared_expert_intermediate_size": 64},
+    ),
+    _spec(
+        "qwen3_moe",
+        "moe",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        "Qwen3MoeDecoderLayer",
+        {**_BASE, **_HD, **_MOE4, "num_experts": 4},
+    ),
+    _spec(
+        "deepseek_v3",
+        "moe",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        "DeepseekV3DecoderLayer",
+        {
+            **_BASE,
+            **_MOE4,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 8,
+            "v_head_dim": 16,
+        },
+    ),
+    _spec(
+        "olmoe",
+        "moe",
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        "OlmoeDecoderLayer",
+        {**_BASE, "intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+    ),
+    _spec(
+        "gpt_oss",
+        "moe",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        "GptOssDecoderLayer",
+        {
+            **_BASE,
+            **_HD,
+            **_SW,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            # The default YaRN rope expects 32x its 4096-token original context.
+            "max_position_embeddings": 131072,
+        },
+    ),
+    _spec(
+        "granitemoe",
+        "moe",
+        "GraniteMoeForCausalLM",
+        "GraniteMoeConfig",
+        "GraniteMoeDecoderLayer",
+        {**_BASE, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    # Hybrids and state-space models (pure-torch paths, no CUDA kernels).
+    _spec(
+        "jamba",
+        "hybrid",
+        "JambaForCausalLM",
+        "JambaConfig",
+        "JambaMambaDecoderLayer",
+        {
+            **_BASE,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 4,
+            "mamba_d_state": 8,
+            "mamba_dt_rank": 8,
+        },
+        num=2,
+        other=("JambaAttentionDecoderLayer",),
+    ),
+    _spec(
+        "falcon_h1",
+        "hybrid",
+        "FalconH1ForCausalLM",
+        "FalconH1Config",
+        "FalconH1DecoderLayer",
+        {
+            **_BASE,
+            **_HD,
+            "mamba_d_ssm": 64,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 8,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 8,
+        },
+    ),
+    _spec(
+        "qwen3_next",
+        "hybrid",
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        "Qwen3NextDecoderLayer",
+        {
+            **_BASE,
+            **_HD,
+            **_MOE4,
+            "num_experts": 4,
+            "shared_expert_intermediate_size": 32,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "layer_types": ["linear_attention"] * 2 + ["full_attention"],
+        },
+    ),
+    _spec(
+        "mamba",
+        "hybrid",
+        "MambaForCausalLM",
+        "MambaConfig",
+        "MambaBlock",
+        {
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "state_size": 8,
+            "num_hidden_layers": 3,
+            "time_step_rank": 8,
+            **_SPECIAL,
+        },
+    ),
+    # Encoders (masked-LM heads, so the output is logits over the vocab).
+    _spec("bert", "encoder", "BertForMaskedLM", "BertConfig", "BertLayer", _BASE),
+    _spec(
+        "roberta",
+        "encoder",
+        "RobertaForMaskedLM",
+        "RobertaConfig",
+        "RobertaLayer",
+        {**_BASE, "pad_token_id": 1},
+    ),
+    _spec(
+        "modernbert",
+        "encoder",
+        "ModernBertForMaskedLM",
+        "ModernBertConfig",
+        "ModernBertEncoderLayer",
+        {**_BASE, "local_attention": 4, "cls_token_id": 1, "sep_token_id": 2},
+    ),
+    # Encoder-decoders: T5 uses one block class for both stacks.
+    _spec(
+        "t5",
+        "encoder-decoder",
+        "T5ForConditionalGeneration",
+        "T5Config",
+        "T5Block",
+        {
+            "vocab_size": VOCAB,
+            "d_model": 64,
+            "d_kv": 16,
+            "d_ff": 128,
+            "num_layers": 3,
+            "num_heads": 4,
+            "relative_attention_num_buckets": 8,
+            "decoder_start_token_id": 0,
+            **_SPECIAL,
+        },
+        num=6,
+        inputs=seq2seq_inputs,
+    ),
+    _spec(
+        "bart",
+        "encoder-decoder",
+        "BartForConditionalGeneration",
+        "BartConfig",
+        "BartDecoderLayer",
+        {
+            "vocab_size": VOCAB,
+            "d_model": 64,
+            "encoder_layers": 3,
+            "decoder_layers": 3,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+            "max_position_embeddings": 128,
+            "decoder_start_token_id": 2,
+            **_SPECIAL,
+        },
+        other=("BartEncoderLayer",),
+        inputs=seq2seq_inputs,
+    ),
+    _spec(
+        "whisper",
+        "encoder-decoder",
+        "WhisperForConditionalGeneration",
+        "WhisperConfig",
+        "WhisperDecoderLayer",
+        {
+            "vocab_size": VOCAB,
+            "num_mel_bins": 8,
+            "d_model": 64,
+            "encoder_layers": 3,
+            "decoder_layers": 3,
+            "encoder_attention_heads": 4,
+            "decoder_attention_heads": 4,
+            "encoder_ffn_dim": 128,
+            "decoder_ffn_dim": 128,
+            "max_source_positions": 16,
+            "max_target_positions": 128,
+            "decoder_start_token_id": 3,
+            "begin_suppress_tokens": None,
+            **_SPECIAL,
+        },
+        other=("WhisperEncoderLayer",),
+        inputs=whisper_inputs,
+    ),
+    # Vision-language models: the text decoder layers are the targets.
+    _spec(
+        "llava",
+        "vlm",
+        "LlavaForConditionalGeneration",
+        "LlavaConfig",
+        "LlamaDecoderLayer",
+        {
+            "text_config": _LLAMA_TEXT,
+            "image_token_index": IMAGE_TOKEN,
+            "image_seq_length": 4,
+            "vision_config": {"model_type": "clip_vision_model", **_VISION, "image_size": 8, "patch_size": 4},
+        },
+        inputs=llava_inputs,
+    ),
+    _spec(
+        "qwen2_vl",
+        "vlm",
+        "Qwen2VLForConditionalGeneration",
+        "Qwen2VLConfig",
+        "Qwen2VLDecoderLayer",
+        {
+            **_QWEN_VL_IDS,
+            "text_config": {**_BASE, "rope_parameters": _MROPE},
+            "vision_config": {
+                "depth": 2,
+                "embed_dim": 32,
+                "hidden_size": 64,
+                "num_heads": 4,
+                "mlp_ratio": 2,
+                "patch_size": 2,
+            },
+        },
+        inputs=qwen_vl_inputs,
+    ),
+    _spec(
+        "qwen2_5_vl",
+        "vlm",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLDecoderLayer",
+        {
+            **_QWEN_VL_IDS,
+            "text_config": {**_BASE, "rope_parameters": _MROPE},
+            "vision_config": {
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 4,
+                "out_hidden_size": 64,
+                "patch_size": 2,
+                "window_size": 4,
+                "fullatt_block_indexes": [1],
+            },
+        },
+        inputs=qwen_vl_inputs,
+    ),
+    _spec(
+        "gemma3",
+        "vlm",
+        "Gemma3ForConditionalGeneration",
+        "Gemma3Config",
+        "Gemma3DecoderLayer",
+        {
+            "image_token_index": IMAGE_TOKEN,
+            "boi_token_index": BOI_TOKEN,
+            "eoi_token_index": EOI_TOKEN,
+            "mm_tokens_per_image": 4,
+            "text_config": {
+                **_BASE,
+                **_HD,
+                **_SW,
+                "query_pre_attn_scalar": 16,
+                "layer_types": ["sliding_attention"] * 2 + ["full_attention"],
+            },
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                **_VISION,
+                "image_size": 16,
+                "patch_size": 4,
+            },
+        },
+        inputs=gemma3_inputs,
+        reinit=("mm_input_projection_weight",),
+    ),
+    _spec(
+        "mllama",
+        "vlm",
+        "MllamaForConditionalGeneration",
+        "MllamaConfig",
+        "MllamaSelfAttentionDecoderLayer",
+        {
+            "image_token_index": IMAGE_TOKEN,
+            "text_config": {**_BASE, "num_hidden_layers": 4, "cross_attention_layers": [1]},
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_global_layers": 1,
+                "attention_heads": 4,
+                "image_size": 8,
+                "patch_size": 4,
+                "max_num_tiles": 1,
+                "supported_aspect_ratios": [[1, 1]],
+                "intermediate_layers_indices": [0],
+                "vision_output_dim": 64,
+            },
+        },
+        other=("MllamaCrossAttentionDecoderLayer",),
+        inputs=mllama_inputs,
+        reinit=("gate",),
+    ),
+    _spec(
+        "idefics3",
+        "vlm",
+        "Idefics3ForConditionalGeneration",
+        "Idefics3Config",
+        "LlamaDecoderLayer",
+        {
+            "image_token_id": IMAGE_TOKEN,
+            "scale_factor": 2,
+            "text_config": _LLAMA_TEXT,
+            "vision_config": {**_VISION, "image_size": 16, "patch_size": 4},
+        },
+        inputs=idefics3_inputs,
+    ),
+)
+
+ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in _SPECS}
