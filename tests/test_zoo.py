@@ -10,25 +10,14 @@ import torch
 
 from zoo import ARCHS, FAMILIES, TOKEN_HIGH, TOKEN_LOW, VOCAB, ArchSpec, left_pad_mask
 
-REQUIRED = {
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "gpt2", "gpt_neox",
-    "gptj", "falcon", "opt", "bloom", "starcoder2", "olmo", "olmo2", "cohere", "granite", "stablelm", "codegen",
-    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "olmoe", "granitemoe", "bert", "roberta", "modernbert",
-    "t5", "bart", "whisper", "llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "mllama", "idefics3",
-}  # fmt: skip
-# Configs whose sliding window must be shorter than the test sequences (9 and 12 tokens).
-SLIDING = (
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3_text",
-    "phi3",
-    "starcoder2",
-    "mixtral",
-    "gpt_oss",
-    "gemma3",
+REQUIRED = set(
+    "llama mistral qwen2 qwen3 gemma gemma2 gemma3_text phi phi3 gpt2 gpt_neox gptj falcon opt bloom "
+    "starcoder2 olmo olmo2 cohere granite stablelm codegen mixtral qwen2_moe qwen3_moe deepseek_v3 olmoe "
+    "granitemoe bert roberta modernbert t5 bart whisper llava qwen2_vl qwen2_5_vl gemma3 mllama "
+    "idefics3".split()
 )
+# Configs whose sliding window is shorter than the test sequences (9 and 12 tokens).
+SLIDING = "mistral qwen2 qwen3 gemma2 gemma3_text phi3 starcoder2 mixtral gpt_oss gemma3 modernbert".split()
 # Models that read the pad id itself, not only the attention mask.
 PAD_ID_SENSITIVE = {"roberta": "position ids count the ids that differ from pad_token_id"}
 CASES = ({"batch": 1, "seq_len": 12}, {"batch": 2, "seq_len": 9, "left_pad": 3})
@@ -81,9 +70,19 @@ def test_archspec_rejects_unknown_family() -> None:
 
 
 @pytest.mark.parametrize("name", SLIDING)
-def test_sliding_window_is_shorter_than_test_sequences(name: str) -> None:
-    config = ARCHS[name].build().config.get_text_config()
-    assert config.sliding_window is not None and config.sliding_window < min(c["seq_len"] for c in CASES)
+def test_sliding_window_masking_is_exercised(name: str) -> None:
+    """The window is shorter than the test sequences, so widening it changes the logits."""
+    spec = ARCHS[name]
+    model = spec.build()
+    config = model.config.get_text_config()
+    assert "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
+    assert config.sliding_window < min(case["seq_len"] for case in CASES)
+    inputs = spec.make_inputs(model, batch=1, seq_len=12)
+    with torch.no_grad():
+        windowed = _main_output(model(**inputs))
+        config.sliding_window = 64  # masks read the config at call time
+        full = _main_output(model(**inputs))
+    assert (windowed - full).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -107,6 +106,7 @@ def test_forward_shapes_and_targets(name: str) -> None:
         )
 
         out, calls = _run_counting(model, spec, inputs)
+        assert not any(m._forward_pre_hooks for m in model.modules()), "counting hooks were left behind"
         logits = _main_output(out)
         assert torch.isfinite(logits).all()
         assert logits.shape[:2] == ids.shape and logits.shape[-1] == model.config.get_text_config().vocab_size

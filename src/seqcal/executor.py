@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from tqdm.auto import tqdm
 
 from seqcal.cache import ActivationCache
@@ -45,8 +46,8 @@ class GraphRunner:
         """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs); returns the graph output if any."""
         result = None
         for node in subgraph.nodes:
-            args = fx.node.map_arg(node.args, lambda n: self._value(n, env))
-            kwargs = fx.node.map_arg(node.kwargs, lambda n: self._value(n, env))
+            args = self._load(node.args, env)
+            kwargs = self._load(node.kwargs, env)
             try:
                 if node.op == "output":
                     result = args[0]
@@ -59,8 +60,19 @@ class GraphRunner:
                 ) from exc
         return result
 
-    def _value(self, node: fx.Node, env: dict[str, Any]) -> Any:
-        return self.attr(str(node.target)) if node.op == "get_attr" else env[node.name]
+    def _load(self, arg: Any, env: dict[str, Any]) -> Any:
+        """Replace nodes by their values; fx's immutable containers become plain ones, as eager code has."""
+        if isinstance(arg, fx.Node):
+            return self.attr(str(arg.target)) if arg.op == "get_attr" else env[arg.name]
+        if isinstance(arg, dict) and type(arg) in (dict, immutable_dict):
+            return {k: self._load(v, env) for k, v in arg.items()}
+        if type(arg) in (list, immutable_list):
+            return [self._load(v, env) for v in arg]
+        if type(arg) is tuple:
+            return tuple(self._load(v, env) for v in arg)
+        if isinstance(arg, slice):
+            return slice(self._load(arg.start, env), self._load(arg.stop, env), self._load(arg.step, env))
+        return arg
 
     def _call(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
         if node.op == "call_module":

@@ -153,15 +153,16 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
     if name in _EMBEDDED:
         return _EMBEDDED[name]()
     path = Path(name)
-    if path.is_dir():
+    if name and path.is_dir():  # Path("") is ".", which an empty argument must not silently mean
         return path
-    if path.exists():
+    if not name:
+        hint = "the model name is empty."
+    elif path.exists():
         hint = f"'{name}' is a file; pass the directory that holds config.json and the weights."
     else:
         hint = (
-            f"'{name}' is neither an alias nor an existing directory. seqcal works offline and does not "
-            "download from the Hugging Face Hub; download a hub model first "
-            f"(`hf download {name} --local-dir DIR`) and pass DIR."
+            f"'{name}' is neither an alias nor an existing directory. seqcal works offline: for a "
+            f"Hugging Face Hub id, download it first (`hf download {name} --local-dir DIR`) and pass DIR."
         )
     raise ValueError(
         f"seqcal.models.resolve_model: {hint} Valid: one of the aliases {sorted(_EMBEDDED)} "

@@ -25,7 +25,6 @@ from seqcal.algorithms.quant import (
     STRATEGIES,
     QuantType,
     Strategy,
-    code_dtype,
     quant_range,
     weight_qparams,
 )
@@ -107,7 +106,9 @@ def accumulate_hessian(H: Tensor | None, X: Tensor, n_seen: int) -> tuple[Tensor
 
 def _check_inputs(W: Tensor, H: Tensor, strategy: str, group_size: int | None, block_size: int) -> None:
     if W.ndim != 2:
-        raise ValueError(f"gptq_quantize: W must be 2-D [out, in], got shape {list(W.shape)}; flatten it first")
+        raise ValueError(
+            f"gptq_quantize: W must be 2-D [out, in], got shape {list(W.shape)}; flatten it first"
+        )
     if H.shape != (W.shape[1], W.shape[1]):
         raise ValueError(
             f"gptq_quantize: H must be [{W.shape[1]}, {W.shape[1]}] for W {list(W.shape)}, got {list(H.shape)}"
@@ -180,11 +181,13 @@ def _quantize_columns(
     """The GPTQ column loop (paper Alg. 1); ``W`` [out, in] float32 is overwritten.
 
     ``scale``/``zero`` are float32 ``[out or 1, G]``; ``qrange = (qmin, qmax, is_fp8)``.
-    Returns ``(Q, codes, loss)`` in processing order, both ``[out, in]`` float32.
+    Returns ``(Q, codes, loss)`` in processing order: Q ``[out, in]`` float32, codes int8 or fp8.
     """
     qmin, qmax, is_fp8 = qrange
     n_out, n_in = W.shape
-    Q, codes = torch.empty_like(W), torch.empty_like(W)
+    Q = torch.empty_like(W)
+    codes = torch.empty(W.shape, dtype=torch.float8_e4m3fn if is_fp8 else torch.int8, device=W.device)
+    groups = col_group.tolist()  # plain ints: cheap indexing in the per-column loop
     losses = torch.zeros(n_out, dtype=torch.float32, device=W.device)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
@@ -192,12 +195,12 @@ def _quantize_columns(
         Err1 = torch.empty_like(W1)  # [out, B]: scaled errors, applied to W[:, i2:] once per block
         Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
         for i in range(i2 - i1):
-            w, d, g = W1[:, i], Hinv1[i, i], col_group[i1 + i]
+            w, d, g = W1[:, i], Hinv1[i, i], groups[i1 + i]
             s, z = scale[:, g], zero[:, g]  # [out] or [1]
             c = torch.clamp(w / s + z, qmin, qmax)  # same op order as quant.fake_quantize
             c = c.to(torch.float8_e4m3fn).float() if is_fp8 else torch.round(c)
             q = (c - z) * s  # [out]
-            codes[:, i1 + i], Q[:, i1 + i] = c, q
+            codes[:, i1 + i], Q[:, i1 + i] = c.to(codes.dtype), q
             err = (w - q) / d  # [out]
             losses += err * err
             W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # OBS update of the rest of the block
@@ -271,7 +274,9 @@ def gptq_quantize(
     W32, H32, perm, scale, zero_point, col_group, g_idx = _order_and_qparams(
         W32, H32, ACTORDER.get(actorder) if actorder else None, group_size, qkw
     )
-    scale = scale.to(scale_dtype)  # round first, so Q is exactly what the checkpoint dequantizes to
+    # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
+    scale = scale.to(scale_dtype)
+    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
     Hinv, frac, retries = _inverse_hessian_factor(H32, dampening_frac, max_retries, damp_growth)
     del H32
     scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
@@ -283,7 +288,7 @@ def gptq_quantize(
         Q, codes = Q[:, inv], codes[:, inv]
     return GPTQResult(
         Q=Q.to(W.dtype),
-        q=codes.to(code_dtype(type)),
+        q=codes,
         scale=scale,
         zero_point=zero_point,
         g_idx=g_idx,

@@ -50,7 +50,9 @@ def quant_range(num_bits: int, type: QuantType = "int") -> tuple[float, float]:
         return float(-(2 ** (num_bits - 1))), float(2 ** (num_bits - 1) - 1)
     if type == "float":
         if num_bits != 8:
-            raise ValueError(f"quant_range: float quantization supports num_bits=8 (fp8 e4m3), got {num_bits}")
+            raise ValueError(
+                f"quant_range: float quantization supports num_bits=8 (fp8 e4m3), got {num_bits}"
+            )
         info = torch.finfo(FP8_DTYPE)
         return float(info.min), float(info.max)
     raise ValueError(f"quant_range: type must be 'int' or 'float', got {type!r}")
@@ -262,11 +264,15 @@ def weight_qparams(
     return compute_qparams(w_min, w_max, num_bits=num_bits, symmetric=symmetric, type=type)
 
 
-def _broadcastable(W: Tensor, p: Tensor, group_size: int | None, g_idx: Tensor | None) -> tuple[Tensor, Tensor]:
+def _broadcastable(
+    W: Tensor, p: Tensor, group_size: int | None, g_idx: Tensor | None
+) -> tuple[Tensor, Tensor]:
     """Return ``(W', p')`` that broadcast elementwise: ``W'`` is ``W`` or its grouped view."""
     if g_idx is not None:
         if g_idx.shape != (W.shape[-1],):
-            raise ValueError(f"g_idx must have shape [{W.shape[-1]}] (one group per column), got {tuple(g_idx.shape)}")
+            raise ValueError(
+                f"g_idx must have shape [{W.shape[-1]}] (one group per column), got {tuple(g_idx.shape)}"
+            )
         return W, p[..., g_idx.long()]  # [out, in]: each column takes its group's qparam
     if group_size is not None:
         return _grouped(W, group_size), p.unsqueeze(-1)  # [out, G, gs] with [out, G, 1]
@@ -368,20 +374,14 @@ def fake_quantize(
         ``W`` rounded to the quantization grid, same shape and dtype.
 
     Example:
-        >>> W = torch.randn(4, 64); s, z = weight_qparams(W, num_bits=8, symmetric=True, strategy="channel")
-        >>> (fake_quantize(W, s, z, num_bits=8) - W).abs().max() <= s.max() / 2
-        tensor(True)
+        >>> W = torch.tensor([[0.1, -0.52, 1.0]])  # scale 1 / 7.5; 1.0 -> code 7.5 is clamped to 7
+        >>> s, z = weight_qparams(W, num_bits=4, symmetric=True, strategy="channel")
+        >>> fake_quantize(W, s, z, num_bits=4)
+        tensor([[ 0.1333, -0.5333,  0.9333]])
     """
-    Wb, s = _broadcastable(W, scale, group_size, g_idx)
-    x = Wb / s
-    z = None
-    if zero_point is not None:
-        z = _broadcastable(W, zero_point, group_size, g_idx)[1]
-        x = x + z.to(W.dtype)
-    x = _round_codes(x, num_bits, type).to(scale.dtype)
-    if z is not None:
-        x = x - z.to(scale.dtype)
-    return (x * s).reshape(W.shape).to(W.dtype)
+    q = quantize(W, scale, zero_point, num_bits=num_bits, type=type, group_size=group_size, g_idx=g_idx)
+    # codes are exact in any float dtype, so this equals compressed-tensors' fused version bit for bit
+    return dequantize(q, scale, zero_point, group_size=group_size, g_idx=g_idx, dtype=W.dtype)
 
 
 def fake_quantize_per_token(

@@ -104,7 +104,7 @@ def trace(
     graph, tracer, state = trace_with_retries(model, tensors, constants, policy, frozenset(ignore or ()))
     if inferred:
         targets = _called_candidates(graph, model, targets)
-    problems = check_targets(graph, model, targets)
+    problems = check_targets(graph, model, targets, state.failures)
     if problems:
         raise TracingError(problems, type(model).__name__)
     order = [n.target for n in graph.nodes if n.op == "call_module" and n.target in set(targets.values())]
@@ -145,15 +145,5 @@ def _called_candidates(graph: fx.Graph, model: torch.nn.Module, candidates: dict
     for members in stacks.values():
         if any(m in called for m in members):
             kept.update({i: n for i, n in candidates.items() if n in members})
-    if not kept:
-        raise TracingError(
-            [
-                Problem(
-                    where=type(model).__name__,
-                    what=f"none of the layer stacks {sorted(stacks)} is called by traced code",
-                    fix="pass sequential_targets explicitly, or report the model (its forward reaches the layers "
-                    "through code seqcal runs opaquely)",
-                )
-            ]
-        )
-    return kept
+    # None called: keep them all, so that check_targets reports where each is hidden and why.
+    return kept or candidates

@@ -18,6 +18,7 @@ The math is none; this module only turns a function's AST into another function.
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import textwrap
 from collections.abc import Callable, Iterable
@@ -255,15 +256,16 @@ class _BodyRewriter:
         return out
 
     def _classify(self, stmt: ast.stmt) -> str:
-        names = names_of([stmt])
-        if names.calls & self.plan.ignored and not self.is_essential([stmt]):
-            return "opaque"
-        if self.is_essential([stmt]):
-            return "essential"
-        if isinstance(stmt, (ast.Pass, ast.Raise, ast.Assert, ast.Import, ast.ImportFrom)):
-            return "opaque" if isinstance(stmt, (ast.Raise, ast.Assert)) else "keep"
-        if isinstance(stmt, _SIMPLE) and (self.src.filename, *_stmt_id(stmt)) not in self.plan.force_opaque:
-            return "try"
+        # A simple statement is always tried: if it fails it becomes opaque, and should it have called a
+        # target, the invariant-2 check after tracing reports the hidden target with this failure.
+        if isinstance(stmt, (ast.Pass, ast.Import, ast.ImportFrom)):
+            return "keep"
+        if isinstance(stmt, _SIMPLE):
+            forced = (self.src.filename, *_stmt_id(stmt)) in self.plan.force_opaque
+            return "opaque" if forced or names_of([stmt]).calls & self.plan.ignored else "try"
+        if isinstance(stmt, _COMPOUND) and self.is_essential([stmt]):
+            forced = (self.src.filename, *_stmt_id(stmt)) in self.plan.force_opaque
+            return "opaque" if forced else "essential"
         return "opaque"
 
     def _traced(self, stmt: ast.stmt, kind: str) -> list[ast.stmt]:
@@ -275,12 +277,13 @@ class _BodyRewriter:
             if not isinstance(stmt.value, ast.Call) and self.is_essential([ast.Expr(stmt.value)]):
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
                 self.module_names |= names_of(targets).stores
-        if isinstance(stmt, _COMPOUND):
-            return [self._compound(stmt)]
-        routed = _CallRouter().visit(stmt)
-        if kind == "essential":
-            return [routed]
         sid = (self.src.filename, *_stmt_id(stmt))
+        if isinstance(stmt, _COMPOUND):
+            routed = self._compound(stmt)
+        else:
+            routed = _CallRouter().visit(stmt)
+        if kind == "must":  # cannot be lifted (see _lift): traced, and a failure is reported as is
+            return [routed]
         self.result.tried[sid] = ast.unparse(stmt).splitlines()[0]
         handler = ast.ExceptHandler(
             type=ast.Name(id="Exception", ctx=ast.Load()),
@@ -311,7 +314,7 @@ class _BodyRewriter:
         if names.has_yield or names.has_scope_stmt or names.has_loose_jump or (names.has_return and not top):
             # Cannot be moved into a helper without changing control flow: trace it and let the
             # tracer report precisely if it fails.
-            return [s for stmt in stmts for s in self._traced(stmt, "essential")]
+            return [s for stmt in stmts for s in self._traced(stmt, "must")]
         site_id = f"{self.src.qualname.replace('.', '_')}_L{stmts[0].lineno}"
         inputs = sorted((names.loads | names.mutated | names.stores) & self.bound - {"self"})
         # A mutated name is returned only when it is a local: rebinding a global would make it local.
@@ -402,15 +405,16 @@ def rewrite_source(src: SourceFunction, plan: RewritePlan) -> Rewritten:
     Returns:
         The factory source, the opaque sites and the statements that are traced on trial.
     """
-    fdef = src.tree
+    fdef = copy.deepcopy(src.tree)  # rewriting edits the tree in place; the cached source stays pristine
     args = fdef.args
     params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
     params |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
     rewriter = _BodyRewriter(plan, src, params)
     body = list(fdef.body)
+    docstring = []
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]  # the docstring
-    new_body = rewriter.rewrite(body, top=True) or [ast.Pass()]
+        docstring, body = body[:1], body[1:]  # kept: documentation decorators read it
+    new_body = docstring + (rewriter.rewrite(body, top=True) or [ast.Pass()])
     new_fdef = ast.FunctionDef(
         name=fdef.name,
         args=fdef.args,

@@ -131,9 +131,18 @@ def called_targets(graph: fx.Graph, targets: dict[int, str]) -> dict[str, int]:
     return counts
 
 
-def check_targets(graph: fx.Graph, model: torch.nn.Module, targets: dict[int, str]) -> list[Problem]:
-    """DESIGN invariant 2: every target instance is exactly one call_module node. Returns the violations."""
-    problems = []
+def check_targets(
+    graph: fx.Graph,
+    model: torch.nn.Module,
+    targets: dict[int, str],
+    failures: dict[tuple[str, int, int], str] | None = None,
+) -> list[Problem]:
+    """DESIGN invariant 2: every target instance is exactly one call_module node. Returns the violations.
+
+    ``failures`` (statement -> error) explains why code hiding a target was made opaque.
+    """
+    problems: list[Problem] = []
+    hidden_by: dict[str, list[str]] = {}  # one problem per hiding site, listing its targets
     for name, count in called_targets(graph, targets).items():
         module = model.get_submodule(name)
         if count == 1:
@@ -145,12 +154,23 @@ def check_targets(graph: fx.Graph, model: torch.nn.Module, targets: dict[int, st
                 f"target {name} ({type(module).__name__}) is not called by traced code"
                 + (f"; it runs inside opaque code: `{site.source}`" if site else "; the forward never calls it")
             )
+            causes = [
+                f"{err} (line {line})"
+                for (file, line, _), err in (failures or {}).items()
+                if site and file == site.filename and site.lineno <= line <= site.end_lineno
+            ]
+            if causes:
+                what += "; that code was made opaque because tracing it failed: " + "; ".join(causes)
             fix = (
                 "if that code must stay opaque, choose sequential_targets outside it; if the function it calls "
                 "reaches the target through an unusual path, report it (with this message)"
                 if site
                 else f"exclude it: sequential_targets=['re:...'] matching only the called layers, or ignore={name!r}"
             )
+            if where in hidden_by:
+                hidden_by[where].append(name)
+                continue
+            hidden_by[where] = [name]
             problems.append(Problem(where=where, what=what, fix=fix, source=site.source if site else ""))
         else:
             problems.append(
@@ -160,7 +180,14 @@ def check_targets(graph: fx.Graph, model: torch.nn.Module, targets: dict[int, st
                     fix="choose a target class whose instances are each called once, e.g. its parent or children",
                 )
             )
-    return problems
+    return [_with_count(p, hidden_by.get(p.where, [])) for p in problems]
+
+
+def _with_count(problem: Problem, names: list[str]) -> Problem:
+    if len(names) <= 1:
+        return problem
+    what = problem.what.replace(f"target {names[0]}", f"{len(names)} targets ({names[0]}, ...)", 1)
+    return Problem(where=problem.where, what=what, fix=problem.fix, source=problem.source)
 
 
 def _hiding_site(graph: fx.Graph, model: torch.nn.Module, name: str):  # noqa: ANN202 - OpaqueSite | None

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.proxy import Proxy, TraceError
 
 from seqcal.tracing.diagnostics import Problem, TracingError, locate
@@ -64,10 +65,13 @@ class OpaqueCall:
 
 
 def _copy_containers(value: Any) -> Any:
-    if isinstance(value, dict) and type(value) is dict:
+    # fx stores node arguments as immutable_dict / immutable_list; model code expects plain, mutable ones.
+    if type(value) in (dict, immutable_dict):
         return {k: _copy_containers(v) for k, v in value.items()}
-    if type(value) is list:
+    if type(value) in (list, immutable_list):
         return [_copy_containers(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_copy_containers(v) for v in value)
     return value
 
 
