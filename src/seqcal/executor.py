@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -134,3 +136,115 @@ def run_subgraphs(
     finally:
         bar.close()
     return outputs
+
+
+# Batches whose subgraph outputs are kept in full precision to measure the quantization error per subgraph.
+ERROR_SAMPLE_BATCHES = 4
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(_first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return next((t for t in map(_first_tensor, value.values()) if t is not None), None)
+    return None
+
+
+def _relative_error(got: Any, want: Any) -> float | None:
+    a, b = _first_tensor(got), _first_tensor(want)
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _token_mask(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    mask = batch.get("attention_mask")
+    return mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+
+def calibrate_subgraphs(
+    model: torch.nn.Module,
+    subgraphs: Sequence[Subgraph],
+    batches: Sequence[Mapping[str, Any]],
+    modifiers: Sequence[Any],
+    cache: ActivationCache,
+    placeholders: Mapping[str, str],
+    state: Any,
+    on_subgraph_done: Callable[[Subgraph], None] | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """The sequential calibration loop (DESIGN data flow), one subgraph at a time.
+
+    For each subgraph: modifiers attach hooks -> calibration pass over all batches -> modifiers compress ->
+    propagation pass (hooks removed) when weights changed -> outputs stay in the cache -> values past their
+    last use are freed. Data-free modifiers compress before the only pass. Subgraphs whose outputs nobody
+    reads and that hold nothing to compress (the head after the last layer) are skipped.
+
+    Returns:
+        One dict per subgraph: index, targets, seconds, rel_error (quantized vs full precision output).
+    """
+    runner = GraphRunner(model)
+    needed = {name for sg in subgraphs for name in sg.inputs}
+    for b, batch in enumerate(batches):
+        for key, node_name in placeholders.items():
+            if node_name in needed:
+                cache.put(b, node_name, batch[key])
+    calibrating = any(m.needs_calibration for m in modifiers)
+    rows = []
+    bar = tqdm(total=len(subgraphs), desc="calibrating", unit="subgraph", disable=not progress)
+    try:
+        for sg in subgraphs:
+            start = time.perf_counter()
+            owned = any(m.modules_in(sg) for m in modifiers if hasattr(m, "modules_in"))
+            row: dict[str, Any] = {"index": sg.index, "targets": sg.targets, "rel_error": None}
+            if sg.outputs or owned:
+                row["rel_error"] = _run_one(runner, sg, batches, modifiers, cache, state, calibrating)
+            for name in sg.frees:
+                cache.drop_name(name)
+            if on_subgraph_done is not None:
+                on_subgraph_done(sg)
+            row["seconds"] = time.perf_counter() - start
+            rows.append(row)
+            bar.update()
+    finally:
+        bar.close()
+    return rows
+
+
+def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
+          state: Any, keep: dict[int, Any] | None) -> None:  # fmt: skip
+    """Run ``sg`` over every batch, storing its outputs; ``keep`` collects target outputs of a few batches."""
+    targets = [n.name for n in sg.nodes if n.op == "call_module" and n.target in set(sg.targets)]
+    for b, batch in enumerate(batches):
+        state.token_mask = _token_mask(batch)
+        env = {name: cache.fetch(b, name) for name in sg.inputs}
+        runner.run(sg, env)
+        for name in sg.outputs:
+            cache.put(b, name, env[name])
+        if keep is not None and b < ERROR_SAMPLE_BATCHES and targets:
+            keep[b] = env[targets[-1]]
+    state.token_mask = None
+
+
+def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
+             cache: ActivationCache, state: Any, calibrating: bool) -> float | None:  # fmt: skip
+    with torch.no_grad():
+        if not calibrating:
+            for m in modifiers:
+                m.compress(sg, runner.model, state)
+            _pass(runner, sg, batches, cache, state, None)
+            return None
+        full: dict[int, Any] = {}
+        with contextlib.ExitStack() as stack:
+            for m in modifiers:
+                stack.enter_context(m.calibrate(sg, runner.model, state))
+            _pass(runner, sg, batches, cache, state, full)
+        changed = [m.compress(sg, runner.model, state) for m in modifiers]
+        if not any(changed):
+            return None
+        quant: dict[int, Any] = {}
+        _pass(runner, sg, batches, cache, state, quant)
+    errors = [e for b in full if (e := _relative_error(quant.get(b), full[b])) is not None]
+    return sum(errors) / len(errors) if errors else None

@@ -1,0 +1,123 @@
+"""The ``seqcal`` command line: ``seqcal trace | oneshot | eval``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from seqcal.tracing import TracingError
+
+_SAMPLE_TEXTS = (
+    "The history of the city begins with a small settlement on the river, where traders met to exchange "
+    "grain, salt and timber. Over the centuries the town grew into a regional centre.",
+    "Photosynthesis converts light energy into chemical energy.",
+)
+
+
+def _load(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from seqcal.models import resolve_model
+
+    path = resolve_model(model_arg)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _texts(dataset: str | None) -> list[str]:
+    if dataset is None:
+        return list(_SAMPLE_TEXTS)
+    with open(dataset, encoding="utf-8") as f:
+        paragraphs = [p.strip() for p in f.read().split("\n\n") if len(p.strip()) > 200]
+    if len(paragraphs) < 2:
+        raise SystemExit(f"seqcal: {dataset} has fewer than 2 paragraphs of text; pass a larger text file")
+    return paragraphs[:2]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Subgraph table: index, target, parameters, inputs -> outputs."""
+    lines = [f"{'#':>3}  {'target':<34} {'params':>12}  {'nodes':>5}  inputs -> outputs"]
+    for row in rows:
+        target = ", ".join(row["targets"]) or "-"
+        ins = ", ".join(row["inputs"]) or "-"
+        outs = ", ".join(row["outputs"]) or "-"
+        lines.append(f"{row['index']:>3}  {target:<34} {row['params']:>12,}  {row['nodes']:>5}  {ins} -> {outs}")
+    return "\n".join(lines)
+
+
+def _max_diff(got: Any, want: Any) -> float:
+    a = got.logits if hasattr(got, "logits") else got[0]
+    b = want.logits if hasattr(want, "logits") else want[0]
+    return (a.float() - b.float()).abs().max().item()
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from seqcal import trace_subgraphs
+
+    model, tokenizer = _load(args.model, args.dtype)
+    texts = _texts(args.dataset)
+    tokenizer.padding_side = "left"
+    sample = tokenizer(texts[:1], return_tensors="pt", truncation=True, max_length=args.max_seq_length)
+    start = time.perf_counter()
+    try:
+        subgraphs = trace_subgraphs(
+            model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf
+        )
+    except TracingError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    print(f"{type(model).__name__}: {len(subgraphs.targets)} targets -> {len(subgraphs)} subgraphs "
+          f"(traced in {elapsed:.2f} s)")  # fmt: skip
+    print(format_table(subgraphs.table()))
+    sites = subgraphs.traced.opaque_sites
+    print(f"\n{len(sites)} opaque spot(s) (run at execution time with real values):")
+    for site in sites:
+        print(f"  {site.filename}:{site.lineno}  {site.owner}: {site.reason}: {site.source}")
+    if not args.check:
+        return 0
+    # Another batch than the trace sample: two rows of different length, left-padded.
+    check = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=args.max_seq_length)
+    with torch.no_grad():
+        want = model(**check)
+    got = subgraphs.run(**check, progress=True)
+    diff = _max_diff(got, want)
+    scale = max(1.0, (want.logits if hasattr(want, "logits") else want[0]).abs().max().item())
+    ok = diff <= 1e-5 * scale
+    print(f"\ncheck on a padded batch of {tuple(check['input_ids'].shape)} (not the trace sample): "
+          f"max |partitioned - eager| = {diff:.3g} ({'OK' if ok else 'MISMATCH'}, tolerance {1e-5 * scale:.3g})")  # fmt: skip
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="seqcal", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    trace = sub.add_parser("trace", help="trace a model and print its subgraphs")
+    trace.add_argument("--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)")
+    trace.add_argument("--targets", nargs="+", default=None, help="sequential target classes or re: patterns")
+    trace.add_argument("--ignore", nargs="+", default=None, help="functions/methods to keep opaque")
+    trace.add_argument("--leaf", nargs="+", default=None, help="module classes or re: patterns kept as one node")
+    trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
+    trace.add_argument("--dataset", default=None, help="text file to take the sample and check batch from")
+    trace.add_argument("--max-seq-length", type=int, default=128)
+    trace.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    trace.set_defaults(func=cmd_trace)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``seqcal`` command."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The modifier lifecycle: what the executor calls, in order, for every subgraph.
+
+A modifier is a typed dataclass (its fields are the recipe's arguments, with llm-compressor's names).
+The executor owns hooks and state and passes them down; a modifier keeps nothing global:
+
+    modifier.validate(model)                     once, before any weight is touched
+    modifier.initialize(model, state)            once: resolve targets, data-free work
+    for each subgraph:
+        with modifier.calibrate(subgraph, model, state):   hooks live only inside this block
+            calibration pass over all batches
+        changed = modifier.compress(subgraph, model, state)
+        (propagation pass when any modifier changed weights)
+    modifier.finalize(model, state)              once
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+
+from seqcal.partition import Subgraph
+
+
+@dataclass
+class QuantizedWeight:
+    """The compressed form of one Linear weight, produced by a modifier and written by ``save``.
+
+    Attributes:
+        q: integer codes (int8 storage; fp8 for float schemes) in the original column order, [out, in].
+        scale: per tensor [1], channel [out, 1] or group [out, in // group_size].
+        zero_point: same shape as scale (None for symmetric schemes).
+        g_idx: group index of each input column ([in], int32) for activation ordering "group", else None.
+        scheme: the compressed-tensors QuantizationScheme the weight follows (weights and activations).
+        loss: the solver's objective (GPTQ loss), None for round-to-nearest.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    g_idx: torch.Tensor | None
+    scheme: Any  # compressed_tensors.quantization.QuantizationScheme
+    loss: float | None = None
+
+
+@dataclass
+class RunState:
+    """Everything one calibration run accumulates; owned by the executor, passed to modifiers."""
+
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # module name -> compressed weight
+    module_errors: dict[str, dict[str, float]] = field(default_factory=dict)  # module name -> metrics
+    log: list[str] = field(default_factory=list)  # human-readable events (fallbacks, warnings)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    report: dict[str, Any] = field(default_factory=dict)  # per-subgraph/per-module numbers, saved as JSON
+    token_mask: torch.Tensor | None = None  # [batch, seq] bool of the batch being run (False = padding)
+
+
+class Modifier:
+    """Base class of every modifier; subclasses are dataclasses whose fields are the recipe arguments."""
+
+    name: ClassVar[str] = "Modifier"
+    needs_calibration: ClassVar[bool] = False  # False: data-free, the executor may skip calibration passes
+
+    @classmethod
+    def argument_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)] if hasattr(cls, "__dataclass_fields__") else []
+
+    def validate(self, model: torch.nn.Module) -> None:
+        """Check the arguments against the model before any work; raise ValueError naming the fix."""
+
+    def initialize(self, model: torch.nn.Module, state: RunState) -> None:
+        """Resolve targets; data-free modifiers may do all their work here."""
+
+    @contextlib.contextmanager
+    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        """Attach hooks for the calibration pass of ``subgraph``; they are removed on exit, also on error."""
+        yield
+
+    def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+        """Use what calibration gathered; return True when weights of ``subgraph`` changed."""
+        return False
+
+    def finalize(self, model: torch.nn.Module, state: RunState) -> None:
+        """Last step after all subgraphs (e.g. remove leftover state)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Arguments for recipe.yaml (only those that differ from the defaults)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+            if value != default:
+                out[f.name] = value
+        return out

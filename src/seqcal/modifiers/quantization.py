@@ -1,0 +1,98 @@
+"""QuantizationModifier: round-to-nearest weight quantization (data-free), llm-compressor's arguments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from compressed_tensors.quantization import QuantizationScheme
+
+from seqcal.algorithms import fake_quantize, quantize, weight_qparams
+from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
+from seqcal.modifiers.schemes import resolve_modules, resolve_schemes, strategy_of
+from seqcal.partition import Subgraph
+
+
+@dataclass
+class QuantizationModifier(Modifier):
+    """Quantize the weights of matching Linear layers with round-to-nearest.
+
+    Args:
+        targets: module class names or ``re:`` patterns the ``scheme`` applies to (default all Linear).
+        scheme: a compressed-tensors preset ("W4A16", "W8A8", "FP8_DYNAMIC", ...) or {preset: targets}.
+        config_groups: explicit compressed-tensors config groups (instead of ``scheme``).
+        ignore: modules left in full precision (class names or ``re:`` patterns), e.g. ["lm_head"].
+        kv_cache_scheme: not supported; must stay None.
+
+    Example:
+        >>> QuantizationModifier(scheme="W4A16", ignore=["lm_head"])  # doctest: +SKIP
+    """
+
+    name: ClassVar[str] = "QuantizationModifier"
+    targets: str | list[str] = "Linear"
+    scheme: str | dict[str, Any] | None = None
+    config_groups: dict[str, Any] | None = None
+    ignore: list[str] = field(default_factory=list)
+    kv_cache_scheme: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ignore, str):
+            self.ignore = [self.ignore]
+        if self.kv_cache_scheme is not None:
+            raise ValueError(f"{self.name}: kv_cache_scheme is not supported yet; remove it from the recipe")
+        self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
+        self.modules: dict[str, QuantizationScheme] = {}
+
+    def validate(self, model: torch.nn.Module) -> None:
+        self.modules = resolve_modules(model, self.groups, self.ignore)
+        if not self.modules:
+            raise ValueError(
+                f"{self.name}: no Linear layer matches targets {self.targets!r} (ignore={self.ignore!r}); "
+                "targets are class names such as 'Linear' or 're:' patterns on module names"
+            )
+
+    def initialize(self, model: torch.nn.Module, state: RunState) -> None:
+        if not self.modules:
+            self.validate(model)
+
+    def modules_in(self, subgraph: Subgraph) -> list[str]:
+        """The modules of this modifier whose weights ``subgraph`` uses."""
+        prefixes = tuple(subgraph.modules)
+        return [n for n in self.modules if n in prefixes or n.startswith(tuple(p + "." for p in prefixes))]
+
+    def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        for name in names:
+            module = model.get_submodule(name)
+            state.quantized[name] = rtn_quantize_module(module, self.modules[name])
+        return bool(names)
+
+
+def quant_kwargs(scheme: QuantizationScheme) -> dict[str, Any]:
+    """The weight arguments of ``scheme`` as keyword arguments of seqcal.algorithms."""
+    w = scheme.weights
+    return {
+        "num_bits": w.num_bits,
+        "symmetric": w.symmetric,
+        "strategy": strategy_of(w),
+        "group_size": w.group_size if strategy_of(w) == "group" else None,
+        "type": str(w.type.value if hasattr(w.type, "value") else w.type),
+    }
+
+
+def rtn_quantize_module(module: torch.nn.Module, scheme: QuantizationScheme) -> QuantizedWeight:
+    """Round-to-nearest quantize ``module.weight`` in place (fake-quantized) and return its compressed form."""
+    kw = quant_kwargs(scheme)
+    W = module.weight.data  # [out, in]
+    observer = scheme.weights.observer or "minmax"
+    scale, zero_point = weight_qparams(
+        W, num_bits=kw["num_bits"], symmetric=kw["symmetric"], strategy=kw["strategy"],
+        group_size=kw["group_size"], type=kw["type"], observer=observer if observer in ("minmax", "mse") else "minmax",
+    )  # fmt: skip
+    qargs = {"num_bits": kw["num_bits"], "type": kw["type"], "group_size": kw["group_size"]}
+    q = quantize(W, scale, zero_point, **qargs)
+    module.weight.data = fake_quantize(W, scale, zero_point, **qargs)
+    return QuantizedWeight(
+        q=q, scale=scale, zero_point=None if kw["symmetric"] else zero_point, g_idx=None, scheme=scheme
+    )

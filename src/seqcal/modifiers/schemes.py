@@ -1,0 +1,135 @@
+"""Quantization schemes: compressed-tensors' presets and config groups, resolved to modules.
+
+We reuse compressed-tensors' scheme classes and preset names (W4A16, W8A8, FP8_DYNAMIC, ...) so that the
+names mean exactly what they mean in llm-compressor and in the saved ``quantization_config``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+# Presets whose weight math seqcal implements (int with tensor/channel/group strategies, fp8).
+SUPPORTED_PRESETS = (
+    "W4A16",
+    "W4A16_ASYM",
+    "W8A16",
+    "W8A8",
+    "INT8_W8A8",
+    "FP8",
+    "FP8_DYNAMIC",
+    "W2A16",
+    "W3A16",
+    "W5A16",
+    "W6A16",
+    "W7A16",
+)
+
+
+def resolve_schemes(
+    scheme: str | dict[str, Any] | None,
+    config_groups: dict[str, Any] | None,
+    targets: str | Sequence[str],
+    where: str,
+) -> dict[str, QuantizationScheme]:
+    """Turn a modifier's ``scheme`` / ``config_groups`` arguments into named QuantizationSchemes.
+
+    Args:
+        scheme: a preset name ("W4A16"), a dict preset -> targets, or a dict of QuantizationArgs fields.
+        config_groups: compressed-tensors config groups: name -> {targets, weights, input_activations}.
+        targets: default targets of a preset given as a plain name.
+        where: the modifier's name, for error messages.
+
+    Returns:
+        group name -> QuantizationScheme.
+
+    Raises:
+        ValueError: neither or both given, an unknown preset, or unsupported arguments.
+    """
+    if (scheme is None) == (config_groups is None):
+        raise ValueError(f"{where}: give exactly one of `scheme` (e.g. 'W4A16') or `config_groups`")
+    target_list = [targets] if isinstance(targets, str) else list(targets)
+    groups: dict[str, QuantizationScheme] = {}
+    if isinstance(scheme, str):
+        groups["group_0"] = _preset(scheme, target_list, where)
+    elif isinstance(scheme, dict):
+        for i, (preset, preset_targets) in enumerate(scheme.items()):
+            preset_targets = [preset_targets] if isinstance(preset_targets, str) else list(preset_targets)
+            groups[f"group_{i}"] = _preset(preset, preset_targets, where)
+    else:
+        for name, group in (config_groups or {}).items():
+            try:
+                groups[name] = QuantizationScheme.model_validate(group)
+            except Exception as exc:  # pydantic's ValidationError lists the bad fields
+                raise ValueError(f"{where}: config_groups[{name!r}] is not a valid scheme: {exc}") from exc
+    for name, group in groups.items():
+        check_supported(group, f"{where} group {name!r}")
+    return groups
+
+
+def _preset(name: str, targets: list[str], where: str) -> QuantizationScheme:
+    key = name.upper()
+    if key not in PRESET_SCHEMES:
+        raise ValueError(f"{where}: unknown scheme {name!r}; valid presets: {', '.join(SUPPORTED_PRESETS)}")
+    if key not in SUPPORTED_PRESETS:
+        raise ValueError(
+            f"{where}: scheme {name!r} is a compressed-tensors preset seqcal does not implement yet; "
+            f"supported: {', '.join(SUPPORTED_PRESETS)}"
+        )
+    return preset_name_to_scheme(key, targets)
+
+
+def check_supported(scheme: QuantizationScheme, where: str) -> None:
+    """Reject what the math in seqcal.algorithms does not implement, before any work starts."""
+    weights = scheme.weights
+    if weights is None:
+        raise ValueError(f"{where}: no weight quantization; seqcal quantizes weights (W*A16, W8A8, FP8)")
+    strategy = str(weights.strategy.value if hasattr(weights.strategy, "value") else weights.strategy)
+    if strategy not in ("tensor", "channel", "group"):
+        raise ValueError(f"{where}: weight strategy {strategy!r} is not supported; use tensor, channel or group")
+    if weights.type == "float" and weights.num_bits != 8:
+        raise ValueError(f"{where}: float weights must be 8-bit (fp8 e4m3)")
+    if scheme.output_activations is not None:
+        raise ValueError(f"{where}: output activation quantization is not supported")
+    acts = scheme.input_activations
+    if acts is not None and not acts.dynamic:
+        raise ValueError(f"{where}: static input activation quantization is not supported; use dynamic")
+
+
+def strategy_of(args: QuantizationArgs) -> str:
+    return str(args.strategy.value if hasattr(args.strategy, "value") else args.strategy)
+
+
+def matches_target(module: torch.nn.Module, name: str, patterns: Sequence[str]) -> bool:
+    """compressed-tensors' matching: a class name ("Linear") or an ``re:`` pattern on the qualified name."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif pattern == name or type(module).__name__ == pattern:
+            return True
+    return False
+
+
+def resolve_modules(
+    model: torch.nn.Module, groups: dict[str, QuantizationScheme], ignore: Sequence[str]
+) -> dict[str, QuantizationScheme]:
+    """Module name -> scheme for every Linear matched by a group's targets and not ignored.
+
+    The first group that matches wins, as in compressed-tensors. Only ``nn.Linear`` weights are quantized
+    (embeddings and norms are not), whatever the target pattern.
+    """
+    found: dict[str, QuantizationScheme] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or matches_target(module, name, ignore):
+            continue
+        for group in groups.values():
+            if matches_target(module, name, group.targets):
+                found[name] = group
+                break
+    return found
