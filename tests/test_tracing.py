@@ -36,7 +36,11 @@ def test_targets_and_order() -> None:
 
 def test_targets_per_subgraph() -> None:
     sg = trace_subgraphs(tiny_llama(), sample(), targets_per_subgraph=2)
-    assert [s.targets for s in sg] == [["model.layers.0", "model.layers.1"], ["model.layers.2", "model.layers.3"], []]
+    assert [s.targets for s in sg] == [
+        ["model.layers.0", "model.layers.1"],
+        ["model.layers.2", "model.layers.3"],
+        [],
+    ]
     inputs = sample(2, 6, 2)
     assert_same_outputs(sg.run(**inputs), sg.model(**inputs))
 

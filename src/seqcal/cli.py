@@ -49,7 +49,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         target = ", ".join(row["targets"]) or "-"
         ins = ", ".join(row["inputs"]) or "-"
         outs = ", ".join(row["outputs"]) or "-"
-        lines.append(f"{row['index']:>3}  {target:<34} {row['params']:>12,}  {row['nodes']:>5}  {ins} -> {outs}")
+        lines.append(
+            f"{row['index']:>3}  {target:<34} {row['params']:>12,}  {row['nodes']:>5}  {ins} -> {outs}"
+        )
     return "\n".join(lines)
 
 
@@ -85,7 +87,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if not args.check:
         return 0
     # Another batch than the trace sample: two rows of different length, left-padded.
-    check = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=args.max_seq_length)
+    check = tokenizer(
+        texts, return_tensors="pt", padding=True, truncation=True, max_length=args.max_seq_length
+    )
     with torch.no_grad():
         want = model(**check)
     got = subgraphs.run(**check, progress=True)
@@ -97,6 +101,99 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _eval_text(path: str | None) -> tuple[str, str]:
+    """The evaluation text and its name: a file, else WikiText-2 test next to the repo, else the embedded text."""
+    from pathlib import Path
+
+    from seqcal.eval import load_eval_text
+
+    candidates = [path] if path else [str(Path.cwd().parent / "shared" / "data" / "wiki.test.raw")]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file():
+            return load_eval_text(candidate), candidate
+    if path:
+        raise SystemExit(f"seqcal: evaluation file {path} does not exist")
+    from seqcal.data import default_calibration_text
+
+    return default_calibration_text(), "embedded text (no WikiText-2 found)"
+
+
+def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Namespace) -> float:
+    from seqcal.eval import perplexity
+
+    result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows)
+    return result.ppl
+
+
+def cmd_oneshot(args: argparse.Namespace) -> int:
+    from seqcal.entrypoint import ModelArgs, load_model, oneshot
+
+    model, tokenizer = load_model(ModelArgs(args.model, dtype=args.dtype))
+    text, text_name = _eval_text(args.eval_dataset) if args.eval else ("", "")
+    before = _ppl(model, tokenizer, text, args) if args.eval else None
+    start = time.perf_counter()
+    oneshot(
+        model=model, tokenizer=tokenizer, recipe=args.recipe, dataset=args.dataset, output_dir=args.output_dir,
+        num_calibration_samples=args.num_calibration_samples, max_seq_length=args.max_seq_length,
+        batch_size=args.batch_size, sequential_targets=args.sequential_targets, tracing_ignore=args.tracing_ignore,
+        pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    if args.output_dir:
+        import json
+        from pathlib import Path
+
+        from seqcal.eval import format_error_table
+
+        report_path = Path(args.output_dir) / "quantization_report.json"
+        if report_path.is_file():
+            print(format_error_table(json.loads(report_path.read_text())))
+    print(f"\noneshot took {elapsed:.1f} s" + (f"; checkpoint: {args.output_dir}" if args.output_dir else ""))
+    if args.eval:
+        after = _ppl(model, tokenizer, text, args)
+        print(f"perplexity on {text_name} ({args.eval_windows or 'all'} windows of {args.eval_seq_length} tokens): "
+              f"before {before:.2f} -> after {after:.2f}")  # fmt: skip
+    return 0
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    model, tokenizer = _load(args.model, args.dtype)
+    text, text_name = _eval_text(args.dataset)
+    print(f"perplexity on {text_name}: {_ppl(model, tokenizer, text, args):.3f}")
+    return 0
+
+
+def _add_oneshot(sub: Any) -> None:
+    one = sub.add_parser("oneshot", help="quantize a model with a recipe and calibration data")
+    one.add_argument("--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)")
+    one.add_argument("--recipe", required=True, help="recipe YAML file (llm-compressor format accepted)")
+    one.add_argument("--dataset", default="default", help="calibration data: file, HF name, or 'default'")
+    one.add_argument("--output-dir", default=None)
+    one.add_argument("--num-calibration-samples", type=int, default=512)
+    one.add_argument("--max-seq-length", type=int, default=2048)
+    one.add_argument("--batch-size", type=int, default=1)
+    one.add_argument("--seed", type=int, default=42)
+    one.add_argument("--sequential-targets", nargs="+", default=None)
+    one.add_argument("--tracing-ignore", nargs="+", default=None)
+    one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])
+    one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
+    one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    one.add_argument("--eval", action="store_true", help="print perplexity before and after")
+    one.add_argument("--eval-dataset", default=None, help="text for --eval (default: WikiText-2 test if found)")
+    one.add_argument("--eval-seq-length", type=int, default=2048)
+    one.add_argument("--eval-windows", type=int, default=None, help="evaluate only the first N windows")
+    one.set_defaults(func=cmd_oneshot)
+    ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="metric", required=True)
+    ppl = ev.add_parser("ppl", help="WikiText-2-style perplexity (non-overlapping windows)")
+    ppl.add_argument("--model", required=True)
+    ppl.add_argument("--dataset", default=None, help="raw text file (default: ../shared/data/wiki.test.raw)")
+    ppl.add_argument("--eval-seq-length", "--seq-len", dest="eval_seq_length", type=int, default=2048)
+    ppl.add_argument("--eval-windows", type=int, default=None)
+    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ppl.set_defaults(func=cmd_eval_ppl)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="seqcal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,12 +201,15 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)")
     trace.add_argument("--targets", nargs="+", default=None, help="sequential target classes or re: patterns")
     trace.add_argument("--ignore", nargs="+", default=None, help="functions/methods to keep opaque")
-    trace.add_argument("--leaf", nargs="+", default=None, help="module classes or re: patterns kept as one node")
+    trace.add_argument(
+        "--leaf", nargs="+", default=None, help="module classes or re: patterns kept as one node"
+    )
     trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
     trace.add_argument("--dataset", default=None, help="text file to take the sample and check batch from")
     trace.add_argument("--max-seq-length", type=int, default=128)
     trace.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     trace.set_defaults(func=cmd_trace)
+    _add_oneshot(sub)
     return parser
 
 

@@ -16,7 +16,8 @@ from seqcal.data import DataArgs, load_calibration_batches
 from seqcal.executor import calibrate_subgraphs
 from seqcal.modifiers import RunState
 from seqcal.recipe import parse_recipe
-from seqcal.subgraphs import trace_subgraphs
+from seqcal.subgraphs import SubgraphList, trace_subgraphs
+from seqcal.tracing import TracingError
 
 logger = logging.getLogger("seqcal")
 
@@ -37,7 +38,9 @@ class ModelArgs:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if not isinstance(self.model, (str, Path, torch.nn.Module)):
-            raise TypeError(f"model must be a directory, 'default' or a PreTrainedModel, got {type(self.model)}")
+            raise TypeError(
+                f"model must be a directory, 'default' or a PreTrainedModel, got {type(self.model)}"
+            )
 
 
 @dataclass
@@ -77,7 +80,9 @@ def load_model(args: ModelArgs) -> tuple[torch.nn.Module, Any]:
     else:
         source = str(resolve_model(args.model))
         dtype = DTYPES[args.dtype]
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, trust_remote_code=args.trust_remote_code
+        )
     tokenizer = args.tokenizer
     if tokenizer is None and source:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
@@ -144,7 +149,9 @@ def oneshot(
             + f"; valid arguments: {', '.join(valid)}"
         )
     model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code)
-    pipe_args = PipelineArgs(pipeline, sequential_targets, list(tracing_ignore or []), 1, offload, offload_dir)
+    pipe_args = PipelineArgs(
+        pipeline, sequential_targets, list(tracing_ignore or []), 1, offload, offload_dir
+    )
     out_args = OutputArgs(output_dir, overwrite)
     parsed = parse_recipe(recipe)
     _check_output(out_args)
@@ -179,7 +186,11 @@ def _check_output(args: OutputArgs) -> None:
 
 
 def run_pipeline(
-    model: torch.nn.Module, tokenizer: Any, modifiers: list[Any], data_args: DataArgs | None, args: PipelineArgs
+    model: torch.nn.Module,
+    tokenizer: Any,
+    modifiers: list[Any],
+    data_args: DataArgs | None,
+    args: PipelineArgs,
 ) -> RunState:
     """Run the modifiers over the model (the calibration stage of ``oneshot``); returns the run's state."""
     start = time.perf_counter()
@@ -188,7 +199,9 @@ def run_pipeline(
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:
         if any(m.needs_calibration for m in modifiers):
-            raise ValueError("pipeline='datafree' cannot run modifiers that need calibration data (GPTQModifier)")
+            raise ValueError(
+                "pipeline='datafree' cannot run modifiers that need calibration data (GPTQModifier)"
+            )
         batches = []
     else:
         batches = load_calibration_batches(data_args, tokenizer)
@@ -200,11 +213,18 @@ def run_pipeline(
     elif args.pipeline == "basic":
         rows = _whole_model(model, modifiers, state, batches)
     else:
-        sample = {**batches[0], "use_cache": False}
-        subgraphs = trace_subgraphs(model, sample, targets, args.tracing_ignore, None, args.targets_per_subgraph)
+        batches = [{**batch, "use_cache": False} for batch in batches]
+        try:
+            subgraphs = trace_subgraphs(
+                model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph
+            )
+        except TracingError as err:
+            subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
         device = _model_device(model)
         with ActivationCache(offload=args.offload, offload_dir=args.offload_dir, device=device) as cache:
-            rows = calibrate_subgraphs(model, subgraphs, batches, modifiers, cache, subgraphs.placeholders, state)
+            rows = calibrate_subgraphs(
+                model, subgraphs, batches, modifiers, cache, subgraphs.placeholders, state
+            )
     for modifier in modifiers:
         modifier.finalize(model, state)
     state.report = {
@@ -216,6 +236,33 @@ def run_pipeline(
     for line in state.log:
         logger.warning(line)
     return state
+
+
+def _layerwise_fallback(
+    model: torch.nn.Module, batches: list[dict[str, Any]], targets: list[str] | None, err: TracingError
+) -> tuple[SubgraphList, list[dict[str, Any]]]:
+    """Tracing failed: calibrate layer by layer with hooks if the targets form a simple chain, else re-raise."""
+    from seqcal.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
+    from seqcal.partition import partition
+    from seqcal.tracing.diagnostics import Problem
+    from seqcal.tracing.targets import infer_candidates, match_targets
+
+    found = match_targets(model, targets) if targets else infer_candidates(model)
+    order = [name for name, _ in model.named_modules() if name in set(found.values())]
+    reason = check_chain(model, order, batches[0]) if order else "no targets"
+    if reason is not None:
+        fix = "follow the tracing fixes above; the layer-by-layer fallback does not apply"
+        raise TracingError([*err.problems, Problem("layer-by-layer fallback", reason, fix)]) from err
+    logger.warning(
+        "seqcal: tracing failed (%s); the %d targets form a simple chain, so calibrating layer by layer "
+        "with hooks instead. Check the per-layer errors in the report.",
+        err.problems[0].what,
+        len(order),
+    )
+    traced = chain_graph(order, capture_first_inputs(model, order[0], batches[0]))
+    names = {id(m): n for n, m in model.named_modules()}
+    subgraphs = SubgraphList(model, traced, partition(traced.graph, traced.targets, 1, names))
+    return subgraphs, chain_batches(model, order[0], batches)
 
 
 def _whole_model(
@@ -237,4 +284,6 @@ def _whole_model(
         state.token_mask = None
     for modifier in modifiers:
         modifier.compress(every, model, state)
-    return [{"index": 0, "targets": ["<whole model>"], "rel_error": None, "seconds": time.perf_counter() - start}]
+    return [
+        {"index": 0, "targets": ["<whole model>"], "rel_error": None, "seconds": time.perf_counter() - start}
+    ]

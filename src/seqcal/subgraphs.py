@@ -20,9 +20,7 @@ class SubgraphList(Sequence[Subgraph]):
         self.model = model
         self.traced = traced
         self._subgraphs = subgraphs
-        self.placeholders = {
-            str(n.target): n.name for n in traced.graph.nodes if n.op == "placeholder"
-        }
+        self.placeholders = {str(n.target): n.name for n in traced.graph.nodes if n.op == "placeholder"}
 
     @overload
     def __getitem__(self, index: int) -> Subgraph: ...
@@ -80,7 +78,9 @@ class SubgraphList(Sequence[Subgraph]):
         cache = cache or ActivationCache(offload="cpu", device=_device_of(self.model))
         try:
             with torch.no_grad():
-                outputs = run_subgraphs(self.model, self, [tensors], cache, self.placeholders, progress=progress)
+                outputs = run_subgraphs(
+                    self.model, self, [tensors], cache, self.placeholders, progress=progress
+                )
         finally:
             if owned:
                 cache.close()
@@ -91,7 +91,9 @@ class SubgraphList(Sequence[Subgraph]):
         named = dict(self.model.named_modules())
         rows = []
         for sg in self:
-            params = sum(p.numel() for m in sg.modules if m in named for p in named[m].parameters(recurse=True))
+            params = sum(
+                p.numel() for m in sg.modules if m in named for p in named[m].parameters(recurse=True)
+            )
             rows.append(
                 {
                     "index": sg.index,

@@ -95,9 +95,17 @@ def trace(
     targets = infer_candidates(model) if inferred else match_targets(model, list(sequential_targets))
     if not targets:
         raise TracingError(
-            [Problem(type(model).__name__, "found no stack of layers to use as targets", "pass sequential_targets")]
+            [
+                Problem(
+                    type(model).__name__,
+                    "found no stack of layers to use as targets",
+                    "pass sequential_targets",
+                )
+            ]
         )
-    user_leaf = (lambda m, name: matches(m, name, list(leaf_modules))) if leaf_modules else (lambda m, name: False)
+    user_leaf = (
+        (lambda m, name: matches(m, name, list(leaf_modules))) if leaf_modules else (lambda m, name: False)
+    )
     _check_leaf_conflicts(model, targets, user_leaf)
     tensors, constants = split_inputs(sample)
     policy = LeafPolicy(targets=targets, holders=holders_of(model, targets), user_leaf=user_leaf)

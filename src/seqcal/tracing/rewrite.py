@@ -201,7 +201,9 @@ class _CallRouter(ast.NodeTransformer):
         if isinstance(node.func, ast.Name) and node.func.id in {"super", "locals", "globals", "vars"}:
             return node  # zero-argument super() and frame introspection must run in this frame
         return ast.Call(
-            func=ast.Name(id=f"{_PREFIX}call", ctx=ast.Load()), args=[node.func, *node.args], keywords=node.keywords
+            func=ast.Name(id=f"{_PREFIX}call", ctx=ast.Load()),
+            args=[node.func, *node.args],
+            keywords=node.keywords,
         )
 
     def visit_Compare(self, node: ast.Compare) -> ast.AST:
@@ -241,7 +243,7 @@ class _BodyRewriter:
     def rewrite(self, body: list[ast.stmt], top: bool) -> list[ast.stmt]:
         out: list[ast.stmt] = []
         pending: list[ast.stmt] = []
-        for i, stmt in enumerate(body):
+        for stmt in body:
             kind = self._classify(stmt)
             if kind == "opaque":
                 pending.append(stmt)
@@ -288,7 +290,11 @@ class _BodyRewriter:
         handler = ast.ExceptHandler(
             type=ast.Name(id="Exception", ctx=ast.Load()),
             name=f"{_PREFIX}err",
-            body=[ast.Expr(_call(f"{_PREFIX}fail", ast.Constant(sid), ast.Name(id=f"{_PREFIX}err", ctx=ast.Load())))],
+            body=[
+                ast.Expr(
+                    _call(f"{_PREFIX}fail", ast.Constant(sid), ast.Name(id=f"{_PREFIX}err", ctx=ast.Load()))
+                )
+            ],
         )
         return [ast.Try(body=[routed], handlers=[handler], orelse=[], finalbody=[])]
 
@@ -428,12 +434,12 @@ def rewrite_source(src: SourceFunction, plan: RewritePlan) -> Rewritten:
         keys=[ast.Constant(h.name) for h in rewriter.helpers],
         values=[ast.Name(id=h.name, ctx=ast.Load()) for h in rewriter.helpers],
     )
-    ret = ast.Return(
-        ast.Tuple(elts=[ast.Name(id=fdef.name, ctx=ast.Load()), helpers_dict], ctx=ast.Load())
-    )
+    ret = ast.Return(ast.Tuple(elts=[ast.Name(id=fdef.name, ctx=ast.Load()), helpers_dict], ctx=ast.Load()))
     factory = ast.FunctionDef(
         name=f"{_PREFIX}factory",
-        args=ast.arguments(posonlyargs=[], args=[ast.arg(arg="__class__")], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        args=ast.arguments(
+            posonlyargs=[], args=[ast.arg(arg="__class__")], kwonlyargs=[], kw_defaults=[], defaults=[]
+        ),
         body=[*rewriter.helpers, new_fdef, ret],
         decorator_list=[],
         returns=None,

@@ -150,9 +150,8 @@ def check_targets(
         if count == 0:
             site = _hiding_site(graph, model, name)
             where = f"{site.filename}:{site.lineno} in {site.owner}" if site else name
-            what = (
-                f"target {name} ({type(module).__name__}) is not called by traced code"
-                + (f"; it runs inside opaque code: `{site.source}`" if site else "; the forward never calls it")
+            what = f"target {name} ({type(module).__name__}) is not called by traced code" + (
+                f"; it runs inside opaque code: `{site.source}`" if site else "; the forward never calls it"
             )
             causes = [
                 f"{err} (line {line})"
@@ -206,7 +205,9 @@ def _hiding_site(graph: fx.Graph, model: torch.nn.Module, name: str):  # noqa: A
         if node.op == "call_function" and isinstance(node.target, OpaqueCall):
             call = node.target
             prefix = next((n for n, m in modules.items() if m is call.module), None)
-            is_method = any(not isinstance(getattr(call.module, a, None), torch.nn.Module) for a in call.site.touched)
+            is_method = any(
+                not isinstance(getattr(call.module, a, None), torch.nn.Module) for a in call.site.touched
+            )
             if prefix is not None and (not prefix or name.startswith(prefix + ".")) and is_method:
                 return call.site
     return None

@@ -8,8 +8,8 @@ on runtime values and ``bool()`` of them abort the statement, which is then retr
 """
 
 from __future__ import annotations
-
 import __future__
+
 import enum
 import functools
 import inspect
@@ -178,7 +178,9 @@ class SeqTracer(fx.Tracer):
                 return a
         return a  # opaque Python objects (configs, modules' helpers) are kept by reference
 
-    def trace_root(self, root: torch.nn.Module, tensors: dict[str, Any], constants: dict[str, Any]) -> fx.Graph:
+    def trace_root(
+        self, root: torch.nn.Module, tensors: dict[str, Any], constants: dict[str, Any]
+    ) -> fx.Graph:
         """Trace ``root(**tensors, **constants)``; tensor inputs become placeholders in that order."""
         names = list(tensors)
 
@@ -186,7 +188,9 @@ class SeqTracer(fx.Tracer):
             proxies = [self.create_proxy("placeholder", n, (), {}) for n in names]
 
             def entry(*values: Any) -> Any:
-                return self.call_rewritten(root, type(root).forward, (), {**dict(zip(names, values)), **constants})
+                return self.call_rewritten(
+                    root, type(root).forward, (), {**dict(zip(names, values)), **constants}
+                )
 
             return entry, proxies
 
@@ -194,7 +198,9 @@ class SeqTracer(fx.Tracer):
         return self.trace(root)
 
     # -- rewriting ------------------------------------------------------------------------------------------
-    def call_rewritten(self, module: torch.nn.Module, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def call_rewritten(
+        self, module: torch.nn.Module, func: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
         fn = self._rewritten(module, func)
         return fn(module, *args, **kwargs)
 
@@ -288,10 +294,14 @@ class SeqTracer(fx.Tracer):
         name = getattr(f, "__name__", None)
         owner = getattr(f, "__self__", None)
         symbolic = contains_proxy(args) or contains_proxy(kwargs)
-        if isinstance(owner, torch.nn.Module) and isinstance(getattr(f, "__func__", None), types.FunctionType):
+        if isinstance(owner, torch.nn.Module) and isinstance(
+            getattr(f, "__func__", None), types.FunctionType
+        ):
             holder = not self.policy.is_leaf(owner, self.path_of_module_safe(owner))
-            if holder and name not in self.ignored and (
-                name == "forward" or name in self.essential_methods(owner)
+            if (
+                holder
+                and name not in self.ignored
+                and (name == "forward" or name in self.essential_methods(owner))
             ):
                 return self.call_rewritten(owner, f.__func__, args, kwargs)
         if not symbolic and name not in self.ignored:
@@ -311,9 +321,7 @@ class SeqTracer(fx.Tracer):
     def _is(self, a: Any, b: Any, negate: bool) -> bool:
         for value in (a, b):
             if isinstance(value, Proxy) and value.node.op not in ("placeholder", "get_attr"):
-                raise TraceError(
-                    f"`is` test on a value only known at run time ({value.node.format_node()})"
-                )
+                raise TraceError(f"`is` test on a value only known at run time ({value.node.format_node()})")
         return (a is not b) if negate else (a is b)
 
     def _fail(self, sid: StmtId, err: BaseException) -> None:
@@ -321,7 +329,9 @@ class SeqTracer(fx.Tracer):
             raise err
         raise StatementFailed(sid, err) from err
 
-    def _opaque(self, site_id: str, helper: Callable[..., Any], module: torch.nn.Module, inputs: tuple) -> Any:
+    def _opaque(
+        self, site_id: str, helper: Callable[..., Any], module: torch.nn.Module, inputs: tuple
+    ) -> Any:
         site = self.sites[site_id]
         call = OpaqueCall(helper, module, site)
         folded: Any = None
@@ -388,5 +398,11 @@ def trace_with_retries(
         except Exception as exc:
             raise TracingError([locate(exc, tracer.rewritten_files, root)]) from exc
     raise TracingError(
-        [Problem(where=type(root).__qualname__, what=f"gave up after {MAX_RETRACES} retraces", fix="report a bug")]
+        [
+            Problem(
+                where=type(root).__qualname__,
+                what=f"gave up after {MAX_RETRACES} retraces",
+                fix="report a bug",
+            )
+        ]
     )

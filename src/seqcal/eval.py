@@ -1,0 +1,497 @@
+"""Evaluation: WikiText-2 perplexity and the per-layer error report of a quantization run.
+
+Perplexity follows the protocol of GPTQ's ``llama_eval`` / ``opt_eval`` (and of the PTQ papers and tools
+that copy it): the test split's rows joined with ``"\\n\\n"``, tokenized once with the tokenizer's defaults,
+cut into non-overlapping windows of ``seq_len`` tokens (the last partial window dropped), each window
+scored on its own, ``nll`` = mean next-token cross-entropy over every predicted token of every window and
+``ppl = exp(nll)``. Numbers are comparable with published GPTQ-style WikiText-2 perplexities, not with
+lm-eval's ``wikitext`` task (word perplexity per document, rolling windows).
+
+Example:
+    >>> text = load_eval_text("../shared/data/wiki.test.raw")
+    >>> result = perplexity(model, tokenizer, text, seq_len=2048)
+    >>> print(result.summary())
+    ppl 21.62 (nll 3.0736) over 141 windows x 2048 tokens in 950.1 s
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+REPORT_FILENAME = "quantization_report.json"
+
+# Names accepted for `perplexity(dtype=...)`; torch.dtype objects are accepted as well.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
+
+# Logit elements upcast to fp32 at a time: 2**24 floats = 64 MiB, about 340 positions of a 49k vocab.
+_LOSS_CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    """Outcome of :func:`perplexity`.
+
+    Attributes:
+        ppl: ``exp(nll)``.
+        nll: mean next-token cross-entropy (nats) over all predicted tokens.
+        tokens: predicted tokens, ``windows * (seq_len - 1)``: the first token of a window has no context.
+        windows: windows of ``seq_len`` tokens scored.
+        seq_len: tokens per window.
+        seconds: wall time of the call (tokenization included).
+    """
+
+    ppl: float
+    nll: float
+    tokens: int
+    windows: int
+    seq_len: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        # NaN nll passes: a broken model's NaN loss is reported, not hidden.
+        ok = self.seq_len >= 2 and self.windows >= 1 and not (self.nll < 0 or self.seconds < 0)
+        if not ok or self.tokens != self.windows * (self.seq_len - 1):
+            raise ValueError(
+                f"PerplexityResult: inconsistent {self}; expected seq_len >= 2, windows >= 1, nll >= 0, "
+                "seconds >= 0 and tokens == windows * (seq_len - 1) (a window predicts all but its first token)."
+            )
+
+    def summary(self) -> str:
+        """One line for logs and the CLI, e.g. ``ppl 21.62 (nll 3.0736) over 8 windows x 2048 tokens in 60.1 s``."""
+        return (
+            f"ppl {self.ppl:.2f} (nll {self.nll:.4f}) over {self.windows} windows x {self.seq_len} tokens "
+            f"in {self.seconds:.1f} s"
+        )
+
+
+# ---- text ----------------------------------------------------------------------------------------------
+
+
+def load_eval_text(path: str | os.PathLike[str]) -> str:
+    """Read a WikiText raw split as the string ``"\\n\\n".join(dataset["text"])`` of the Hugging Face dataset.
+
+    HF ``wikitext`` rows are the raw file's lines: a non-blank row keeps its ``"\\n"``, a blank one is ``""``.
+    A file with blank lines (the original ``wiki.*.raw``) is one row per line. A file without any (blank rows
+    dropped, e.g. ``shared/data/wiki.test.raw``) gets them back by WikiText's layout: one blank row before
+    and after each ``= heading =``, one more before each article title but the first. For wikitext-2 test
+    that is 4,364 rows (HF: 4,358), a dozen newlines off in 1.29 M characters. CRLF reads as LF.
+
+    Args:
+        path: a WikiText raw text file (UTF-8).
+
+    Returns:
+        The evaluation text.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+
+    Example:
+        >>> text = load_eval_text("../shared/data/wiki.test.raw")
+        >>> text[:30]
+        '\\n\\n = Robert Boulter = \\n\\n\\n\\n\\n Rob'
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"seqcal.eval.load_eval_text: {path} is not a file. Pass a WikiText raw split such as "
+            "../shared/data/wiki.test.raw (the perplexity evaluation text)."
+        )
+    text = path.read_text(encoding="utf-8")  # text mode: CRLF reads as "\n", as the HF loader reads it
+    lines = text.split("\n")
+    if text.endswith("\n"):
+        lines.pop()  # the final newline ends the last row; it does not start another
+    if lines and all(line.strip() for line in lines):
+        lines = _reinsert_blank_rows(lines)
+    return "\n\n".join(line + "\n" if line.strip() else "" for line in lines)
+
+
+def _heading_level(line: str) -> int:
+    """``= = Title = =`` -> 2; 0 for a line that is not a WikiText heading."""
+    words = line.strip().split(" ")
+    level = 0
+    while level < len(words) and words[level] == "=":
+        level += 1
+    is_heading = 0 < level and len(words) > 2 * level and all(w == "=" for w in words[-level:])
+    return level if is_heading else 0
+
+
+def _reinsert_blank_rows(lines: list[str]) -> list[str]:
+    """Blank rows around headings, as in the splits that keep them (rule read off wiki.valid.raw)."""
+    rows: list[str] = []
+    for line in lines:
+        level = _heading_level(line)
+        if not level:
+            rows.append(line)
+            continue
+        if level == 1 and rows:
+            rows.append("")  # articles are separated by one more blank row
+        rows.extend(("", line, ""))
+    return rows
+
+
+def token_windows(tokenizer: Any, text: str, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """Tokenize ``text`` once and cut it into non-overlapping windows, dropping the last partial one.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer, called with its defaults (special tokens as it adds them).
+        text: the evaluation text; seq_len: tokens per window; max_windows: keep only the first ones.
+
+    Returns:
+        Token ids, shape ``(windows, seq_len)``, int64. Raises ValueError if not one window long.
+
+    Example:
+        >>> token_windows(tokenizer, text, 2048).shape
+        torch.Size([148, 2048])
+    """
+    # verbose=False: the whole split is longer than model_max_length on purpose; no warning about it.
+    ids = torch.as_tensor(tokenizer(text, verbose=False)["input_ids"], dtype=torch.long)  # (N,)
+    if ids.dim() != 1:
+        raise ValueError(
+            f"seqcal.eval.token_windows: the tokenizer returned ids of shape {tuple(ids.shape)} for one "
+            "string; expected a flat list. Pass a Hugging Face tokenizer and a single str."
+        )
+    count = ids.numel() // seq_len
+    if max_windows is not None:
+        count = min(count, max_windows)
+    if count == 0:
+        raise ValueError(
+            f"seqcal.eval.token_windows: the text has {ids.numel()} tokens, fewer than seq_len={seq_len}; "
+            "pass a longer text or a smaller seq_len."
+        )
+    return ids[: count * seq_len].view(count, seq_len)  # (W, T)
+
+
+# ---- perplexity ----------------------------------------------------------------------------------------
+
+
+def window_nll_sum(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, chunk_rows: int | None = None
+) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy of windows, upcast to fp32 a chunk of positions at a time.
+
+    Position ``t`` predicts token ``t + 1``: a window of ``T`` tokens scores ``T - 1``. Upcasting a chunk at
+    a time keeps a bf16 model's logits from getting a full fp32 copy (400 MB per 2048 x 49152 window).
+
+    Args:
+        logits: ``(B, T, V)``, any float dtype; input_ids: ``(B, T)``, the windows scored.
+        chunk_rows: positions upcast at a time; None picks about 2**24 logit elements per chunk.
+
+    Returns:
+        (float64 scalar sum of the token losses, on the logits' device; ``B * (T - 1)``).
+
+    Example:
+        >>> total, count = window_nll_sum(model(input_ids=ids).logits, ids)
+        >>> ppl = math.exp(total.item() / count)
+    """
+    batch, length, vocab = logits.shape
+    if tuple(input_ids.shape) != (batch, length):
+        raise ValueError(
+            f"seqcal.eval.window_nll_sum: logits {tuple(logits.shape)} need input_ids of shape "
+            f"{(batch, length)}, got {tuple(input_ids.shape)}."
+        )
+    rows = chunk_rows or max(1, _LOSS_CHUNK_ELEMENTS // vocab)
+    input_ids = input_ids.to(logits.device)
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for b in range(batch):
+        for start in range(0, length - 1, rows):
+            stop = min(start + rows, length - 1)
+            chunk = logits[b, start:stop].float()  # (c, V): only this slice is copied to fp32
+            targets = input_ids[b, start + 1 : stop + 1]  # (c,): the next tokens
+            total += F.cross_entropy(chunk, targets, reduction="sum").double()
+    return total, batch * (length - 1)
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    resolved = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(str(dtype))
+    if resolved is None or not resolved.is_floating_point:
+        raise ValueError(
+            f"seqcal.eval: dtype {dtype!r} is not a floating dtype; valid names: {sorted(DTYPES)} "
+            "(or a floating torch.dtype, or None to keep the model's dtype)."
+        )
+    return resolved
+
+
+def perplexity(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    text: str,
+    *,
+    seq_len: int = 2048,
+    batch_size: int = 1,
+    max_windows: int | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Perplexity of a causal LM on ``text`` with the GPTQ WikiText-2 protocol (see the module docstring).
+
+    Windows are scored independently, without KV cache, under ``torch.inference_mode``, in eval mode (the
+    model's train/eval mode is restored afterwards); the loss is computed in fp32 whatever the model dtype.
+
+    Args:
+        model: a causal LM whose output has ``.logits`` ``(B, T, V)``; tokenizer: its tokenizer.
+        text: evaluation text, e.g. ``load_eval_text("wiki.test.raw")``.
+        seq_len: tokens per window; batch_size: windows per forward pass (the result does not depend on it).
+        max_windows: score only the first this many windows (quick checks); None scores all.
+        device, dtype: None runs the model where and as it is; otherwise it is moved / cast in place, as
+            ``model.to`` does (dtype: a torch.dtype or a name in ``DTYPES``).
+        progress: show a tqdm bar over batches.
+
+    Returns:
+        :class:`PerplexityResult`. Raises ValueError on bad arguments, a text shorter than one window, or
+        ``device``/``dtype`` given for a model dispatched across devices (``hf_device_map``).
+
+    Example:
+        >>> model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        >>> tokenizer = AutoTokenizer.from_pretrained(path)
+        >>> perplexity(model, tokenizer, load_eval_text("wiki.test.raw"), max_windows=8).ppl
+        17.9
+    """
+    _check_perplexity_args(seq_len, batch_size, max_windows)
+    start = time.perf_counter()
+    windows = token_windows(tokenizer, text, seq_len, max_windows)  # (W, T)
+    run_device = _place_model(model, device, _resolve_dtype(dtype))
+    was_training = model.training
+    model.eval()
+    try:
+        total, count = _score_windows(model, windows, batch_size, run_device, progress)
+    finally:
+        model.train(was_training)
+    nll = total / count
+    result = PerplexityResult(
+        ppl=math.inf if nll > 700 else math.exp(nll),  # exp overflows past ~709; NaN stays NaN
+        nll=nll,
+        tokens=count,
+        windows=windows.shape[0],
+        seq_len=seq_len,
+        seconds=time.perf_counter() - start,
+    )
+    logger.info("seqcal.eval: %s", result.summary())
+    return result
+
+
+def _check_perplexity_args(seq_len: int, batch_size: int, max_windows: int | None) -> None:
+    problems = []
+    if seq_len < 2:
+        problems.append(f"seq_len={seq_len} (>= 2: a window needs a token to predict)")
+    if batch_size < 1:
+        problems.append(f"batch_size={batch_size} (>= 1)")
+    if max_windows is not None and max_windows < 1:
+        problems.append(f"max_windows={max_windows} (>= 1, or None for all windows)")
+    if problems:
+        raise ValueError(f"seqcal.eval.perplexity: invalid {', '.join(problems)}.")
+
+
+def _place_model(model: torch.nn.Module, device: Any, dtype: torch.dtype | None) -> torch.device:
+    """Move/cast the model as asked; return the device its input ids must be on."""
+    if device is None and dtype is None:
+        return _input_device(model)
+    if getattr(model, "hf_device_map", None):
+        raise ValueError(
+            "seqcal.eval.perplexity: the model is dispatched across devices (it has an hf_device_map), so "
+            "it cannot be moved or cast as a whole; pass device=None and dtype=None to evaluate it in place."
+        )
+    model.to(device=device, dtype=dtype)
+    return _input_device(model)
+
+
+def _input_device(model: torch.nn.Module) -> torch.device:
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # accelerate-dispatched modules hold weights elsewhere (meta/cpu) and run on the hook's device.
+    hook_device = getattr(getattr(embed, "_hf_hook", None), "execution_device", None)
+    if hook_device is not None:
+        return torch.device(hook_device)
+    weight = getattr(embed, "weight", None)
+    if weight is None:
+        weight = next(model.parameters(), None)
+    if weight is None or weight.device.type == "meta":
+        return torch.device("cpu")
+    return weight.device
+
+
+def _score_windows(
+    model: torch.nn.Module, windows: torch.Tensor, batch_size: int, device: torch.device, progress: bool
+) -> tuple[float, int]:
+    """Summed token NLL and token count over all windows."""
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    batches = windows.split(batch_size)
+    with torch.inference_mode():
+        for batch in tqdm(batches, desc="perplexity", unit="batch", disable=not progress):
+            batch = batch.to(device)  # (B, T)
+            output = model(input_ids=batch, use_cache=False)
+            logits = output[0] if isinstance(output, tuple) else getattr(output, "logits", None)
+            if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+                raise TypeError(
+                    f"seqcal.eval.perplexity: {type(model).__name__} returned no (batch, seq, vocab) logits; "
+                    "pass a causal LM with its head, e.g. one loaded with AutoModelForCausalLM."
+                )
+            batch_total, batch_count = window_nll_sum(logits, batch)
+            total += batch_total.cpu()
+            count += batch_count
+    return total.item(), count
+
+
+# ---- per-layer error report ----------------------------------------------------------------------------
+
+
+def format_error_table(report: Mapping[str, Any], *, top: int = 10) -> str:
+    """The per-layer error report as aligned text: one row per subgraph, then the worst modules.
+
+    Every key is optional (a missing value prints ``-``). Modules rank by ``gptq_loss``, largest first; NaN
+    ranks first, as it marks a failed solve.
+
+    Args:
+        report: ``{"subgraphs": [{"index", "targets", "rel_error", "seconds"}], "modules": {name:
+            {"gptq_loss", "gptq_seconds"}}, "log": [str]}``; top: how many modules to list.
+
+    Returns:
+        The table text, no trailing newline.
+
+    Example:
+        >>> print(format_error_table({"subgraphs": [{"index": 0, "targets": ["model.layers.0"],
+        ...     "rel_error": 0.012, "seconds": 0.5}]}))
+        subgraph  target          rel error  time (s)
+               0  model.layers.0  1.200e-02      0.50
+                  total                          0.50
+    """
+    if not isinstance(report, Mapping):
+        raise TypeError(
+            f"seqcal.eval.format_error_table: expected a dict report, got {type(report).__name__}."
+        )
+    sections = []
+    subgraphs = [s if isinstance(s, Mapping) else {} for s in report.get("subgraphs") or []]
+    if subgraphs:
+        rows = [[_fmt(s.get("index"), "g"), _targets(s.get("targets"))] for s in subgraphs]
+        for row, s in zip(rows, subgraphs):
+            row += [_fmt(s.get("rel_error"), ".3e"), _fmt(s.get("seconds"), ".2f")]
+        total = sum(v for s in subgraphs if (v := _as_float(s.get("seconds"))) is not None)
+        rows.append(["", "total", "", f"{total:.2f}"])
+        sections.append(_table(["subgraph", "target", "rel error", "time (s)"], rows, "r<rr"))
+    modules = report.get("modules") or {}
+    if isinstance(modules, Mapping) and modules:
+        stats = {name: m if isinstance(m, Mapping) else {} for name, m in modules.items()}
+        ranked = sorted(stats.items(), key=lambda kv: _rank(kv[1].get("gptq_loss")), reverse=True)[:top]
+        rows = [
+            [name, _fmt(m.get("gptq_loss"), ".4g"), _fmt(m.get("gptq_seconds"), ".2f")] for name, m in ranked
+        ]
+        title = f"top {len(ranked)} of {len(stats)} modules by GPTQ loss"
+        sections.append(title + "\n" + _table(["module", "gptq loss", "time (s)"], rows, "<rr"))
+    return "\n\n".join(sections) if sections else "(empty error report: no subgraphs and no modules)"
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _fmt(value: Any, spec: str) -> str:
+    number = _as_float(value)
+    if number is None:
+        return "-" if value is None else str(value)
+    return format(number, spec)
+
+
+def _targets(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value)) or "-"
+    return "-" if value is None else str(value)
+
+
+def _rank(loss: Any) -> float:
+    number = _as_float(loss)
+    if number is None:
+        return -math.inf
+    return math.inf if math.isnan(number) else number
+
+
+def _table(headers: list[str], rows: list[list[str]], align: str) -> str:
+    """Columns padded to their widest cell; ``align`` has one '<' or 'r' per column."""
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = [
+        "  ".join(cell.ljust(w) if a == "<" else cell.rjust(w) for cell, w, a in zip(row, widths, align))
+        for row in [headers, *rows]
+    ]
+    return "\n".join(lines)
+
+
+def write_error_report(report: Mapping[str, Any], output_dir: str | os.PathLike[str]) -> Path:
+    """Write the report as JSON into the checkpoint directory, atomically.
+
+    Tensors and numpy values become numbers/lists, paths strings, and non-finite floats the strings
+    ``"nan"``, ``"inf"``, ``"-inf"``, so the file stays strict JSON.
+
+    Args:
+        report: the per-layer error report (see :func:`format_error_table`); output_dir: the checkpoint
+            directory, created if missing.
+
+    Returns:
+        ``output_dir / "quantization_report.json"``. Raises NotADirectoryError if ``output_dir`` is a file,
+        TypeError (naming the key path) for a value JSON cannot hold.
+
+    Example:
+        >>> write_error_report({"subgraphs": [], "modules": {}, "log": []}, "out").name
+        'quantization_report.json'
+    """
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(
+            f"seqcal.eval.write_error_report: {out} is a file; pass the checkpoint directory instead."
+        )
+    text = json.dumps(_jsonable(report, "report"), indent=2, allow_nan=False) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / REPORT_FILENAME
+    tmp = path.with_name(f".{REPORT_FILENAME}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)  # readers never see a half-written report
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    """``value`` as JSON types; ``where`` is its key path, for the error message."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)  # "nan", "inf", "-inf"
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if callable(getattr(value, "tolist", None)):  # torch / numpy tensors and scalars
+        return _jsonable(value.tolist(), where)
+    raise TypeError(
+        f"seqcal.eval.write_error_report: {where} is a {type(value).__name__}, which JSON cannot hold; "
+        "store numbers, strings, lists or dicts in the report."
+    )

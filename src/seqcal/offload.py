@@ -1,0 +1,152 @@
+"""Weights stay where they are: a model skeleton on meta, values read from safetensors per subgraph.
+
+``load_offloaded`` builds the model with parameters on the meta device (buffers computed at init, such as
+rotary tables, stay real) and a ``WeightStore`` that knows where each parameter lives in the checkpoint's
+safetensors files (memory-mapped reads: only what is asked for is paged in). The executor onloads one
+subgraph's parameters to the execution device, runs it, and releases them again. Weights a modifier changed
+are kept in the store's overrides until they are written to the output checkpoint.
+
+A per-module safety hook onloads, for the duration of one call, any parameter still on meta when a module
+runs (e.g. from code run opaquely that the partitioner could not attribute to a subgraph), so a missed
+attribution costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import init_empty_weights
+from accelerate.utils import set_module_tensor_to_device
+from safetensors import safe_open
+
+
+@dataclass
+class WeightStore:
+    """Parameter name -> where its value is: an override in RAM, else (file, key) in safetensors."""
+
+    files: dict[str, str]  # parameter name -> safetensors file
+    aliases: dict[str, str] = field(default_factory=dict)  # tied parameter -> the name stored on disk
+    overrides: dict[str, torch.Tensor] = field(default_factory=dict)
+    dtype: torch.dtype | None = None
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, dtype: torch.dtype | None = None) -> WeightStore:
+        path = Path(path)
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: str(path / file) for name, file in weight_map.items()}
+        elif (path / "model.safetensors").is_file():
+            with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+                files = dict.fromkeys(f.keys(), str(path / "model.safetensors"))
+        else:
+            raise FileNotFoundError(
+                f"{path} has no model.safetensors(.index.json); seqcal reads weights with safetensors only "
+                "(convert .bin checkpoints with transformers' save_pretrained first)"
+            )
+        return cls(files=files, dtype=dtype)
+
+    def has(self, name: str) -> bool:
+        return name in self.overrides or self.aliases.get(name, name) in self.files
+
+    def read(self, name: str) -> torch.Tensor:
+        """The current value of parameter ``name`` on cpu (an override, else read from its file)."""
+        if name in self.overrides:
+            return self.overrides[name]
+        stored = self.aliases.get(name, name)
+        if stored not in self.files:
+            raise KeyError(f"parameter {name!r} is not in the checkpoint (looked for {stored!r})")
+        with safe_open(self.files[stored], framework="pt") as f:
+            tensor = f.get_tensor(stored)
+        return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
+
+
+def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> tuple[
+    torch.nn.Module, WeightStore
+]:  # fmt: skip
+    """A model whose parameters are on meta, plus the store that holds their values.
+
+    Args:
+        path: a transformers checkpoint directory with safetensors weights.
+        dtype: compute dtype (None: the config's torch_dtype, else float32).
+        trust_remote_code: passed to transformers.
+
+    Returns:
+        (model in eval mode with meta parameters, WeightStore).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    dtype = dtype or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # tied parameters become one object, found below under the name on disk
+    store = WeightStore.from_checkpoint(path, dtype=dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_id: dict[int, str] = {}
+    for name, param in params.items():  # tied parameters share one object; read it under the stored name
+        if id(param) in by_id and not store.has(name):
+            store.aliases[name] = by_id[id(param)]
+        by_id.setdefault(id(param), name)
+    missing = [n for n in params if not store.has(n)]
+    if missing:
+        raise KeyError(f"{path}: checkpoint lacks parameters {missing[:5]}; is it the model's own checkpoint?")
+    return model.eval(), store
+
+
+def params_under(model: torch.nn.Module, modules: Iterable[str]) -> list[str]:
+    """Names of the parameters held by ``modules`` (qualified module names) and their children."""
+    prefixes = tuple(m + "." for m in modules if m)
+    names = [n for n, _ in model.named_parameters()]
+    return [n for n in names if n.startswith(prefixes)] if "" not in set(modules) else names
+
+
+def onload(model: torch.nn.Module, store: WeightStore, names: Iterable[str], device: torch.device) -> None:
+    """Materialise parameters ``names`` on ``device`` from the store."""
+    for name in names:
+        set_module_tensor_to_device(model, name, device, value=store.read(name))
+
+
+def offload(model: torch.nn.Module, names: Iterable[str]) -> None:
+    """Release parameters ``names`` back to meta (their values stay in the store or its overrides)."""
+    for name in names:
+        set_module_tensor_to_device(model, name, "meta")
+
+
+@contextlib.contextmanager
+def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.device) -> Iterator[None]:
+    """Onload, for one call, the direct parameters of any module that runs while they are on meta."""
+    handles = []
+    owned: dict[int, list[str]] = {}
+    onloaded: dict[int, list[str]] = {}  # module id -> parameters this hook onloaded for the running call
+
+    def pre(module: torch.nn.Module, args: Any) -> None:
+        local = [n for n in owned[id(module)] if getattr(module, n.rsplit(".", 1)[-1]).device.type == "meta"]
+        onloaded[id(module)] = local
+        for name in local:
+            set_module_tensor_to_device(module, name.rsplit(".", 1)[-1], device, value=store.read(name))
+
+    def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        for name in onloaded.pop(id(module), []):
+            set_module_tensor_to_device(module, name.rsplit(".", 1)[-1], "meta")
+
+    try:
+        for prefix, module in model.named_modules():
+            direct = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
+            if direct:
+                owned[id(module)] = direct
+                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_hook(post))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,494 @@
+"""Recipes: YAML <-> modifiers. llm-compressor's recipe files are accepted as they are.
+
+Accepted layouts, executed in file order:
+
+    quant_stage:                 # any key ending in _stage; several stages run one after the other
+      quant_modifiers:           # any key ending in _modifiers (or `modifiers`); several groups allowed
+        GPTQModifier: {scheme: W4A16, ignore: [lm_head]}
+    quant_modifiers: {...}       # a group without a stage
+    GPTQModifier: {...}          # a modifier at top level
+
+and the older forms that llm-compressor's examples and tests still use: `run_type: oneshot` and `args:` in a
+stage, a modifier directly inside a stage, a group written as a list (`- GPTQModifier: {...}`), a `group:`
+key among a modifier's arguments, the renamed or deprecated arguments of LEGACY_ARGUMENTS, and a
+`GPTQModifier` without a scheme right after a `QuantizationModifier` of the same stage (GPTQ then uses that
+scheme, and its `targets` name the layers to calibrate one by one, as in llm-compressor < 0.2).
+`version`, `metadata` and `args` at top level are ignored.
+
+Recipes are read with PyYAML's safe loader only (DESIGN invariant 8): tags such as `!GPTQModifier` or
+`!!python/...` are rejected, and `eval(...)` strings are refused, never evaluated.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from seqcal.modifiers import MODIFIERS, Modifier, QuantizationModifier
+
+# llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
+# fmt: off
+UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
+    "AWQModifier", "AutoRoundModifier", "SmoothQuantModifier", "LogarithmicEqualizationModifier",
+    "SpinQuantModifier", "QuIPModifier", "SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier",
+    "ConstantPruningModifier", "OutputDistillationModifier",
+)
+# fmt: on
+IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
+# Older llm-compressor argument names: modifier -> old name -> current name, or None (accepted, ignored:
+# it never changed the result).
+LEGACY_ARGUMENTS: dict[str, dict[str, str | None]] = {
+    "GPTQModifier": {"percdamp": "dampening_frac"},
+    "QuantizationModifier": {"sequential_update": None},
+}
+_EXAMPLE = "'quant_stage: {quant_modifiers: {GPTQModifier: {scheme: W4A16, ignore: [lm_head]}}}'"
+_RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
+
+RecipeInput = Union[str, os.PathLike, Modifier, "Recipe", dict, Sequence[Any]]
+
+
+class RecipeError(ValueError):
+    """A recipe cannot be read; the message names the file (or "<string>"), the line and the valid choices."""
+
+
+@dataclass
+class Recipe:
+    """The modifiers of a recipe, in execution order, and where they were read from.
+
+    Args:
+        modifiers: the modifiers in execution order.
+        source: the file the recipe came from, "<string>" / "<dict>", or None when built from objects.
+
+    Example:
+        >>> recipe = parse_recipe("GPTQModifier: {scheme: W4A16, ignore: [lm_head]}")  # doctest: +SKIP
+        >>> recipe.save("out")  # writes out/recipe.yaml in llm-compressor's staged form  # doctest: +SKIP
+    """
+
+    modifiers: list[Modifier]
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        self.modifiers = list(self.modifiers)
+        where = self.source or "recipe"
+        if not self.modifiers:
+            raise RecipeError(f"{where}: a recipe needs at least one modifier ({', '.join(MODIFIERS)})")
+        for i, modifier in enumerate(self.modifiers):
+            if not isinstance(modifier, Modifier):
+                raise RecipeError(
+                    f"{where}: modifiers[{i}] is a {type(modifier).__name__}, not a seqcal Modifier "
+                    f"({', '.join(MODIFIERS)} from seqcal.modifiers)"
+                )
+
+    def to_yaml(self) -> str:
+        """The recipe in llm-compressor's staged form, with only the non-default arguments.
+
+        Returns:
+            YAML text that ``parse_recipe`` (and llm-compressor) read back to the same modifiers.
+
+        Example:
+            >>> print(parse_recipe("GPTQModifier: {scheme: W4A16}").to_yaml())  # doctest: +SKIP
+            DEFAULT_stage:
+              DEFAULT_modifiers:
+                GPTQModifier: {scheme: W4A16}
+        """
+        groups: list[dict[str, Any]] = [{}]
+        for modifier in self.modifiers:
+            if modifier.name in groups[-1]:
+                groups.append({})  # a group names each modifier once; a new group keeps the order
+            groups[-1][modifier.name] = _plain(modifier.to_dict(), modifier.name)
+        stage = {
+            ("DEFAULT" if i == 0 else f"DEFAULT_{i + 1}") + "_modifiers": g for i, g in enumerate(groups)
+        }
+        return yaml.safe_dump({"DEFAULT_stage": stage}, sort_keys=False, default_flow_style=None)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``to_yaml()`` to ``path``: a .yaml/.yml file name as is, anything else is a directory that
+        gets ``recipe.yaml`` (created if missing).
+
+        Args:
+            path: a directory (a checkpoint's output_dir) or a .yaml/.yml file path.
+
+        Example:
+            >>> parse_recipe("recipes/gptq_w4a16.yaml").save("out")  # out/recipe.yaml  # doctest: +SKIP
+        """
+        target = Path(path)
+        if target.suffix.lower() not in (".yaml", ".yml") or target.is_dir():
+            target = target / "recipe.yaml"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(self.to_yaml(), encoding="utf-8")
+
+
+def parse_recipe(recipe: RecipeInput) -> Recipe:
+    """Read a recipe given in any of the forms ``oneshot(recipe=...)`` accepts.
+
+    Args:
+        recipe: a path to a .yaml/.yml/.json file (or to a directory holding recipe.yaml), a YAML string, a
+            Modifier, a Recipe, a dict already loaded, or a list of any of these (concatenated in order).
+
+    Returns:
+        The Recipe, modifiers in execution order.
+
+    Raises:
+        RecipeError: the recipe cannot be read; the message gives file:line, the problem and the choices.
+
+    Example:
+        >>> parse_recipe("quant_stage: {quant_modifiers: {GPTQModifier: {scheme: W4A16}}}")  # doctest: +SKIP
+        >>> parse_recipe([GPTQModifier(scheme="W8A16"), "recipes/rtn_w8a8.yaml"])  # doctest: +SKIP
+    """
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, Modifier):
+        return Recipe([recipe], None)
+    if isinstance(recipe, dict):
+        return _from_data(recipe, _Locator("<dict>"))
+    if isinstance(recipe, (str, os.PathLike)):
+        return _from_text_or_path(recipe)
+    if isinstance(recipe, Sequence) and not isinstance(recipe, bytes):
+        if not recipe:
+            raise RecipeError(
+                f"the recipe list is empty; give at least one modifier or recipe, e.g. {_EXAMPLE}"
+            )
+        parts = [parse_recipe(item) for item in recipe]
+        sources = list(dict.fromkeys(p.source for p in parts if p.source))
+        return Recipe([m for p in parts for m in p.modifiers], ", ".join(sources) or None)
+    raise RecipeError(
+        f"a recipe is a path to a .yaml file, a YAML string, a Modifier, a dict or a list of those; "
+        f"got {type(recipe).__name__}"
+    )
+
+
+# --- reading text with line numbers ---------------------------------------------------------------------
+
+
+class _LineLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that records the line of every mapping key and rejects repeated keys."""
+
+    def __init__(self, text: str, source: str) -> None:
+        super().__init__(text)
+        self.source = source
+        self.key_lines: dict[int, dict[Any, int]] = {}  # id(dict) -> key -> 1-based line
+
+    def construct_lined_map(self, node: yaml.MappingNode) -> Iterator[dict]:
+        data: dict = {}
+        yield data
+        lines: dict[Any, int] = {}  # keys brought in by `<<: *anchor` get no line; they may be overridden
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if not _hashable(key):
+                continue  # construct_mapping below reports unhashable keys with their line
+            if key in lines:
+                raise RecipeError(_repeated_key_message(self.source, key, lines[key], line))
+            lines[key] = line
+        self.key_lines[id(data)] = lines
+        data.update(self.construct_mapping(node))  # also resolves `<<` merge keys
+
+
+_LineLoader.add_constructor("tag:yaml.org,2002:map", _LineLoader.construct_lined_map)
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _repeated_key_message(source: str, key: Any, first: int, line: int) -> str:
+    if _looks_like_modifier(key):
+        return (
+            f"{source}:{line}: modifier {key!r} is given twice in one group (lines {first} and {line}); "
+            "YAML would silently keep only the last. Put the second one in its own '<name>_modifiers' group "
+            "or '<name>_stage' (they run in file order)"
+        )
+    return f"{source}:{line}: key {key!r} is given twice in one mapping (lines {first} and {line}); keep one"
+
+
+def _load(text: str, source: str) -> tuple[Any, dict[int, dict[Any, int]]]:
+    loader = _LineLoader(text, source)
+    try:
+        return loader.get_single_data(), loader.key_lines
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = ": ".join(str(p) for p in (exc.context, exc.problem) if p)
+        hint = ""
+        if "constructor for the tag" in problem:
+            hint = (
+                "; recipes are read with YAML's safe loader, so tags are not allowed: write "
+                "'GPTQModifier: {scheme: W4A16}' instead of '!GPTQModifier' (nothing in a recipe is executed)"
+            )
+        raise RecipeError(f"{where}: invalid YAML: {problem}{hint}") from exc
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{source}: invalid YAML: {exc}") from exc
+    finally:
+        loader.dispose()
+
+
+def _from_text_or_path(recipe: str | os.PathLike) -> Recipe:
+    text = recipe if isinstance(recipe, str) else None
+    if text is not None and ("\n" in text or not (os.path.exists(text) or text.endswith(_RECIPE_SUFFIXES))):
+        data, lines = _load(text, "<string>")
+        return _from_data(data, _Locator("<string>", lines))
+    path = Path(recipe)
+    if path.is_dir() and (path / "recipe.yaml").is_file():
+        path = path / "recipe.yaml"  # a checkpoint directory written by seqcal or llm-compressor
+    if not path.is_file():
+        raise RecipeError(f"{path}: recipe file not found (working directory: {os.getcwd()})")
+    try:
+        content = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read the recipe file: {exc}") from exc
+    data, lines = _load(content, str(path))
+    return _from_data(data, _Locator(str(path), lines))
+
+
+# --- from loaded data to modifiers ----------------------------------------------------------------------
+
+
+@dataclass
+class _Locator:
+    """Turns (mapping, key) into "file:line" for messages; dicts given by the caller have no lines."""
+
+    source: str
+    key_lines: dict[int, dict[Any, int]] = field(default_factory=dict)
+
+    def at(self, mapping: dict, key: Any) -> str:
+        line = self.key_lines.get(id(mapping), {}).get(key)
+        return f"{self.source}:{line}" if line else self.source
+
+
+@dataclass
+class _Entry:
+    """One modifier as written: its name, its argument mapping, where it is and which stage holds it."""
+
+    name: Any
+    args: Any
+    where: str
+    stage: str
+
+
+def _from_data(data: Any, loc: _Locator) -> Recipe:
+    built: list[tuple[Modifier, _Entry]] = []
+    for entry in _collect(data, loc):
+        inherited = None
+        if _is_bare_gptq(entry) and built and type(built[-1][0]) is QuantizationModifier:
+            if built[-1][1].stage == entry.stage:  # legacy pair: GPTQ takes the scheme of the modifier before
+                inherited = built.pop()[0]
+        built.append((_build(entry, loc, inherited), entry))
+    return Recipe([m for m, _ in built], loc.source)
+
+
+def _collect(data: Any, loc: _Locator) -> list[_Entry]:
+    if data is None or data == {}:
+        raise RecipeError(f"{loc.source}: the recipe is empty; expected e.g. {_EXAMPLE}")
+    if not isinstance(data, dict):
+        hint = "; if it was meant as a file path, no such file exists" if isinstance(data, str) else ""
+        raise RecipeError(
+            f"{loc.source}: a recipe must be a mapping such as {_EXAMPLE}, got {_kind(data)}{hint}"
+        )
+    entries = _collect_level(data, loc, stage=None)
+    if not entries:
+        raise RecipeError(f"{loc.source}: the recipe has no modifiers; expected e.g. {_EXAMPLE}")
+    return entries
+
+
+def _collect_level(mapping: dict, loc: _Locator, stage: str | None) -> list[_Entry]:
+    """The modifiers of the top level (stage None) or of one stage, in file order."""
+    entries: list[_Entry] = []
+    for key, value in mapping.items():
+        at = loc.at(mapping, key)
+        if key in (IGNORED_TOP_LEVEL_KEYS if stage is None else ("args",)):
+            continue  # stage args only feed eval(...) expressions, which seqcal refuses anyway
+        if stage is not None and key == "run_type":
+            if value != "oneshot":
+                raise RecipeError(
+                    f"{at}: run_type {value!r} is not supported: seqcal runs oneshot (post-training) "
+                    "calibration only; use 'run_type: oneshot' or remove the stage"
+                )
+        elif stage is None and isinstance(key, str) and key.endswith("_stage"):
+            if not isinstance(value, dict):
+                raise RecipeError(
+                    f"{at}: stage {key!r} must map '<name>_modifiers' groups, got {_kind(value)}"
+                )
+            entries += _collect_level(value, loc, stage=key)
+        elif _is_group_key(key):
+            entries += _collect_group(value, key, at, loc, stage or "")
+        elif _looks_like_modifier(key):
+            entries.append(_Entry(key, value, at, stage or ""))
+        else:
+            expected = (
+                "a '<name>_stage' mapping (e.g. quant_stage), a '<name>_modifiers' mapping, a modifier "
+                f"({', '.join(MODIFIERS)}) or one of {', '.join(IGNORED_TOP_LEVEL_KEYS)} (ignored)"
+                if stage is None
+                else f"'<name>_modifiers' groups, a modifier ({', '.join(MODIFIERS)}), run_type or args"
+            )
+            place = f"top-level key {key!r}" if stage is None else f"key {key!r} in stage {stage!r}"
+            raise RecipeError(f"{at}: unknown {place}; expected {expected}")
+    return entries
+
+
+def _collect_group(group: Any, name: str, where: str, loc: _Locator, stage: str) -> list[_Entry]:
+    if isinstance(group, dict):
+        return [_Entry(key, value, loc.at(group, key), stage) for key, value in group.items()]
+    if isinstance(group, list):
+        return [_list_entry(item, where, loc, stage) for item in group]
+    raise RecipeError(
+        f"{where}: group {name!r} must map modifier names to their arguments, e.g. "
+        f"'{name}: {{GPTQModifier: {{scheme: W4A16}}}}', got {_kind(group)}"
+    )
+
+
+def _list_entry(item: Any, where: str, loc: _Locator, stage: str) -> _Entry:
+    """One item of a group written as a list: `- GPTQModifier: {args}`, optionally with `group: name`."""
+    names = [key for key in item if key != "group"] if isinstance(item, dict) else []
+    if len(names) != 1:
+        where = loc.at(item, names[1]) if len(names) > 1 else where
+        raise RecipeError(
+            f"{where}: each item of a modifier list holds exactly one modifier, like '- GPTQModifier: "
+            f"{{scheme: W4A16}}'; got {names if names else _kind(item)}"
+        )
+    return _Entry(names[0], item[names[0]], loc.at(item, names[0]), stage)
+
+
+def _build(entry: _Entry, loc: _Locator, inherited: Modifier | None = None) -> Modifier:
+    cls = _modifier_class(entry)
+    args = _arguments(entry, cls, loc)
+    if inherited is not None:
+        if "targets" in args:  # in llm-compressor < 0.2 a bare GPTQModifier's targets were its layers
+            args.setdefault("sequential_targets", args.pop("targets"))
+        args = {**inherited.to_dict(), **args}
+    try:
+        return cls(**args)
+    except (ValueError, TypeError) as exc:
+        message = str(exc) if str(exc).startswith(cls.name) else f"{cls.name}: {exc}"
+        # Point at the argument line when the message names exactly one of the arguments written.
+        named = [k for k in args if k in (entry.args or {}) and re.search(rf"\b{re.escape(k)}\b", str(exc))]
+        where = loc.at(entry.args, named[0]) if len(named) == 1 else entry.where
+        raise RecipeError(f"{where}: {message}") from exc
+
+
+def _modifier_class(entry: _Entry) -> type[Modifier]:
+    name = entry.name
+    if isinstance(name, str) and name in MODIFIERS:
+        return MODIFIERS[name]
+    supported = ", ".join(MODIFIERS)
+    if name in UNSUPPORTED_MODIFIERS:
+        raise RecipeError(
+            f"{entry.where}: {name} is an llm-compressor modifier that is not supported by seqcal yet; "
+            f"supported: {supported}. Remove it from the recipe, or run this recipe with llm-compressor"
+        )
+    hint = _closest(str(name), [*MODIFIERS, *UNSUPPORTED_MODIFIERS])
+    raise RecipeError(f"{entry.where}: unknown modifier {name!r}{hint}; seqcal's modifiers are: {supported}")
+
+
+def _arguments(entry: _Entry, cls: type[Modifier], loc: _Locator) -> dict[str, Any]:
+    if entry.args is None:
+        return {}
+    if not isinstance(entry.args, dict):
+        raise RecipeError(
+            f"{entry.where}: the arguments of {cls.name} must be a mapping (argument: value), "
+            f"got {_kind(entry.args)}"
+        )
+    valid, legacy = cls.argument_names(), LEGACY_ARGUMENTS.get(cls.name, {})
+    out: dict[str, Any] = {}
+    for key, value in entry.args.items():
+        at = loc.at(entry.args, key)
+        if key == "group":
+            continue  # llm-compressor's group label; seqcal runs modifiers in file order
+        if key in legacy:
+            if legacy[key] is None:
+                continue
+            if legacy[key] in entry.args:
+                raise RecipeError(
+                    f"{at}: {key!r} is the old name of {legacy[key]!r}; give only {legacy[key]!r}"
+                )
+            key = legacy[key]
+        if key not in valid:
+            raise RecipeError(
+                f"{at}: unknown argument {key!r} for {cls.name}{_closest(str(key), valid)}; "
+                f"its arguments are: {', '.join(valid)}"
+            )
+        if _has_eval(value):
+            raise RecipeError(
+                f"{at}: {cls.name}.{key} holds an 'eval(...)' expression; seqcal never evaluates recipe "
+                "content (nothing untrusted is executed): write the value itself"
+            )
+        out[key] = value
+    return out
+
+
+# --- small helpers --------------------------------------------------------------------------------------
+
+
+def _is_bare_gptq(entry: _Entry) -> bool:
+    """A GPTQModifier without its own scheme (the legacy form that uses the QuantizationModifier before it)."""
+    if entry.name != "GPTQModifier":
+        return False
+    return entry.args is None or (
+        isinstance(entry.args, dict) and not {"scheme", "config_groups"} & set(entry.args)
+    )
+
+
+def _is_group_key(key: Any) -> bool:
+    return isinstance(key, str) and (key == "modifiers" or key.endswith("_modifiers"))
+
+
+def _looks_like_modifier(key: Any) -> bool:
+    if not isinstance(key, str):
+        return False
+    known = [*MODIFIERS, *UNSUPPORTED_MODIFIERS]
+    return (
+        key in known
+        or key.endswith("Modifier")
+        or bool(difflib.get_close_matches(key, known, n=1, cutoff=0.8))
+    )
+
+
+def _closest(name: str, choices: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _has_eval(value: Any) -> bool:
+    if isinstance(value, str):
+        return "eval(" in value
+    if isinstance(value, dict):
+        return any(_has_eval(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_eval(v) for v in value)
+    return False
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (an empty value)"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as plain YAML types (tuples -> lists, enums and pydantic models -> their values)."""
+    if isinstance(value, enum.Enum):
+        return _plain(value.value, where)
+    if hasattr(value, "model_dump"):  # e.g. a QuantizationScheme given in config_groups from Python
+        return _plain(value.model_dump(mode="json", exclude_none=True), where)
+    if isinstance(value, dict):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    raise RecipeError(
+        f"{where}: cannot write a {type(value).__name__} to a recipe; use YAML values (str, number, list, dict)"
+    )
