@@ -63,7 +63,7 @@ def peer_trace(model: torch.nn.Module, sample: dict[str, Any], arch: str) -> tup
         notes.append(f"peer targets {sorted(names)}")
     matched = sum(type(m).__name__ in names for m in model.modules())
     if len(subgraphs) != matched + 1:
-        notes.append(f"peer matched {matched} target modules, traced {len(subgraphs)} subgraphs")
+        notes.append(f"{matched} modules match the peer's targets, {len(subgraphs)} subgraphs")
     return subgraphs, len(subgraphs), "; ".join(notes)
 
 

@@ -40,7 +40,6 @@ TOOLS: dict[str, tuple[Path, Path]] = {
     "seqcal": (REPO / ".venv/bin/python", Path(__file__).resolve()),
     "peer": (REPO / ".peer-venv/bin/python", REPO / "benchmarks/_peer_trace.py"),
 }
-PEER_LABEL = "llm-compressor 0.14.0.1"
 MARKER = "@@TRACE_MATRIX@@ "
 TOLERANCE = 1e-5
 SAMPLE = {"batch": 1, "seq_len": 12, "left_pad": 0}
@@ -60,6 +59,8 @@ class Result:
         trace_s: seconds ``trace_fn`` took. compared: ``"output"``, or the leaf module whose output
             stood in for a final output the tool does not return. worst: where the largest
             relative difference was seen (``"output"`` or ``"<target name>[call]"``).
+        settings_diff: when the tool's own run settings (``Adapter.reference``) change the eager
+            output: [max abs diff, the same on unpadded tokens only (nan if unknown)].
         error: short message of the failing stage. note: extra facts (peer's inferred targets).
     """
 
@@ -76,6 +77,7 @@ class Result:
     trace_s: float | None = None
     compared: str = ""
     worst: str = ""
+    settings_diff: list[float] = field(default_factory=list)
     error: str = ""
     note: str = ""
     versions: dict[str, str] = field(default_factory=dict)
@@ -163,56 +165,41 @@ def tensor_diff(out: Any, ref: Any) -> tuple[float, float] | str:
     return diff, scale
 
 
-@dataclass
-class Check:
-    """Outcome of ``check``: equal, the worst (diff, scale) and where, what stood for the output."""
-
-    equal: bool = True
-    diff: float = 0.0
-    scale: float = 1.0
-    worst: str = ""
-    compared: str = "output"
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ratio(self) -> float:
-        return self.diff / self.scale
-
-
-def check(got: Any, want: Any, got_rec: Recording, want_rec: Recording, targets: list[str]) -> Check:
-    """Compare a partitioned run with the eager one: the final output and every target's outputs.
+def check(
+    result: Result, got: Any, want: Any, got_rec: Recording, want_rec: Recording, targets: list[str]
+) -> None:
+    """Compare a partitioned run with the eager one into ``result``: final output and each target's.
 
     The final output is the returned primary tensor; when the tool returns none (the peer's last
     subgraph returns ``{}``), the output of the last leaf module eager called stands in for it.
     """
-    leaves = [n for n in want_rec.order if n and not any(k.startswith(n + ".") for k in want_rec.outputs)]
-    result = Check(compared="output")
+    leaves = [n for n in want_rec.order if not any(k.startswith(n + ".") for k in want_rec.outputs)]
+    result.equal, result.diff, result.scale, result.compared = True, 0.0, 1.0, "output"
     pairs = [("output", primary_tensor(got), primary_tensor(want))]
     if pairs[0][1] is None and leaves:
-        result.compared = leaves[-1]
-        pairs = [
-            (leaves[-1], (got_rec.outputs.get(leaves[-1]) or [None])[-1], want_rec.outputs[leaves[-1]][-1])
-        ]
+        last = result.compared = leaves[-1]
+        pairs = [(last, (got_rec.outputs.get(last) or [None])[-1], want_rec.outputs[last][-1])]
+    notes = []
     miscounted = [n for n in targets if len(got_rec.outputs.get(n, [])) != len(want_rec.outputs[n])]
     if miscounted:
         result.equal = False
         shown = ", ".join(f"{n} {len(got_rec.outputs.get(n, []))}x" for n in miscounted[:2])
-        result.notes.append(
-            f"{len(miscounted)}/{len(targets)} targets called other than eagerly ({shown}...)"
-        )
+        notes.append(f"{len(miscounted)}/{len(targets)} targets called other than eagerly ({shown}...)")
     for name in targets:
-        calls, refs = got_rec.outputs.get(name, []), want_rec.outputs[name]
-        pairs += [(f"{name}[{i}]", out, ref) for i, (out, ref) in enumerate(zip(calls, refs))]
+        pairs += [
+            (f"{name}[{i}]", *pair)
+            for i, pair in enumerate(zip(got_rec.outputs.get(name, []), want_rec.outputs[name]))
+        ]
     for where, out, ref in pairs:
         diff = tensor_diff(out, ref)
         if isinstance(diff, str):
             result.equal = False
-            result.notes.append(f"{where}: {diff}")
-        elif diff[0] / diff[1] >= result.ratio:
+            notes.append(f"{where}: {diff}")
+            continue
+        if diff[0] / diff[1] >= result.diff / result.scale:
             result.diff, result.scale, result.worst = diff[0], diff[1], where
-        if not isinstance(diff, str) and diff[0] > TOLERANCE * diff[1]:
-            result.equal = False
-    return result
+        result.equal = result.equal and diff[0] <= TOLERANCE * diff[1]
+    result.note = "; ".join(filter(None, [result.note, *notes]))
 
 
 @dataclass(frozen=True)
@@ -273,7 +260,7 @@ def evaluate(arch: str, adapter: Adapter) -> Result:
         return result
     targets, notes = _called_targets(model, spec, want_rec)
     result.expected = len(targets) + 1
-    notes += _settings_note(adapter.tool, primary_tensor(want), default, inputs)
+    result.settings_diff = _settings_diff(primary_tensor(want), default, inputs)
     start = time.perf_counter()
     try:
         handle, result.count, note = adapter.trace(model, sample)
@@ -288,30 +275,22 @@ def evaluate(arch: str, adapter: Adapter) -> Result:
     try:
         with recording(model) as got_rec, torch.no_grad():
             got = adapter.run(model, handle, inputs)
-        outcome = check(got, want, got_rec, want_rec, targets)
+        check(result, got, want, got_rec, want_rec, targets)
     except Exception as exc:  # noqa: BLE001
         result.equal, result.error = False, f"run: {short_error(exc)}"
-        return result
-    result.equal, result.diff, result.scale = outcome.equal, outcome.diff, outcome.scale
-    result.compared, result.worst = outcome.compared, outcome.worst
-    result.note = "; ".join(filter(None, [*notes, *outcome.notes]))
     return result
 
 
-def _settings_note(tool: str, want: Any, default: Any, inputs: dict[str, Any]) -> list[str]:
-    """A note when the tool's eager settings change the output, with the diff on unpadded tokens."""
+def _settings_diff(want: Any, default: Any, inputs: dict[str, Any]) -> list[float]:
+    """[diff, diff on unpadded tokens] between the tool-settings and default eager outputs, or []."""
     diff = tensor_diff(want, default)
-    if not isinstance(diff, str) and diff[0] <= TOLERANCE * diff[1]:
+    if isinstance(diff, str) or diff[0] <= TOLERANCE * diff[1]:
         return []
-    if isinstance(diff, str):
-        return [f"{tool}'s run settings change the output: {diff}"]
-    text = f"{tool}'s run settings change the output by {diff[0]:.2g} (scale {diff[1]:.2g})"
     mask = inputs.get("decoder_attention_mask", inputs.get("attention_mask"))
-    if mask is not None and tuple(want.shape[:2]) == tuple(mask.shape):
-        kept = mask.bool()  # [batch, seq]: compare real tokens only
-        unpadded = (want[kept].float() - default[kept].float()).abs().max().item()
-        text += f", {unpadded:.2g} on unpadded tokens"
-    return [text]
+    if mask is None or tuple(want.shape[:2]) != tuple(mask.shape):
+        return [diff[0], float("nan")]
+    kept = mask.bool()  # [batch, seq]: real tokens only
+    return [diff[0], (want[kept].float() - default[kept].float()).abs().max().item()]
 
 
 def _called_targets(model: Any, spec: Any, rec: Recording) -> tuple[list[str], list[str]]:
@@ -413,6 +392,22 @@ def totals(results: Sequence[Result]) -> dict[str, int]:
     }
 
 
+def _settings_summary(tool: str, results: Sequence[Result]) -> str:
+    """One line on how much the tool's run settings move the eager output (the reference it gets)."""
+    moved = [r for r in results if r.settings_diff]
+    if not moved:
+        return ""
+    worst = max(r.settings_diff[0] for r in moved)
+    unpadded = max(
+        (r.settings_diff[1] for r in moved if r.settings_diff[1] == r.settings_diff[1]), default=worst
+    )
+    return (
+        f"{tool}: its run settings change the eager output in {len(moved)}/{len(results)} archs, by up to "
+        f"{worst:.2g}, but by at most {unpadded:.2g} on unpadded tokens; each tool is compared with the "
+        "unpartitioned model run under its own settings"
+    )
+
+
 def render(rows: dict[str, dict[str, Result]], markdown: bool) -> str:
     """The side-by-side table, totals and notes, as plain text or markdown."""
     tools = list(next(iter(rows.values())))
@@ -423,6 +418,8 @@ def render(rows: dict[str, dict[str, Result]], markdown: bool) -> str:
     ]
     sums = {t: totals([c[t] for c in rows.values()]) for t in tools}
     notes = [f"{a} ({t}): {c[t].note}" for a, c in rows.items() for t in tools if c[t].note]
+    notes += [_settings_summary(t, [c[t] for c in rows.values()]) for t in tools]
+    notes = [n for n in notes if n]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(x.replace("|", "\\|") for x in row) + " |" for row in body]

@@ -424,7 +424,7 @@ quant_stage:
               targets: ["Linear"]
       kv_cache_scheme:
         {num_bits: 8, type: float, symmetric: true, strategy: tensor}""",
-        ["<string>:4:", "GPTQModifier: kv_cache_scheme is not supported"],
+        ["<string>:16:", "GPTQModifier: kv_cache_scheme is not supported"],
     ),
     "tests/llmcompressor/transformers/compression/recipes/new_quant_full.yaml": (
         """
@@ -565,7 +565,9 @@ def test_stages_groups_and_top_level_forms_run_in_file_order() -> None:
 def test_input_kinds(tmp_path: Path) -> None:
     gptq = GPTQModifier(scheme="W4A16", ignore=["lm_head"])
     assert parse_recipe(gptq).modifiers == [gptq]
-    recipe = parse_recipe([gptq, RECIPES_DIR / "rtn_w8a8.yaml", "QuantizationModifier: {scheme: FP8_DYNAMIC}"])
+    recipe = parse_recipe(
+        [gptq, RECIPES_DIR / "rtn_w8a8.yaml", "QuantizationModifier: {scheme: FP8_DYNAMIC}"]
+    )
     assert [type(m) for m in recipe.modifiers] == [GPTQModifier, QuantizationModifier, QuantizationModifier]
     assert recipe.source == f"{RECIPES_DIR / 'rtn_w8a8.yaml'}, <string>"
     assert parse_recipe(recipe) is recipe
@@ -654,7 +656,7 @@ BAD = {
     ),
     "kv cache": (
         "QuantizationModifier:\n  scheme: FP8\n  kv_cache_scheme: {num_bits: 8, type: float}\n",
-        ["<string>:1:", "kv_cache_scheme is not supported yet"],
+        ["<string>:3:", "kv_cache_scheme is not supported yet"],
     ),
     "yaml syntax": (
         "quant_stage:\n  quant_modifiers:\n    GPTQModifier:\n      ignore: [lm_head\n      scheme: W4A16\n",
@@ -706,7 +708,7 @@ BAD = {
     ),
     "two modifiers in one list item": (
         "quant_modifiers:\n  - GPTQModifier: {scheme: W4A16}\n    QuantizationModifier: {scheme: W8A8}\n",
-        ["<string>:1:", "exactly one modifier", "GPTQModifier", "QuantizationModifier"],
+        ["<string>:3:", "exactly one modifier", "GPTQModifier", "QuantizationModifier"],
     ),
     "eval expression": (
         "args: {damp: 0.01}\nGPTQModifier: {scheme: W4A16, dampening_frac: 'eval(damp * 2)'}\n",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,6 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig, LlamaForCausalLM
-from zoo import ARCHS
 
 from seqcal.algorithms import (
     accumulate_hessian,
@@ -30,7 +30,15 @@ from seqcal.algorithms import (
     weight_qparams,
 )
 from seqcal.modifiers.base import QuantizedWeight, RunState
-from seqcal.save import CheckpointWriter, ModelLayout, quantization_config, save_checkpoint
+from seqcal.save import (
+    CheckpointWriter,
+    ModelLayout,
+    checkpoint_config,
+    quantization_config,
+    save_checkpoint,
+    write_extras,
+)
+from zoo import ARCHS
 
 VOCAB = 128
 
@@ -77,7 +85,11 @@ FORMATS = {
 
 def _qargs(scheme: QuantizationScheme) -> dict:
     w = scheme.weights
-    return {"num_bits": w.num_bits, "type": w.type, "group_size": w.group_size if w.strategy == "group" else None}
+    return {
+        "num_bits": w.num_bits,
+        "type": w.type,
+        "group_size": w.group_size if w.strategy == "group" else None,
+    }
 
 
 def rtn(model: torch.nn.Module, scheme: QuantizationScheme, names: list[str] | None = None) -> RunState:
@@ -90,7 +102,9 @@ def rtn(model: torch.nn.Module, scheme: QuantizationScheme, names: list[str] | N
         W = module.weight.data
         kw = _qargs(scheme)
         s, z = weight_qparams(W, symmetric=w.symmetric, strategy=w.strategy, **kw)
-        state.quantized[name] = QuantizedWeight(quantize(W, s, z, **kw), s, None if w.symmetric else z, None, scheme)
+        state.quantized[name] = QuantizedWeight(
+            quantize(W, s, z, **kw), s, None if w.symmetric else z, None, scheme
+        )
         module.weight.data = fake_quantize(W, s, z, **kw)
     return state
 
@@ -102,7 +116,9 @@ def gptq(model: torch.nn.Module, scheme: QuantizationScheme, actorder: str | Non
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or name == "lm_head":
             continue
-        X = torch.randn(256, module.in_features) * torch.linspace(0.1, 3, module.in_features)  # uneven diag(H)
+        X = torch.randn(256, module.in_features) * torch.linspace(
+            0.1, 3, module.in_features
+        )  # uneven diag(H)
         H, _ = accumulate_hessian(None, X, 0)
         r = gptq_quantize(
             module.weight.data, H, num_bits=w.num_bits, symmetric=w.symmetric, strategy=w.strategy,
@@ -122,7 +138,9 @@ def dynamic_activations(model: torch.nn.Module, state: RunState) -> Iterator[Non
         for name, qw in state.quantized.items():
             acts = qw.scheme.input_activations
             if acts is not None:
-                hook = lambda m, args, a=acts: (fake_quantize_per_token(args[0], num_bits=a.num_bits, type=a.type),)
+                hook = lambda m, args, a=acts: (
+                    fake_quantize_per_token(args[0], num_bits=a.num_bits, type=a.type),
+                )
                 handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
         yield
     finally:
@@ -139,8 +157,13 @@ def reference_logits(model: torch.nn.Module, state: RunState) -> torch.Tensor:
 
 
 def reload(out: Path, dequantize: bool = False) -> torch.nn.Module:
-    kw = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if dequantize else {}
-    return AutoModelForCausalLM.from_pretrained(out, **kw).eval()
+    if not dequantize:
+        return AutoModelForCausalLM.from_pretrained(out).eval()
+    with warnings.catch_warnings():  # "the quantization_config from the model will be used": intended
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        return AutoModelForCausalLM.from_pretrained(
+            out, quantization_config=CompressedTensorsConfig(dequantize=True)
+        ).eval()
 
 
 def checkpoint_tensors(out: Path) -> dict[str, torch.Tensor]:
@@ -186,12 +209,16 @@ def test_roundtrip_matches_fake_quantized_model(case: str, tmp_path: Path) -> No
         module = model.get_submodule(name)
         ours = local(tensors, name)
         sd = {"weight": module.weight.data, "weight_scale": qw.scale}
-        sd["weight_zero_point"] = qw.zero_point if qw.zero_point is not None else torch.zeros_like(qw.scale, dtype=qw.q.dtype)
+        sd["weight_zero_point"] = (
+            qw.zero_point if qw.zero_point is not None else torch.zeros_like(qw.scale, dtype=qw.q.dtype)
+        )
         compressor = BaseCompressor.get_value_from_registry(FORMATS[case])
         theirs = compressor.compress(sd, qw.scheme)
         assert sorted(ours) == sorted(theirs), name
         for key in ours:
-            assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), f"{name}.{key}"
+            assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), (
+                f"{name}.{key}"
+            )
         decompressed = compressor.decompress(ours, qw.scheme)["weight"]
         assert torch.equal(decompressed.to(module.weight.dtype), module.weight.data), name
 
@@ -203,8 +230,12 @@ def test_roundtrip_matches_fake_quantized_model(case: str, tmp_path: Path) -> No
         assert torch.equal(loaded.get_submodule(name).weight, model.get_submodule(name).weight), name
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="transformers 5.24 + compressed-tensors 0.20 "
-                   "cannot load packed asymmetric zero points without dequantize=True (upstream bug)")
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="transformers 5.24 + compressed-tensors 0.20 "
+    "cannot load packed asymmetric zero points without dequantize=True (upstream bug)",
+)
 def test_asym_default_load(tmp_path: Path) -> None:
     model = tiny_llama()
     save_checkpoint(model, rtn(model, SCHEMES["w4a16_asym"]), tmp_path)
@@ -282,7 +313,9 @@ def test_overlapping_targets_fall_back_to_module_names(tmp_path: Path) -> None:
     model = tiny_llama()
     q_names = [n for n, _ in model.named_modules() if n.endswith("q_proj")]
     w8 = QuantizationScheme(targets=["Linear"], weights=weights(8, "channel"))
-    state = rtn(model, w8, q_names)  # both groups target "Linear": compressed-tensors would give all one scheme
+    state = rtn(
+        model, w8, q_names
+    )  # both groups target "Linear": compressed-tensors would give all one scheme
     rest = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in q_names]
     state.quantized.update(rtn(model, SCHEMES["w4a16_g16"], rest).quantized)
     ref = reference_logits(model, state)
@@ -394,6 +427,26 @@ def test_extras_and_config(tmp_path: Path) -> None:
     assert (tmp_path / "tokenizer.json").exists() and (tmp_path / "generation_config.json").exists()
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["dtype"] == "float32"
+
+
+def test_streaming_writer_in_any_module_order(tmp_path: Path) -> None:
+    """The executor's path: modules added as subgraphs finish (here: last layer first), config at the end."""
+    model = tiny_llama(tie=True)
+    state = rtn(model, SCHEMES["w8a8"])
+    ref = reference_logits(model, state)
+    layout = ModelLayout.from_model(model)
+    writer = CheckpointWriter(tmp_path, max_shard_size=20_000, layout=layout)
+    for name, module in reversed(list(model.named_modules())):
+        writer.add_module(name, module, state.quantized.get(name))
+    write_extras(tmp_path, model, recipe_yaml="x: 1\n")
+    writer.close(checkpoint_config(model, state, layout))
+    assert (tmp_path / "recipe.yaml").exists() and (tmp_path / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        assert_logits_equal(reload(tmp_path)(IDS).logits, ref)
+    with pytest.raises(ValueError, match="tied"):  # the writer refuses a quantized tied weight by itself
+        CheckpointWriter(tmp_path / "b", layout=layout).add_module(
+            "lm_head", model.lm_head, rtn_lm_head(model)
+        )
 
 
 def test_writer_rules(tmp_path: Path) -> None:

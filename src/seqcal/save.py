@@ -21,8 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -48,12 +47,14 @@ WRITABLE_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive
 Revert = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
-def weight_format(scheme: QuantizationScheme) -> str:
+def _format(scheme: QuantizationScheme) -> str:
     """The compressed-tensors format of a Linear quantized with ``scheme`` (its own choice unless set)."""
     fmt = scheme.format or infer_module_format(torch.nn.Linear, scheme)
     fmt = str(getattr(fmt, "value", fmt))
     if fmt not in WRITABLE_FORMATS:
-        raise ValueError(f"save: format {fmt!r} is not supported; seqcal writes {', '.join(WRITABLE_FORMATS)}")
+        raise ValueError(
+            f"save: format {fmt!r} is not supported; seqcal writes {', '.join(WRITABLE_FORMATS)}"
+        )
     return fmt
 
 
@@ -61,8 +62,8 @@ def _check_quantized(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> 
     """Reject what would load as a different model than the one in memory."""
     scheme, w = qw.scheme, qw.scheme.weights
     where = f"save: module {name!r}"
-    acts = [scheme.input_activations, scheme.output_activations]
-    if any(a is not None and not a.dynamic for a in acts) or scheme.output_activations is not None:
+    inputs = scheme.input_activations
+    if scheme.output_activations is not None or (inputs is not None and not inputs.dynamic):
         raise ValueError(
             f"{where}: static or output activation quantization needs calibrated activation scales, which "
             "seqcal does not produce; use a dynamic scheme (W8A8, FP8_DYNAMIC) or a weight-only one (W4A16)"
@@ -88,29 +89,18 @@ def _check_quantized(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> 
             raise ValueError(f"{where}: codes leave the {w.num_bits}-bit range [{qmin:g}, {qmax:g}]")
 
 
-def compressed_tensors_for(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[str, Tensor]:
-    """The tensors compressed-tensors stores for one quantized weight, keyed by local name.
-
-    Args:
-        name: the module's name (for errors).
-        qw: its compressed form (codes in original column order).
-        shape: the module's weight shape ``(out, in)``.
-
-    Returns:
-        ``{"weight_packed" | "weight": ..., "weight_scale": ..., ...}`` as listed in the module docstring.
-
-    Example:
-        >>> tensors = compressed_tensors_for("fc", state.quantized["fc"], (64, 128))  # doctest: +SKIP
-    """
+def _compressed(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[str, Tensor]:
+    """The tensors compressed-tensors stores for one quantized weight (local names, module docstring)."""
     _check_quantized(name, qw, shape)
     w = qw.scheme.weights
     out = {"weight_scale": qw.scale}
     zp = qw.zero_point
-    if weight_format(qw.scheme) == "pack-quantized":
+    if _format(qw.scheme) == "pack-quantized":
         out["weight_packed"] = pack_int32(qw.q, w.num_bits, dim=-1)  # [out, ceil(in * b / 32)]
         out["weight_shape"] = torch.tensor(shape)  # int64, as compressed-tensors' compressor writes it
-        if zp is not None:  # per-channel/group zero points are packed across output rows
-            out["weight_zero_point"] = pack_int32(zp, w.num_bits, dim=0) if zp.ndim == 2 else zp
+        if zp is not None:  # channel/group zero points are packed across output rows, [ceil(out * b / 32), G]
+            packed = strategy_of(w) in ("channel", "group")
+            out["weight_zero_point"] = pack_int32(zp, w.num_bits, dim=0) if packed else zp
     else:
         out["weight"] = qw.q
         if zp is not None:
@@ -134,55 +124,65 @@ def _check_fake_quantized(name: str, weight: Tensor, qw: QuantizedWeight) -> Non
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """How in-memory state-dict keys become checkpoint keys.
+    """How in-memory state-dict keys become checkpoint keys (transformers' save_pretrained conventions).
 
     Attributes:
-        skip: keys not written: tied copies (``lm_head.weight`` tied to the embeddings) and
+        skip: keys not written: tied copies (``lm_head.weight`` when tied to the embeddings) and
             ``_keys_to_ignore_on_save``.
+        tied_modules: modules owning a tied weight (quantizing one would also change the other).
         revert: transformers' ``revert_weight_conversion`` bound to the model (fused MoE experts back to
             per-expert tensors, renamed prefixes back to the original names), or None.
     """
 
     skip: frozenset[str] = frozenset()
+    tied_modules: frozenset[str] = frozenset()
     revert: Revert | None = None
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, quantized: Iterable[str] = ()) -> ModelLayout:
-        """Read tied weights and weight conversions from a transformers model.
+    def from_model(cls, model: torch.nn.Module) -> ModelLayout:
+        """Read tied weights and weight conversions from a (transformers) model.
 
         Args:
-            model: the model (any ``nn.Module``; transformers conventions apply to ``PreTrainedModel``).
-            quantized: names of the quantized modules (a tied quantized weight is an error).
+            model: the model; tied weights must share their tensor, as ``tie_weights`` leaves them.
 
         Returns:
             The layout.
 
         Example:
-            >>> layout = ModelLayout.from_model(model, state.quantized)  # doctest: +SKIP
+            >>> CheckpointWriter("out", layout=ModelLayout.from_model(model))  # doctest: +SKIP
         """
         skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-        quantized = set(quantized)
+        tied_modules = set()
         for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
             t, s = _tensor_or_none(model, target), _tensor_or_none(model, source)
             if t is None or s is None:
                 continue
-            if not _same_tensor(t, s):
+            # offloaded (meta) tensors cannot be compared: trust the config, as save_pretrained does
+            if (
+                t is not s
+                and not (t.is_meta or s.is_meta)
+                and (t.data_ptr(), t.shape) != (s.data_ptr(), s.shape)
+            ):
                 raise ValueError(
                     f"save: the config ties {target} to {source} but they are different tensors, so a reload "
                     "would overwrite one with the other; set model.config.tie_word_embeddings = False"
                 )
-            if target.rpartition(".")[0] in quantized or source.rpartition(".")[0] in quantized:
-                raise ValueError(
-                    f"save: {target} is tied to {source} and was quantized, which also changed the tied "
-                    "weight; add the module to `ignore`, or untie the weights before quantizing"
-                )
             skip.add(target)
+            tied_modules.update((target.rpartition(".")[0], source.rpartition(".")[0]))
         revert = None
         if hasattr(model, "config") and hasattr(model, "all_tied_weights_keys"):  # a PreTrainedModel
             from transformers.core_model_loading import revert_weight_conversion
 
             revert = partial(revert_weight_conversion, model)
-        return cls(frozenset(skip), revert)
+        return cls(frozenset(skip), frozenset(tied_modules), revert)
+
+    def check_quantizable(self, name: str) -> None:
+        """Raise if module ``name`` owns a tied weight: quantizing it changed the tied weight too."""
+        if name in self.tied_modules:
+            raise ValueError(
+                f"save: {name!r} was quantized but its weight is tied to another module's (e.g. lm_head to the "
+                "embeddings), which quantizing changed too; add it to `ignore`, or untie before quantizing"
+            )
 
     def checkpoint_names(self, module_name: str) -> list[str]:
         """Names a module has in the checkpoint: its in-memory name, and the reverted one if different."""
@@ -201,14 +201,9 @@ def _tensor_or_none(model: torch.nn.Module, key: str) -> Tensor | None:
     return module._parameters.get(attr, module._buffers.get(attr))
 
 
-def _same_tensor(a: Tensor, b: Tensor) -> bool:
-    if a is b:
-        return True
-    on_meta = a.device.type == "meta" or b.device.type == "meta"
-    return not on_meta and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
-def module_tensors(name: str, module: torch.nn.Module, quantized: QuantizedWeight | None) -> dict[str, Tensor]:
+def _module_tensors(
+    name: str, module: torch.nn.Module, quantized: QuantizedWeight | None
+) -> dict[str, Tensor]:
     """The module's own state-dict entries (no children), its weight replaced by the compressed tensors."""
     local: dict[str, Any] = {}
     module._save_to_state_dict(local, "", keep_vars=True)  # honours persistent buffers and overrides
@@ -216,9 +211,9 @@ def module_tensors(name: str, module: torch.nn.Module, quantized: QuantizedWeigh
         weight = local.pop("weight", None)
         if not isinstance(weight, Tensor):
             raise ValueError(f"save: module {name!r} is in state.quantized but has no weight")
+        local.update(_compressed(name, quantized, tuple(weight.shape)))  # checks the codes first
         if weight.device.type != "meta":
             _check_fake_quantized(name, weight, quantized)
-        local.update(compressed_tensors_for(name, quantized, tuple(weight.shape)))
     prefix = f"{name}." if name else ""
     return {prefix + k: v for k, v in local.items()}
 
@@ -237,10 +232,11 @@ class CheckpointWriter:
         layout: tied keys to skip and key conversions; ``ModelLayout()`` writes every key as given.
 
     Example:
-        >>> writer = CheckpointWriter("out", layout=ModelLayout.from_model(model))  # doctest: +SKIP
-        >>> for name, module in model.named_modules():  # e.g. as each subgraph finishes
+        >>> layout = ModelLayout.from_model(model)  # doctest: +SKIP
+        >>> writer = CheckpointWriter("out", layout=layout)  # doctest: +SKIP
+        >>> for name, module in subgraph_modules:  # as each subgraph finishes, each module once  # doctest: +SKIP
         ...     writer.add_module(name, module, state.quantized.get(name))
-        >>> writer.close(config_dict)
+        >>> writer.close(checkpoint_config(model, state, layout))  # doctest: +SKIP
     """
 
     def __init__(
@@ -252,7 +248,9 @@ class CheckpointWriter:
         layout: ModelLayout | None = None,
     ) -> None:
         if not isinstance(max_shard_size, int) or max_shard_size <= 0:
-            raise ValueError(f"CheckpointWriter: max_shard_size must be a positive int (bytes), got {max_shard_size!r}")
+            raise ValueError(
+                f"CheckpointWriter: max_shard_size must be a positive int (bytes), got {max_shard_size!r}"
+            )
         self.output_dir = Path(output_dir)
         self.max_shard_size = max_shard_size
         self.layout = layout or ModelLayout()
@@ -272,7 +270,10 @@ class CheckpointWriter:
             module: the module; its tensors must not be on the meta device (onload it first).
             quantized: its compressed weight, or None to write the weight as it is.
         """
-        tensors = {k: v for k, v in module_tensors(name, module, quantized).items() if k not in self.layout.skip}
+        if quantized is not None:
+            self.layout.check_quantizable(name)
+        tensors = _module_tensors(name, module, quantized)
+        tensors = {k: v for k, v in tensors.items() if k not in self.layout.skip}
         if tensors and self.layout.revert is not None:
             tensors = self.layout.revert(tensors)
         for key in sorted(tensors):
@@ -285,7 +286,9 @@ class CheckpointWriter:
         if name in self._weight_map or name in self._pending:
             raise ValueError(f"CheckpointWriter: {name!r} was already added; each key is written once")
         if tensor.device.type == "meta":
-            raise ValueError(f"CheckpointWriter: {name!r} is on the meta device (offloaded); onload it before adding")
+            raise ValueError(
+                f"CheckpointWriter: {name!r} is on the meta device (offloaded); onload it before adding"
+            )
         t = tensor.detach().to("cpu", copy=True).contiguous()
         nbytes = t.numel() * t.element_size()
         if self._pending and self._pending_bytes + nbytes > self.max_shard_size:
@@ -344,8 +347,12 @@ def _prepare_dir(path: Path, overwrite: bool) -> None:
                 f"save: output_dir {path} exists and is not empty; choose another directory or pass overwrite=True"
             )
         (path / CONFIG_NAME).unlink(missing_ok=True)  # first, so the directory no longer looks finished
-        for stale in path.glob("model*.safetensors*"):  # old shards, index and partial files
-            stale.unlink()
+        for stale in [
+            *path.glob("model*.safetensors*"),
+            path / "generation_config.json",
+            path / "recipe.yaml",
+        ]:
+            stale.unlink(missing_ok=True)  # files of an earlier save that this one may not replace
     path.mkdir(parents=True, exist_ok=True)
 
 
@@ -383,12 +390,14 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
         'pack-quantized'
     """
     if not state.quantized:
-        raise ValueError("quantization_config: state.quantized is empty; save an unquantized model with save_pretrained")
+        raise ValueError(
+            "quantization_config: state.quantized is empty; save an unquantized model with save_pretrained"
+        )
     schemes, index = _groups(state)
     groups = {}
     for i, scheme in enumerate(schemes):
         group = scheme.model_copy(deep=True)
-        group.format = weight_format(scheme)
+        group.format = _format(scheme)
         if exact_targets:
             group.targets = sorted(n for n, j in index.items() if j == i)
         groups[f"group_{i}"] = group
@@ -419,22 +428,26 @@ def _assignment(model: torch.nn.Module, block: dict) -> dict[str, str]:
     }
 
 
-def _checked_config(model: torch.nn.Module, state: RunState, layout: ModelLayout) -> dict:
+def _checked_block(model: torch.nn.Module, state: RunState, layout: ModelLayout) -> dict:
     """The quantization_config whose targets and ignore give exactly ``state.quantized`` on load."""
+    modules = dict(model.named_modules())
     for name in state.quantized:
-        if not isinstance(model.get_submodule(name), torch.nn.Linear):
+        if not isinstance(modules.get(name), torch.nn.Linear):
             raise ValueError(f"save: state.quantized names {name!r}, which is not a Linear of this model")
+        layout.check_quantizable(name)
     targets = [t for qw in state.quantized.values() for t in qw.scheme.targets]
-    ignore = [
-        alias
-        for name, module in model.named_modules()
+    unquantized = [
+        name
+        for name, module in modules.items()
         if name not in state.quantized
-        and (isinstance(module, torch.nn.Linear) or (isinstance(module, torch.nn.Embedding) and is_match(name, module, targets)))
-        for alias in layout.checkpoint_names(name)
+        and (
+            isinstance(module, torch.nn.Linear)
+            or (isinstance(module, torch.nn.Embedding) and is_match(name, module, targets))
+        )
     ]
-    _, index = _groups(state)
-    expected = {name: f"group_{i}" for name, i in index.items()}
+    ignore = [alias for name in unquantized for alias in layout.checkpoint_names(name)]
     block = quantization_config(state, ignore)
+    expected = {name: f"group_{i}" for name, i in _groups(state)[1].items()}
     if _assignment(model, block) != expected:  # overlapping targets resolve differently in compressed-tensors
         block = quantization_config(state, ignore, exact_targets=True)
         for group in block["config_groups"].values():
@@ -442,14 +455,58 @@ def _checked_config(model: torch.nn.Module, state: RunState, layout: ModelLayout
     return block
 
 
-def _config_dict(model: torch.nn.Module, block: dict) -> dict:
-    """``config.json`` as save_pretrained writes it (diff against defaults), plus the quantization block."""
+def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayout | None = None) -> dict:
+    """``config.json`` content: the model's config as save_pretrained writes it, plus ``quantization_config``.
+
+    The ignore list holds every unquantized Linear; when the schemes' own targets would resolve to other
+    schemes than ``state.quantized`` in compressed-tensors (overlapping targets), the groups target the
+    quantized modules by name instead.
+
+    Args:
+        model: the transformers model (only names, classes and its config are read).
+        state: the run's state.
+        layout: the layout the weights were written with (default: ``ModelLayout.from_model(model)``).
+
+    Returns:
+        A JSON-ready dict.
+
+    Example:
+        >>> writer.close(checkpoint_config(model, state, layout))  # doctest: +SKIP
+    """
+    layout = layout or ModelLayout.from_model(model)
     config = copy.deepcopy(model.config)  # the model's own config stays untouched
     config.dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
     config.architectures = [type(model).__name__]
     data = json.loads(config.to_json_string(use_diff=True))
-    data["quantization_config"] = block
+    data["quantization_config"] = _checked_block(model, state, layout)
     return data
+
+
+def write_extras(
+    output_dir: str | os.PathLike,
+    model: torch.nn.Module,
+    *,
+    tokenizer: Any = None,
+    recipe_yaml: str | None = None,
+) -> None:
+    """Write the tokenizer, ``recipe.yaml`` and ``generation_config.json`` (when given / present).
+
+    Args:
+        output_dir: the checkpoint directory.
+        model: its ``generation_config`` is saved when the model can generate.
+        tokenizer: saved with ``tokenizer.save_pretrained``.
+        recipe_yaml: the recipe text.
+
+    Example:
+        >>> write_extras("out", model, tokenizer=tok, recipe_yaml=recipe.to_yaml())  # doctest: +SKIP
+    """
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(output_dir))
+    if recipe_yaml is not None:
+        (Path(output_dir) / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and getattr(model, "can_generate", lambda: False)():
+        generation_config.save_pretrained(str(output_dir))
 
 
 def save_checkpoint(
@@ -464,9 +521,8 @@ def save_checkpoint(
 ) -> Path:
     """Save ``model`` with the compressed weights of ``state`` as a compressed-tensors checkpoint.
 
-    Modules are written one at a time (shards flushed as they fill); the model's Linear weights must be
-    the fake-quantized values of ``state.quantized`` (checked exactly). Also writes the tokenizer,
-    ``recipe.yaml`` and ``generation_config.json`` when given/present, and ``config.json`` last.
+    Modules are written one at a time (shards flushed as they fill); the model's quantized Linear weights
+    must be the fake-quantized values of ``state.quantized`` (checked exactly). ``config.json`` comes last.
 
     Args:
         model: the calibrated transformers model (weights onloaded: not on the meta device).
@@ -475,7 +531,7 @@ def save_checkpoint(
         tokenizer: saved with ``tokenizer.save_pretrained`` when given.
         recipe_yaml: written to ``recipe.yaml`` when given.
         max_shard_size: bytes per safetensors shard.
-        overwrite: allow a non-empty ``output_dir``.
+        overwrite: allow a non-empty ``output_dir`` (its earlier config and weights are removed first).
 
     Returns:
         The output directory.
@@ -484,33 +540,14 @@ def save_checkpoint(
         >>> save_checkpoint(model, state, "llama-w4a16", tokenizer=tok)  # doctest: +SKIP
         >>> AutoModelForCausalLM.from_pretrained("llama-w4a16")  # doctest: +SKIP
     """
-    layout = ModelLayout.from_model(model, state.quantized)
-    config = _config_dict(model, _checked_config(model, state, layout))
+    layout = ModelLayout.from_model(model)
+    config = checkpoint_config(model, state, layout)  # before writing: bad state fails with nothing written
     writer = CheckpointWriter(output_dir, max_shard_size, overwrite=overwrite, layout=layout)
     try:
         for name, module in model.named_modules():
             writer.add_module(name, module, state.quantized.get(name))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(writer.output_dir))
-        if recipe_yaml is not None:
-            (writer.output_dir / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
-        generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None and getattr(model, "can_generate", lambda: False)():
-            with warnings.catch_warnings():  # transformers warns about unusual but valid generation settings
-                warnings.simplefilter("ignore")
-                generation_config.save_pretrained(str(writer.output_dir))
+        write_extras(writer.output_dir, model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)
         return writer.close(config)
     except BaseException:
         writer.abort()
         raise
-
-
-__all__ = [
-    "CheckpointWriter",
-    "ModelLayout",
-    "compressed_tensors_for",
-    "module_tensors",
-    "quantization_config",
-    "save_checkpoint",
-    "weight_format",
-]

@@ -54,6 +54,8 @@ class GPTQResult:
             ``||(W - Q) x||^2``.
         dampening_frac: the dampening fraction that made the Cholesky succeed.
         retries: how many times dampening had to be increased (0 = first try worked).
+        row_loss: ``[out]`` the objective per output row (``loss`` is its sum), so that rows of several
+            modules solved together (they share one Hessian) can be told apart again.
     """
 
     Q: Tensor
@@ -64,6 +66,7 @@ class GPTQResult:
     loss: float
     dampening_frac: float
     retries: int
+    row_loss: Tensor | None = None
 
 
 def accumulate_hessian(H: Tensor | None, X: Tensor, n_seen: int) -> tuple[Tensor, int]:
@@ -177,36 +180,41 @@ def _order_and_qparams(W: Tensor, H: Tensor, actorder: str | None, group_size: i
 
 def _quantize_columns(
     W: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple
-) -> tuple[Tensor, Tensor, float]:
-    """The GPTQ column loop (paper Alg. 1); ``W`` [out, in] float32 is overwritten.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The GPTQ column loop (paper Alg. 1); ``W`` [out, in] float32 is not modified.
 
     ``scale``/``zero`` are float32 ``[out or 1, G]``; ``qrange = (qmin, qmax, is_fp8)``.
-    Returns ``(Q, codes, loss)`` in processing order: Q ``[out, in]`` float32, codes int8 or fp8.
+    Works on ``W^T`` so that a column of W is a contiguous row: the rank-1 update of the block, the
+    hottest operation, then streams through memory instead of striding (about 2x faster on CPU).
+    Returns ``(Q, codes, row_loss)`` in processing order: Q ``[out, in]`` float32, codes int8 or fp8,
+    row_loss ``[out]`` (the objective summed over columns, per output row).
     """
     qmin, qmax, is_fp8 = qrange
     n_out, n_in = W.shape
-    Q = torch.empty_like(W)
-    codes = torch.empty(W.shape, dtype=torch.float8_e4m3fn if is_fp8 else torch.int8, device=W.device)
+    WT = W.T.contiguous()  # [in, out]
+    QT = torch.empty_like(WT)
+    codesT = torch.empty(WT.shape, dtype=torch.float8_e4m3fn if is_fp8 else torch.int8, device=W.device)
     groups = col_group.tolist()  # plain ints: cheap indexing in the per-column loop
+    scaleT, zeroT = scale.T.contiguous(), zero.T.contiguous()  # [G, out or 1]
     losses = torch.zeros(n_out, dtype=torch.float32, device=W.device)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
-        W1 = W[:, i1:i2].clone()  # [out, B]: the block, updated eagerly
-        Err1 = torch.empty_like(W1)  # [out, B]: scaled errors, applied to W[:, i2:] once per block
+        W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
+        Err1 = torch.empty_like(W1)  # [B, out]: scaled errors, applied to WT[i2:] once per block
         Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
         for i in range(i2 - i1):
-            w, d, g = W1[:, i], Hinv1[i, i], groups[i1 + i]
-            s, z = scale[:, g], zero[:, g]  # [out] or [1]
+            w, d, g = W1[i], Hinv1[i, i], groups[i1 + i]
+            s, z = scaleT[g], zeroT[g]  # [out] or [1]
             c = torch.clamp(w / s + z, qmin, qmax)  # same op order as quant.fake_quantize
             c = c.to(torch.float8_e4m3fn).float() if is_fp8 else torch.round(c)
             q = (c - z) * s  # [out]
-            codes[:, i1 + i], Q[:, i1 + i] = c.to(codes.dtype), q
+            codesT[i1 + i], QT[i1 + i] = c.to(codesT.dtype), q
             err = (w - q) / d  # [out]
             losses += err * err
-            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # OBS update of the rest of the block
-            Err1[:, i] = err
-        W[:, i2:].addmm_(Err1, Hinv[i1:i2, i2:], alpha=-1)  # lazy batch update of later blocks
-    return Q, codes, losses.sum().item() / 2
+            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)  # OBS update of the rest of the block
+            Err1[i] = err
+        WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks
+    return QT.T, codesT.T, losses / 2
 
 
 def gptq_quantize(
@@ -282,7 +290,7 @@ def gptq_quantize(
     scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
     zero32 = zero_point.float().reshape(scale32.shape)
     qrange = (*quant_range(num_bits, type), type == "float")
-    Q, codes, loss = _quantize_columns(W32, Hinv, scale32, zero32, col_group, block_size, qrange)
+    Q, codes, row_loss = _quantize_columns(W32, Hinv, scale32, zero32, col_group, block_size, qrange)
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
@@ -292,7 +300,8 @@ def gptq_quantize(
         scale=scale,
         zero_point=zero_point,
         g_idx=g_idx,
-        loss=loss,
+        loss=row_loss.sum().item(),
         dampening_frac=frac,
         retries=retries,
+        row_loss=row_loss,
     )

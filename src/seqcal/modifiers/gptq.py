@@ -15,7 +15,8 @@ from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.partition import Subgraph
 
-ACTORDERS = (None, "static", "group", "weight", "dynamic")
+# "group"/"dynamic" ordering (g_idx in the checkpoint) was removed from compressed-tensors and vLLM.
+ACTORDERS = (None, "static", "weight")
 
 
 @dataclass
@@ -24,7 +25,10 @@ class _Accumulator:
 
     H: torch.Tensor | None = None
     n: int = 0
-    last_input: tuple[int, int, tuple[int, ...]] | None = None  # (data_ptr, version, shape) already added
+    # The input most recently added, held so that its identity cannot be reused by a later tensor
+    # (comparing data pointers is not enough: the allocator hands freed memory to the next batch).
+    last_input: torch.Tensor | None = None
+    last_version: int = -1
 
 
 @dataclass
@@ -54,17 +58,29 @@ class GPTQModifier(QuantizationModifier):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.actorder not in ACTORDERS:
-            raise ValueError(f"{self.name}: actorder={self.actorder!r} is not one of {ACTORDERS}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
+            hint = " (group actorder was removed from compressed-tensors; use 'weight')" if self.actorder in (
+                "group", "dynamic") else ""  # fmt: skip
+            raise ValueError(f"{self.name}: actorder={self.actorder!r} is not one of {ACTORDERS}{hint}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"{self.name}: block_size must be a positive integer, got {self.block_size!r}")
-        if not 0 <= float(self.dampening_frac) < 1:
+        if isinstance(self.dampening_frac, bool) or not isinstance(self.dampening_frac, (int, float)):
+            raise ValueError(
+                f"{self.name}: dampening_frac must be a number in [0, 1), got {self.dampening_frac!r}"
+            )
+        if not 0 <= self.dampening_frac < 1:
             raise ValueError(f"{self.name}: dampening_frac must be in [0, 1), got {self.dampening_frac!r}")
+        for group in self.groups.values():
+            order = group.weights.actorder
+            order = getattr(order, "value", order)
+            if order is not None and order not in ACTORDERS:
+                raise ValueError(f"{self.name}: weights.actorder={order!r} is not one of {ACTORDERS}")
         self._acc: dict[str, _Accumulator] = {}
+        self._hessians: dict[tuple[int, str], torch.Tensor] = {}
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
-        shared: dict[tuple[int, int, tuple[int, ...]], _Accumulator] = {}
+        shared: dict[int, _Accumulator] = {}  # id of the first batch's input -> accumulator
         handles = []
         try:
             for name in names:
@@ -75,18 +91,19 @@ class GPTQModifier(QuantizationModifier):
         finally:
             for handle in handles:
                 handle.remove()
+            for acc in self._acc.values():
+                acc.last_input = None  # release the last batch's activations
 
     def _hook(self, name: str, shared: dict, state: RunState) -> Any:
         def hook(module: torch.nn.Module, args: tuple) -> None:
             x = args[0]
-            key = (x.data_ptr(), x._version, tuple(x.shape))
             acc = self._acc.get(name)
             if acc is None:  # first batch: modules fed the very same tensor share one accumulator
-                acc = shared.setdefault(key, _Accumulator())
+                acc = shared.setdefault(id(x), _Accumulator())
                 self._acc[name] = acc
-            if acc.last_input == key:
+            if acc.last_input is x and acc.last_version == x._version:
                 return  # a sibling (q after k, up after gate) already added this input
-            acc.last_input = key
+            acc.last_input, acc.last_version = x, x._version
             X = x.detach()
             mask = state.token_mask
             if mask is not None and X.dim() == 3 and tuple(mask.shape) == tuple(X.shape[:2]):
@@ -97,39 +114,67 @@ class GPTQModifier(QuantizationModifier):
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        solved: dict[tuple[int, str], list[str]] = {}  # (accumulator, scheme) -> modules solved together
         for name in names:
-            module = model.get_submodule(name)
             acc = self._acc.pop(name, None)
-            start = time.perf_counter()
             if acc is None or acc.H is None:
                 state.log.append(f"{name}: never called during calibration; quantized round-to-nearest")
-                state.quantized[name] = rtn_quantize_module(module, self.modules[name])
+                state.quantized[name] = rtn_quantize_module(model.get_submodule(name), self.modules[name])
                 continue
-            state.quantized[name] = self._solve(name, module, acc.H, state)
-            state.module_errors.setdefault(name, {})["gptq_seconds"] = time.perf_counter() - start
+            # Rows of a weight are solved independently given H: modules reading the same input (q/k/v,
+            # gate/up) are stacked into one solve, one Cholesky and one column loop instead of several.
+            per_row = quant_kwargs(self.modules[name])["strategy"] != "tensor"
+            key = (id(acc), repr(self.modules[name])) if per_row else (id(acc), name)
+            solved.setdefault(key, []).append(name)
+            self._hessians[key] = acc.H
+        for key, group in solved.items():
+            start = time.perf_counter()
+            self._solve(group, model, self._hessians.pop(key), state)
+            seconds = (time.perf_counter() - start) / len(group)
+            for name in group:
+                state.module_errors.setdefault(name, {})["gptq_seconds"] = seconds
         return bool(names)
 
-    def _solve(self, name: str, module: torch.nn.Module, H: torch.Tensor, state: RunState) -> QuantizedWeight:
-        scheme = self.modules[name]
+    def _solve(self, names: list[str], model: torch.nn.Module, H: torch.Tensor, state: RunState) -> None:
+        scheme = self.modules[names[0]]
         kw = quant_kwargs(scheme)
-        W = module.weight.data
+        modules = [model.get_submodule(n) for n in names]
+        rows = [m.weight.shape[0] for m in modules]
+        W = torch.cat([m.weight.data for m in modules]) if len(modules) > 1 else modules[0].weight.data
+        order = getattr(scheme.weights.actorder, "value", scheme.weights.actorder) or self.actorder
         try:
             result = gptq_quantize(
                 W, H, block_size=self.block_size, dampening_frac=float(self.dampening_frac),
-                actorder=self.actorder, **kw,
+                actorder=order, **kw,
             )  # fmt: skip
         except GPTQNumericalError as exc:
-            state.log.append(f"{name}: GPTQ failed ({exc}); fell back to round-to-nearest")
-            return rtn_quantize_module(module, scheme)
+            for name, module in zip(names, modules):
+                state.log.append(f"{name}: GPTQ failed ({exc}); fell back to round-to-nearest")
+                state.quantized[name] = rtn_quantize_module(module, scheme)
+            return
         if result.retries:
-            state.log.append(f"{name}: Cholesky needed {result.retries} retries (dampening {result.dampening_frac})")
-        module.weight.data = result.Q
-        state.module_errors.setdefault(name, {})["gptq_loss"] = result.loss
-        return QuantizedWeight(
-            q=result.q,
-            scale=result.scale,
-            zero_point=None if kw["symmetric"] else result.zero_point,
-            g_idx=result.g_idx,
-            scheme=scheme,
-            loss=result.loss,
-        )
+            state.log.append(f"{', '.join(names)}: Cholesky needed {result.retries} retries "
+                             f"(dampening {result.dampening_frac})")  # fmt: skip
+        split = _splitter(rows)
+        for name, module, Q, q, scale, zp, loss in zip(
+            names, modules, split(result.Q), split(result.q), split(result.scale),
+            split(result.zero_point), split(result.row_loss),
+        ):  # fmt: skip
+            module.weight.data = Q.contiguous()
+            state.module_errors.setdefault(name, {})["gptq_loss"] = loss.sum().item()
+            state.quantized[name] = QuantizedWeight(
+                q=q.contiguous(), scale=scale.contiguous(),
+                zero_point=None if kw["symmetric"] else zp.contiguous(),
+                g_idx=result.g_idx, scheme=scheme, loss=loss.sum().item(),
+            )  # fmt: skip
+
+
+def _splitter(rows: list[int]) -> Any:
+    """Split a stacked per-row tensor ([sum(rows), ...]) back into the modules' parts."""
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if t.dim() == 0 or t.shape[0] != sum(rows):  # per-tensor qparams are shared
+            return tuple(t for _ in rows)
+        return torch.split(t, rows)
+
+    return split
