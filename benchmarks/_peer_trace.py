@@ -7,8 +7,9 @@ arguments, minus the modifiers:
   model's ``_no_split_modules``; ignore list: ``DatasetArguments().tracing_ignore``;
 - ``set_onload_device(model, cpu)`` then ``trace_subgraphs(model, sample, targets, ignore, 1)``;
 - execution: an ``IntermediatesCache`` holding the batch; subgraph ``i`` gets the cached values
-  named in its ``input_names``, its outputs are added and its ``consumed_names`` dropped; the last
-  subgraph's return value is the model output.
+  named in its ``input_names``, its outputs are added and its ``consumed_names`` dropped. For most
+  models the last subgraph returns ``{}`` (the traced graph has no output node), so ``evaluate``
+  compares the last leaf module's output (lm_head) and every target's outputs instead.
 
 The pipeline runs subgraphs inside ``calibration_forward_context``; this script enters the same
 contexts (no_grad, no KV cache, eval, no hub kernels, forced eager attention, quantization off)
@@ -89,8 +90,8 @@ def peer_run(model: torch.nn.Module, subgraphs: list[Any], inputs: dict[str, Any
     """Chain the subgraphs through an IntermediatesCache as SequentialPipeline does.
 
     Returns:
-        The last subgraph's return value (llm-compressor's graphs return ``{}`` there: the
-        tracer erases the output node, which depends on concrete arguments).
+        The last subgraph's return value: ``{}`` for most models, whose traced graph has no output
+        node (the HF-derived tracer erases nodes that use concrete-argument placeholders).
     """
     from llmcompressor.pipelines.cache import IntermediatesCache
 

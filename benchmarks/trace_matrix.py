@@ -173,7 +173,7 @@ def check(
     The final output is the returned primary tensor; when the tool returns none (the peer's last
     subgraph returns ``{}``), the output of the last leaf module eager called stands in for it.
     """
-    leaves = [n for n in want_rec.order if not any(k.startswith(n + ".") for k in want_rec.outputs)]
+    leaves = [n for n in want_rec.order if n and not any(k.startswith(n + ".") for k in want_rec.outputs)]
     result.equal, result.diff, result.scale, result.compared = True, 0.0, 1.0, "output"
     pairs = [("output", primary_tensor(got), primary_tensor(want))]
     if pairs[0][1] is None and leaves:

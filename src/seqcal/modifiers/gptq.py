@@ -129,7 +129,8 @@ class GPTQModifier(QuantizationModifier):
             self._hessians[key] = acc.H
         for key, group in solved.items():
             start = time.perf_counter()
-            self._solve(group, model, self._hessians.pop(key), state)
+            with _one_intra_op_thread():
+                self._solve(group, model, self._hessians.pop(key), state)
             seconds = (time.perf_counter() - start) / len(group)
             for name in group:
                 state.module_errors.setdefault(name, {})["gptq_seconds"] = seconds
@@ -167,6 +168,23 @@ class GPTQModifier(QuantizationModifier):
                 zero_point=None if kw["symmetric"] else zp.contiguous(),
                 g_idx=result.g_idx, scheme=scheme, loss=loss.sum().item(),
             )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Run the GPTQ column loop on one intra-op thread, restoring the setting after.
+
+    The loop is thousands of tiny tensor ops; with 2 intra-op threads each op pays a thread
+    hand-off, and when the other core is busy that wait dominates: measured 0.07 s vs 6.3 s for a
+    [3072, 576] solve on this 2-core machine under load (benchmarks/RESULTS.md). The setting is
+    process-wide in torch, so it is set only around the solve, on the executor's thread.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _splitter(rows: list[int]) -> Any:

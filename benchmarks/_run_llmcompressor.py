@@ -1,0 +1,41 @@
+"""One llm-compressor 0.14 oneshot run on the shared calibration tokens (runs in .peer-venv)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from datasets import Dataset
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+SCHEME = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                         "strategy": "group", "group_size": 64}}}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tokens", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--algo", choices=["gptq", "rtn"], default="gptq")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+    tokens = load_file(args.tokens)["input_ids"]
+    ds = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
+    start = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=cls(config_groups=SCHEME, ignore=["lm_head"]),
+            num_calibration_samples=len(tokens), max_seq_length=tokens.shape[1])  # fmt: skip
+    model.save_pretrained(args.out, save_compressed=True)
+    tokenizer.save_pretrained(args.out)
+    print(f"seconds {time.perf_counter() - start:.1f}")
+
+
+if __name__ == "__main__":
+    main()

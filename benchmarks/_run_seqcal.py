@@ -1,0 +1,37 @@
+"""One seqcal oneshot run on the shared calibration tokens (run by gptq_smollm2.py in a subprocess)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from safetensors.torch import load_file
+
+from seqcal.entrypoint import oneshot
+from seqcal.modifiers import GPTQModifier, QuantizationModifier
+
+SCHEME = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                         "strategy": "group", "group_size": 64}}}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tokens", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--algo", choices=["gptq", "rtn"], default="gptq")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--profile", default=None)
+    args = parser.parse_args()
+    tokens = load_file(args.tokens)["input_ids"]
+    data = [{"input_ids": row.tolist()} for row in tokens]
+    cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
+    start = time.perf_counter()
+    oneshot(model=args.model, dataset=data, recipe=cls(config_groups=SCHEME, ignore=["lm_head"]),
+            output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
+            dtype=args.dtype, shuffle_calibration_samples=False, overwrite=True)  # fmt: skip
+    print(f"seconds {time.perf_counter() - start:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""seqcal vs llm-compressor 0.14.0.1 on SmolLM2-135M-Instruct: GPTQ and RTN W4A16 (group 64).
+
+Same 128 x 512-token calibration windows from WikiText-2 valid for both tools; reports wall time,
+peak RSS of the quantizing process, and WikiText-2 test perplexity (2048-token windows) of each checkpoint.
+
+Usage (from the repo root; the peer venv comes from benchmarks/setup_peer.sh):
+    .venv/bin/python benchmarks/gptq_smollm2.py [--runs seqcal-gptq,llmc-gptq,...] [--eval-windows N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "benchmarks" / ".work"
+WIKI = ROOT.parent / "shared" / "data"
+RUNS = {
+    "seqcal-gptq-bf16": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "bfloat16"],
+    "seqcal-gptq-fp32": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "float32"],
+    "seqcal-rtn": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "rtn", "--dtype", "float32"],
+    "llmc-gptq-fp32": [".peer-venv/bin/python", "benchmarks/_run_llmcompressor.py", "--algo", "gptq"],
+    "llmc-rtn": [".peer-venv/bin/python", "benchmarks/_run_llmcompressor.py", "--algo", "rtn"],
+}
+
+
+def measure(cmd: list[str]) -> tuple[float, float, float, str]:
+    """Run ``cmd`` under GNU time; returns (wall s, cpu s, peak RSS in GB, the tool's last output line)."""
+    start = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=ROOT, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{' '.join(cmd)} failed with {proc.returncode}")
+    stats = dict(line.strip().rsplit(": ", 1) for line in proc.stderr.splitlines() if ": " in line)
+    cpu = float(stats["User time (seconds)"]) + float(stats["System time (seconds)"])
+    rss_gb = int(stats["Maximum resident set size (kbytes)"]) * 1024 / 1e9
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    return wall, cpu, rss_gb, last
+
+
+def perplexity(checkpoint: Path, windows: int | None) -> float:
+    code = (
+        "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
+        "from seqcal.eval import perplexity, load_eval_text;"
+        f"m = AutoModelForCausalLM.from_pretrained({str(checkpoint)!r}, dtype=torch.float32).eval();"
+        f"t = AutoTokenizer.from_pretrained({str(checkpoint)!r});"
+        f"r = perplexity(m, t, load_eval_text({str(WIKI / 'wiki.test.raw')!r}), seq_len=2048, "
+        f"max_windows={windows!r}, progress=False); print(r.ppl, r.windows)"
+    )
+    out = subprocess.run([".venv/bin/python", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-2])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--eval-windows", type=int, default=None, help="default: the whole test set")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=512)
+    args = parser.parse_args()
+    from seqcal.models import default_model_dir
+
+    model = default_model_dir()
+    WORK.mkdir(parents=True, exist_ok=True)
+    tokens = WORK / f"calib_{args.samples}x{args.seq}.safetensors"
+    if not tokens.exists():
+        subprocess.run([".venv/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
+                        str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
+                        "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    results = {}
+    for name in args.runs.split(","):
+        out = WORK / name
+        cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
+        wall, cpu, rss, last = measure(cmd)
+        ppl = perplexity(out, args.eval_windows)
+        results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
+                         "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
+        print(f"{name:<18} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}", flush=True)
+    (WORK / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
