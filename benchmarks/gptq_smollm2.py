@@ -72,7 +72,8 @@ def main() -> None:
         subprocess.run([".venv/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
                         "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
-    results = {}
+    results = {"fp32 (unquantized)": {"ppl": round(perplexity(model, args.eval_windows), 2)}}
+    print(f"{'fp32 (unquantized)':<18} ppl {results['fp32 (unquantized)']['ppl']:7.2f}", flush=True)
     for name in args.runs.split(","):
         out = WORK / name
         cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]

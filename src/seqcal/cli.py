@@ -128,7 +128,7 @@ def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Names
 def cmd_oneshot(args: argparse.Namespace) -> int:
     from seqcal.entrypoint import ModelArgs, load_model, oneshot
 
-    model, tokenizer = load_model(ModelArgs(args.model, dtype=args.dtype))
+    model, tokenizer, _ = load_model(ModelArgs(args.model, dtype=args.dtype))
     text, text_name = _eval_text(args.eval_dataset) if args.eval else ("", "")
     before = _ppl(model, tokenizer, text, args) if args.eval else None
     start = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import time
@@ -15,7 +16,10 @@ from seqcal.cache import ActivationCache
 from seqcal.data import DataArgs, load_calibration_batches
 from seqcal.executor import calibrate_subgraphs
 from seqcal.modifiers import RunState
+from seqcal.offload import SubgraphWeights, WeightStore, load_offloaded, safety_hooks
 from seqcal.recipe import parse_recipe
+from seqcal.save import PROGRESS_NAME
+from seqcal.stream import StreamingCheckpoint, fingerprint
 from seqcal.subgraphs import SubgraphList, trace_subgraphs
 from seqcal.tracing import TracingError
 
@@ -67,26 +71,46 @@ class OutputArgs:
 
     output_dir: str | None = None
     overwrite: bool = False
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.resume and self.output_dir is None:
+            raise ValueError("resume=True needs the output_dir of the interrupted run")
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "resume=True continues the run in output_dir; it cannot be combined with overwrite"
+            )
 
 
-def load_model(args: ModelArgs) -> tuple[torch.nn.Module, Any]:
-    """The model (eval mode) and its tokenizer, from a directory, 'default' or an object."""
+def load_model(
+    args: ModelArgs, offload_weights: bool = False
+) -> tuple[torch.nn.Module, Any, WeightStore | None]:
+    """The model (eval mode), its tokenizer and, with ``offload_weights``, the store of its weights.
+
+    With ``offload_weights`` (the default of the sequential pipeline for a directory) no weight is read
+    here: parameters stay on meta and each subgraph reads its own from the safetensors files.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from seqcal.models import resolve_model
 
+    store = None
     if isinstance(args.model, torch.nn.Module):
         model, source = args.model, getattr(args.model, "name_or_path", None)
     else:
         source = str(resolve_model(args.model))
         dtype = DTYPES[args.dtype]
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, trust_remote_code=args.trust_remote_code
-        )
+        if offload_weights:
+            model, store = load_offloaded(source, None if dtype == "auto" else dtype, args.trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, trust_remote_code=args.trust_remote_code
+            )
     tokenizer = args.tokenizer
-    if tokenizer is None and source:
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if tokenizer is None and source and any((Path(source) / f).is_file() for f in files):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-    return model.eval(), tokenizer
+    return model.eval(), tokenizer, store
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -113,6 +137,7 @@ def oneshot(
     offload: str = "cpu",
     offload_dir: str | None = None,
     overwrite: bool = False,
+    resume: bool = False,
     trust_remote_code: bool = False,
     **unknown: Any,
 ) -> torch.nn.Module:
@@ -132,6 +157,9 @@ def oneshot(
         pipeline: "sequential" (default), "datafree" (no data, round-to-nearest only) or "basic".
         dtype: compute dtype when loading from a directory ("auto" keeps the checkpoint's).
         offload: activation cache tier ("cpu" or "disk").
+        overwrite: replace a non-empty output_dir.
+        resume: continue an interrupted run in output_dir (same arguments); finished subgraphs are
+            replayed from their saved weights, and the checkpoint equals an uninterrupted run's.
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left).
@@ -152,10 +180,10 @@ def oneshot(
     pipe_args = PipelineArgs(
         pipeline, sequential_targets, list(tracing_ignore or []), 1, offload, offload_dir
     )
-    out_args = OutputArgs(output_dir, overwrite)
+    out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)
     _check_output(out_args)
-    loaded, tok = load_model(model_args)
+    loaded, tok, store = load_model(model_args, offload_weights=pipe_args.pipeline == "sequential")
     for modifier in parsed.modifiers:
         modifier.validate(loaded)
     data_args = None
@@ -164,22 +192,43 @@ def oneshot(
             dataset if dataset is not None else "default", num_calibration_samples, max_seq_length, batch_size,
             shuffle_calibration_samples, text_column, splits, seed,
         )  # fmt: skip
-    state = run_pipeline(loaded, tok, parsed.modifiers, data_args, pipe_args)
+    recipe_yaml = parsed.to_yaml()
+    output = _Output(out_args, recipe_yaml, fingerprint(recipe_yaml, repr(data_args), repr(pipe_args),
+                                                         getattr(loaded, "name_or_path", ""), str(dtype)))  # fmt: skip
+    state = run_pipeline(loaded, tok, parsed.modifiers, data_args, pipe_args, output, store)
     if out_args.output_dir is not None:
         from seqcal.eval import write_error_report
         from seqcal.save import save_checkpoint
 
-        save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=parsed.to_yaml(),
-                        overwrite=out_args.overwrite)  # fmt: skip
+        if output.stream is not None:
+            output.stream.finish(tok, recipe_yaml)
+        else:
+            save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
+                            overwrite=out_args.overwrite)  # fmt: skip
         write_error_report(state.report, out_args.output_dir)
     return loaded
+
+
+@dataclass
+class _Output:
+    """Where the checkpoint goes, and the streaming writer once the subgraphs are known."""
+
+    args: OutputArgs
+    recipe_yaml: str
+    run_id: str
+    stream: StreamingCheckpoint | None = None
 
 
 def _check_output(args: OutputArgs) -> None:
     if args.output_dir is None:
         return
     path = Path(args.output_dir)
-    if path.exists() and any(path.iterdir()) and not args.overwrite:
+    if (path / PROGRESS_NAME).is_file() and not (args.resume or args.overwrite):
+        raise FileExistsError(
+            f"output_dir {path} holds an interrupted run; continue it with resume=True (CLI: --resume) "
+            "and the same arguments, or pass overwrite=True to start again"
+        )
+    if path.exists() and any(path.iterdir()) and not (args.overwrite or args.resume):
         raise FileExistsError(
             f"output_dir {path} exists and is not empty; choose another directory or pass overwrite=True"
         )
@@ -191,10 +240,13 @@ def run_pipeline(
     modifiers: list[Any],
     data_args: DataArgs | None,
     args: PipelineArgs,
+    output: _Output | None = None,
+    store: WeightStore | None = None,
 ) -> RunState:
     """Run the modifiers over the model (the calibration stage of ``oneshot``); returns the run's state."""
     start = time.perf_counter()
-    state = RunState(device=_model_device(model))
+    device = _execution_device(model, store)
+    state = RunState(device=device)
     for modifier in modifiers:
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:
@@ -222,9 +274,25 @@ def run_pipeline(
             subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
         device = _model_device(model)
         with ActivationCache(offload=args.offload, offload_dir=args.offload_dir, device=device) as cache:
-            rows = calibrate_subgraphs(
-                model, subgraphs, batches, modifiers, cache, subgraphs.placeholders, state
-            )
+            weights = SubgraphWeights(model, store, subgraphs, device) if store is not None else None
+            stream = _streaming(model, state, subgraphs, output, weights)
+            schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
+
+            def done(sg: Any) -> None:
+                if stream is not None:
+                    stream.done(sg)
+                if weights is not None:
+                    weights.release(
+                        sg, [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
+                    )
+
+            with safety_hooks(model, store, device) if store is not None else contextlib.nullcontext():
+                rows = calibrate_subgraphs(
+                    model, subgraphs, batches, modifiers, cache, subgraphs.placeholders, state,
+                    on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
+                    restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
+                    on_subgraph_start=weights.onload if weights is not None else None,
+                )  # fmt: skip
     for modifier in modifiers:
         modifier.finalize(model, state)
     state.report = {
@@ -236,6 +304,27 @@ def run_pipeline(
     for line in state.log:
         logger.warning(line)
     return state
+
+
+def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:
+    """Where subgraphs run: the model's device, or for offloaded weights cuda when present, else cpu."""
+    if store is None:
+        return _model_device(model)
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _streaming(
+    model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: _Output | None, weights: Any
+) -> StreamingCheckpoint | None:
+    if output is None or output.args.output_dir is None:
+        return None
+    output.stream = StreamingCheckpoint(
+        model, state, output.args.output_dir, subgraphs, output.run_id,
+        overwrite=output.args.overwrite, resume=output.args.resume, weights=weights,
+    )  # fmt: skip
+    if output.stream.finished >= 0:
+        logger.warning("seqcal: resuming after subgraph %d of %d", output.stream.finished, len(subgraphs))
+    return output.stream
 
 
 def _layerwise_fallback(

@@ -174,6 +174,9 @@ def calibrate_subgraphs(
     state: Any,
     on_subgraph_done: Callable[[Subgraph], None] | None = None,
     progress: bool = True,
+    resume_from: int = 0,
+    restore: Callable[[Subgraph], None] | None = None,
+    on_subgraph_start: Callable[[Subgraph], None] | None = None,
 ) -> list[dict[str, Any]]:
     """The sequential calibration loop (DESIGN data flow), one subgraph at a time.
 
@@ -181,6 +184,9 @@ def calibrate_subgraphs(
     propagation pass (hooks removed) when weights changed -> outputs stay in the cache -> values past their
     last use are freed. Data-free modifiers compress before the only pass. Subgraphs whose outputs nobody
     reads and that hold nothing to compress (the head after the last layer) are skipped.
+
+    Subgraphs before ``resume_from`` were finished by an interrupted run: ``restore`` puts their saved
+    quantized weights back and they only run the propagation pass.
 
     Returns:
         One dict per subgraph: index, targets, seconds, rel_error (quantized vs full precision output).
@@ -199,11 +205,21 @@ def calibrate_subgraphs(
             start = time.perf_counter()
             owned = any(m.modules_in(sg) for m in modifiers if hasattr(m, "modules_in"))
             row: dict[str, Any] = {"index": sg.index, "targets": sg.targets, "rel_error": None}
-            if sg.outputs or owned:
+            replay = sg.index < resume_from
+            if on_subgraph_start is not None:
+                on_subgraph_start(sg)  # e.g. onload its weights
+            if replay:
+                if restore is not None:
+                    restore(sg)
+                if sg.outputs:
+                    with torch.no_grad():
+                        _pass(runner, sg, batches, cache, state, None)
+                row["replayed"] = True
+            elif sg.outputs or owned:
                 row["rel_error"] = _run_one(runner, sg, batches, modifiers, cache, state, calibrating)
             for name in sg.frees:
                 cache.drop_name(name)
-            if on_subgraph_done is not None:
+            if on_subgraph_done is not None and not replay:
                 on_subgraph_done(sg)
             row["seconds"] = time.perf_counter() - start
             rows.append(row)

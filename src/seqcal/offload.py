@@ -99,7 +99,9 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
         by_id.setdefault(id(param), name)
     missing = [n for n in params if not store.has(n)]
     if missing:
-        raise KeyError(f"{path}: checkpoint lacks parameters {missing[:5]}; is it the model's own checkpoint?")
+        raise KeyError(
+            f"{path}: checkpoint lacks parameters {missing[:5]}; is it the model's own checkpoint?"
+        )
     return model.eval(), store
 
 
@@ -150,3 +152,51 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
     finally:
         for handle in handles:
             handle.remove()
+
+
+class SubgraphWeights:
+    """Onloads each subgraph's parameters before it runs and releases them after it is saved.
+
+    A parameter is released to meta after the last subgraph that uses it; one that a modifier changed and
+    that a later subgraph still reads (a tied weight, say) is kept in the store's overrides meanwhile.
+
+    Args:
+        model: the model with parameters on meta (``load_offloaded``).
+        store: where the parameters' values are.
+        subgraphs: the run's subgraphs.
+        device: the execution device.
+    """
+
+    def __init__(self, model: torch.nn.Module, store: WeightStore, subgraphs: Iterable[Any],
+                 device: torch.device) -> None:  # fmt: skip
+        self.model, self.store, self.device = model, store, device
+        self.params = {sg.index: params_under(model, sg.modules) for sg in subgraphs}
+        self.last_use: dict[str, int] = {}
+        for index, names in self.params.items():
+            for name in names:
+                self.last_use[name] = max(index, self.last_use.get(name, -1))
+
+    def _on_meta(self, names: Iterable[str]) -> list[str]:
+        return [n for n in names if self.model.get_parameter(n).device.type == "meta"]
+
+    def onload(self, sg: Any) -> None:
+        onload(self.model, self.store, self._on_meta(self.params[sg.index]), self.device)
+
+    def release(self, sg: Any, changed: Iterable[str] = ()) -> None:
+        """Release ``sg``'s parameters; ``changed`` (module names) were modified and are kept if still used."""
+        changed = tuple(c + "." for c in changed)
+        names = [n for n in self.params[sg.index] if self.model.get_parameter(n).device.type != "meta"]
+        for name in names:
+            if self.last_use[name] > sg.index and name.startswith(changed):
+                self.store.overrides[name] = self.model.get_parameter(name).detach().to("cpu", copy=True)
+        offload(self.model, names)
+
+    @contextlib.contextmanager
+    def modules_onloaded(self, modules: Iterable[str]) -> Iterator[None]:
+        """Onload the parameters of ``modules`` on cpu for a moment (e.g. to write them to the checkpoint)."""
+        names = self._on_meta(params_under(self.model, modules))
+        onload(self.model, self.store, names, torch.device("cpu"))
+        try:
+            yield
+        finally:
+            offload(self.model, names)

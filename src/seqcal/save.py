@@ -42,6 +42,7 @@ from seqcal.modifiers.schemes import strategy_of
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+PROGRESS_NAME = "seqcal_progress.json"  # present while a run is unfinished: what `resume=True` continues
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 WRITABLE_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 Revert = Callable[[dict[str, Tensor]], dict[str, Tensor]]
@@ -304,6 +305,54 @@ class CheckpointWriter:
         self._shards.append(path)
         self._pending, self._pending_bytes = {}, 0
 
+    def checkpoint(self, progress: dict[str, Any]) -> None:
+        """Flush everything added so far and record it, with ``progress``, for ``resume``.
+
+        After this returns, a crash (even SIGKILL) loses nothing added before it: the manifest lists the
+        shards on disk and is replaced atomically.
+        """
+        if self._pending:
+            self._flush()
+        manifest = {
+            "progress": progress,
+            "shards": [p.name for p in self._shards],
+            "weight_map": self._weight_map,
+            "total_size": self._total_size,
+        }
+        _write_json(self.output_dir / PROGRESS_NAME, manifest)
+
+    @classmethod
+    def resume(cls, output_dir: str | os.PathLike, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, *,
+               layout: ModelLayout | None = None) -> tuple[CheckpointWriter, dict[str, Any]]:  # fmt: skip
+        """Reopen an interrupted checkpoint at its last ``checkpoint()``; returns (writer, progress).
+
+        Shards written after that point are removed (they would be written again).
+        """
+        path = Path(output_dir)
+        manifest = json.loads((path / PROGRESS_NAME).read_text(encoding="utf-8"))
+        writer = cls.__new__(cls)
+        writer.output_dir, writer.max_shard_size = path, max_shard_size
+        writer.layout = layout or ModelLayout()
+        writer._pending, writer._pending_bytes, writer._closed = {}, 0, False
+        writer._shards = [path / name for name in manifest["shards"]]
+        writer._weight_map = dict(manifest["weight_map"])
+        writer._total_size = manifest["total_size"]
+        for stray in path.glob("model-*.safetensors.partial"):
+            if stray not in writer._shards:
+                stray.unlink()
+        return writer, manifest["progress"]
+
+    def written(self) -> set[str]:
+        """Checkpoint keys already on disk or pending."""
+        return set(self._weight_map) | set(self._pending)
+
+    def read(self, key: str) -> Tensor:
+        """A tensor already written to a shard (used when resuming)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self._shards[self._weight_map[key]]), framework="pt") as f:
+            return f.get_tensor(key)
+
     def close(self, config: dict) -> Path:
         """Write the last shard, give shards their final names, the index (if sharded), then ``config.json``.
 
@@ -328,6 +377,7 @@ class CheckpointWriter:
             }
             _write_json(self.output_dir / INDEX_NAME, index)
         _write_json(self.output_dir / CONFIG_NAME, config)  # last: its presence means "finished"
+        (self.output_dir / PROGRESS_NAME).unlink(missing_ok=True)
         self._closed = True
         return self.output_dir
 

@@ -1,0 +1,101 @@
+"""Streaming save and resume: a run killed with SIGKILL midway resumes to the same checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from seqcal.entrypoint import oneshot
+from seqcal.stream import ResumeError
+
+LAYERS = 12
+SCRIPT = """
+import sys, torch
+from seqcal.entrypoint import oneshot
+g = torch.Generator().manual_seed(1)
+data = [{"input_ids": (torch.randint(-3, 4, (64,), generator=g).cumsum(0) % 256).tolist()} for _ in range(24)]
+oneshot(model=sys.argv[1], dataset=data, output_dir=sys.argv[2], resume=sys.argv[3] == "1", max_seq_length=64,
+        recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head], block_size: 32}")
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    path = tmp_path_factory.mktemp("model")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _run(model_dir: Path, out: Path, resume: bool) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_dir), str(out), "1" if resume else "0"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def _finished(out: Path) -> int:
+    try:
+        return json.loads((out / "seqcal_progress.json").read_text())["progress"]["finished"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return -1
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    found = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            found.update({k: f.get_tensor(k) for k in f.keys()})
+    return found
+
+
+def test_sigkill_midway_then_resume_equals_uninterrupted(model_dir: Path, tmp_path: Path) -> None:
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    proc = _run(model_dir, killed, resume=False)
+    deadline = time.time() + 300
+    while _finished(killed) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "config.json").exists(), "the run finished before it could be killed"
+    stopped_at = _finished(killed)
+    assert 3 <= stopped_at < LAYERS
+
+    with pytest.raises(FileExistsError, match="resume=True"):  # never silently overwritten or restarted
+        oneshot(model=str(model_dir), dataset=[{"input_ids": [1, 2, 3]}], output_dir=str(killed),
+                recipe="GPTQModifier: {scheme: W4A16}")  # fmt: skip
+    resumed = _run(model_dir, killed, resume=True)
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read().decode()[-3000:]
+    uninterrupted = _run(model_dir, clean, resume=False)
+    assert uninterrupted.wait(timeout=600) == 0, uninterrupted.stderr.read().decode()[-3000:]
+
+    a, b = _tensors(killed), _tensors(clean)
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert not (killed / "seqcal_progress.json").exists() and not (killed / "seqcal_resume").exists()
+    assert json.loads((killed / "config.json").read_text()) == json.loads((clean / "config.json").read_text())
+
+
+def test_resume_refuses_finished_or_foreign_runs(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "done"
+    data = [{"input_ids": list(range(1, 33))}] * 2
+    oneshot(model=str(model_dir), dataset=data, output_dir=str(out), recipe="QuantizationModifier: {scheme: W4A16}")
+    with pytest.raises(ResumeError, match="finished"):
+        oneshot(model=str(model_dir), dataset=data, output_dir=str(out), resume=True,
+                recipe="QuantizationModifier: {scheme: W4A16}")  # fmt: skip
+    with pytest.raises(ValueError, match="cannot be combined"):
+        oneshot(model=str(model_dir), dataset=data, output_dir=str(out), resume=True, overwrite=True,
+                recipe="QuantizationModifier: {scheme: W4A16}")  # fmt: skip
