@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from seqcal.cache import ActivationCache
 from seqcal.partition import Subgraph
-from seqcal.tracing.tracer import OpaqueCall
+from seqcal.tracing.values import OpaqueCall
 
 
 class SubgraphExecutionError(RuntimeError):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from seqcal.tracing.tracer import OpaqueCall
+from seqcal.tracing.values import OpaqueCall
 
 
 @dataclass

@@ -17,7 +17,7 @@ from seqcal.report.graph import (
     trace_report,
 )
 from seqcal.report.plot import plot_errors
-from seqcal.report.profile import NO_SPAN, TRACKS, NullProfiler, Profiler
+from seqcal.report.profile import NO_SPAN, TRACKS, NullProfiler, Profiler, tensor_bytes
 
 __all__ = [
     "FORMATS",
@@ -31,6 +31,7 @@ __all__ = [
     "graph_dict",
     "plot_errors",
     "record_shapes",
+    "tensor_bytes",
     "to_dot",
     "to_svg",
     "trace_report",

@@ -99,6 +99,23 @@ class Profiler:
                 self.events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid,
                                     "args": {"sort_index": tid}})  # fmt: skip
 
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profiler:
+        """A closed profiler holding the events of a trace file ``close()`` wrote, e.g. to print ``summary()``.
+
+        Example:
+            >>> print(Profiler.load("trace.json").summary(report))  # doctest: +SKIP
+        """
+        prof = cls(path)
+        try:
+            prof.events = json.loads(Path(path).read_text())["traceEvents"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"Profiler.load: {path} is not a Chrome trace written by Profiler.close ({err})"
+            ) from err
+        prof._closed = True
+        return prof
+
     @property
     def enabled(self) -> bool:
         return self.path is not None
@@ -218,6 +235,22 @@ class NullProfiler(Profiler):
 
     def span(self, track: str, name: str, **args: Any) -> Any:
         return NO_SPAN
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (nested tuples, lists, dicts): what a cache fetch or put moved.
+
+    Example:
+        >>> tensor_bytes({"h": torch.zeros(2, 3), "mask": None})
+        24
+    """
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, Mapping):
+        return sum(tensor_bytes(v) for v in value.values())
+    return 0
 
 
 def _per_subgraph(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

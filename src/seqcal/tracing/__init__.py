@@ -12,7 +12,8 @@ from torch import fx
 from seqcal.tracing.diagnostics import Problem, TracingError
 from seqcal.tracing.rewrite import OpaqueSite
 from seqcal.tracing.targets import check_targets, holders_of, infer_candidates, match_targets, matches
-from seqcal.tracing.tracer import LeafPolicy, contains_proxy, trace_with_retries
+from seqcal.tracing.tracer import LeafPolicy, trace_with_retries
+from seqcal.tracing.values import contains_proxy
 
 __all__ = ["TraceResult", "TracingError", "Problem", "trace", "split_inputs"]
 

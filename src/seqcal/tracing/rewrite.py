@@ -21,9 +21,11 @@ import ast
 import copy
 import inspect
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from seqcal.tracing.astutil import CallRouter, call, names_of
 
 StmtId = tuple[str, int, int]  # (file, line, column) of a statement: stable across rewrites
 
@@ -31,10 +33,6 @@ _PREFIX = "__seqcal_"
 _COMPOUND = (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.AsyncFor, ast.AsyncWith, ast.Match)
 _SIMPLE = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.Return)
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
-_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-_MUTATORS = frozenset(
-    {"pop", "update", "setdefault", "append", "extend", "insert", "clear", "remove", "popitem", "add"}
-)
 
 
 @dataclass(frozen=True)
@@ -102,124 +100,6 @@ def _stmt_id(node: ast.stmt) -> tuple[int, int]:
     return (node.lineno, node.col_offset)
 
 
-class _Names(ast.NodeVisitor):
-    """Collects names read and written in statements, skipping nested scopes' own locals."""
-
-    def __init__(self) -> None:
-        self.loads: set[str] = set()
-        self.stores: set[str] = set()
-        self.mutated: set[str] = set()
-        self.self_attrs: set[str] = set()
-        self.calls: set[str] = set()
-        self.has_return = self.has_yield = self.has_scope_stmt = False
-        self.loop_depth = 0
-        self.has_loose_jump = False
-
-    def visit_Name(self, node: ast.Name) -> None:
-        (self.loads if isinstance(node.ctx, ast.Load) else self.stores).add(node.id)
-
-    def visit_Attribute(self, node: ast.Attribute) -> None:
-        if isinstance(node.value, ast.Name) and node.value.id == "self":
-            self.self_attrs.add(node.attr)
-        if isinstance(node.ctx, (ast.Store, ast.Del)) and isinstance(node.value, ast.Name):
-            self.mutated.add(node.value.id)
-        self.generic_visit(node)
-
-    def visit_Subscript(self, node: ast.Subscript) -> None:
-        if isinstance(node.ctx, (ast.Store, ast.Del)) and isinstance(node.value, ast.Name):
-            self.mutated.add(node.value.id)
-        self.generic_visit(node)
-
-    def visit_Call(self, node: ast.Call) -> None:
-        func = node.func
-        if isinstance(func, ast.Name):
-            self.calls.add(func.id)
-        elif isinstance(func, ast.Attribute):
-            self.calls.add(func.attr)
-            if func.attr in _MUTATORS and isinstance(func.value, ast.Name):
-                self.mutated.add(func.value.id)
-        self.generic_visit(node)
-
-    def _visit_scope(self, node: ast.AST) -> None:
-        # A nested function/lambda/comprehension has its own locals; only its free reads matter here.
-        inner = _Names()
-        for child in ast.iter_child_nodes(node):
-            inner.visit(child)
-        self.loads |= inner.loads - inner.stores
-        self.self_attrs |= inner.self_attrs
-        self.calls |= inner.calls
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            self.stores.add(node.name)
-
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = _visit_scope
-    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _visit_scope
-
-    def visit_Return(self, node: ast.Return) -> None:
-        self.has_return = True
-        self.generic_visit(node)
-
-    def visit_Yield(self, node: ast.AST) -> None:
-        self.has_yield = True
-
-    visit_YieldFrom = visit_Await = visit_Yield
-
-    def visit_Global(self, node: ast.AST) -> None:
-        self.has_scope_stmt = True
-
-    visit_Nonlocal = visit_Global
-
-    def _visit_loop(self, node: ast.AST) -> None:
-        self.loop_depth += 1
-        self.generic_visit(node)
-        self.loop_depth -= 1
-
-    visit_For = visit_While = visit_AsyncFor = _visit_loop
-
-    def visit_Break(self, node: ast.AST) -> None:
-        if self.loop_depth == 0:
-            self.has_loose_jump = True
-
-    visit_Continue = visit_Break
-
-
-def names_of(stmts: Iterable[ast.AST]) -> _Names:
-    visitor = _Names()
-    for stmt in stmts:
-        visitor.visit(stmt)
-    return visitor
-
-
-def _call(name: str, *args: ast.expr) -> ast.Call:
-    return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=list(args), keywords=[])
-
-
-class _CallRouter(ast.NodeTransformer):
-    """Routes calls and ``is`` tests of a traced statement through the tracer's runtime checks."""
-
-    def visit_Call(self, node: ast.Call) -> ast.AST:
-        self.generic_visit(node)
-        if isinstance(node.func, ast.Name) and node.func.id in {"super", "locals", "globals", "vars"}:
-            return node  # zero-argument super() and frame introspection must run in this frame
-        return ast.Call(
-            func=ast.Name(id=f"{_PREFIX}call", ctx=ast.Load()),
-            args=[node.func, *node.args],
-            keywords=node.keywords,
-        )
-
-    def visit_Compare(self, node: ast.Compare) -> ast.AST:
-        self.generic_visit(node)
-        if len(node.ops) == 1 and isinstance(node.ops[0], (ast.Is, ast.IsNot)):
-            negate = ast.Constant(isinstance(node.ops[0], ast.IsNot))
-            return _call(f"{_PREFIX}is", node.left, node.comparators[0], negate)
-        return node
-
-    def _keep(self, node: ast.AST) -> ast.AST:
-        return node  # nested scopes run later with real values, not at trace time
-
-    visit_Lambda = visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _keep
-    visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _keep
-
-
 class _BodyRewriter:
     """Rewrites one function body; see the module docstring for the rules."""
 
@@ -283,7 +163,7 @@ class _BodyRewriter:
         if isinstance(stmt, _COMPOUND):
             routed = self._compound(stmt)
         else:
-            routed = _CallRouter().visit(stmt)
+            routed = CallRouter().visit(stmt)
         if kind == "must":  # cannot be lifted (see _lift): traced, and a failure is reported as is
             return [routed]
         self.result.tried[sid] = ast.unparse(stmt).splitlines()[0]
@@ -292,7 +172,7 @@ class _BodyRewriter:
             name=f"{_PREFIX}err",
             body=[
                 ast.Expr(
-                    _call(f"{_PREFIX}fail", ast.Constant(sid), ast.Name(id=f"{_PREFIX}err", ctx=ast.Load()))
+                    call(f"{_PREFIX}fail", ast.Constant(sid), ast.Name(id=f"{_PREFIX}err", ctx=ast.Load()))
                 )
             ],
         )
@@ -301,9 +181,9 @@ class _BodyRewriter:
     def _compound(self, stmt: ast.stmt) -> ast.stmt:
         for attr in ("test", "iter", "subject"):
             if hasattr(stmt, attr):
-                setattr(stmt, attr, _CallRouter().visit(getattr(stmt, attr)))
+                setattr(stmt, attr, CallRouter().visit(getattr(stmt, attr)))
         if isinstance(stmt, (ast.With, ast.AsyncWith)):
-            stmt.items = [_CallRouter().visit(item) for item in stmt.items]
+            stmt.items = [CallRouter().visit(item) for item in stmt.items]
         for attr in ("body", "orelse", "finalbody"):
             if getattr(stmt, attr, None):
                 setattr(stmt, attr, self.rewrite(getattr(stmt, attr), top=False))
@@ -362,7 +242,7 @@ class _BodyRewriter:
             source=ast.unparse(stmts[0]).splitlines()[0][:120],
             touched=tuple(sorted(names.self_attrs)),
         )
-        call = _call(
+        invoke = call(
             f"{_PREFIX}opaque",
             ast.Constant(site_id),
             ast.Name(id=helper.name, ctx=ast.Load()),
@@ -370,10 +250,10 @@ class _BodyRewriter:
             ast.Tuple(elts=[ast.Name(id=a, ctx=ast.Load()) for a in inputs], ctx=ast.Load()),
         )
         if top and names.has_return:
-            out: list[ast.stmt] = [ast.Return(call)]
+            out: list[ast.stmt] = [ast.Return(invoke)]
         else:
             tmp = f"{_PREFIX}out"
-            out = [ast.Assign(targets=[ast.Name(id=tmp, ctx=ast.Store())], value=call)]
+            out = [ast.Assign(targets=[ast.Name(id=tmp, ctx=ast.Store())], value=invoke)]
             for i, o in enumerate(outputs):
                 index = ast.Subscript(
                     value=ast.Name(id=tmp, ctx=ast.Load()), slice=ast.Constant(i), ctx=ast.Load()

@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from seqcal.tracing.diagnostics import Problem, TracingError
-from seqcal.tracing.tracer import OpaqueCall
+from seqcal.tracing.values import OpaqueCall
 
 # A list of layers is a sequential-target candidate when it holds at least this share of the parameters:
 # that separates decoder/encoder stacks from per-layer norms or small heads kept in module lists.

@@ -1,0 +1,200 @@
+"""The calibration stage of ``oneshot``: trace, partition, run the modifiers subgraph by subgraph."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from seqcal.cache import ActivationCache
+from seqcal.data import DataArgs, load_calibration_batches
+from seqcal.executor import calibrate_subgraphs
+from seqcal.modifiers import RunState
+from seqcal.offload import SubgraphWeights, WeightStore, safety_hooks
+from seqcal.stream import StreamingCheckpoint
+from seqcal.subgraphs import SubgraphList, trace_subgraphs
+from seqcal.tracing import TracingError
+
+logger = logging.getLogger("seqcal")
+
+PIPELINES = ("sequential", "datafree", "basic")
+
+
+@dataclass
+class PipelineArgs:
+    """How calibration runs."""
+
+    pipeline: str = "sequential"
+    sequential_targets: list[str] | None = None
+    tracing_ignore: list[str] = field(default_factory=list)
+    targets_per_subgraph: int = 1
+    offload: str = "cpu"  # activation cache tier: "cpu" or "disk"
+    offload_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline={self.pipeline!r} is not one of {PIPELINES}")
+        if self.offload not in ("cpu", "disk"):
+            raise ValueError(f"offload={self.offload!r} is not one of ('cpu', 'disk')")
+
+
+@dataclass
+class OutputPlan:
+    """Where the checkpoint goes, and the streaming writer once the subgraphs are known."""
+
+    args: Any  # entrypoint.OutputArgs
+    recipe_yaml: str
+    run_id: str
+    stream: StreamingCheckpoint | None = None
+
+
+def run_pipeline(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    modifiers: list[Any],
+    data_args: DataArgs | None,
+    args: PipelineArgs,
+    output: OutputPlan | None = None,
+    store: WeightStore | None = None,
+) -> RunState:
+    """Run the modifiers over the model (the calibration stage of ``oneshot``); returns the run's state."""
+    start = time.perf_counter()
+    device = _execution_device(model, store)
+    state = RunState(device=device)
+    for modifier in modifiers:
+        modifier.initialize(model, state)
+    if args.pipeline == "datafree" or data_args is None:
+        if any(m.needs_calibration for m in modifiers):
+            raise ValueError(
+                "pipeline='datafree' cannot run modifiers that need calibration data (GPTQModifier)"
+            )
+        batches = []
+    else:
+        batches = load_calibration_batches(data_args, tokenizer)
+    targets = args.sequential_targets or next(
+        (m.sequential_targets for m in modifiers if getattr(m, "sequential_targets", None)), None
+    )
+    if not batches:
+        rows = _whole_model(model, modifiers, state, [])
+    elif args.pipeline == "basic":
+        rows = _whole_model(model, modifiers, state, batches)
+    else:
+        batches = [{**batch, "use_cache": False} for batch in batches]
+        try:
+            subgraphs = trace_subgraphs(
+                model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph
+            )
+        except TracingError as err:
+            subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
+        device = _model_device(model)
+        with ActivationCache(offload=args.offload, offload_dir=args.offload_dir, device=device) as cache:
+            weights = SubgraphWeights(model, store, subgraphs, device) if store is not None else None
+            stream = _streaming(model, state, subgraphs, output, weights)
+            schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
+
+            def done(sg: Any) -> None:
+                if stream is not None:
+                    stream.done(sg)
+                if weights is not None:
+                    weights.release(
+                        sg, [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
+                    )
+
+            with safety_hooks(model, store, device) if store is not None else contextlib.nullcontext():
+                rows = calibrate_subgraphs(
+                    model, subgraphs, batches, modifiers, cache, subgraphs.placeholders, state,
+                    on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
+                    restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
+                    on_subgraph_start=weights.onload if weights is not None else None,
+                )  # fmt: skip
+    for modifier in modifiers:
+        modifier.finalize(model, state)
+    state.report = {
+        "subgraphs": rows,
+        "modules": state.module_errors,
+        "log": state.log,
+        "seconds": time.perf_counter() - start,
+    }
+    for line in state.log:
+        logger.warning(line)
+    return state
+
+
+def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:
+    """Where subgraphs run: the model's device, or for offloaded weights cuda when present, else cpu."""
+    if store is None:
+        return _model_device(model)
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _streaming(
+    model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: OutputPlan | None, weights: Any
+) -> StreamingCheckpoint | None:
+    if output is None or output.args.output_dir is None:
+        return None
+    output.stream = StreamingCheckpoint(
+        model, state, output.args.output_dir, subgraphs, output.run_id,
+        overwrite=output.args.overwrite, resume=output.args.resume, weights=weights,
+    )  # fmt: skip
+    if output.stream.finished >= 0:
+        logger.warning("seqcal: resuming after subgraph %d of %d", output.stream.finished, len(subgraphs))
+    return output.stream
+
+
+def _layerwise_fallback(
+    model: torch.nn.Module, batches: list[dict[str, Any]], targets: list[str] | None, err: TracingError
+) -> tuple[SubgraphList, list[dict[str, Any]]]:
+    """Tracing failed: calibrate layer by layer with hooks if the targets form a simple chain, else re-raise."""
+    from seqcal.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
+    from seqcal.partition import partition
+    from seqcal.tracing.diagnostics import Problem
+    from seqcal.tracing.targets import infer_candidates, match_targets
+
+    found = match_targets(model, targets) if targets else infer_candidates(model)
+    order = [name for name, _ in model.named_modules() if name in set(found.values())]
+    reason = check_chain(model, order, batches[0]) if order else "no targets"
+    if reason is not None:
+        fix = "follow the tracing fixes above; the layer-by-layer fallback does not apply"
+        raise TracingError([*err.problems, Problem("layer-by-layer fallback", reason, fix)]) from err
+    logger.warning(
+        "seqcal: tracing failed (%s); the %d targets form a simple chain, so calibrating layer by layer "
+        "with hooks instead. Check the per-layer errors in the report.",
+        err.problems[0].what,
+        len(order),
+    )
+    traced = chain_graph(order, capture_first_inputs(model, order[0], batches[0]))
+    names = {id(m): n for n, m in model.named_modules()}
+    subgraphs = SubgraphList(model, traced, partition(traced.graph, traced.targets, 1, names))
+    return subgraphs, chain_batches(model, order[0], batches)
+
+
+def _whole_model(
+    model: torch.nn.Module, modifiers: list[Any], state: RunState, batches: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """pipeline 'basic' (one pass of the whole model, no tracing) and 'datafree' (no pass at all)."""
+    import contextlib
+
+    from seqcal.partition import Subgraph
+
+    every = Subgraph(index=0, nodes=[], modules=[n for n, _ in model.named_modules() if n])
+    start = time.perf_counter()
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for modifier in modifiers:
+            stack.enter_context(modifier.calibrate(every, model, state))
+        for batch in batches:
+            state.token_mask = batch["attention_mask"].bool() if "attention_mask" in batch else None
+            model(**batch, use_cache=False)
+        state.token_mask = None
+    for modifier in modifiers:
+        modifier.compress(every, model, state)
+    return [
+        {"index": 0, "targets": ["<whole model>"], "rel_error": None, "seconds": time.perf_counter() - start}
+    ]
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))

@@ -1,0 +1,98 @@
+"""Checks before any calibration work: a run must not fail at the end for a reason known at the start."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seqcal.save import PROGRESS_NAME
+
+# Headroom on free-space estimates: shards are written whole, and the filesystem needs slack.
+DISK_MARGIN = 1.1
+
+
+class DiskSpaceError(OSError):
+    """The machine cannot hold what the run will write (disk space, permissions)."""
+
+
+def check_output_dir(output_dir: str | None, *, overwrite: bool, resume: bool) -> None:
+    """Refuse to start when ``output_dir`` holds something this run would clobber or cannot write.
+
+    Raises:
+        FileExistsError: a finished checkpoint or an interrupted run is there (and neither overwrite nor resume).
+        PermissionError: the directory (or its nearest existing parent) is not writable.
+    """
+    if output_dir is None:
+        return
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"output_dir {path} is a file; give a directory path")
+    if (path / PROGRESS_NAME).is_file() and not (resume or overwrite):
+        raise FileExistsError(
+            f"output_dir {path} holds an interrupted run; continue it with resume=True (CLI: --resume) "
+            "and the same arguments, or pass overwrite=True to start again"
+        )
+    if path.exists() and any(path.iterdir()) and not (overwrite or resume):
+        raise FileExistsError(
+            f"output_dir {path} exists and is not empty; choose another directory or pass overwrite=True"
+        )
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(
+            f"output_dir {path}: {existing} is not writable; choose a directory you can write"
+        )
+
+
+def estimate_checkpoint_bytes(model: torch.nn.Module, modifiers: Sequence[Any]) -> int:
+    """Bytes the compressed checkpoint will take (weights at their quantized width plus scales)."""
+    bits: dict[str, int] = {}
+    for modifier in modifiers:
+        for name, scheme in getattr(modifier, "modules", {}).items():
+            bits[name] = scheme.weights.num_bits
+    total = 0
+    for name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            element = param.element_size()
+            if pname == "weight" and name in bits:
+                total += param.numel() * bits[name] // 8 + param.numel() * element // 32  # codes + scales
+            else:
+                total += param.numel() * element
+    return total
+
+
+def check_environment(
+    model: torch.nn.Module,
+    modifiers: Sequence[Any],
+    output_dir: str | None,
+    offload: str,
+    offload_dir: str | None,
+) -> None:
+    """Enough free disk for the checkpoint (and the disk activation cache's folder must be writable).
+
+    Raises:
+        DiskSpaceError: not enough free space; says how much is needed and where.
+        PermissionError: the offload folder is not writable.
+    """
+    if output_dir is not None:
+        need = int(estimate_checkpoint_bytes(model, modifiers) * DISK_MARGIN)
+        existing = Path(output_dir)
+        while not existing.exists():
+            existing = existing.parent
+        free = shutil.disk_usage(existing).free
+        if free < need:
+            raise DiskSpaceError(
+                f"output_dir {output_dir}: the checkpoint needs about {need / 1e9:.2f} GB but only "
+                f"{free / 1e9:.2f} GB are free on that disk; free space or choose another output_dir"
+            )
+    if offload == "disk":
+        folder = Path(offload_dir or tempfile.gettempdir())
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"offload_dir {folder} is not a writable directory; pass offload_dir=...")
