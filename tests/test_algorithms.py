@@ -354,9 +354,9 @@ def test_gptq_rejects_bad_arguments_with_valid_choices():
 def test_docstring_examples_run():
     import doctest
 
-    from seqcal.algorithms import gptq, quant
+    from seqcal.algorithms import gptq, packing, quant
 
-    for module in (quant, gptq):
+    for module in (quant, packing, gptq):
         result = doctest.testmod(
             module, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE
         )

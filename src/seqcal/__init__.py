@@ -1,7 +1,19 @@
 """seqcal: memory-bounded sequential calibration for post-training quantization of transformers models."""
 
+from seqcal.entrypoint import oneshot
+from seqcal.modifiers import GPTQModifier, QuantizationModifier
+from seqcal.recipe import Recipe, parse_recipe
 from seqcal.subgraphs import SubgraphList, trace_subgraphs
 from seqcal.tracing import TracingError
 
-__all__ = ["SubgraphList", "TracingError", "trace_subgraphs"]
+__all__ = [
+    "GPTQModifier",
+    "QuantizationModifier",
+    "Recipe",
+    "SubgraphList",
+    "TracingError",
+    "oneshot",
+    "parse_recipe",
+    "trace_subgraphs",
+]
 __version__ = "0.1.0"

@@ -13,6 +13,9 @@ Objects the cache cannot decompose (a transformers ``DynamicCache``, arbitrary o
 reference in RAM and never pickled (DESIGN invariant 8); their tensors are not counted in
 ``resident_bytes`` and stay on whatever device they are on.
 
+The value <-> skeleton structure code lives in ``seqcal.cache_tree`` (``flatten``, ``unflatten``, re-exported
+here) and the byte records in ``seqcal.cache_entries``.
+
 Example:
     >>> with ActivationCache(offload="disk") as cache:
     ...     cache.put(0, "hidden", (torch.ones(2, 3), {"mask": None}))
@@ -22,135 +25,19 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable
 from typing import Any, Literal, Self
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from seqcal.cache_entries import _Alias, _byte_span, _Entry, _same_device, _Stored, _TensorRef, _view
+from seqcal.cache_tree import flatten, unflatten
+
 OFFLOAD_TIERS = ("cpu", "disk")
-
-# ---- structure: value <-> skeleton with tensor leaves ---------------------------------------------------
-# Not torch.utils._pytree: it decomposes plain dataclasses or slices only after a process-global
-# registration (DESIGN: no global state), and what it decomposes depends on what the installed transformers
-# registered (ModelOutput subclasses, some Cache classes). This cache must keep unknown objects whole.
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Node:
-    kind: str  # "tensor" | "keep" | a key of _REBUILD
-    children: tuple[_Node, ...] = ()
-    meta: Any = None  # tensor: its _TensorRef; keep: the object; containers: (class, keys, extra)
-
-
-def _is_plain_tensor(value: Any) -> bool:
-    """Dense tensor with data; subclasses, sparse, quantized, nested and meta tensors are kept whole."""
-    return (
-        type(value) in (torch.Tensor, torch.nn.Parameter)
-        and value.layout == torch.strided
-        and not (value.is_quantized or value.is_nested or value.device.type == "meta")
-    )
-
-
-def _container_kind(value: Any) -> str | None:
-    cls = type(value)
-    if cls in (tuple, list):
-        return "seq"
-    if isinstance(value, tuple) and not isinstance(value, torch.Size):
-        return "namedtuple" if hasattr(cls, "_fields") else "structseq" if hasattr(cls, "n_fields") else None
-    if cls in (dict, collections.OrderedDict, collections.defaultdict):
-        return "dict"
-    if isinstance(value, dict) and dataclasses.is_dataclass(value):
-        return "model_output"  # transformers ModelOutput: an OrderedDict dataclass holding its non-None keys
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return "dataclass"
-    return "slice" if cls is slice else None
-
-
-def _parts(kind: str, value: Any) -> tuple[tuple | None, list[Any]]:
-    """(keys, child values) of a container."""
-    if kind in ("dict", "model_output"):
-        return tuple(value.keys()), list(value.values())
-    if kind == "dataclass":  # fields plus attributes set in __post_init__
-        names = [f.name for f in dataclasses.fields(value) if hasattr(value, f.name)]
-        names += [k for k in getattr(value, "__dict__", {}) if k not in names]
-        return tuple(names), [getattr(value, k) for k in names]
-    if kind == "slice":
-        return None, [value.start, value.stop, value.step]
-    return None, list(value)
-
-
-def _new_dataclass(cls: type, keys: tuple, values: list) -> Any:
-    # Not cls(**...): __init__/__post_init__ already ran on the original and may not be idempotent.
-    obj = cls.__new__(cls)
-    for key, val in zip(keys, values):
-        object.__setattr__(obj, key, val)  # object's setattr also works for frozen dataclasses
-    return obj
-
-
-_REBUILD: dict[str, Callable[[type, tuple | None, Any, list], Any]] = {
-    "seq": lambda cls, keys, extra, vals: cls(vals),
-    "namedtuple": lambda cls, keys, extra, vals: cls(*vals),
-    "structseq": lambda cls, keys, extra, vals: cls(vals),  # torch.return_types
-    "dict": lambda cls, keys, extra, vals: (
-        cls(extra, zip(keys, vals)) if cls is collections.defaultdict else cls(zip(keys, vals))
-    ),
-    "model_output": lambda cls, keys, extra, vals: cls(**dict(zip(keys, vals))),
-    "dataclass": lambda cls, keys, extra, vals: _new_dataclass(cls, keys, vals),
-    "slice": lambda cls, keys, extra, vals: slice(*vals),
-}
-
-
-def flatten(value: Any, store: Callable[[torch.Tensor], Any], _active: set[int] | None = None) -> _Node:
-    """Skeleton of `value` whose tensor leaves are replaced by `store(tensor)`.
-
-    Args:
-        value: nested tuple/list/dict/namedtuple/dataclass/ModelOutput/slice of tensors and other objects;
-            anything else (scalars, dtypes, DynamicCache, ...) is kept by reference.
-        store: called once per tensor leaf; its result is kept in the skeleton.
-
-    Returns:
-        The skeleton; `unflatten(skeleton, load)` rebuilds the value.
-
-    Example:
-        >>> unflatten(flatten((torch.ones(1), None), lambda t: t * 2), lambda r: r)
-        (tensor([2.]), None)
-    """
-    if isinstance(value, torch.Tensor) and _is_plain_tensor(value):
-        return _Node("tensor", meta=store(value))
-    kind = _container_kind(value)
-    if kind is None:
-        return _Node("keep", meta=value)
-    active = set() if _active is None else _active
-    if id(value) in active:
-        raise ValueError(
-            f"ActivationCache: a {type(value).__name__} contains itself; a value crossing a subgraph "
-            "boundary must be a tree. Break the cycle or wrap the object so it is kept by reference."
-        )
-    active.add(id(value))
-    try:
-        keys, items = _parts(kind, value)
-        children = tuple(flatten(item, store, active) for item in items)
-    finally:
-        active.discard(id(value))
-    extra = value.default_factory if isinstance(value, collections.defaultdict) else None
-    return _Node(kind, children, (type(value), keys, extra))
-
-
-def unflatten(node: _Node, load: Callable[[Any], torch.Tensor]) -> Any:
-    """Rebuild the value of a `flatten` skeleton; `load` turns each stored leaf back into a tensor."""
-    if node.kind == "tensor":
-        return load(node.meta)
-    if node.kind == "keep":
-        return node.meta
-    cls, keys, extra = node.meta
-    return _REBUILD[node.kind](cls, keys, extra, [unflatten(child, load) for child in node.children])
 
 
 class CacheMissError(KeyError):
@@ -158,65 +45,6 @@ class CacheMissError(KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message and escape its newlines
         return str(self.args[0])
-
-
-@dataclasses.dataclass(eq=False)
-class _Entry:
-    """Bytes of one storage span, shared (refcounted) by every key whose tensors read them."""
-
-    nbytes: int
-    payload: torch.Tensor | None = None  # (nbytes,) uint8 copy in RAM (cpu tier)
-    path: str | None = None  # safetensors file (disk tier)
-    ready: Any = None  # cuda Event of a pending non-blocking device-to-host copy
-    refs: int = 0  # keys holding this entry
-    alias_keys: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(eq=False)
-class _Alias:
-    """Storage bytes [start, start + entry.nbytes) of a live storage equal the entry's bytes."""
-
-    source: weakref.ref  # the storage; dead once it is freed, so a reused address never matches
-    start: int
-    version: int | None  # tensor version counter when the bytes were captured; None: kept as is
-    entry: _Entry
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _TensorRef:
-    """Skeleton leaf for one tensor: which entry, and how to view its bytes."""
-
-    entry: _Entry | None  # None for a tensor with no elements
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    byte_offset: int = 0  # where the tensor's first element sits in the entry
-    span: int = 0  # bytes from the first to past the last element the tensor reads
-    tensor: torch.Tensor | None = None  # the tensor itself when stored as is
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Stored:
-    node: _Node
-    entries: tuple[_Entry, ...]  # each entry once, whatever number of tensors use it
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """Bytes [start, end) of t's storage that t reads (strides are never negative in torch)."""
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _view(payload: torch.Tensor, ref: _TensorRef) -> torch.Tensor:
-    """Rebuild the tensor of `ref` as a view of the entry bytes `payload`, (nbytes,) uint8."""
-    chunk = payload[ref.byte_offset : ref.byte_offset + ref.span]
-    if chunk.storage_offset() % ref.dtype.itemsize:  # view(dtype) needs an aligned start
-        chunk = chunk.clone()
-    return chunk.view(ref.dtype).as_strided(ref.size, ref.stride)
 
 
 class ActivationCache:

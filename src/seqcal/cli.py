@@ -128,15 +128,21 @@ def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Names
 def cmd_oneshot(args: argparse.Namespace) -> int:
     from seqcal.entrypoint import ModelArgs, load_model, oneshot
 
-    model, tokenizer, _ = load_model(ModelArgs(args.model, dtype=args.dtype))
+    # Without --eval the directory is passed on, so oneshot keeps the weights offloaded (memory bound);
+    # --eval needs the model in memory to measure it before and after.
+    model, tokenizer = args.model, None
+    if args.eval:
+        model, tokenizer, _ = load_model(ModelArgs(args.model, dtype=args.dtype))
     text, text_name = _eval_text(args.eval_dataset) if args.eval else ("", "")
     before = _ppl(model, tokenizer, text, args) if args.eval else None
     start = time.perf_counter()
     oneshot(
         model=model, tokenizer=tokenizer, recipe=args.recipe, dataset=args.dataset, output_dir=args.output_dir,
+        dtype=args.dtype,
         num_calibration_samples=args.num_calibration_samples, max_seq_length=args.max_seq_length,
         batch_size=args.batch_size, sequential_targets=args.sequential_targets, tracing_ignore=args.tracing_ignore,
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed,
+        resume=args.resume, max_device_memory=args.max_device_memory,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -179,6 +185,8 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
     one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    one.add_argument("--resume", action="store_true", help="continue an interrupted run in --output-dir")
+    one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets to fit")
     one.add_argument("--eval", action="store_true", help="print perplexity before and after")
     one.add_argument("--eval-dataset", default=None, help="text for --eval (default: WikiText-2 test if found)")
     one.add_argument("--eval-seq-length", type=int, default=2048)
@@ -192,6 +200,32 @@ def _add_oneshot(sub: Any) -> None:
     ppl.add_argument("--eval-windows", type=int, default=None)
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ppl.set_defaults(func=cmd_eval_ppl)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from seqcal.entrypoint import oneshot
+
+    plan = oneshot(
+        model=args.model, recipe=args.recipe, num_calibration_samples=args.num_calibration_samples,
+        max_seq_length=args.max_seq_length, batch_size=args.batch_size, offload=args.offload,
+        sequential_targets=args.sequential_targets, dry_run=True, max_device_memory=args.max_device_memory,
+        dataset=[],
+    )  # fmt: skip
+    print(plan.table())
+    return 0
+
+
+def _add_plan(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="predict device/host/disk memory per subgraph (reads no weights)")
+    plan.add_argument("--model", required=True)
+    plan.add_argument("--recipe", required=True)
+    plan.add_argument("--num-calibration-samples", type=int, default=512)
+    plan.add_argument("--max-seq-length", type=int, default=2048)
+    plan.add_argument("--batch-size", type=int, default=1)
+    plan.add_argument("--offload", default="cpu", choices=["cpu", "disk"])
+    plan.add_argument("--sequential-targets", nargs="+", default=None)
+    plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets to fit")
+    plan.set_defaults(func=cmd_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     trace.set_defaults(func=cmd_trace)
     _add_oneshot(sub)
+    _add_plan(sub)
     return parser
 
 

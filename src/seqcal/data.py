@@ -21,42 +21,44 @@ Example:
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import importlib.resources
-import json
 import logging
 import random
-import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from seqcal.data_sources import (
+    _HEADING,
+    _ROW_READERS,
+    ACCEPTED,
+    MIN_PARAGRAPH_CHARS,
+    CalibrationDataError,
+    _as_ids,
+    _dataset_kind,
+    _is_conversation,
+    _is_int,
+    _require,
+    _split_spec,
+    _warn_unused_splits,
+    default_calibration_text,
+)
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+__all__ = [
+    "ACCEPTED",
+    "MIN_PARAGRAPH_CHARS",
+    "CalibrationDataError",
+    "DataArgs",
+    "default_calibration_text",
+    "load_calibration_batches",
+]
+
 logger = logging.getLogger(__name__)
-
-ACCEPTED = (
-    "'default' (the embedded text), a local file (.txt/.text/.raw/.md: paragraphs at blank lines; "
-    ".jsonl/.json/.csv/.parquet: rows with a text column or 'messages'), a folder saved with "
-    "datasets' save_to_disk, a Hugging Face Hub dataset name, a datasets.Dataset or DatasetDict, a list of "
-    "strings / chat conversations / row dicts / token-id lists, a dict of columns or {'input_ids': ...}, "
-    "an integer tensor of token ids [N, T] or [T], or a torch DataLoader of {'input_ids', 'attention_mask'} "
-    "batches"
-)
-# Fragments shorter than this (captions, "References", stray list items) calibrate nothing useful.
-MIN_PARAGRAPH_CHARS = 32
-# WikiText section titles: " = Title = ", " = = Subtitle = = ".
-_HEADING = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
-_SPLIT = re.compile(r"^(?P<name>[\w.-]+)?(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\])?$")
-
-
-class CalibrationDataError(ValueError):
-    """The calibration dataset cannot be turned into batches; the message says where and what is valid."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,29 +119,11 @@ class DataArgs:
         _dataset_kind(self.dataset)
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Sample:
     text: str | None = None
     ids: list[int] | None = None
     chat: bool = False  # rendered by a chat template, which already holds BOS: add no special tokens
-
-
-def default_calibration_text() -> str:
-    """The embedded offline calibration text: original encyclopedic English prose, ~46 KB.
-
-    Returns:
-        Paragraphs separated by blank lines (history, science, geography, technology, literature).
-
-    Example:
-        >>> len(default_calibration_text().split("\\n\\n")) > 50
-        True
-    """
-    return importlib.resources.files("seqcal.assets").joinpath("calibration.txt").read_text(encoding="utf-8")
 
 
 def load_calibration_batches(
@@ -193,264 +177,7 @@ def load_calibration_batches(
     ]
 
 
-# ---- what the dataset is -------------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _hf_class(obj: Any) -> str | None:
-    """The class name of an object of the optional `datasets` package (found without importing it)."""
-    return type(obj).__name__ if type(obj).__module__.split(".")[0] == "datasets" else None
-
-
-def _dataset_kind(dataset: Any) -> str:
-    if isinstance(dataset, (str, Path)):
-        _require(bool(str(dataset).strip()), f"DataArgs.dataset is an empty string; accepted: {ACCEPTED}")
-        return "path"
-    if isinstance(dataset, DataLoader):
-        return "loader"
-    if _hf_class(dataset) in ("Dataset", "DatasetDict"):
-        return "hf"
-    if isinstance(dataset, (list, tuple)):
-        return "list"
-    if isinstance(dataset, (Mapping, torch.Tensor)):
-        return "tokens"
-    hint = (
-        " (streaming datasets are not supported: load without streaming=True)" if _hf_class(dataset) else ""
-    )
-    raise CalibrationDataError(
-        f"DataArgs.dataset: cannot use a {type(dataset).__name__}{hint}; accepted: {ACCEPTED}"
-    )
-
-
-def _split_spec(splits: str | dict[str, str] | None) -> str | None:
-    """The split string to load, from llm-compressor's ``splits`` (a str or {"calibration": ...})."""
-    spec = splits
-    if isinstance(splits, Mapping):
-        if "calibration" not in splits and len(splits) != 1:
-            raise ValueError(f"DataArgs.splits {splits!r}: a dict needs a 'calibration' key or exactly one entry, "
-                             "e.g. {'calibration': 'train[:512]'}")  # fmt: skip
-        spec = splits.get("calibration", next(iter(splits.values())))
-    if spec is not None and (not isinstance(spec, str) or not _SPLIT.match(spec)):
-        raise ValueError(f"DataArgs.splits: {spec!r} is not a split; expected 'NAME', 'NAME[A:B]' or 'NAME[:N%]', "
-                         "e.g. 'train[:512]'")  # fmt: skip
-    return spec
-
-
-# ---- rows from each kind of dataset --------------------------------------------------------------------
-
-
-def _paragraphs(text: str) -> list[str]:
-    """Blank-line separated paragraphs without heading lines, fragments under MIN_PARAGRAPH_CHARS dropped."""
-    out = []
-    for block in re.split(r"\n[ \t\r\f\v]*\n", text):
-        para = "\n".join(line.rstrip() for line in block.split("\n") if not _HEADING.match(line)).strip()
-        if len(para) >= MIN_PARAGRAPH_CHARS:
-            out.append(para)
-    return out
-
-
-def _read_jsonl(path: Path) -> list[Any]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise CalibrationDataError(f"{path}:{n}: not valid JSON ({err.msg}); JSON lines hold one object "
-                                           'per line, e.g. {"text": "..."}') from err  # fmt: skip
-    return rows
-
-
-def _columns_to_rows(data: Mapping) -> list[Any] | None:
-    """{"text": [a, b]} -> [{"text": a}, {"text": b}]; None when ``data`` is not a dict of equal-length lists."""
-    cols = list(data.values())
-    if not cols or not all(isinstance(c, list) for c in cols) or len({len(c) for c in cols}) != 1:
-        return None
-    if _is_conversation(data.get("messages")):  # one chat row, not a column of messages
-        return None
-    return [dict(zip(data.keys(), values)) for values in zip(*cols)]
-
-
-def _read_json(path: Path) -> list[Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        if err.msg == "Extra data":  # JSON lines saved under .json, as datasets' to_json writes them
-            return _read_jsonl(path)
-        raise CalibrationDataError(f"{path}: not valid JSON ({err}); expected a list of rows, a dict of "
-                                   "columns, or one object per line") from err  # fmt: skip
-    if isinstance(data, list):
-        return data
-    rows = _columns_to_rows(data) if isinstance(data, dict) else None
-    return rows if rows is not None else [data]
-
-
-def _read_csv(path: Path) -> list[Any]:
-    with path.open(encoding="utf-8", newline="") as f:
-        try:
-            return list(csv.DictReader(f))
-        except csv.Error as err:
-            raise CalibrationDataError(f"{path}: cannot read as CSV ({err}); convert it to .jsonl "
-                                       '(one {"text": ...} object per line)') from err  # fmt: skip
-
-
-def _read_parquet(path: Path) -> list[Any]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as err:
-        raise CalibrationDataError(f"{path}: reading .parquet needs the optional package pyarrow "
-                                   "(pip install pyarrow, or datasets which brings it); or convert the file "
-                                   "to .jsonl") from err  # fmt: skip
-    return pq.read_table(path).to_pylist()
-
-
-def _read_text(path: Path) -> list[Any]:
-    return _paragraphs(path.read_text(encoding="utf-8"))
-
-
-_FILE_READERS: dict[str, Callable[[Path], list[Any]]] = {
-    ".txt": _read_text,
-    ".text": _read_text,
-    ".raw": _read_text,  # WikiText's wiki.*.raw
-    ".md": _read_text,
-    ".jsonl": _read_jsonl,
-    ".json": _read_json,
-    ".csv": _read_csv,
-    ".parquet": _read_parquet,
-}
-
-
-def _import_datasets(what: str) -> Any:
-    try:
-        import datasets
-    except ImportError as err:
-        raise CalibrationDataError(
-            f"{what} needs the optional package `datasets` (pip install datasets). Without it, pass a local "
-            f"file ({', '.join(_FILE_READERS)}), a list of strings, or dataset='default'"
-        ) from err
-    return datasets
-
-
-def _string_rows(args: DataArgs) -> tuple[Sequence[Any], str]:
-    spec = str(args.dataset)
-    if spec == "default":
-        return _paragraphs(default_calibration_text()), "the embedded calibration text"
-    path = Path(spec).expanduser()
-    if path.is_file():
-        reader = _FILE_READERS.get(path.suffix.lower())
-        if reader is None:
-            raise CalibrationDataError(f"{path}: unknown extension {path.suffix!r}; accepted: "
-                                       f"{', '.join(_FILE_READERS)}")  # fmt: skip
-        _warn_unused_splits(args, str(path))
-        return reader(path), str(path)
-    if path.is_dir():
-        datasets = _import_datasets(f"dataset folder {path}")
-        return _hf_rows(datasets.load_from_disk(str(path)), args, sliced=False), f"dataset folder {path}"
-    suffix = path.suffix.lower()
-    if isinstance(args.dataset, Path) or suffix in _FILE_READERS or suffix[1:].isalpha() or spec[:1] in "./~":
-        raise FileNotFoundError(f"calibration dataset file {spec!r} does not exist (working folder: "
-                                f"{Path.cwd()}); pass an existing {', '.join(_FILE_READERS)} file, a Hub dataset "
-                                "name, or dataset='default'")  # fmt: skip
-    return _hub_rows(spec, args), f"Hub dataset {spec!r}"
-
-
-def _hub_rows(name: str, args: DataArgs) -> Sequence[Any]:
-    datasets = _import_datasets(
-        f"dataset {name!r} is not a local file, so it would come from the Hugging Face Hub; that"
-    )
-    try:
-        loaded = datasets.load_dataset(name, args.dataset_config_name, split=_split_spec(args.splits))
-    except ConnectionError as err:
-        raise ConnectionError(
-            f"cannot load dataset {name!r} from the Hugging Face Hub: this machine is offline or HF_HUB_OFFLINE=1 "
-            f"is set ({err}). Pass a local file instead, e.g. dataset='calib.txt' (paragraphs separated by blank "
-            f"lines) or dataset='calib.jsonl' with a {args.text_column!r} field per line, or dataset='default'"
-        ) from err
-    return _hf_rows(loaded, args, sliced=args.splits is not None)
-
-
-def _hf_rows(ds: Any, args: DataArgs, sliced: bool) -> Sequence[Any]:
-    """A datasets.Dataset (rows are dicts): the requested split, cut to its ``[A:B]`` window."""
-    spec = _split_spec(args.splits)
-    match = _SPLIT.match(spec or "")
-    if _hf_class(ds) == "DatasetDict":
-        names = list(ds)
-        default = next(
-            (n for n in ("calibration", "train") if n in ds), names[0] if len(names) == 1 else None
-        )
-        name = match["name"] or default
-        if name not in ds:
-            raise CalibrationDataError(f"DatasetDict has no split {name!r} (splits: {names}); pass splits='NAME' "
-                                       f"or splits={{'calibration': 'NAME[:512]'}} with NAME among {names}")  # fmt: skip
-        ds = ds[name]
-    if sliced or not (match["start"] or match["stop"]):
-        return ds
-    bounds = [None if b is None else round(len(ds) * int(b[:-1]) / 100) if b.endswith("%") else int(b)
-              for b in (match["start"], match["stop"])]  # fmt: skip
-    return ds.select(range(*slice(*bounds).indices(len(ds))))
-
-
-def _warn_unused_splits(args: DataArgs, where: str) -> None:
-    if args.splits is not None:
-        logger.warning(
-            "DataArgs.splits=%r is ignored for %s: splits select from HF datasets only", args.splits, where
-        )
-
-
-def _token_rows(args: DataArgs) -> tuple[Sequence[Any], str]:
-    data = args.dataset
-    if isinstance(data, Mapping) and "input_ids" not in data:
-        rows = _columns_to_rows(data)
-        if rows is None:
-            raise CalibrationDataError(f"DataArgs.dataset dict with keys {sorted(data)}: expected "
-                                       "{'input_ids': ...} or equal-length column lists like {'text': [...]}")  # fmt: skip
-        return rows, "the dataset dict"
-    ids = data["input_ids"] if isinstance(data, Mapping) else data
-    mask = data.get("attention_mask") if isinstance(data, Mapping) else None
-    if _as_ids(ids) is not None:  # one sequence [T]
-        return [{"input_ids": ids, "attention_mask": mask}], "the token ids"
-    if isinstance(ids, torch.Tensor) and ids.ndim != 2:
-        raise CalibrationDataError(
-            f"token ids of shape {list(ids.shape)}: expected an integer tensor [N, T] or [T]"
-        )
-    masks = [None] * len(ids) if mask is None else mask
-    return [{"input_ids": i, "attention_mask": m} for i, m in zip(ids, masks)], "the token ids"
-
-
-_ROW_READERS: dict[str, Callable[[DataArgs], tuple[Sequence[Any], str]]] = {
-    "path": _string_rows,
-    "list": lambda args: (list(args.dataset), "the dataset list"),
-    "tokens": _token_rows,
-    "hf": lambda args: (_hf_rows(args.dataset, args, sliced=False), f"the {type(args.dataset).__name__}"),
-}
-
-
 # ---- rows -> samples -> token sequences ----------------------------------------------------------------
-
-
-def _is_conversation(value: Any) -> bool:
-    return (
-        isinstance(value, (list, tuple))
-        and len(value) > 0
-        and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in value)
-    )
-
-
-def _as_ids(value: Any) -> list[int] | None:
-    """A token sequence [T] as a list, or None when ``value`` is not one (a 2-D tensor, text, ...)."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-            raise CalibrationDataError(f"token ids must be an integer tensor, got dtype {value.dtype}; "
-                                       "pass input_ids as a LongTensor")  # fmt: skip
-        return value.tolist() if value.ndim == 1 else None
-    if isinstance(value, (list, tuple)) and all(_is_int(v) for v in value):
-        return list(value)
-    return None
 
 
 def _unpad(row: Mapping, where: str) -> list[int]:

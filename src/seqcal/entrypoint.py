@@ -13,6 +13,7 @@ import torch
 from seqcal.data import DataArgs
 from seqcal.offload import WeightStore, load_offloaded
 from seqcal.pipeline import OutputPlan, PipelineArgs, run_pipeline
+from seqcal.plan import make_plan
 from seqcal.preflight import check_environment, check_output_dir
 from seqcal.recipe import parse_recipe
 from seqcal.stream import fingerprint
@@ -113,6 +114,8 @@ def oneshot(
     offload_dir: str | None = None,
     overwrite: bool = False,
     resume: bool = False,
+    dry_run: bool = False,
+    max_device_memory: int | str | None = None,
     trust_remote_code: bool = False,
     **unknown: Any,
 ) -> torch.nn.Module:
@@ -135,6 +138,8 @@ def oneshot(
         overwrite: replace a non-empty output_dir.
         resume: continue an interrupted run in output_dir (same arguments); finished subgraphs are
             replayed from their saved weights, and the checkpoint equals an uninterrupted run's.
+        dry_run: read no weight and calibrate nothing: return the MemoryPlan (device/host/disk per subgraph).
+        max_device_memory: bytes or "8GB"; subgraphs that would not fit make seqcal pick finer targets.
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left).
@@ -161,6 +166,18 @@ def oneshot(
     loaded, tok, store = load_model(model_args, offload_weights=pipe_args.pipeline == "sequential")
     for modifier in parsed.modifiers:
         modifier.validate(loaded)
+    if dry_run or max_device_memory is not None:
+        plan = make_plan(
+            loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
+            batch_size=batch_size, sequential_targets=pipe_args.sequential_targets,
+            tracing_ignore=pipe_args.tracing_ignore, disk_cache=offload == "disk",
+            max_device_memory=parse_bytes(max_device_memory),
+        )  # fmt: skip
+        if dry_run:
+            return plan
+        for note in plan.notes[:-1]:
+            logger.warning("seqcal: %s", note)
+        pipe_args.sequential_targets = plan.targets
     check_environment(loaded, parsed.modifiers, out_args.output_dir, pipe_args.offload, pipe_args.offload_dir)
     data_args = None
     if pipe_args.pipeline != "datafree":
@@ -183,3 +200,18 @@ def oneshot(
                             overwrite=out_args.overwrite)  # fmt: skip
         write_error_report(state.report, out_args.output_dir)
     return loaded
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """``8GB``, ``512MiB``, ``1e9`` or an int -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip().upper().replace(" ", "")
+    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * scale)
+    try:
+        return int(float(text))
+    except ValueError:
+        raise ValueError(f"max_device_memory={value!r}: give bytes or a size such as '8GB' or '512MiB'") from None

@@ -16,32 +16,34 @@ scheme, and its `targets` name the layers to calibrate one by one, as in llm-com
 `version`, `metadata` and `args` at top level are ignored.
 
 Recipes are read with PyYAML's safe loader only (DESIGN invariant 8): tags such as `!GPTQModifier` or
-`!!python/...` are rejected, and `eval(...)` strings are refused, never evaluated.
+`!!python/...` are rejected, and `eval(...)` strings are refused, never evaluated. The loader, `RecipeError`
+and the message helpers live in `seqcal.recipe_yaml`; this module re-exports `RecipeError` and
+`UNSUPPORTED_MODIFIERS`.
 """
 
 from __future__ import annotations
 
-import difflib
 import enum
 import os
 import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
 import yaml
 
 from seqcal.modifiers import MODIFIERS, Modifier, QuantizationModifier
-
-# llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
-# fmt: off
-UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
-    "AWQModifier", "AutoRoundModifier", "SmoothQuantModifier", "LogarithmicEqualizationModifier",
-    "SpinQuantModifier", "QuIPModifier", "SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier",
-    "ConstantPruningModifier", "OutputDistillationModifier",
+from seqcal.recipe_yaml import (
+    UNSUPPORTED_MODIFIERS,
+    RecipeError,
+    _closest,
+    _kind,
+    _load,
+    _Locator,
+    _looks_like_modifier,
 )
-# fmt: on
+
 IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
 # Older llm-compressor argument names: modifier -> old name -> current name, or None (accepted, ignored:
 # it never changed the result).
@@ -53,10 +55,6 @@ _EXAMPLE = "'quant_stage: {quant_modifiers: {GPTQModifier: {scheme: W4A16, ignor
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 RecipeInput = Union[str, os.PathLike, Modifier, "Recipe", dict, Sequence[Any]]
-
-
-class RecipeError(ValueError):
-    """A recipe cannot be read; the message names the file (or "<string>"), the line and the valid choices."""
 
 
 @dataclass
@@ -165,76 +163,6 @@ def parse_recipe(recipe: RecipeInput) -> Recipe:
     )
 
 
-# --- reading text with line numbers ---------------------------------------------------------------------
-
-
-class _LineLoader(yaml.SafeLoader):
-    """PyYAML's safe loader that records the line of every mapping key and rejects repeated keys."""
-
-    def __init__(self, text: str, source: str) -> None:
-        super().__init__(text)
-        self.source = source
-        self.key_lines: dict[int, dict[Any, int]] = {}  # id(dict) -> key -> 1-based line
-
-    def construct_lined_map(self, node: yaml.MappingNode) -> Iterator[dict]:
-        data: dict = {}
-        yield data
-        lines: dict[Any, int] = {}  # keys brought in by `<<: *anchor` get no line; they may be overridden
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
-            if not _hashable(key):
-                continue  # construct_mapping below reports unhashable keys with their line
-            if key in lines:
-                raise RecipeError(_repeated_key_message(self.source, key, lines[key], line))
-            lines[key] = line
-        self.key_lines[id(data)] = lines
-        data.update(self.construct_mapping(node))  # also resolves `<<` merge keys
-
-
-_LineLoader.add_constructor("tag:yaml.org,2002:map", _LineLoader.construct_lined_map)
-
-
-def _hashable(value: Any) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _repeated_key_message(source: str, key: Any, first: int, line: int) -> str:
-    if _looks_like_modifier(key):
-        return (
-            f"{source}:{line}: modifier {key!r} is given twice in one group (lines {first} and {line}); "
-            "YAML would silently keep only the last. Put the second one in its own '<name>_modifiers' group "
-            "or '<name>_stage' (they run in file order)"
-        )
-    return f"{source}:{line}: key {key!r} is given twice in one mapping (lines {first} and {line}); keep one"
-
-
-def _load(text: str, source: str) -> tuple[Any, dict[int, dict[Any, int]]]:
-    loader = _LineLoader(text, source)
-    try:
-        return loader.get_single_data(), loader.key_lines
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{source}:{mark.line + 1}" if mark else source
-        problem = ": ".join(str(p) for p in (exc.context, exc.problem) if p)
-        hint = ""
-        if "constructor for the tag" in problem:
-            hint = (
-                "; recipes are read with YAML's safe loader, so tags are not allowed: write "
-                "'GPTQModifier: {scheme: W4A16}' instead of '!GPTQModifier' (nothing in a recipe is executed)"
-            )
-        raise RecipeError(f"{where}: invalid YAML: {problem}{hint}") from exc
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{source}: invalid YAML: {exc}") from exc
-    finally:
-        loader.dispose()
-
-
 def _from_text_or_path(recipe: str | os.PathLike) -> Recipe:
     text = recipe if isinstance(recipe, str) else None
     if text is not None and ("\n" in text or not (os.path.exists(text) or text.endswith(_RECIPE_SUFFIXES))):
@@ -254,18 +182,6 @@ def _from_text_or_path(recipe: str | os.PathLike) -> Recipe:
 
 
 # --- from loaded data to modifiers ----------------------------------------------------------------------
-
-
-@dataclass
-class _Locator:
-    """Turns (mapping, key) into "file:line" for messages; dicts given by the caller have no lines."""
-
-    source: str
-    key_lines: dict[int, dict[Any, int]] = field(default_factory=dict)
-
-    def at(self, mapping: dict, key: Any) -> str:
-        line = self.key_lines.get(id(mapping), {}).get(key)
-        return f"{self.source}:{line}" if line else self.source
 
 
 @dataclass
@@ -444,22 +360,6 @@ def _is_group_key(key: Any) -> bool:
     return isinstance(key, str) and (key == "modifiers" or key.endswith("_modifiers"))
 
 
-def _looks_like_modifier(key: Any) -> bool:
-    if not isinstance(key, str):
-        return False
-    known = [*MODIFIERS, *UNSUPPORTED_MODIFIERS]
-    return (
-        key in known
-        or key.endswith("Modifier")
-        or bool(difflib.get_close_matches(key, known, n=1, cutoff=0.8))
-    )
-
-
-def _closest(name: str, choices: Sequence[str]) -> str:
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
-
-
 def _has_eval(value: Any) -> bool:
     if isinstance(value, str):
         return "eval(" in value
@@ -468,13 +368,6 @@ def _has_eval(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_has_eval(v) for v in value)
     return False
-
-
-def _kind(value: Any) -> str:
-    if value is None:
-        return "nothing (an empty value)"
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def _plain(value: Any, where: str) -> Any:

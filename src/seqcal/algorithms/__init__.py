@@ -1,7 +1,7 @@
 """Pure tensor math for post-training quantization (no hooks, no modules, no config).
 
-``quant``: qparams, observers, (fake-)quantization, int32 packing, in the compressed-tensors
-convention. ``gptq``: Hessian accumulation and the GPTQ solver.
+``quant``: qparams, observers, (fake-)quantization, in the compressed-tensors convention.
+``packing``: int32 packing of low-bit codes. ``gptq``: Hessian accumulation and the GPTQ solver.
 """
 
 from seqcal.algorithms.gptq import (
@@ -11,6 +11,7 @@ from seqcal.algorithms.gptq import (
     accumulate_hessian,
     gptq_quantize,
 )
+from seqcal.algorithms.packing import pack_int32, unpack_int32
 from seqcal.algorithms.quant import (
     FP8_DTYPE,
     OBSERVERS,
@@ -22,10 +23,8 @@ from seqcal.algorithms.quant import (
     fake_quantize_per_token,
     observe_minmax,
     observe_mse,
-    pack_int32,
     quant_range,
     quantize,
-    unpack_int32,
     weight_qparams,
 )
 

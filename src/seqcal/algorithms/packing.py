@@ -1,0 +1,106 @@
+"""Dense int32 packing of low-bit integer codes (compressed-tensors ``pack-quantized``), pure tensor functions.
+
+Codes are the signed int8 codes of ``seqcal.algorithms.quant.quantize``; ``pack_int32`` offsets them to
+unsigned and packs ``num_bits`` bits each into a little-endian bit stream per row, ``unpack_int32`` undoes it.
+Bit for bit what compressed-tensors' ``pack_to_int32`` writes.
+
+Example:
+    >>> q = torch.randint(-8, 8, (3, 40), dtype=torch.int8)
+    >>> pack_int32(q, 4).shape
+    torch.Size([3, 5])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _check_pack_args(num_bits: int, dim: int, ndim: int) -> int:
+    if not 1 <= num_bits <= 8:
+        raise ValueError(f"packing supports num_bits in 1..8, got {num_bits}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim {dim} is out of range for a {ndim}-D tensor")
+    return dim % ndim
+
+
+def pack_int32(q: Tensor, num_bits: int, dim: int = -1) -> Tensor:
+    """Pack signed ``num_bits`` codes densely into int32 words (compressed-tensors ``pack-quantized``).
+
+    Codes are offset to unsigned (``q + 2^(b-1)``); element ``i`` of a row occupies bits
+    ``[i*b, i*b + b)`` of the row's little-endian bit stream, so codes can straddle words. For int4
+    this is 8 nibbles per word, element ``8k + j`` in bits ``4j..4j+3`` of word ``k``.
+
+    Args:
+        q: int8 codes, e.g. ``[out, in]``.
+        num_bits: 1..8.
+        dim: dimension to pack along: -1 (1 in compressed-tensors) for weights, 0 for the
+            zero points of asymmetric channel/group schemes.
+
+    Returns:
+        int32 tensor with ``ceil(q.shape[dim] * num_bits / 32)`` entries along ``dim``.
+
+    Example:
+        >>> pack_int32(torch.zeros(2, 8, dtype=torch.int8), 4)
+        tensor([[-2004318072],
+                [-2004318072]], dtype=torch.int32)
+    """
+    if q.dtype != torch.int8:
+        raise ValueError(f"pack_int32 expects int8 codes (from quantize), got {q.dtype}")
+    dim = _check_pack_args(num_bits, dim, q.ndim)
+    u = q.movedim(dim, -1)
+    lead = u.shape[:-1]
+    u = u.reshape(-1, u.shape[-1]).to(torch.int32) + (1 << (num_bits - 1))  # [R, C] unsigned codes
+    R, C = u.shape
+    chunks = math.ceil(C / 32)
+    u = torch.nn.functional.pad(u, (0, chunks * 32 - C)).view(R, chunks, 32)  # 32 codes fill b words
+    words = torch.zeros(R, chunks, num_bits, dtype=torch.int32, device=q.device)
+    for i in range(32):
+        w, off = divmod(i * num_bits, 32)
+        words[:, :, w] |= u[:, :, i] << off  # bits past 31 wrap away; the carry goes to the next word
+        if off + num_bits > 32:
+            words[:, :, w + 1] |= u[:, :, i] >> (32 - off)
+    packed = words.view(R, -1)[:, : math.ceil(C * num_bits / 32)]
+    return packed.reshape(*lead, -1).movedim(-1, dim).contiguous()
+
+
+def unpack_int32(packed: Tensor, num_bits: int, shape: tuple[int, ...] | torch.Size, dim: int = -1) -> Tensor:
+    """Inverse of :func:`pack_int32`.
+
+    Args:
+        packed: int32 words.
+        num_bits: 1..8.
+        shape: shape of the codes before packing.
+        dim: the dimension that was packed.
+
+    Returns:
+        int8 codes of ``shape``.
+
+    Example:
+        >>> q = torch.randint(-8, 8, (3, 40), dtype=torch.int8)
+        >>> torch.equal(unpack_int32(pack_int32(q, 4), 4, q.shape), q)
+        True
+    """
+    if packed.dtype != torch.int32:
+        raise ValueError(f"unpack_int32 expects int32 words, got {packed.dtype}")
+    shape = tuple(shape)
+    dim = _check_pack_args(num_bits, dim, len(shape))
+    words = packed.movedim(dim, -1)
+    lead = words.shape[:-1]
+    words = words.reshape(-1, words.shape[-1])  # [R, W]
+    R, C = words.shape[0], shape[dim]
+    chunks = math.ceil(C / 32)
+    words = torch.nn.functional.pad(words, (0, chunks * num_bits - words.shape[1])).view(R, chunks, num_bits)
+    mask = (1 << num_bits) - 1
+    u = torch.empty(R, chunks, 32, dtype=torch.int32, device=packed.device)
+    for i in range(32):
+        w, off = divmod(i * num_bits, 32)
+        # arithmetic shift drags the sign bit down: keep only the bits this word holds
+        code = (words[:, :, w] >> off) & ((1 << min(num_bits, 32 - off)) - 1)
+        if off + num_bits > 32:
+            code |= (words[:, :, w + 1] << (32 - off)) & mask
+        u[:, :, i] = code
+    q = (u.view(R, -1)[:, :C] - (1 << (num_bits - 1))).to(torch.int8)
+    return q.reshape(*lead, C).movedim(-1, dim).contiguous()

@@ -1,0 +1,142 @@
+"""Reading recipe text: PyYAML's safe loader with the line of every key, and the recipe error helpers.
+
+``_load`` parses YAML with ``yaml.SafeLoader`` only (DESIGN invariant 8) and records where each mapping key
+is, so ``_Locator`` can point messages at "file:line"; repeated keys are refused instead of silently
+overwritten. ``RecipeError``, ``UNSUPPORTED_MODIFIERS`` and the message helpers (``_kind``, ``_closest``,
+``_looks_like_modifier``) live here too, since the loader's messages need them; ``seqcal.recipe`` turns the
+loaded data into modifiers and re-exports the public names.
+
+Example:
+    >>> data, lines = _load("GPTQModifier:\\n  scheme: W4A16\\n", "<string>")
+    >>> _Locator("<string>", lines).at(data["GPTQModifier"], "scheme")
+    '<string>:2'
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from seqcal.modifiers import MODIFIERS
+
+# llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
+# fmt: off
+UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
+    "AWQModifier", "AutoRoundModifier", "SmoothQuantModifier", "LogarithmicEqualizationModifier",
+    "SpinQuantModifier", "QuIPModifier", "SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier",
+    "ConstantPruningModifier", "OutputDistillationModifier",
+)
+# fmt: on
+
+
+class RecipeError(ValueError):
+    """A recipe cannot be read; the message names the file (or "<string>"), the line and the valid choices."""
+
+
+# --- reading text with line numbers ---------------------------------------------------------------------
+
+
+class _LineLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that records the line of every mapping key and rejects repeated keys."""
+
+    def __init__(self, text: str, source: str) -> None:
+        super().__init__(text)
+        self.source = source
+        self.key_lines: dict[int, dict[Any, int]] = {}  # id(dict) -> key -> 1-based line
+
+    def construct_lined_map(self, node: yaml.MappingNode) -> Iterator[dict]:
+        data: dict = {}
+        yield data
+        lines: dict[Any, int] = {}  # keys brought in by `<<: *anchor` get no line; they may be overridden
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            if not _hashable(key):
+                continue  # construct_mapping below reports unhashable keys with their line
+            if key in lines:
+                raise RecipeError(_repeated_key_message(self.source, key, lines[key], line))
+            lines[key] = line
+        self.key_lines[id(data)] = lines
+        data.update(self.construct_mapping(node))  # also resolves `<<` merge keys
+
+
+_LineLoader.add_constructor("tag:yaml.org,2002:map", _LineLoader.construct_lined_map)
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _repeated_key_message(source: str, key: Any, first: int, line: int) -> str:
+    if _looks_like_modifier(key):
+        return (
+            f"{source}:{line}: modifier {key!r} is given twice in one group (lines {first} and {line}); "
+            "YAML would silently keep only the last. Put the second one in its own '<name>_modifiers' group "
+            "or '<name>_stage' (they run in file order)"
+        )
+    return f"{source}:{line}: key {key!r} is given twice in one mapping (lines {first} and {line}); keep one"
+
+
+def _load(text: str, source: str) -> tuple[Any, dict[int, dict[Any, int]]]:
+    loader = _LineLoader(text, source)
+    try:
+        return loader.get_single_data(), loader.key_lines
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}" if mark else source
+        problem = ": ".join(str(p) for p in (exc.context, exc.problem) if p)
+        hint = ""
+        if "constructor for the tag" in problem:
+            hint = (
+                "; recipes are read with YAML's safe loader, so tags are not allowed: write "
+                "'GPTQModifier: {scheme: W4A16}' instead of '!GPTQModifier' (nothing in a recipe is executed)"
+            )
+        raise RecipeError(f"{where}: invalid YAML: {problem}{hint}") from exc
+    except yaml.YAMLError as exc:
+        raise RecipeError(f"{source}: invalid YAML: {exc}") from exc
+    finally:
+        loader.dispose()
+
+
+@dataclass
+class _Locator:
+    """Turns (mapping, key) into "file:line" for messages; dicts given by the caller have no lines."""
+
+    source: str
+    key_lines: dict[int, dict[Any, int]] = field(default_factory=dict)
+
+    def at(self, mapping: dict, key: Any) -> str:
+        line = self.key_lines.get(id(mapping), {}).get(key)
+        return f"{self.source}:{line}" if line else self.source
+
+
+def _looks_like_modifier(key: Any) -> bool:
+    if not isinstance(key, str):
+        return False
+    known = [*MODIFIERS, *UNSUPPORTED_MODIFIERS]
+    return (
+        key in known
+        or key.endswith("Modifier")
+        or bool(difflib.get_close_matches(key, known, n=1, cutoff=0.8))
+    )
+
+
+def _closest(name: str, choices: Sequence[str]) -> str:
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "nothing (an empty value)"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"

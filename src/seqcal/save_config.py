@@ -1,0 +1,242 @@
+"""What a checkpoint says about the model: key layout, ``quantization_config`` and ``config.json``.
+
+``ModelLayout`` maps in-memory state-dict keys to checkpoint keys (tied weights, transformers' weight
+conversions); ``quantization_config`` builds compressed-tensors' config block, and ``checkpoint_config``
+checks that its targets and ignore list give exactly the quantized modules on load (falling back to exact
+module names when they would not). ``seqcal.save`` writes the weights and re-exports these names.
+
+Example:
+    >>> layout = ModelLayout.from_model(model)  # doctest: +SKIP
+    >>> checkpoint_config(model, state, layout)["quantization_config"]["format"]  # doctest: +SKIP
+    'pack-quantized'
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import compressed_tensors
+import torch
+from compressed_tensors.compressors.format import infer_module_format
+from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, QuantizationStatus
+from compressed_tensors.utils.match import is_match, match_named_modules, match_targets
+from torch import Tensor
+
+from seqcal.modifiers.base import RunState
+
+WRITABLE_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+Revert = Callable[[dict[str, Tensor]], dict[str, Tensor]]
+
+
+def _format(scheme: QuantizationScheme) -> str:
+    """The compressed-tensors format of a Linear quantized with ``scheme`` (its own choice unless set)."""
+    fmt = scheme.format or infer_module_format(torch.nn.Linear, scheme)
+    fmt = str(getattr(fmt, "value", fmt))
+    if fmt not in WRITABLE_FORMATS:
+        raise ValueError(
+            f"save: format {fmt!r} is not supported; seqcal writes {', '.join(WRITABLE_FORMATS)}"
+        )
+    return fmt
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """How in-memory state-dict keys become checkpoint keys (transformers' save_pretrained conventions).
+
+    Attributes:
+        skip: keys not written: tied copies (``lm_head.weight`` when tied to the embeddings) and
+            ``_keys_to_ignore_on_save``.
+        tied_modules: modules owning a tied weight (quantizing one would also change the other).
+        revert: transformers' ``revert_weight_conversion`` bound to the model (fused MoE experts back to
+            per-expert tensors, renamed prefixes back to the original names), or None.
+    """
+
+    skip: frozenset[str] = frozenset()
+    tied_modules: frozenset[str] = frozenset()
+    revert: Revert | None = None
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module) -> ModelLayout:
+        """Read tied weights and weight conversions from a (transformers) model.
+
+        Args:
+            model: the model; tied weights must share their tensor, as ``tie_weights`` leaves them.
+
+        Returns:
+            The layout.
+
+        Example:
+            >>> CheckpointWriter("out", layout=ModelLayout.from_model(model))  # doctest: +SKIP
+        """
+        skip = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+        tied_modules = set()
+        for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+            t, s = _tensor_or_none(model, target), _tensor_or_none(model, source)
+            if t is None or s is None:
+                continue
+            # offloaded (meta) tensors cannot be compared: trust the config, as save_pretrained does
+            if (
+                t is not s
+                and not (t.is_meta or s.is_meta)
+                and (t.data_ptr(), t.shape) != (s.data_ptr(), s.shape)
+            ):
+                raise ValueError(
+                    f"save: the config ties {target} to {source} but they are different tensors, so a reload "
+                    "would overwrite one with the other; set model.config.tie_word_embeddings = False"
+                )
+            skip.add(target)
+            tied_modules.update((target.rpartition(".")[0], source.rpartition(".")[0]))
+        revert = None
+        if hasattr(model, "config") and hasattr(model, "all_tied_weights_keys"):  # a PreTrainedModel
+            from transformers.core_model_loading import revert_weight_conversion
+
+            revert = partial(revert_weight_conversion, model)
+        return cls(frozenset(skip), frozenset(tied_modules), revert)
+
+    def check_quantizable(self, name: str) -> None:
+        """Raise if module ``name`` owns a tied weight: quantizing it changed the tied weight too."""
+        if name in self.tied_modules:
+            raise ValueError(
+                f"save: {name!r} was quantized but its weight is tied to another module's (e.g. lm_head to the "
+                "embeddings), which quantizing changed too; add it to `ignore`, or untie before quantizing"
+            )
+
+    def checkpoint_names(self, module_name: str) -> list[str]:
+        """Names a module has in the checkpoint: its in-memory name, and the reverted one if different."""
+        if self.revert is None:
+            return [module_name]
+        keys = self.revert({f"{module_name}.weight": torch.empty(0, device="meta")})
+        return list(dict.fromkeys([module_name, *(k.removesuffix(".weight") for k in keys)]))
+
+
+def _tensor_or_none(model: torch.nn.Module, key: str) -> Tensor | None:
+    module_name, _, attr = key.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    return module._parameters.get(attr, module._buffers.get(attr))
+
+
+def _groups(state: RunState) -> tuple[list[QuantizationScheme], dict[str, int]]:
+    """Distinct schemes in order of first use, and module name -> index of its scheme."""
+    schemes: list[QuantizationScheme] = []
+    index: dict[str, int] = {}
+    for name, qw in state.quantized.items():
+        if qw.scheme not in schemes:
+            schemes.append(qw.scheme)
+        index[name] = schemes.index(qw.scheme)
+    return schemes, index
+
+
+def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bool = False) -> dict:
+    """The ``quantization_config`` block of ``config.json``, as compressed-tensors' ModelCompressor writes it.
+
+    Args:
+        state: the run's state; one config group per distinct scheme in ``state.quantized``.
+        ignore: names of the modules the group targets match but that stay unquantized (e.g. ``lm_head``).
+        exact_targets: target the quantized modules by exact name instead of the schemes' own targets.
+
+    Returns:
+        A JSON-ready dict: config_groups (each with its format), format (one format or "mixed-precision"),
+        ignore, quant_method "compressed-tensors", quantization_status "compressed", version, ...
+
+    Example:
+        >>> quantization_config(state, ignore=["lm_head"])["format"]  # doctest: +SKIP
+        'pack-quantized'
+    """
+    if not state.quantized:
+        raise ValueError(
+            "quantization_config: state.quantized is empty; save an unquantized model with save_pretrained"
+        )
+    schemes, index = _groups(state)
+    groups = {}
+    for i, scheme in enumerate(schemes):
+        group = scheme.model_copy(deep=True)
+        group.format = _format(scheme)
+        if exact_targets:
+            group.targets = sorted(n for n, j in index.items() if j == i)
+        groups[f"group_{i}"] = group
+    formats = {g.format for g in groups.values()}
+    config = QuantizationConfig(
+        config_groups=groups,
+        format=formats.pop() if len(formats) == 1 else "mixed-precision",
+        quantization_status=QuantizationStatus.COMPRESSED,
+        ignore=list(ignore),
+    )
+    block = {
+        "version": compressed_tensors.__version__,
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {},
+        "transform_config": {},
+        **config.model_dump(exclude={"quant_method"}),
+    }
+    return json.loads(json.dumps(block))  # enums and dtypes as the strings config.json holds
+
+
+def _assignment(model: torch.nn.Module, block: dict) -> dict[str, str]:
+    """Module name -> config group, as compressed-tensors' apply_quantization_config resolves it on load."""
+    target_to_group = {t: g for g, scheme in block["config_groups"].items() for t in scheme["targets"]}
+    return {
+        name: target_to_group[match_targets(name, module, target_to_group)[0]]
+        for name, module in match_named_modules(model, target_to_group, block["ignore"])
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding))
+    }
+
+
+def _checked_block(model: torch.nn.Module, state: RunState, layout: ModelLayout) -> dict:
+    """The quantization_config whose targets and ignore give exactly ``state.quantized`` on load."""
+    modules = dict(model.named_modules())
+    for name in state.quantized:
+        if not isinstance(modules.get(name), torch.nn.Linear):
+            raise ValueError(f"save: state.quantized names {name!r}, which is not a Linear of this model")
+        layout.check_quantizable(name)
+    targets = [t for qw in state.quantized.values() for t in qw.scheme.targets]
+    unquantized = [
+        name
+        for name, module in modules.items()
+        if name not in state.quantized
+        and (
+            isinstance(module, torch.nn.Linear)
+            or (isinstance(module, torch.nn.Embedding) and is_match(name, module, targets))
+        )
+    ]
+    ignore = [alias for name in unquantized for alias in layout.checkpoint_names(name)]
+    block = quantization_config(state, ignore)
+    expected = {name: f"group_{i}" for name, i in _groups(state)[1].items()}
+    if _assignment(model, block) != expected:  # overlapping targets resolve differently in compressed-tensors
+        block = quantization_config(state, ignore, exact_targets=True)
+        for group in block["config_groups"].values():
+            group["targets"] = [a for n in group["targets"] for a in layout.checkpoint_names(n)]
+    return block
+
+
+def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayout | None = None) -> dict:
+    """``config.json`` content: the model's config as save_pretrained writes it, plus ``quantization_config``.
+
+    The ignore list holds every unquantized Linear; when the schemes' own targets would resolve to other
+    schemes than ``state.quantized`` in compressed-tensors (overlapping targets), the groups target the
+    quantized modules by name instead.
+
+    Args:
+        model: the transformers model (only names, classes and its config are read).
+        state: the run's state.
+        layout: the layout the weights were written with (default: ``ModelLayout.from_model(model)``).
+
+    Returns:
+        A JSON-ready dict.
+
+    Example:
+        >>> writer.close(checkpoint_config(model, state, layout))  # doctest: +SKIP
+    """
+    layout = layout or ModelLayout.from_model(model)
+    config = copy.deepcopy(model.config)  # the model's own config stays untouched
+    config.dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    data = json.loads(config.to_json_string(use_diff=True))
+    data["quantization_config"] = _checked_block(model, state, layout)
+    return data

@@ -1,0 +1,104 @@
+"""The tensors compressed-tensors stores for one module, and the checks that they are the model in memory.
+
+``_module_tensors`` gives a module's own state-dict entries with its quantized weight replaced by the
+tensors of its format (``weight_packed``/``weight``, ``weight_scale``, ``weight_zero_point``,
+``weight_shape``; see ``seqcal.save``); the codes are checked first and the in-memory weight must equal
+their dequantization exactly. ``seqcal.save.CheckpointWriter`` writes what it returns.
+
+Example:
+    >>> sorted(_module_tensors("model.layers.0.mlp.down_proj", module, qw))  # doctest: +SKIP
+    ['model.layers.0.mlp.down_proj.weight_packed', ..., 'model.layers.0.mlp.down_proj.weight_shape']
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from seqcal.algorithms import code_dtype, dequantize, pack_int32, quant_range
+from seqcal.modifiers.base import QuantizedWeight
+from seqcal.modifiers.schemes import strategy_of
+from seqcal.save_config import _format
+
+
+def _check_quantized(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> None:
+    """Reject what would load as a different model than the one in memory."""
+    scheme, w = qw.scheme, qw.scheme.weights
+    where = f"save: module {name!r}"
+    inputs = scheme.input_activations
+    if scheme.output_activations is not None or (inputs is not None and not inputs.dynamic):
+        raise ValueError(
+            f"{where}: static or output activation quantization needs calibrated activation scales, which "
+            "seqcal does not produce; use a dynamic scheme (W8A8, FP8_DYNAMIC) or a weight-only one (W4A16)"
+        )
+    if tuple(qw.q.shape) != shape or qw.q.dtype != code_dtype(w.type):
+        raise ValueError(
+            f"{where}: codes are {qw.q.dtype} {list(qw.q.shape)}, expected {code_dtype(w.type)} {list(shape)} "
+            "(the module's weight shape); the quantized state does not belong to this model"
+        )
+    if (qw.zero_point is None) != w.symmetric:
+        raise ValueError(f"{where}: zero_point must be None exactly when the scheme is symmetric")
+    if qw.g_idx is not None and not torch.equal(
+        qw.g_idx.cpu().long(), torch.arange(shape[1]) // (w.group_size or shape[1])
+    ):
+        raise ValueError(
+            f"{where}: activation-ordered groups (GPTQ actorder='group', a g_idx) cannot be saved: "
+            "compressed-tensors >= 0.20 and vLLM removed g_idx support (a checkpoint with it would load "
+            "wrong or not at all); quantize with actorder='weight' (alias 'static'), same format, no g_idx"
+        )
+    if w.type == "int":
+        qmin, qmax = quant_range(w.num_bits)
+        if qw.q.min() < qmin or qw.q.max() > qmax:
+            raise ValueError(f"{where}: codes leave the {w.num_bits}-bit range [{qmin:g}, {qmax:g}]")
+
+
+def _compressed(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[str, Tensor]:
+    """The tensors compressed-tensors stores for one quantized weight (local names, module docstring)."""
+    _check_quantized(name, qw, shape)
+    w = qw.scheme.weights
+    out = {"weight_scale": qw.scale}
+    zp = qw.zero_point
+    if _format(qw.scheme) == "pack-quantized":
+        out["weight_packed"] = pack_int32(qw.q, w.num_bits, dim=-1)  # [out, ceil(in * b / 32)]
+        out["weight_shape"] = torch.tensor(shape)  # int64, as compressed-tensors' compressor writes it
+        if zp is not None:  # channel/group zero points are packed across output rows, [ceil(out * b / 32), G]
+            packed = strategy_of(w) in ("channel", "group")
+            out["weight_zero_point"] = pack_int32(zp, w.num_bits, dim=0) if packed else zp
+    else:
+        out["weight"] = qw.q
+        if zp is not None:
+            out["weight_zero_point"] = zp
+    return out
+
+
+def _check_fake_quantized(name: str, weight: Tensor, qw: QuantizedWeight) -> None:
+    """The weight in memory must be exactly what the checkpoint dequantizes to."""
+    w = qw.scheme.weights
+    group_size = w.group_size if strategy_of(w) == "group" else None
+    expected = dequantize(qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype)
+    if not torch.equal(expected, weight.to(expected.device)):
+        diff = (expected.float() - weight.to(expected.device).float()).abs().max().item()
+        raise ValueError(
+            f"save: module {name!r}: its weight differs from the dequantized codes in state.quantized "
+            f"(max |diff| {diff:.3g}); something changed the weight after it was quantized, so the checkpoint "
+            "would not be the model in memory. Quantize after every weight-changing modifier"
+        )
+
+
+def _module_tensors(
+    name: str, module: torch.nn.Module, quantized: QuantizedWeight | None
+) -> dict[str, Tensor]:
+    """The module's own state-dict entries (no children), its weight replaced by the compressed tensors."""
+    local: dict[str, Any] = {}
+    module._save_to_state_dict(local, "", keep_vars=True)  # honours persistent buffers and overrides
+    if quantized is not None:
+        weight = local.pop("weight", None)
+        if not isinstance(weight, Tensor):
+            raise ValueError(f"save: module {name!r} is in state.quantized but has no weight")
+        local.update(_compressed(name, quantized, tuple(weight.shape)))  # checks the codes first
+        if weight.device.type != "meta":
+            _check_fake_quantized(name, weight, quantized)
+    prefix = f"{name}." if name else ""
+    return {prefix + k: v for k, v in local.items()}

@@ -1,0 +1,79 @@
+"""Weights stay where they are: offloaded (per-subgraph) calibration equals in-memory calibration bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from seqcal.entrypoint import oneshot
+from seqcal.offload import load_offloaded, params_under
+from seqcal.preflight import DiskSpaceError, check_environment, check_output_dir
+
+RECIPE = "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    path = tmp_path_factory.mktemp("model")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def data() -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": (torch.randint(-3, 4, (40,), generator=g).cumsum(0) % 256).tolist()} for _ in range(8)]
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def test_offloaded_run_equals_in_memory_run(model_dir: Path, tmp_path: Path) -> None:
+    offloaded = oneshot(model=str(model_dir), dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "a"))
+    assert all(p.device.type == "meta" for p in offloaded.parameters())  # nothing was kept in RAM
+    in_memory = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    oneshot(model=in_memory, dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "b"))
+    a, b = tensors(tmp_path / "a"), tensors(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_load_offloaded_reads_nothing_until_asked(model_dir: Path) -> None:
+    model, store = load_offloaded(model_dir)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert store.aliases == {"lm_head.weight": "model.embed_tokens.weight"}  # tied: read under the stored name
+    names = params_under(model, ["model.layers.1"])
+    assert names and all(n.startswith("model.layers.1.") for n in names)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert torch.equal(store.read("model.layers.1.mlp.up_proj.weight"), reference["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_preflight_refuses_bad_environments(model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        check_output_dir(str(tmp_path / "full"), overwrite=False, resume=False)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if not __import__("os").access(locked, __import__("os").W_OK):  # root can write anywhere: skip then
+        with pytest.raises(PermissionError, match="not writable"):
+            check_output_dir(str(locked / "out"), overwrite=False, resume=False)
+    model, _ = load_offloaded(model_dir)
+    huge = torch.nn.Module()
+    huge.register_parameter("w", torch.nn.Parameter(torch.empty(10**15, device="meta")))
+    with pytest.raises(DiskSpaceError, match="GB are free"):
+        check_environment(huge, [], str(tmp_path / "out"), "cpu", None)
+    with pytest.raises(PermissionError, match="offload_dir"):
+        check_environment(model, [], None, "disk", str(tmp_path / "missing"))
