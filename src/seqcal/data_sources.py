@@ -305,6 +305,9 @@ _ROW_READERS: dict[str, Callable[[DataArgs], tuple[Sequence[Any], str]]] = {
 }
 
 
+# ---- row shapes (also read by seqcal.data when it converts rows) ---------------------------------------
+
+
 def _is_conversation(value: Any) -> bool:
     return (
         isinstance(value, (list, tuple))

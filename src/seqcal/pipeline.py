@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ def run_pipeline(
     elif args.pipeline == "basic":
         rows = _whole_model(model, modifiers, state, batches)
     else:
-        batches = [{**batch, "use_cache": False} for batch in batches]
+        batches = [{**batch, **_no_cache(model)} for batch in batches]
         try:
             subgraphs = trace_subgraphs(
                 model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph
@@ -187,7 +188,7 @@ def _whole_model(
             stack.enter_context(modifier.calibrate(every, model, state))
         for batch in batches:
             state.token_mask = batch["attention_mask"].bool() if "attention_mask" in batch else None
-            model(**batch, use_cache=False)
+            model(**batch, **_no_cache(model))
         state.token_mask = None
     for modifier in modifiers:
         modifier.compress(every, model, state)
@@ -198,3 +199,10 @@ def _whole_model(
 
 def _model_device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
+def _no_cache(model: torch.nn.Module) -> dict[str, bool]:
+    """``use_cache=False`` when the forward takes it: calibration never needs a KV cache."""
+    params = inspect.signature(type(model).forward).parameters
+    takes = "use_cache" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return {"use_cache": False} if takes else {}

@@ -107,6 +107,9 @@ def _load(text: str, source: str) -> tuple[Any, dict[int, dict[Any, int]]]:
         loader.dispose()
 
 
+# --- where a key is, for messages -----------------------------------------------------------------------
+
+
 @dataclass
 class _Locator:
     """Turns (mapping, key) into "file:line" for messages; dicts given by the caller have no lines."""
@@ -117,6 +120,9 @@ class _Locator:
     def at(self, mapping: dict, key: Any) -> str:
         line = self.key_lines.get(id(mapping), {}).get(key)
         return f"{self.source}:{line}" if line else self.source
+
+
+# --- message helpers ------------------------------------------------------------------------------------
 
 
 def _looks_like_modifier(key: Any) -> bool:
