@@ -20,7 +20,8 @@ def main() -> None:
     parser.add_argument("--tokens", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--algo", choices=["gptq", "rtn"], default="gptq")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--compute-dtype", default=None)
     parser.add_argument("--profile", default=None)
     args = parser.parse_args()
     tokens = load_file(args.tokens)["input_ids"]
@@ -29,7 +30,8 @@ def main() -> None:
     start = time.perf_counter()
     oneshot(model=args.model, dataset=data, recipe=cls(config_groups=SCHEME, ignore=["lm_head"]),
             output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
-            dtype=args.dtype, shuffle_calibration_samples=False, overwrite=True)  # fmt: skip
+            dtype=args.dtype, compute_dtype=args.compute_dtype, shuffle_calibration_samples=False,
+            overwrite=True)  # fmt: skip
     print(f"seconds {time.perf_counter() - start:.1f}")
 
 

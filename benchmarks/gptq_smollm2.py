@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "benchmarks" / ".work"
 WIKI = ROOT.parent / "shared" / "data"
 RUNS = {
+    "seqcal-gptq-autocast": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "float32",
+                             "--compute-dtype", "bfloat16"],
     "seqcal-gptq-bf16": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "bfloat16"],
     "seqcal-gptq-fp32": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "float32"],
     "seqcal-rtn": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "rtn", "--dtype", "float32"],
@@ -62,6 +64,7 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=None, help="default: the whole test set")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unquantized model's perplexity")
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 
@@ -72,8 +75,10 @@ def main() -> None:
         subprocess.run([".venv/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
                         "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
-    results = {"fp32 (unquantized)": {"ppl": round(perplexity(model, args.eval_windows), 2)}}
-    print(f"{'fp32 (unquantized)':<18} ppl {results['fp32 (unquantized)']['ppl']:7.2f}", flush=True)
+    results = {}
+    if not args.no_baseline:
+        results["fp32 (unquantized)"] = {"ppl": round(perplexity(model, args.eval_windows), 2)}
+        print(f"{'fp32 (unquantized)':<18} ppl {results['fp32 (unquantized)']['ppl']:7.2f}", flush=True)
     for name in args.runs.split(","):
         out = WORK / name
         cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]

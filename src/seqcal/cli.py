@@ -142,7 +142,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         num_calibration_samples=args.num_calibration_samples, max_seq_length=args.max_seq_length,
         batch_size=args.batch_size, sequential_targets=args.sequential_targets, tracing_ignore=args.tracing_ignore,
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed,
-        resume=args.resume, max_device_memory=args.max_device_memory,
+        resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -184,6 +184,8 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])
     one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
     one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    one.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float16"],
+                     help="autocast the forward passes (weights and Hessians stay in their dtype)")
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     one.add_argument("--resume", action="store_true", help="continue an interrupted run in --output-dir")
     one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets to fit")

@@ -110,6 +110,7 @@ def oneshot(
     pipeline: str = "sequential",
     tokenizer: Any = None,
     dtype: str = "auto",
+    compute_dtype: str | None = None,
     offload: str = "cpu",
     offload_dir: str | None = None,
     overwrite: bool = False,
@@ -133,7 +134,9 @@ def oneshot(
         sequential_targets: layer classes calibrated one at a time (default: inferred).
         tracing_ignore: functions/methods always run opaquely while tracing.
         pipeline: "sequential" (default), "datafree" (no data, round-to-nearest only) or "basic".
-        dtype: compute dtype when loading from a directory ("auto" keeps the checkpoint's).
+        dtype: weight dtype when loading from a directory ("auto" keeps the checkpoint's).
+        compute_dtype: "bfloat16" runs the forward passes under autocast (matmuls in bf16, weights,
+            norms and Hessians in fp32), the CPU/GPU fast path; None computes in the weights' dtype.
         offload: activation cache tier ("cpu" or "disk").
         overwrite: replace a non-empty output_dir.
         resume: continue an interrupted run in output_dir (same arguments); finished subgraphs are
@@ -158,7 +161,7 @@ def oneshot(
         )
     model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code)
     pipe_args = PipelineArgs(
-        pipeline, sequential_targets, list(tracing_ignore or []), 1, offload, offload_dir
+        pipeline, sequential_targets, list(tracing_ignore or []), 1, offload, offload_dir, compute_dtype
     )
     out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)

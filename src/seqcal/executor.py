@@ -233,14 +233,19 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
           state: Any, keep: dict[int, Any] | None) -> None:  # fmt: skip
     """Run ``sg`` over every batch, storing its outputs; ``keep`` collects target outputs of a few batches."""
     targets = [n.name for n in sg.nodes if n.op == "call_module" and n.target in set(sg.targets)]
-    for b, batch in enumerate(batches):
-        state.token_mask = _token_mask(batch)
-        env = {name: cache.fetch(b, name) for name in sg.inputs}
-        runner.run(sg, env)
-        for name in sg.outputs:
-            cache.put(b, name, env[name])
-        if keep is not None and b < ERROR_SAMPLE_BATCHES and targets:
-            keep[b] = env[targets[-1]]
+    compute = getattr(state, "compute_dtype", None)
+    # Mixed precision as on GPUs: matmuls in the compute dtype, weights and norms in their own dtype.
+    # One autocast region per pass, so each weight is cast once per pass, not once per batch.
+    autocast = torch.autocast(state.device.type, dtype=compute) if compute else contextlib.nullcontext()
+    with autocast:
+        for b, batch in enumerate(batches):
+            state.token_mask = _token_mask(batch)
+            env = {name: cache.fetch(b, name) for name in sg.inputs}
+            runner.run(sg, env)
+            for name in sg.outputs:
+                cache.put(b, name, env[name])
+            if keep is not None and b < ERROR_SAMPLE_BATCHES and targets:
+                keep[b] = env[targets[-1]]
     state.token_mask = None
 
 

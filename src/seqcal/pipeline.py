@@ -35,10 +35,13 @@ class PipelineArgs:
     targets_per_subgraph: int = 1
     offload: str = "cpu"  # activation cache tier: "cpu" or "disk"
     offload_dir: str | None = None
+    compute_dtype: str | None = None  # "bfloat16"/"float16": autocast forward passes; weights keep their dtype
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline={self.pipeline!r} is not one of {PIPELINES}")
+        if self.compute_dtype not in (None, "bfloat16", "float16"):
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of (None, 'bfloat16', 'float16')")
         if self.offload not in ("cpu", "disk"):
             raise ValueError(f"offload={self.offload!r} is not one of ('cpu', 'disk')")
 
@@ -65,7 +68,7 @@ def run_pipeline(
     """Run the modifiers over the model (the calibration stage of ``oneshot``); returns the run's state."""
     start = time.perf_counter()
     device = _execution_device(model, store)
-    state = RunState(device=device)
+    state = RunState(device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None)
     for modifier in modifiers:
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:

@@ -14,6 +14,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ class Profiler:
     def enabled(self) -> bool:
         return self.path is not None
 
-    def span(self, track: str, name: str, **args: Any) -> Any:
+    def span(self, track: str, name: str, **args: Any) -> AbstractContextManager[Any]:
         """A context manager timing one stage; yields its ``args`` dict to add values known at the end.
 
         Args:
@@ -233,7 +234,7 @@ class NullProfiler(Profiler):
     def __init__(self) -> None:
         super().__init__(None)
 
-    def span(self, track: str, name: str, **args: Any) -> Any:
+    def span(self, track: str, name: str, **args: Any) -> AbstractContextManager[Any]:
         return NO_SPAN
 
 
