@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -26,6 +27,7 @@ from seqcal.report import (
     plot_errors,
     tensor_bytes,
     to_dot,
+    to_svg,
     trace_report,
 )
 
@@ -88,6 +90,28 @@ def test_dot_one_cluster_per_subgraph_and_noise_folded(subgraphs, tmp_path: Path
     assert not any(f'"{name}" [' in text for name in noise)
     full = to_dot(data, collapse_targets=False)
     assert all(f'"{n["name"]}" [' in full for n in data["nodes"])
+    assert full.count(" -> ") == len(data["edges"]) > text.count(" -> ")
+
+
+def test_dot_draws_values_every_layer_reads_once(subgraphs) -> None:
+    # The mask and rotary tables feed every layer: drawn as an edge to the first reader only, then as a note.
+    text = to_dot(graph_dict(subgraphs))
+    cluster, members = None, {}
+    for line in text.splitlines():
+        if line.startswith("  subgraph cluster_"):
+            cluster = int(line.split("_")[1].split()[0])
+        elif line == "  }":
+            cluster = None
+        elif line.endswith("];") and cluster is not None:
+            members[line.strip().split('"')[1]] = cluster
+    readers = {}
+    for line in text.splitlines():
+        if " -> " in line:
+            a, b = (part.strip(' ";') for part in line.split(" -> "))
+            if a in members and members[b] != members[a]:
+                readers.setdefault(a, set()).add(members[b])
+    assert readers and max(len(r) for r in readers.values()) <= 2
+    assert text.count("shared inputs") >= LAYERS - 1
 
 
 @pytest.mark.parametrize("layout", ["builtin", "graphviz"])
@@ -101,11 +125,22 @@ def test_svg_is_well_formed(subgraphs, tmp_path: Path, layout: str) -> None:
     assert all(t in texts for t in subgraphs.targets)
 
 
+def test_svg_without_graphviz_falls_back_to_builtin(subgraphs, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    data = graph_dict(subgraphs)
+    assert to_svg(data) == to_svg(data, layout="builtin")
+    with pytest.raises(FileNotFoundError, match="apt-get install graphviz"):
+        to_svg(data, layout="graphviz")
+    with pytest.raises(ValueError, match="builtin"):
+        to_svg(data, layout="neato")
+
+
 def test_builtin_svg_draws_every_visible_node_and_edge(subgraphs, tmp_path: Path) -> None:
     root = ET.parse(export_graph(subgraphs, "svg", tmp_path / "g.svg", layout="builtin")).getroot()
     ns = "{http://www.w3.org/2000/svg}"
     data = graph_dict(subgraphs)
-    visible = [n for n in data["nodes"] if not (n["op"] == "get_attr" or n["target"] == "operator.getitem")]
+    folded = ("operator.getitem", "builtins.getattr")
+    visible = [n for n in data["nodes"] if not (n["op"] == "get_attr" or n["target"] in folded)]
     assert len(list(root.iter(f"{ns}rect"))) == len(visible)
     assert len([p for p in root.iter(f"{ns}path") if p.get("marker-end")]) >= len(subgraphs)
 
@@ -135,6 +170,20 @@ def test_trace_report_lists_sites_and_failures(subgraphs) -> None:
     assert f"{len(subgraphs.traced.failures)} statement(s) failed symbolic tracing" in text
     for (_, line, col), err in subgraphs.traced.failures.items():
         assert f":{line}:{col}  {err}" in text
+
+
+def test_trace_report_and_html_show_failed_statements(subgraphs, tmp_path: Path) -> None:
+    # The tiny Llama traces without failures; give it one, at a real line of this file, to see it reported.
+    line = test_trace_report_and_html_show_failed_statements.__code__.co_firstlineno
+    failure = {(__file__, line, 0): "TraceError: symbolically traced variables cannot be used as inputs"}
+    traced = dataclasses.replace(subgraphs.traced, failures=failure)
+    failing = SubgraphList(subgraphs.model, traced, list(subgraphs))
+    text = trace_report(failing)
+    assert "1 statement(s) failed symbolic tracing" in text
+    assert f"test_report.py:{line}:0  TraceError: symbolically traced" in text
+    assert "def test_trace_report_and_html_show_failed_statements" in text  # the source line
+    page = export_graph(failing, "html", tmp_path / "f.html", layout="builtin").read_text()
+    assert len(list(ET.fromstring(page.split("\n", 1)[1]).iter("table"))[2].findall("tr")) == 2
 
 
 # -- profiler ------------------------------------------------------------------------------------------------

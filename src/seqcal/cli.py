@@ -6,10 +6,12 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from seqcal.report import FORMATS
 from seqcal.tracing import TracingError
 
 _SAMPLE_TEXTS = (
@@ -61,8 +63,15 @@ def _max_diff(got: Any, want: Any) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def _export_path(path: str) -> str:
+    if Path(path).suffix.lstrip(".").lower() not in FORMATS:
+        raise argparse.ArgumentTypeError(f"{path}: the suffix picks the format: .json, .dot, .svg or .html")
+    return path
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from seqcal import trace_subgraphs
+    from seqcal.report import export_graph, trace_report
 
     model, tokenizer = _load(args.model, args.dtype)
     texts = _texts(args.dataset)
@@ -77,13 +86,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
-    print(f"{type(model).__name__}: {len(subgraphs.targets)} targets -> {len(subgraphs)} subgraphs "
-          f"(traced in {elapsed:.2f} s)")  # fmt: skip
-    print(format_table(subgraphs.table()))
-    sites = subgraphs.traced.opaque_sites
-    print(f"\n{len(sites)} opaque spot(s) (run at execution time with real values):")
-    for site in sites:
-        print(f"  {site.filename}:{site.lineno}  {site.owner}: {site.reason}: {site.source}")
+    print(f"traced in {elapsed:.2f} s")
+    print(trace_report(subgraphs))
+    for path in args.export or []:
+        export_graph(subgraphs, Path(path).suffix.lstrip(".").lower(), path, sample=dict(sample))
+        print(f"wrote {path}")
     if not args.check:
         return 0
     # Another batch than the trace sample: two rows of different length, left-padded.
@@ -128,6 +135,9 @@ def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Names
 def cmd_oneshot(args: argparse.Namespace) -> int:
     from seqcal.entrypoint import ModelArgs, load_model, oneshot
 
+    if args.plot and not args.output_dir:
+        raise SystemExit("seqcal oneshot: --plot draws the saved quantization_report.json; add --output-dir")
+
     # Without --eval the directory is passed on, so oneshot keeps the weights offloaded (memory bound);
     # --eval needs the model in memory to measure it before and after.
     model, tokenizer = args.model, None
@@ -143,6 +153,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, sequential_targets=args.sequential_targets, tracing_ignore=args.tracing_ignore,
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed,
         resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
+        profile=args.profile,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -153,7 +164,16 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
 
         report_path = Path(args.output_dir) / "quantization_report.json"
         if report_path.is_file():
-            print(format_error_table(json.loads(report_path.read_text())))
+            report = json.loads(report_path.read_text())
+            print(format_error_table(report))
+            if args.plot:
+                from seqcal.report import plot_errors
+
+                print(f"error plot: {plot_errors(report, args.plot)}")
+            if args.profile:
+                from seqcal.report import Profiler
+
+                print(f"\nprofile ({args.profile}):\n" + Profiler.load(args.profile).summary(report))
     print(f"\noneshot took {elapsed:.1f} s" + (f"; checkpoint: {args.output_dir}" if args.output_dir else ""))
     if args.eval:
         after = _ppl(model, tokenizer, text, args)
@@ -187,6 +207,10 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float16"],
                      help="autocast the forward passes (weights and Hessians stay in their dtype)")
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    one.add_argument("--profile", default=None, metavar="TRACE.json",
+                     help="write a Chrome trace of time and memory per stage (open in ui.perfetto.dev)")  # fmt: skip
+    one.add_argument("--plot", default=None, metavar="ERRORS.png",
+                     help="draw per-layer error and GPTQ loss per module (needs --output-dir)")  # fmt: skip
     one.add_argument("--resume", action="store_true", help="continue an interrupted run in --output-dir")
     one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets to fit")
     one.add_argument("--eval", action="store_true", help="print perplexity before and after")
@@ -241,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--leaf", nargs="+", default=None, help="module classes or re: patterns kept as one node"
     )
     trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
+    trace.add_argument(
+        "--export", nargs="+", default=None, type=_export_path, metavar="PATH",
+        help="write the graph: .json (every node, with shapes), .dot, .svg or .html (one offline page)",
+    )  # fmt: skip
     trace.add_argument("--dataset", default=None, help="text file to take the sample and check batch from")
     trace.add_argument("--max-seq-length", type=int, default=128)
     trace.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -16,6 +16,7 @@ from seqcal.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.plan import make_plan
 from seqcal.preflight import check_environment, check_output_dir
 from seqcal.recipe import parse_recipe
+from seqcal.report.profile import Profiler
 from seqcal.stream import fingerprint
 
 logger = logging.getLogger("seqcal")
@@ -118,6 +119,7 @@ def oneshot(
     dry_run: bool = False,
     max_device_memory: int | str | None = None,
     trust_remote_code: bool = False,
+    profile: str | None = None,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -143,6 +145,8 @@ def oneshot(
             replayed from their saved weights, and the checkpoint equals an uninterrupted run's.
         dry_run: read no weight and calibrate nothing: return the MemoryPlan (device/host/disk per subgraph).
         max_device_memory: bytes or "8GB"; subgraphs that would not fit make seqcal pick finer targets.
+        profile: write a Chrome trace (chrome://tracing, ui.perfetto.dev) of where time and memory went
+            to this JSON file; ``seqcal.report.Profiler.load(profile).summary(report)`` tabulates it.
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left).
@@ -191,17 +195,19 @@ def oneshot(
     recipe_yaml = parsed.to_yaml()
     output = OutputPlan(out_args, recipe_yaml, fingerprint(recipe_yaml, repr(data_args), repr(pipe_args),
                                                          getattr(loaded, "name_or_path", ""), str(dtype)))  # fmt: skip
-    state = run_pipeline(loaded, tok, parsed.modifiers, data_args, pipe_args, output, store)
-    if out_args.output_dir is not None:
-        from seqcal.eval import write_error_report
-        from seqcal.save import save_checkpoint
+    with Profiler(profile) as profiler:  # writes the trace on the way out, also when a stage fails
+        state = run_pipeline(loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler)
+        if out_args.output_dir is not None:
+            from seqcal.eval import write_error_report
+            from seqcal.save import save_checkpoint
 
-        if output.stream is not None:
-            output.stream.finish(tok, recipe_yaml)
-        else:
-            save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
-                            overwrite=out_args.overwrite)  # fmt: skip
-        write_error_report(state.report, out_args.output_dir)
+            with profiler.span("save", "checkpoint"):
+                if output.stream is not None:
+                    output.stream.finish(tok, recipe_yaml)
+                else:
+                    save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
+                                    overwrite=out_args.overwrite)  # fmt: skip
+            write_error_report(state.report, out_args.output_dir)
     return loaded
 
 

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from seqcal.cache import ActivationCache
 from seqcal.partition import Subgraph
+from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
 from seqcal.tracing.values import OpaqueCall
 
 
@@ -177,6 +178,7 @@ def calibrate_subgraphs(
     resume_from: int = 0,
     restore: Callable[[Subgraph], None] | None = None,
     on_subgraph_start: Callable[[Subgraph], None] | None = None,
+    profiler: Profiler | None = None,
 ) -> list[dict[str, Any]]:
     """The sequential calibration loop (DESIGN data flow), one subgraph at a time.
 
@@ -192,6 +194,7 @@ def calibrate_subgraphs(
         One dict per subgraph: index, targets, seconds, rel_error (quantized vs full precision output).
     """
     runner = GraphRunner(model)
+    prof = profiler if profiler is not None else NullProfiler()
     needed = {name for sg in subgraphs for name in sg.inputs}
     for b, batch in enumerate(batches):
         for key, node_name in placeholders.items():
@@ -206,21 +209,26 @@ def calibrate_subgraphs(
             owned = any(m.modules_in(sg) for m in modifiers if hasattr(m, "modules_in"))
             row: dict[str, Any] = {"index": sg.index, "targets": sg.targets, "rel_error": None}
             replay = sg.index < resume_from
+            label = f"subgraph {sg.index}"
             if on_subgraph_start is not None:
-                on_subgraph_start(sg)  # e.g. onload its weights
+                with prof.span("onload", label, subgraph=sg.index):
+                    on_subgraph_start(sg)  # e.g. onload its weights
             if replay:
                 if restore is not None:
-                    restore(sg)
+                    with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
+                        restore(sg)
                 if sg.outputs:
                     with torch.no_grad():
-                        _pass(runner, sg, batches, cache, state, None)
+                        _pass(runner, sg, batches, cache, state, None, prof, "propagation")
                 row["replayed"] = True
             elif sg.outputs or owned:
-                row["rel_error"] = _run_one(runner, sg, batches, modifiers, cache, state, calibrating)
-            for name in sg.frees:
-                cache.drop_name(name)
+                row["rel_error"] = _run_one(runner, sg, batches, modifiers, cache, state, calibrating, prof)
+            with prof.span("cache", "drop", subgraph=sg.index, names=len(sg.frees)):
+                for name in sg.frees:
+                    cache.drop_name(name)
             if on_subgraph_done is not None and not replay:
-                on_subgraph_done(sg)
+                with prof.span("offload", label, subgraph=sg.index):
+                    on_subgraph_done(sg)
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             bar.update()
@@ -230,42 +238,51 @@ def calibrate_subgraphs(
 
 
 def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
-          state: Any, keep: dict[int, Any] | None) -> None:  # fmt: skip
+          state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str) -> None:  # fmt: skip
     """Run ``sg`` over every batch, storing its outputs; ``keep`` collects target outputs of a few batches."""
     targets = [n.name for n in sg.nodes if n.op == "call_module" and n.target in set(sg.targets)]
     compute = getattr(state, "compute_dtype", None)
     # Mixed precision as on GPUs: matmuls in the compute dtype, weights and norms in their own dtype.
     # One autocast region per pass, so each weight is cast once per pass, not once per batch.
     autocast = torch.autocast(state.device.type, dtype=compute) if compute else contextlib.nullcontext()
-    with autocast:
+    with autocast, prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(batches)):
         for b, batch in enumerate(batches):
             state.token_mask = _token_mask(batch)
-            env = {name: cache.fetch(b, name) for name in sg.inputs}
+            with prof.span("cache", "fetch", subgraph=sg.index, batch=b) as args:
+                env = {name: cache.fetch(b, name) for name in sg.inputs}
+                if prof.enabled:
+                    args["bytes"] = tensor_bytes(env)
             runner.run(sg, env)
-            for name in sg.outputs:
-                cache.put(b, name, env[name])
+            with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
+                for name in sg.outputs:
+                    cache.put(b, name, env[name])
+                if prof.enabled:
+                    args["bytes"] = tensor_bytes([env[name] for name in sg.outputs])
             if keep is not None and b < ERROR_SAMPLE_BATCHES and targets:
                 keep[b] = env[targets[-1]]
     state.token_mask = None
 
 
 def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
-             cache: ActivationCache, state: Any, calibrating: bool) -> float | None:  # fmt: skip
+             cache: ActivationCache, state: Any, calibrating: bool, prof: Profiler) -> float | None:  # fmt: skip
+    label = f"subgraph {sg.index}"
     with torch.no_grad():
         if not calibrating:
-            for m in modifiers:
-                m.compress(sg, runner.model, state)
-            _pass(runner, sg, batches, cache, state, None)
+            with prof.span("compress", label, subgraph=sg.index):
+                for m in modifiers:
+                    m.compress(sg, runner.model, state)
+            _pass(runner, sg, batches, cache, state, None, prof, "propagation")
             return None
         full: dict[int, Any] = {}
         with contextlib.ExitStack() as stack:
             for m in modifiers:
                 stack.enter_context(m.calibrate(sg, runner.model, state))
-            _pass(runner, sg, batches, cache, state, full)
-        changed = [m.compress(sg, runner.model, state) for m in modifiers]
+            _pass(runner, sg, batches, cache, state, full, prof, "calibration")
+        with prof.span("compress", label, subgraph=sg.index):
+            changed = [m.compress(sg, runner.model, state) for m in modifiers]
         if not any(changed):
             return None
         quant: dict[int, Any] = {}
-        _pass(runner, sg, batches, cache, state, quant)
+        _pass(runner, sg, batches, cache, state, quant, prof, "propagation")
     errors = [e for b in full if (e := _relative_error(quant.get(b), full[b])) is not None]
     return sum(errors) / len(errors) if errors else None

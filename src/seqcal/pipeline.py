@@ -16,6 +16,7 @@ from seqcal.data import DataArgs, load_calibration_batches
 from seqcal.executor import calibrate_subgraphs
 from seqcal.modifiers import RunState
 from seqcal.offload import SubgraphWeights, WeightStore, safety_hooks
+from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.stream import StreamingCheckpoint
 from seqcal.subgraphs import SubgraphList, trace_subgraphs
 from seqcal.tracing import TracingError
@@ -64,9 +65,11 @@ def run_pipeline(
     args: PipelineArgs,
     output: OutputPlan | None = None,
     store: WeightStore | None = None,
+    profiler: Profiler | None = None,
 ) -> RunState:
     """Run the modifiers over the model (the calibration stage of ``oneshot``); returns the run's state."""
     start = time.perf_counter()
+    profiler = profiler if profiler is not None else NullProfiler()
     device = _execution_device(model, store)
     state = RunState(device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None)
     for modifier in modifiers:
@@ -102,7 +105,8 @@ def run_pipeline(
 
             def done(sg: Any) -> None:
                 if stream is not None:
-                    stream.done(sg)
+                    with profiler.span("save", f"subgraph {sg.index}", subgraph=sg.index):
+                        stream.done(sg)
                 if weights is not None:
                     weights.release(
                         sg, [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
@@ -114,6 +118,7 @@ def run_pipeline(
                     on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
                     restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
                     on_subgraph_start=weights.onload if weights is not None else None,
+                    profiler=profiler,
                 )  # fmt: skip
     for modifier in modifiers:
         modifier.finalize(model, state)

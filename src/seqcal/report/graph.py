@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 FORMATS = ("json", "dot", "svg", "html")
 LAYOUTS = ("auto", "graphviz", "builtin")  # SVG: graphviz when `dot` exists (auto), or the built-in layout
 MAX_TENSORS_PER_NODE = 16  # a node returning a cache or many tensors lists only its first ones
+SHARED_FANOUT = 3  # a value read by this many other subgraphs is drawn as a note on its later readers
 _COLORS = {"input": "#e3ecfa", "target": "#ffe7b3", "module": "#eeeeee", "opaque": "#f7c6c6",
            "op": "#ffffff", "output": "#d5f0d5"}  # fmt: skip
 
@@ -181,7 +182,8 @@ class _Box:
 
 
 def _is_noise(node: Mapping[str, Any]) -> bool:
-    return node["op"] == "get_attr" or node["target"] == "operator.getitem"
+    """get_attr, ``x[i]`` and ``x.attr`` on outputs: structure, not computation."""
+    return node["op"] == "get_attr" or node["target"] in ("operator.getitem", "builtins.getattr")
 
 
 def _short_path(filename: str) -> str:
@@ -203,7 +205,7 @@ def _box(node: Mapping[str, Any], targets: set[str]) -> _Box:
         label = [target, node["class"] or ""]
     elif target.startswith("opaque "):
         _, owner, where = target.split(" ", 2)
-        kind, label = "opaque", [f"opaque {owner.rsplit('.', 1)[-1]}", _short_path(where).rsplit("/", 1)[-1]]
+        kind, label = "opaque", [f"opaque {owner}", _short_path(where).rsplit("/", 1)[-1]]
     else:
         kind, label = "op", [target.rsplit(".", 1)[-1] if op == "call_function" else f".{target}()"]
     if node["shapes"]:
@@ -233,7 +235,30 @@ def _view(data: Mapping[str, Any], fold: bool) -> tuple[list[_Box], list[tuple[s
         for i in n["inputs"]
         for s in sources(i)
     ]
-    return boxes, list(dict.fromkeys(edges))
+    edges = list(dict.fromkeys(edges))
+    return boxes, _fold_shared(boxes, edges) if fold else edges
+
+
+def _fold_shared(boxes: list[_Box], edges: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Values every layer reads (mask, rotary tables) keep the edge to their first reading subgraph; later
+    readers get a "+k shared inputs" line instead of one long edge each, so deep models draw as a column."""
+    where = {b.name: b.subgraph for b in boxes}
+    readers: dict[str, set[int]] = {}
+    for s, d in edges:
+        if where[s] is not None and where[d] is not None and where[d] != where[s]:
+            readers.setdefault(s, set()).add(where[d])
+    shared = {s for s, r in readers.items() if len(r) >= SHARED_FANOUT}
+    kept, notes = [], {}
+    for s, d in edges:
+        if s in shared and where[d] not in (where[s], min(readers[s])):
+            notes.setdefault(d, []).append(s)
+        else:
+            kept.append((s, d))
+    for box in boxes:
+        if box.name in notes:
+            box.label.append(f"+{len(notes[box.name])} shared inputs")
+            box.tooltip += "\nalso reads: " + ", ".join(notes[box.name])
+    return kept
 
 
 def _dot_str(text: str) -> str:
@@ -266,7 +291,7 @@ def to_dot(data: Mapping[str, Any], collapse_targets: bool = True) -> str:
 
 
 # -- SVG: graphviz, else a small built-in layout -----------------------------------------------------------
-_W, _H, _GAP_X, _GAP_Y, _TOP, _PAD = 180, 40, 70, 14, 44, 20
+_W, _H, _GAP_X, _GAP_Y, _TOP, _PAD = 180, 50, 70, 14, 44, 20
 
 
 def _layout_svg(data: Mapping[str, Any], collapse_targets: bool) -> str:
@@ -303,7 +328,7 @@ def _layout_svg(data: Mapping[str, Any], collapse_targets: bool) -> str:
         x, y = at[box.name]
         rect = f'x="{x}" y="{y}" width="{_W}" height="{_H}" rx="5" fill="{_COLORS[box.kind]}" stroke="#555"'
         out.append(f'<g class="node"><title>{html.escape(box.tooltip)}</title><rect {rect}/>')
-        for i, line in enumerate(box.label[:3]):
+        for i, line in enumerate(box.label[:4]):
             out.append(f'<text x="{x + 6}" y="{y + 12 + i * 11}">{html.escape(_clip(line, 32))}</text>')
         out.append("</g>")
     return "\n".join(out + ["</svg>"]) + "\n"

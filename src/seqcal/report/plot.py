@@ -75,7 +75,7 @@ def _loss_panel(ax: Any, modules: Mapping[str, Any]) -> None:
     ax.set_ylabel("GPTQ loss")
     ax.grid(True, axis="y", which="both", alpha=0.3)
     if len(kinds) <= 12:
-        ax.legend(fontsize=7, ncol=min(len(kinds), 6), loc="upper left")
+        ax.legend(fontsize=7, ncol=min(len(kinds), 8), loc="upper left")
 
 
 def plot_errors(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:

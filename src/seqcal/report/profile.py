@@ -211,7 +211,7 @@ class Profiler:
         lines = [head + f" {'RSS MiB':>9} {'dev MiB':>9}"]
         for index, row in sorted(rows.items()):
             cells = " ".join(f"{row['tracks'].get(t, 0.0):>8.3f}" for t in tracks)
-            lines.append(f"{index:>3}  {names.get(index, '')[:24]:<24} {row['wall']:>8.3f} {cells} "
+            lines.append(f"{index:>3}  {(names.get(index) or '-')[:24]:<24} {row['wall']:>8.3f} {cells} "
                          f"{_num(row['rss']):>9} {_num(row['dev']):>9}")  # fmt: skip
         modules = [(n, m) for n, m in ((report or {}).get("modules") or {}).items() if isinstance(m, Mapping)]
         ranked = sorted(modules, key=lambda kv: _float(kv[1].get("gptq_seconds")), reverse=True)[:top]
