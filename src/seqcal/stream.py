@@ -112,6 +112,17 @@ class StreamingCheckpoint:
             )
         self.writer.checkpoint({"finished": sg.index, "run_id": self.run_id})
         self.finished = sg.index
+        self._trim(mine)
+
+    def _trim(self, names: Any) -> None:
+        """Drop the codes of modules already on disk: only their scheme is needed (for config.json).
+
+        Keeping them would hold the whole quantized model in RAM by the end of the run.
+        """
+        empty = torch.empty(0)
+        for name in names:
+            qw = self.state.quantized[name]
+            self.state.quantized[name] = QuantizedWeight(empty, empty, None, None, qw.scheme, qw.loss)
 
     def _in(self, name: str, sg: Subgraph) -> bool:
         return any(name == m or name.startswith(m + ".") or not m for m in sg.modules)
@@ -137,6 +148,7 @@ class StreamingCheckpoint:
                 qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype
             ).to(weight.device)
             self.state.quantized[name] = qw
+        self._trim({k.split(":")[0] for k in tensors})
 
     def finish(self, tokenizer: Any = None, recipe_yaml: str | None = None) -> Path:
         """Write the modules no subgraph used, the extras and, last, config.json."""
