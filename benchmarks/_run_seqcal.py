@@ -23,12 +23,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--compute-dtype", default=None)
     parser.add_argument("--profile", default=None)
+    parser.add_argument("--hessian-products", default="float32")
     args = parser.parse_args()
     tokens = load_file(args.tokens)["input_ids"]
     data = [{"input_ids": row.tolist()} for row in tokens]
+    extra = {"hessian_products": args.hessian_products} if args.algo == "gptq" else {}
     cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
     start = time.perf_counter()
-    oneshot(model=args.model, dataset=data, recipe=cls(config_groups=SCHEME, ignore=["lm_head"]),
+    oneshot(model=args.model, dataset=data, recipe=cls(config_groups=SCHEME, ignore=["lm_head"], **extra),
             output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
             dtype=args.dtype, compute_dtype=args.compute_dtype, shuffle_calibration_samples=False,
             overwrite=True)  # fmt: skip

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "benchmarks" / ".work"
 WIKI = ROOT.parent / "shared" / "data"
 RUNS = {
+    "seqcal-gptq-bf16-h16": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "bfloat16",
+                             "--hessian-products", "bfloat16"],
     "seqcal-gptq-autocast": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "float32",
                              "--compute-dtype", "bfloat16"],
     "seqcal-gptq-bf16": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "bfloat16"],

@@ -69,7 +69,9 @@ class GPTQResult:
     row_loss: Tensor | None = None
 
 
-def accumulate_hessian(H: Tensor | None, X: Tensor, n_seen: int) -> tuple[Tensor, int]:
+def accumulate_hessian(
+    H: Tensor | None, X: Tensor, n_seen: int, product_dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, int]:
     """Running average of ``2 x x^T`` over tokens: ``H_n = 2 / n * sum_t x_t x_t^T``, in float32.
 
     Same update as the GPTQ reference (``H *= n / (n + m); H += 2 / (n + m) X^T X``) except that
@@ -80,6 +82,10 @@ def accumulate_hessian(H: Tensor | None, X: Tensor, n_seen: int) -> tuple[Tensor
         H: current Hessian ``[in, in]`` float32 (updated in place), or None to start one on X's device.
         X: layer inputs ``[..., in]``; any leading dims are tokens.
         n_seen: tokens already averaged into ``H``.
+        product_dtype: dtype of this batch's ``X^T X`` matmul. float32 (default) is exact up to float32
+            rounding; bfloat16 (for bf16 activations, whose products are exact) uses the bf16 matmul units
+            with float32 accumulation inside and rounds only the batch's partial sum, which ``H`` then
+            accumulates in float32.
 
     Returns:
         ``(H, n_seen + tokens in X)``.
@@ -102,6 +108,10 @@ def accumulate_hessian(H: Tensor | None, X: Tensor, n_seen: int) -> tuple[Tensor
         return H, n_seen
     n = n_seen + m
     H.mul_(n_seen / n)
+    if product_dtype != torch.float32:
+        Xp = X.to(device=H.device, dtype=product_dtype)  # [m, in]
+        H.add_(torch.mm(Xp.T, Xp).float(), alpha=2 / n)
+        return H, n
     Xs = X.to(device=H.device, dtype=torch.float32) * math.sqrt(2 / n)  # [m, in]
     H.addmm_(Xs.T, Xs)
     return H, n

@@ -41,6 +41,8 @@ class GPTQModifier(QuantizationModifier):
         actorder: None, "static"/"weight" (column order by diag(H), same format) or "group" (g_idx saved).
         sequential_targets: layer classes to calibrate one by one (overrides the pipeline's inference).
         offload_hessians: accepted for llm-compressor compatibility; Hessians of one subgraph stay on device.
+        hessian_products: "float32" (default) or "bfloat16": dtype of each batch's X^T X matmul (the
+            Hessian itself always accumulates in float32).
 
     Example:
         >>> GPTQModifier(scheme="W4A16", ignore=["lm_head"], dampening_frac=0.01)  # doctest: +SKIP
@@ -53,10 +55,15 @@ class GPTQModifier(QuantizationModifier):
     actorder: str | None = "static"
     sequential_targets: str | list[str] | None = None
     offload_hessians: bool = False
+    hessian_products: str = "float32"  # seqcal: "bfloat16" computes each batch's X^T X on bf16 units
     sequential_update: bool = True  # deprecated in llm-compressor; accepted and ignored
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.hessian_products not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"{self.name}: hessian_products must be 'float32' or 'bfloat16', got {self.hessian_products!r}"
+            )
         if self.actorder not in ACTORDERS:
             hint = " (group actorder was removed from compressed-tensors; use 'weight')" if self.actorder in (
                 "group", "dynamic") else ""  # fmt: skip
@@ -108,7 +115,7 @@ class GPTQModifier(QuantizationModifier):
             mask = state.token_mask
             if mask is not None and X.dim() == 3 and tuple(mask.shape) == tuple(X.shape[:2]):
                 X = X[mask.to(X.device, torch.bool)]  # padding tokens carry no signal
-            acc.H, acc.n = accumulate_hessian(acc.H, X, acc.n)
+            acc.H, acc.n = accumulate_hessian(acc.H, X, acc.n, getattr(torch, self.hessian_products))
 
         return hook
 
