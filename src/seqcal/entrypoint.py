@@ -90,10 +90,6 @@ def load_model(
     return model.eval(), tokenizer, store
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-
-
 def oneshot(
     model: Any,
     dataset: Any = None,
@@ -223,4 +219,6 @@ def parse_bytes(value: int | str | None) -> int | None:
     try:
         return int(float(text))
     except ValueError:
-        raise ValueError(f"max_device_memory={value!r}: give bytes or a size such as '8GB' or '512MiB'") from None
+        raise ValueError(
+            f"max_device_memory={value!r}: give bytes or a size such as '8GB' or '512MiB'"
+        ) from None

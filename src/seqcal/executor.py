@@ -91,6 +91,20 @@ class GraphRunner:
 SubgraphCallback = Callable[[Subgraph, int], None]
 
 
+def _put_inputs(
+    subgraphs: Sequence[Subgraph],
+    batches: Sequence[Mapping[str, Any]],
+    cache: ActivationCache,
+    placeholders: Mapping[str, str],
+) -> None:
+    """Store each batch's model inputs that some subgraph reads (no subgraph produces them)."""
+    needed = {name for sg in subgraphs for name in sg.inputs}
+    for b, batch in enumerate(batches):
+        for key, node_name in placeholders.items():
+            if node_name in needed:
+                cache.put(b, node_name, batch[key])
+
+
 def run_subgraphs(
     model: torch.nn.Module,
     subgraphs: Sequence[Subgraph],
@@ -115,11 +129,7 @@ def run_subgraphs(
         The graph output per batch (empty when ``keep_output`` is False).
     """
     runner = GraphRunner(model)
-    needed = {name for sg in subgraphs for name in sg.inputs}
-    for b, batch in enumerate(batches):
-        for key, node_name in placeholders.items():
-            if node_name in needed:
-                cache.put(b, node_name, batch[key])
+    _put_inputs(subgraphs, batches, cache, placeholders)
     outputs: list[Any] = []
     bar = tqdm(total=len(subgraphs) * len(batches), desc="subgraphs", disable=not progress, leave=False)
     try:
@@ -195,11 +205,7 @@ def calibrate_subgraphs(
     """
     runner = GraphRunner(model)
     prof = profiler if profiler is not None else NullProfiler()
-    needed = {name for sg in subgraphs for name in sg.inputs}
-    for b, batch in enumerate(batches):
-        for key, node_name in placeholders.items():
-            if node_name in needed:
-                cache.put(b, node_name, batch[key])
+    _put_inputs(subgraphs, batches, cache, placeholders)
     calibrating = any(m.needs_calibration for m in modifiers)
     rows = []
     bar = tqdm(total=len(subgraphs), desc="calibrating", unit="subgraph", disable=not progress)

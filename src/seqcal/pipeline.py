@@ -18,7 +18,7 @@ from seqcal.modifiers import RunState
 from seqcal.offload import SubgraphWeights, WeightStore, safety_hooks
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.stream import StreamingCheckpoint
-from seqcal.subgraphs import SubgraphList, trace_subgraphs
+from seqcal.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing import TracingError
 
 logger = logging.getLogger("seqcal")
@@ -36,13 +36,17 @@ class PipelineArgs:
     targets_per_subgraph: int = 1
     offload: str = "cpu"  # activation cache tier: "cpu" or "disk"
     offload_dir: str | None = None
-    compute_dtype: str | None = None  # "bfloat16"/"float16": autocast forward passes; weights keep their dtype
+    compute_dtype: str | None = (
+        None  # "bfloat16"/"float16": autocast forward passes; weights keep their dtype
+    )
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline={self.pipeline!r} is not one of {PIPELINES}")
         if self.compute_dtype not in (None, "bfloat16", "float16"):
-            raise ValueError(f"compute_dtype={self.compute_dtype!r} is not one of (None, 'bfloat16', 'float16')")
+            raise ValueError(
+                f"compute_dtype={self.compute_dtype!r} is not one of (None, 'bfloat16', 'float16')"
+            )
         if self.offload not in ("cpu", "disk"):
             raise ValueError(f"offload={self.offload!r} is not one of ('cpu', 'disk')")
 
@@ -71,7 +75,9 @@ def run_pipeline(
     start = time.perf_counter()
     profiler = profiler if profiler is not None else NullProfiler()
     device = _execution_device(model, store)
-    state = RunState(device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None)
+    state = RunState(
+        device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None
+    )
     for modifier in modifiers:
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:
@@ -97,7 +103,7 @@ def run_pipeline(
             )
         except TracingError as err:
             subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
-        device = _model_device(model)
+        device = model_device(model)
         with ActivationCache(offload=args.offload, offload_dir=args.offload_dir, device=device) as cache:
             weights = SubgraphWeights(model, store, subgraphs, device) if store is not None else None
             stream = _streaming(model, state, subgraphs, output, weights)
@@ -136,7 +142,7 @@ def run_pipeline(
 def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:
     """Where subgraphs run: the model's device, or for offloaded weights cuda when present, else cpu."""
     if store is None:
-        return _model_device(model)
+        return model_device(model)
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -203,10 +209,6 @@ def _whole_model(
     return [
         {"index": 0, "targets": ["<whole model>"], "rel_error": None, "seconds": time.perf_counter() - start}
     ]
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
 def _no_cache(model: torch.nn.Module) -> dict[str, bool]:

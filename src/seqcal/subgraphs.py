@@ -75,7 +75,7 @@ class SubgraphList(Sequence[Subgraph]):
         """
         tensors = self.check_inputs(inputs)
         owned = cache is None
-        cache = cache or ActivationCache(offload="cpu", device=_device_of(self.model))
+        cache = cache or ActivationCache(offload="cpu", device=model_device(self.model))
         try:
             with torch.no_grad():
                 outputs = run_subgraphs(
@@ -114,7 +114,8 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first materialised parameter (cpu when all are on meta)."""
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
