@@ -24,8 +24,10 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default=None)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--hessian-products", default="float32")
+    parser.add_argument("--layer-cut", action="store_true", help="one_pass=False: cut after each layer")
+    parser.add_argument("--samples", type=int, default=None, help="use only the first N samples")
     args = parser.parse_args()
-    tokens = load_file(args.tokens)["input_ids"]
+    tokens = load_file(args.tokens)["input_ids"][: args.samples]
     data = [{"input_ids": row.tolist()} for row in tokens]
     extra = {"hessian_products": args.hessian_products} if args.algo == "gptq" else {}
     cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
@@ -33,7 +35,7 @@ def main() -> None:
     oneshot(model=args.model, dataset=data, recipe=cls(config_groups=SCHEME, ignore=["lm_head"], **extra),
             output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
             dtype=args.dtype, compute_dtype=args.compute_dtype, shuffle_calibration_samples=False,
-            overwrite=True)  # fmt: skip
+            overwrite=True, one_pass=not args.layer_cut, profile=args.profile)  # fmt: skip
     print(f"seconds {time.perf_counter() - start:.1f}")
 
 

@@ -117,15 +117,19 @@ def test_no_hooks_left_and_sdpa_kept(tmp_path: Path) -> None:
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_report_has_per_layer_errors(tmp_path: Path) -> None:
+@pytest.mark.parametrize("one_pass, cuts", [(True, 8), (False, 2)])
+def test_report_has_per_layer_errors(tmp_path: Path, one_pass: bool, cuts: int) -> None:
     out = tmp_path / "out"
     oneshot(model=tiny_llama(), dataset=token_data(8), recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
-            output_dir=str(out))  # fmt: skip
+            output_dir=str(out), one_pass=one_pass)  # fmt: skip
     report = json.loads((out / "quantization_report.json").read_text())
+    # one pass: a subgraph per group of modules reading one input (qkv, o, gate/up, down); else per layer
     layers = [row for row in report["subgraphs"] if row["targets"]]
-    assert len(layers) == 2 and all(0 < row["rel_error"] < 1 for row in layers)
+    assert len(layers) == cuts and all(0 < row["rel_error"] < 1 for row in layers)
     losses = [m["gptq_loss"] for m in report["modules"].values()]
     assert len(losses) == 14 and all(loss > 0 for loss in losses)
+    if one_pass:
+        assert all(0 < m["rel_error"] < 1 for m in report["modules"].values())
 
 
 def test_pipelines_agree_on_rtn() -> None:
@@ -141,15 +145,20 @@ def test_pipelines_agree_on_rtn() -> None:
 
 
 def test_basic_pipeline_gptq_equals_sequential_on_first_layer() -> None:
-    seq, basic = tiny_llama(), tiny_llama()
-    oneshot(model=seq, dataset=token_data(8), recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]))
-    oneshot(model=basic, dataset=token_data(8), recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
-            pipeline="basic")  # fmt: skip
-    # Layer 0 sees the same (unquantized) inputs in both pipelines, so its GPTQ result is the same.
+    seq, one, basic = tiny_llama(), tiny_llama(), tiny_llama()
+    recipe = lambda: GPTQModifier(scheme="W4A16", ignore=["lm_head"])  # noqa: E731
+    oneshot(model=seq, dataset=token_data(8), recipe=recipe(), one_pass=False)
+    oneshot(model=one, dataset=token_data(8), recipe=recipe())
+    oneshot(model=basic, dataset=token_data(8), recipe=recipe(), pipeline="basic")
+    # Layer 0 sees the same (unquantized) inputs in the layer-cut and basic pipelines, so its GPTQ result
+    # is the same. Cut before each module, q/k/v still do, but o_proj is calibrated on the attention
+    # output of the already quantized q/k/v.
+    weight = lambda model, name: model.get_submodule(f"model.layers.0.self_attn.{name}").weight  # noqa: E731
     for name in ["q_proj", "k_proj", "v_proj", "o_proj"]:
-        a = seq.get_submodule(f"model.layers.0.self_attn.{name}").weight
-        b = basic.get_submodule(f"model.layers.0.self_attn.{name}").weight
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(weight(seq, name), weight(basic, name), atol=1e-6, rtol=0)
+    for name in ["q_proj", "k_proj", "v_proj"]:
+        torch.testing.assert_close(weight(one, name), weight(basic, name), atol=1e-6, rtol=0)
+    assert not torch.equal(weight(one, "o_proj"), weight(basic, "o_proj"))
 
 
 @pytest.mark.parametrize(

@@ -9,12 +9,21 @@ mask handed to every layer, or a view of a stored tensor, costs nothing more. Tw
 - ``offload="disk"``: one safetensors file per stored span in a temporary folder, so resident memory stays
   flat however many batches are cached.
 
+Three options trade memory for time or precision:
+
+- ``max_memory``: a RAM budget (bytes) for the cpu tier. A new span that would push ``resident_bytes()``
+  over it goes to a safetensors file instead (lossless; nothing moves back to RAM later).
+- ``store_dtype`` (lossy, opt-in): float32/float64 tensors are stored as e.g. bfloat16 and cast back to
+  their dtype on fetch, halving the cache. Integer and bool tensors, and narrower floats, are untouched.
+- ``dedup_max_bytes``: a tensor up to this size whose bytes equal a span already stored under the same
+  name (the rotary table or causal mask that subgraph 0 recomputes for every batch) shares that span.
+
 Objects the cache cannot decompose (a transformers ``DynamicCache``, arbitrary objects) are kept by
 reference in RAM and never pickled (DESIGN invariant 8); their tensors are not counted in
 ``resident_bytes`` and stay on whatever device they are on.
 
 The value <-> skeleton structure code lives in ``seqcal.cache_tree`` (``flatten``, ``unflatten``, re-exported
-here) and the byte records in ``seqcal.cache_entries``.
+here), the byte records in ``seqcal.cache_entries`` and the safetensors files in ``seqcal.cache_spill``.
 
 Example:
     >>> with ActivationCache(offload="disk") as cache:
@@ -26,18 +35,31 @@ Example:
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import weakref
 from typing import Any, Literal, Self
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from seqcal.cache_entries import _Alias, _byte_span, _Entry, _same_device, _Stored, _TensorRef, _view
+from seqcal.cache_entries import (
+    _Alias,
+    _byte_span,
+    _checksum,
+    _ContentIndex,
+    _copy_to_host,
+    _decode,
+    _encode,
+    _Entry,
+    _same_device,
+    _Stored,
+    _TensorRef,
+    _view,
+)
+from seqcal.cache_spill import SpillFolder
 from seqcal.cache_tree import flatten, unflatten
 
 OFFLOAD_TIERS = ("cpu", "disk")
+STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+DEDUP_MAX_BYTES = 4 << 20  # comparing a 4 MiB tensor costs far less than the layer that needs it
 
 
 class CacheMissError(KeyError):
@@ -53,8 +75,15 @@ class ActivationCache:
     Args:
         offload: where stored tensor bytes live, "cpu" (host RAM) or "disk" (safetensors files in a
             temporary folder, removed on close(), on leaving a ``with`` block, and at garbage collection).
-        offload_dir: parent folder of the temporary folder (disk tier only); default: the system temp dir.
+        offload_dir: parent folder of the temporary folder (disk tier, or spill of the cpu tier with
+            ``max_memory``); default: the system temp dir.
         device: the execution device; fetch() returns tensors there.
+        max_memory: RAM budget in bytes of the cpu tier; spans that do not fit go to safetensors files in
+            a temporary folder made on the first spill. None: no budget.
+        store_dtype: torch.bfloat16 or torch.float16 to store wider float tensors narrower (lossy; cast
+            back on fetch); None stores every tensor exactly.
+        dedup_max_bytes: tensors up to this size are compared with the spans stored under the same name
+            and share an equal one; 0 turns this off.
 
     Fetched tensors may share memory with the cache (cpu tier, or several tensors of one value): callers
     must not modify them in place.
@@ -72,39 +101,31 @@ class ActivationCache:
         offload: Literal["cpu", "disk"] = "cpu",
         offload_dir: str | os.PathLike | None = None,
         device: torch.device | str = "cpu",
+        max_memory: int | None = None,
+        store_dtype: torch.dtype | None = None,
+        dedup_max_bytes: int = DEDUP_MAX_BYTES,
     ) -> None:
-        if offload not in OFFLOAD_TIERS:
-            raise ValueError(
-                f"ActivationCache: offload={offload!r} is not a tier; valid: {list(OFFLOAD_TIERS)}"
-            )
-        if offload_dir is not None and offload != "disk":
-            raise ValueError(
-                f"ActivationCache: offload_dir={str(offload_dir)!r} only applies to offload='disk' "
-                f"(got offload={offload!r}); pass offload='disk' or drop offload_dir."
-            )
+        _check_args(offload, offload_dir, max_memory, store_dtype, dedup_max_bytes)
         self.offload = offload
         self.device = torch.device(device)
+        self.max_memory = max_memory
+        self.store_dtype = store_dtype
+        self.dedup_max_bytes = dedup_max_bytes
         self._values: dict[tuple[int, str], _Stored] = {}
         self._batches: dict[str, set[int]] = {}
         self._aliases: dict[tuple[str, int], list[_Alias]] = {}
+        self._contents = _ContentIndex()
         self._resident = 0
-        self._disk = 0
-        self._files = 0
         self._closed = False
-        self._dir: str | None = None
-        if offload == "disk":
-            if offload_dir is not None:
-                os.makedirs(offload_dir, exist_ok=True)
-            self._dir = tempfile.mkdtemp(prefix="seqcal-cache-", dir=offload_dir)
-            # Safety net: the folder goes even if close() is never called; must not reference self.
-            self._finalizer = weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        # The disk tier's folder exists from the start; the cpu tier's only once a span spills.
+        self._folder = SpillFolder(offload_dir, create=offload == "disk")
 
     # ---- public API -------------------------------------------------------------------------------------
 
     @property
     def directory(self) -> str | None:
-        """The temporary folder of the disk tier (None for the cpu tier)."""
-        return self._dir
+        """The temporary folder of the safetensors files (cpu tier: None until a span spills)."""
+        return self._folder.path
 
     def put(self, batch: int, name: str, value: Any) -> None:
         """Store `value` for (batch, name), replacing any previous value of that key.
@@ -119,7 +140,7 @@ class ActivationCache:
         entries: dict[int, _Entry] = {}
 
         def store(t: torch.Tensor) -> _TensorRef:
-            ref = self._store_tensor(t)
+            ref = self._store_tensor(t, batch, name)
             if ref.entry is not None:
                 entries[id(ref.entry)] = ref.entry
             return ref
@@ -154,7 +175,7 @@ class ActivationCache:
         def load(ref: _TensorRef) -> torch.Tensor:
             if ref.entry is None:
                 return torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype, device=self.device)
-            if ref.tensor is not None:
+            if ref.tensor is not None:  # kept as is
                 if _same_device(ref.tensor.device, self.device):
                     return ref.tensor
                 return ref.tensor.to(self.device, non_blocking=True)
@@ -199,8 +220,8 @@ class ActivationCache:
         return self._resident
 
     def disk_bytes(self) -> int:
-        """Bytes of the cache's safetensors files on disk."""
-        return self._disk
+        """Bytes of the cache's safetensors files on disk (disk tier, or spans spilled over max_memory)."""
+        return self._folder.nbytes
 
     def close(self) -> None:
         """Free everything and remove the disk tier's folder; idempotent. put/fetch then raise."""
@@ -212,8 +233,7 @@ class ActivationCache:
         self._batches.clear()
         self._aliases.clear()
         self._closed = True
-        if self._dir is not None:
-            self._finalizer()
+        self._folder.close()
 
     def __enter__(self) -> Self:
         return self
@@ -227,8 +247,14 @@ class ActivationCache:
         """Keep the tensor object itself: host tensors in the cpu tier (the executor never mutates them)."""
         return self.offload == "cpu" and t.device.type == "cpu"
 
-    def _store_tensor(self, t: torch.Tensor) -> _TensorRef:
-        as_is = self._stores_as_is(t)
+    def _cast_for(self, t: torch.Tensor) -> torch.dtype | None:
+        """The narrower dtype `t` is stored in, or None to store it exactly."""
+        narrower = self.store_dtype is not None and t.element_size() > self.store_dtype.itemsize
+        return self.store_dtype if narrower and t.is_floating_point() else None
+
+    def _store_tensor(self, t: torch.Tensor, batch: int, name: str) -> _TensorRef:
+        cast = self._cast_for(t)
+        as_is = cast is None and self._stores_as_is(t)
         if not as_is and (t.is_conj() or t.is_neg()):  # lazy conj/neg bits are not in the bytes
             t = t.resolve_conj().resolve_neg()
         meta = {"dtype": t.dtype, "size": tuple(t.shape), "stride": tuple(t.stride())}
@@ -238,10 +264,12 @@ class ActivationCache:
         start, end = _byte_span(t)
         found = self._lookup(storage, t, start, end)
         if found is None:
-            found = self._new_entry(t, storage, start, end, as_is)
+            found = self._new_entry(t, storage, start, end, as_is, cast, (batch, name))
         entry, entry_start = found
+        # Kept as is only when the entry is this tensor's own storage (not spilled, cast or shared by content)
+        keep = as_is and entry.payload is not None and entry.payload.data_ptr() == storage.data_ptr()
         return _TensorRef(
-            entry, **meta, byte_offset=start - entry_start, span=end - start, tensor=t if as_is else None
+            entry, **meta, byte_offset=start - entry_start, span=end - start, tensor=t if keep else None
         )
 
     def _lookup(
@@ -256,48 +284,52 @@ class ActivationCache:
             if (
                 alias.source() is storage
                 and alias.start <= start
-                and end <= alias.start + alias.entry.nbytes
+                and end <= alias.start + alias.entry.span
                 and (start - alias.start) % t.element_size() == 0
                 and alias.version in (None, t._version)  # an in-place change since capture needs new bytes
+                and (alias.entry.cast is None or alias.entry.cast[0] == t.dtype)  # cast bytes: same dtype
             ):
                 return alias.entry, alias.start
         return None
 
     def _new_entry(
-        self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, end: int, as_is: bool
-    ) -> tuple[_Entry, int]:
-        if as_is:  # the ref keeps the tensor, which keeps its whole storage alive
-            entry = _Entry(nbytes=storage.nbytes())
+        self, t: torch.Tensor, storage: torch.UntypedStorage, start: int, end: int, as_is: bool,
+        cast: torch.dtype | None, where: tuple[int, str],
+    ) -> tuple[_Entry, int]:  # fmt: skip
+        enc = _encode(t, storage, start, end, cast)  # (n,) uint8 as stored, on t's device
+        key = None
+        if end - start <= self.dedup_max_bytes:  # hidden states never reach the comparison
+            key = (where[1], cast, t.dtype if cast else None, enc.numel(), _checksum(enc))
+            entry = self._contents.find(key, where[0], enc, self._raw)
+            if entry is not None:  # equal bytes under this name: [start, end) maps onto the whole entry
+                self._add_alias(storage, start, t._version, entry)
+                return entry, start
+        if as_is and self._fits(storage.nbytes()):  # the ref keeps the tensor, which keeps its storage
+            entry = _Entry(nbytes=storage.nbytes(), span=storage.nbytes())
+            entry.payload = _encode(t, storage, 0, storage.nbytes(), None)
             self._resident += entry.nbytes
             self._add_alias(storage, 0, None, entry)
-            return entry, 0
-        # (end - start,) uint8 view of the span on the tensor's device, no copy yet
-        flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, start, (end - start,), (1,))
-        entry = _Entry(nbytes=end - start)
-        if self.offload == "disk":
-            entry.path = os.path.join(self._dir, f"{self._files}.safetensors")
-            self._files += 1
-            save_file({"bytes": flat.cpu()}, entry.path)
-            self._disk += os.path.getsize(entry.path)
+            entry_start = 0
         else:
-            entry.payload, entry.ready = self._copy_to_host(flat)
-            self._resident += entry.nbytes
-            self._add_alias(entry.payload.untyped_storage(), 0, entry.payload._version, entry)
-        self._add_alias(storage, start, t._version, entry)
-        return entry, start
+            entry = _Entry(nbytes=enc.numel(), span=end - start, cast=(t.dtype, cast) if cast else None)
+            if self.offload == "cpu" and self._fits(entry.nbytes):
+                # A cast of a host tensor is already a fresh host copy; anything else is copied to RAM.
+                on_host = cast is not None and enc.device.type == "cpu"
+                entry.payload, entry.ready = (enc, None) if on_host else _copy_to_host(enc)
+                self._resident += entry.nbytes
+                if cast is None:  # the cast copy's storage holds other bytes than the tensors it stands for
+                    self._add_alias(entry.payload.untyped_storage(), 0, entry.payload._version, entry)
+            else:
+                entry.path, _ = self._folder.write(enc)
+            self._add_alias(storage, start, t._version, entry)
+            entry_start = start
+        if key is not None and entry_start == start and entry.span == end - start:
+            self._contents.add(key, where[0], entry)  # only entries that are exactly this tensor's span
+        return entry, entry_start
 
-    @staticmethod
-    def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """(n,) uint8 host copy of `flat`; pinned and non-blocking from cuda, with its completion event."""
-        pin = torch.cuda.is_available()
-        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=pin)
-        non_blocking = pin and flat.device.type == "cuda"
-        host.copy_(flat, non_blocking=non_blocking)
-        if not non_blocking:
-            return host, None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(flat.device))
-        return host, event
+    def _fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` more stay within the RAM budget."""
+        return self.max_memory is None or self._resident + nbytes <= self.max_memory
 
     def _add_alias(
         self, storage: torch.UntypedStorage, start: int, version: int | None, entry: _Entry
@@ -308,17 +340,21 @@ class ActivationCache:
 
     # ---- loading and freeing ------------------------------------------------------------------------------
 
-    def _materialise(self, entry: _Entry) -> torch.Tensor:
-        """The entry's bytes on the execution device, (nbytes,) uint8."""
+    def _raw(self, entry: _Entry) -> torch.Tensor:
+        """The entry's stored bytes, (nbytes,) uint8, in RAM or on the execution device (from a file)."""
         if entry.ready is not None:  # the host copy must be complete before the host reads it
             entry.ready.synchronize()
             entry.ready = None
         if entry.path is not None:
-            payload = load_file(entry.path, device=str(self.device))["bytes"]
-        elif _same_device(entry.payload.device, self.device):
-            return entry.payload
-        else:
-            payload = entry.payload.to(self.device, non_blocking=True)
+            return self._folder.read(entry.path, self.device)
+        return entry.payload
+
+    def _materialise(self, entry: _Entry) -> torch.Tensor:
+        """The entry's decoded bytes on the execution device, (span,) uint8."""
+        raw = self._raw(entry)
+        if entry.path is None and _same_device(raw.device, self.device) and entry.cast is None:
+            return raw
+        payload = _decode(raw.to(self.device, non_blocking=True), entry)  # cast back on the device
         # A fetched value put again (a pass-through) then reuses this entry instead of new bytes.
         self._add_alias(payload.untyped_storage(), payload.storage_offset(), payload._version, entry)
         return payload
@@ -337,9 +373,9 @@ class ActivationCache:
             else:
                 self._aliases.pop(key, None)
         entry.alias_keys.clear()
+        self._contents.remove(entry)
         if entry.path is not None:
-            self._disk -= os.path.getsize(entry.path)
-            os.remove(entry.path)
+            self._folder.remove(entry.path)
             entry.path = None
         else:
             self._resident -= entry.nbytes
@@ -363,3 +399,28 @@ class ActivationCache:
             f"all names: {sorted(self._batches)}. The value was never put or was dropped before its last "
             "use; check the subgraph outputs and the last-use computation."
         )
+
+
+def _check_args(
+    offload: str, offload_dir: Any, max_memory: int | None, store_dtype: Any, dedup_max_bytes: int
+) -> None:
+    where = "ActivationCache"
+    if offload not in OFFLOAD_TIERS:
+        raise ValueError(f"{where}: offload={offload!r} is not a tier; valid: {list(OFFLOAD_TIERS)}")
+    if offload_dir is not None and offload != "disk" and max_memory is None:
+        raise ValueError(
+            f"{where}: offload_dir={str(offload_dir)!r} only applies to offload='disk' or to the spill of "
+            f"offload='cpu' with max_memory (got offload={offload!r}); pass one of them or drop offload_dir."
+        )
+    if max_memory is not None and (offload != "cpu" or isinstance(max_memory, bool) or max_memory < 0):
+        raise ValueError(
+            f"{where}: max_memory={max_memory!r} must be a number of bytes >= 0 with offload='cpu' (got "
+            f"offload={offload!r}; the disk tier keeps nothing in RAM); drop it or use offload='cpu'."
+        )
+    if store_dtype is not None and store_dtype not in STORE_DTYPES.values():
+        raise ValueError(
+            f"{where}: store_dtype={store_dtype!r} is not supported; valid: None or "
+            f"{[f'torch.{n}' for n in STORE_DTYPES]}."
+        )
+    if dedup_max_bytes < 0:
+        raise ValueError(f"{where}: dedup_max_bytes={dedup_max_bytes} must be >= 0 (0 turns sharing off).")

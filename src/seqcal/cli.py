@@ -153,7 +153,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, sequential_targets=args.sequential_targets, tracing_ignore=args.tracing_ignore,
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed,
         resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
-        profile=args.profile,
+        profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -204,8 +204,12 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])
     one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
     one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    one.add_argument("--compute-dtype", default=None, choices=["bfloat16", "float16"],
-                     help="autocast the forward passes (weights and Hessians stay in their dtype)")
+    one.add_argument(
+        "--compute-dtype",
+        default=None,
+        choices=["bfloat16", "float16"],
+        help="autocast the forward passes (weights and Hessians stay in their dtype)",
+    )
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     one.add_argument("--profile", default=None, metavar="TRACE.json",
                      help="write a Chrome trace of time and memory per stage (open in ui.perfetto.dev)")  # fmt: skip
@@ -213,8 +217,14 @@ def _add_oneshot(sub: Any) -> None:
                      help="draw per-layer error and GPTQ loss per module (needs --output-dir)")  # fmt: skip
     one.add_argument("--resume", action="store_true", help="continue an interrupted run in --output-dir")
     one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets to fit")
+    one.add_argument("--cache-max-memory", default=None,
+                     help="e.g. 4GB: RAM budget of the activation cache; the rest spills to disk")  # fmt: skip
+    one.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float16"],
+                     help="store fp32 activations in this dtype (half the cache, lossy)")  # fmt: skip
     one.add_argument("--eval", action="store_true", help="print perplexity before and after")
-    one.add_argument("--eval-dataset", default=None, help="text for --eval (default: WikiText-2 test if found)")
+    one.add_argument(
+        "--eval-dataset", default=None, help="text for --eval (default: WikiText-2 test if found)"
+    )
     one.add_argument("--eval-seq-length", type=int, default=2048)
     one.add_argument("--eval-windows", type=int, default=None, help="evaluate only the first N windows")
     one.set_defaults(func=cmd_oneshot)

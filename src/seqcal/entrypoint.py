@@ -116,6 +116,9 @@ def oneshot(
     max_device_memory: int | str | None = None,
     trust_remote_code: bool = False,
     profile: str | None = None,
+    one_pass: bool = True,
+    cache_max_memory: int | str | None = None,
+    cache_dtype: str | None = None,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -141,8 +144,17 @@ def oneshot(
             replayed from their saved weights, and the checkpoint equals an uninterrupted run's.
         dry_run: read no weight and calibrate nothing: return the MemoryPlan (device/host/disk per subgraph).
         max_device_memory: bytes or "8GB"; subgraphs that would not fit make seqcal pick finer targets.
+        one_pass: when every modifier needs only its modules' inputs (GPTQ, round to nearest), cut the
+            graph before each group of modules that read one input and run every subgraph once: each module
+            is calibrated on inputs computed with all earlier modules already quantized. False (and an
+            explicit ``sequential_targets``) cuts after each layer with a calibration and a propagation
+            pass per layer, as llm-compressor does.
         profile: write a Chrome trace (chrome://tracing, ui.perfetto.dev) of where time and memory went
             to this JSON file; ``seqcal.report.Profiler.load(profile).summary(report)`` tabulates it.
+        cache_max_memory: bytes or "4GB": RAM budget of the activation cache (offload="cpu"); what does
+            not fit is written to safetensors files in a temporary folder (under offload_dir if given).
+        cache_dtype: "bfloat16" or "float16" stores float32 activations in that dtype (half the cache,
+            lossy); None stores them exactly.
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left).
@@ -161,8 +173,10 @@ def oneshot(
         )
     model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code)
     pipe_args = PipelineArgs(
-        pipeline, sequential_targets, list(tracing_ignore or []), 1, offload, offload_dir, compute_dtype
-    )
+        pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
+        offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
+        cache_max_memory=parse_bytes(cache_max_memory, "cache_max_memory"), cache_dtype=cache_dtype,
+    )  # fmt: skip
     out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)
     check_output_dir(out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume)
@@ -207,8 +221,8 @@ def oneshot(
     return loaded
 
 
-def parse_bytes(value: int | str | None) -> int | None:
-    """``8GB``, ``512MiB``, ``1e9`` or an int -> bytes."""
+def parse_bytes(value: int | str | None, name: str = "max_device_memory") -> int | None:
+    """``8GB``, ``512MiB``, ``1e9`` or an int -> bytes; `name` is the argument named in the error."""
     if value is None or isinstance(value, int):
         return value
     text = str(value).strip().upper().replace(" ", "")
@@ -219,6 +233,4 @@ def parse_bytes(value: int | str | None) -> int | None:
     try:
         return int(float(text))
     except ValueError:
-        raise ValueError(
-            f"max_device_memory={value!r}: give bytes or a size such as '8GB' or '512MiB'"
-        ) from None
+        raise ValueError(f"{name}={value!r}: give bytes or a size such as '8GB' or '512MiB'") from None

@@ -194,8 +194,10 @@ def calibrate_subgraphs(
 
     For each subgraph: modifiers attach hooks -> calibration pass over all batches -> modifiers compress ->
     propagation pass (hooks removed) when weights changed -> outputs stay in the cache -> values past their
-    last use are freed. Data-free modifiers compress before the only pass. Subgraphs whose outputs nobody
-    reads and that hold nothing to compress (the head after the last layer) are skipped.
+    last use are freed. Subgraphs cut before their targets (``Subgraph.target_inputs``) calibrate from the
+    cached inputs instead and run once (``_run_from_inputs``). Data-free modifiers only compress: with no
+    modifier that needs data, no pass runs at all. Subgraphs whose outputs nobody reads and that hold nothing
+    to compress (the head after the last layer) are skipped.
 
     Subgraphs before ``resume_from`` were finished by an interrupted run: ``restore`` puts their saved
     quantized weights back and they only run the propagation pass.
@@ -223,7 +225,7 @@ def calibrate_subgraphs(
                 if restore is not None:
                     with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
                         restore(sg)
-                if sg.outputs:
+                if sg.outputs and calibrating:
                     with torch.no_grad():
                         _pass(runner, sg, batches, cache, state, None, prof, "propagation")
                 row["replayed"] = True
@@ -243,15 +245,20 @@ def calibrate_subgraphs(
     return rows
 
 
+def _autocast(state: Any) -> contextlib.AbstractContextManager:
+    """Mixed precision as on GPUs: matmuls in the compute dtype, weights and norms in their own dtype.
+
+    One autocast region per pass, so each weight is cast once per pass, not once per batch.
+    """
+    compute = getattr(state, "compute_dtype", None)
+    return torch.autocast(state.device.type, dtype=compute) if compute else contextlib.nullcontext()
+
+
 def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
           state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str) -> None:  # fmt: skip
     """Run ``sg`` over every batch, storing its outputs; ``keep`` collects target outputs of a few batches."""
     targets = [n.name for n in sg.nodes if n.op == "call_module" and n.target in set(sg.targets)]
-    compute = getattr(state, "compute_dtype", None)
-    # Mixed precision as on GPUs: matmuls in the compute dtype, weights and norms in their own dtype.
-    # One autocast region per pass, so each weight is cast once per pass, not once per batch.
-    autocast = torch.autocast(state.device.type, dtype=compute) if compute else contextlib.nullcontext()
-    with autocast, prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(batches)):
+    with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(batches)):
         for b, batch in enumerate(batches):
             state.token_mask = _token_mask(batch)
             with prof.span("cache", "fetch", subgraph=sg.index, batch=b) as args:
@@ -273,12 +280,13 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
              cache: ActivationCache, state: Any, calibrating: bool, prof: Profiler) -> float | None:  # fmt: skip
     label = f"subgraph {sg.index}"
     with torch.no_grad():
-        if not calibrating:
+        if not calibrating:  # data-free: nothing later reads activations, so no pass at all
             with prof.span("compress", label, subgraph=sg.index):
                 for m in modifiers:
                     m.compress(sg, runner.model, state)
-            _pass(runner, sg, batches, cache, state, None, prof, "propagation")
             return None
+        if sg.target_inputs:
+            return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof)
         full: dict[int, Any] = {}
         with contextlib.ExitStack() as stack:
             for m in modifiers:
@@ -292,3 +300,46 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
         _pass(runner, sg, batches, cache, state, quant, prof, "propagation")
     errors = [e for b in full if (e := _relative_error(quant.get(b), full[b])) is not None]
     return sum(errors) / len(errors) if errors else None
+
+
+def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]],
+                     modifiers: Sequence[Any], cache: ActivationCache, state: Any, prof: Profiler) -> float | None:  # fmt: skip
+    """One pass for a subgraph cut before its targets: calibrate from their cached inputs, then run it once.
+
+    The targets' inputs were computed by earlier subgraphs (with every earlier module already quantized), so
+    the modifiers observe them straight from the cache; after compressing, the single pass runs with the
+    quantized weights and stores the outputs for the next subgraphs. The error of each target (quantized vs
+    full-precision weights on the same inputs, first ``ERROR_SAMPLE_BATCHES`` batches) goes to the report.
+    """
+    if not all(getattr(m, "input_only", False) for m in modifiers):
+        raise AssertionError("subgraphs cut before their targets need modifiers that use only module inputs")
+    label = f"subgraph {sg.index}"
+    modules = {n: runner.model.get_submodule(n) for names in sg.target_inputs.values() for n in names}
+    samples: list[tuple[torch.Tensor, list[str]]] = []
+    with _autocast(state), prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
+        for b, batch in enumerate(batches):
+            state.token_mask = _token_mask(batch)
+            for source, names in sg.target_inputs.items():
+                x = cache.fetch(b, source)
+                for m in modifiers:
+                    m.observe(names, x, state)
+                if b < ERROR_SAMPLE_BATCHES:
+                    samples.append((x, names))
+        state.token_mask = None
+        full = [[modules[n](x) for n in names] for x, names in samples]
+    with prof.span("compress", label, subgraph=sg.index):
+        for m in modifiers:
+            m.compress(sg, runner.model, state)
+    errors: dict[str, list[float]] = {}
+    with _autocast(state):
+        for (x, names), wants in zip(samples, full):
+            for n, want in zip(names, wants):
+                if (e := _relative_error(modules[n](x), want)) is not None:
+                    errors.setdefault(n, []).append(e)
+    del samples, full
+    for n, values in errors.items():
+        state.module_errors.setdefault(n, {})["rel_error"] = sum(values) / len(values)
+    if sg.outputs:
+        _pass(runner, sg, batches, cache, state, None, prof, "propagation")
+    means = [sum(v) / len(v) for v in errors.values()]
+    return sum(means) / len(means) if means else None

@@ -43,6 +43,7 @@ def check_chain(model: torch.nn.Module, targets: Sequence[str], batch: Mapping[s
     handles = []
     try:
         for name in targets:
+
             def hook(module: torch.nn.Module, args: tuple, kwargs: dict, out: Any, name: str = name) -> None:
                 calls[name] = (args, kwargs, out)
 
@@ -60,8 +61,10 @@ def check_chain(model: torch.nn.Module, targets: Sequence[str], batch: Mapping[s
         prev_args, prev_kwargs, prev_out = calls[prev]
         if not args or not _same(args[0], _hidden(prev_out)):
             return f"the input of {cur} is not the output of {prev}"
-        if not _same(args[1:], prev_args[1:]) or kwargs.keys() != prev_kwargs.keys() or not all(
-            _same(kwargs[k], prev_kwargs[k]) for k in kwargs
+        if (
+            not _same(args[1:], prev_args[1:])
+            or kwargs.keys() != prev_kwargs.keys()
+            or not all(_same(kwargs[k], prev_kwargs[k]) for k in kwargs)
         ):
             return f"{cur} gets other arguments than {prev} (e.g. per-layer masks)"
     return None
@@ -102,7 +105,9 @@ def chain_graph(targets: Sequence[str], example: tuple[tuple, dict]) -> TraceRes
     return TraceResult(graph=graph, targets=list(targets), input_names=names, constants={})
 
 
-def chain_batches(model: torch.nn.Module, first: str, batches: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def chain_batches(
+    model: torch.nn.Module, first: str, batches: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
     """Each batch turned into the first target's captured inputs, keyed like ``chain_graph``'s placeholders."""
     out = []
     for batch in batches:

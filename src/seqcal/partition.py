@@ -23,6 +23,8 @@ class Subgraph:
         frees: names of cached values whose last reader is this subgraph (dropped after it runs).
         modules: qualified names of the modules whose weights it uses (for onloading).
         returns: whether it holds the graph's output node.
+        target_inputs: for subgraphs cut before their targets (``cut="before"``): the name of the cached
+            value each target reads -> the targets reading it (q/k/v share one, gate/up another).
     """
 
     index: int
@@ -33,6 +35,11 @@ class Subgraph:
     frees: list[str] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)
     returns: bool = False
+    target_inputs: dict[str, list[str]] = field(default_factory=dict)
+
+
+class OnePassError(ValueError):
+    """The graph cannot be cut before its targets; the message says why (the caller cuts after them)."""
 
 
 def _cut_points(graph: fx.Graph, targets: Sequence[str], targets_per_subgraph: int) -> list[list[fx.Node]]:
@@ -48,6 +55,44 @@ def _cut_points(graph: fx.Graph, targets: Sequence[str], targets_per_subgraph: i
             seen += 1
             if seen % targets_per_subgraph == 0 or seen == len(targets):
                 groups.append([])
+    return groups
+
+
+def _input_of(node: fx.Node) -> fx.Node | None:
+    """The value a target module is called on (its first argument), when it is a graph value."""
+    first = node.args[0] if node.args else next(iter(node.kwargs.values()), None)
+    return first if isinstance(first, fx.Node) else None
+
+
+def _cuts_before(graph: fx.Graph, targets: Sequence[str]) -> list[list[fx.Node]]:
+    """Node lists: each (after the first) starts with a target and holds every later target on its input.
+
+    Modules that read the same value (q/k/v on the normed hidden state, gate/up) stay in one group, so one
+    Hessian serves them. Each target's input is then computed by an earlier group and reaches this one
+    through the cache: calibration needs no forward pass of its own.
+
+    Raises:
+        OnePassError: a target is called more than once, or on a value that is not a graph value.
+    """
+    target_set = set(targets)
+    groups: list[list[fx.Node]] = [[]]
+    group_input: fx.Node | None = None
+    calls: set[str] = set()
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            continue
+        if node.op == "call_module" and node.target in target_set:
+            name = str(node.target)
+            if name in calls:
+                raise OnePassError(f"{name} is called more than once in the graph")
+            calls.add(name)
+            source = _input_of(node)
+            if source is None:
+                raise OnePassError(f"{name} is not called on a traced value")
+            if source is not group_input:
+                groups.append([])
+                group_input = source
+        groups[-1].append(node)
     return groups
 
 
@@ -73,6 +118,7 @@ def partition(
     targets: Sequence[str],
     targets_per_subgraph: int = 1,
     module_names: dict[int, str] | None = None,
+    cut: str = "after",
 ) -> list[Subgraph]:
     """Cut ``graph`` after every ``targets_per_subgraph``-th target; the tail after the last is its own.
 
@@ -80,11 +126,17 @@ def partition(
     target i-1 and target i come with it), the last one holds what follows the last target (final norm,
     head, output). Values crossing a cut are listed as outputs/inputs; each is freed after its last reader.
 
+    With ``cut="before"`` each subgraph after the first instead starts with a target (plus the later targets
+    called on the same input) and ``target_inputs`` names the cached values those targets read: a modifier
+    that needs only its modules' inputs (GPTQ, round to nearest) calibrates from the cache and the
+    subgraph runs once, with the quantized weights (one forward pass per module instead of two).
+
     Args:
         graph: a traced graph (see ``seqcal.tracing.trace``).
         targets: target module names in execution order.
         targets_per_subgraph: how many targets share one subgraph.
         module_names: id(module) -> qualified name, to list the modules opaque nodes use.
+        cut: "after" (targets end subgraphs) or "before" (targets start them; ``targets_per_subgraph`` 1).
 
     Returns:
         Subgraphs in execution order.
@@ -96,7 +148,15 @@ def partition(
     """
     if targets_per_subgraph < 1:
         raise ValueError(f"targets_per_subgraph must be >= 1, got {targets_per_subgraph}")
-    groups = _cut_points(graph, targets, targets_per_subgraph)
+    if cut not in ("after", "before"):
+        raise ValueError(f"cut={cut!r} is not one of ('after', 'before')")
+    if cut == "before" and targets_per_subgraph != 1:
+        raise ValueError(
+            "cut='before' puts one group of targets in each subgraph; use targets_per_subgraph=1"
+        )
+    groups = (
+        _cut_points(graph, targets, targets_per_subgraph) if cut == "after" else _cuts_before(graph, targets)
+    )
     owner: dict[fx.Node, int] = {node: i for i, nodes in enumerate(groups) for node in nodes}
     target_set = set(targets)
     subgraphs = [
@@ -124,4 +184,11 @@ def partition(
             last_use[node.name] = readers[-1]
     for name, index in last_use.items():
         subgraphs[index].frees.append(name)
+    if cut == "before":
+        for sg, nodes in zip(subgraphs, groups):
+            for node in nodes:
+                if node.op == "call_module" and node.target in target_set:
+                    source = _input_of(node)
+                    assert source is not None and source.name in sg.inputs, "checked by _cuts_before"
+                    sg.target_inputs.setdefault(source.name, []).append(str(node.target))
     return subgraphs

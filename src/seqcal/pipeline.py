@@ -5,17 +5,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from seqcal.cache import ActivationCache
+from seqcal.cache import STORE_DTYPES, ActivationCache
 from seqcal.data import DataArgs, load_calibration_batches
 from seqcal.executor import calibrate_subgraphs
 from seqcal.modifiers import RunState
 from seqcal.offload import SubgraphWeights, WeightStore, safety_hooks
+from seqcal.partition import OnePassError
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.stream import StreamingCheckpoint
 from seqcal.subgraphs import SubgraphList, model_device, trace_subgraphs
@@ -39,6 +41,15 @@ class PipelineArgs:
     compute_dtype: str | None = (
         None  # "bfloat16"/"float16": autocast forward passes; weights keep their dtype
     )
+    # Cut subgraphs before the quantized modules when every modifier needs only their inputs (GPTQ, RTN):
+    # each module calibrates on inputs computed with all earlier modules quantized, and every subgraph runs
+    # once. False (or explicit sequential_targets): cut after each layer, a calibration and a propagation
+    # pass per layer, as llm-compressor does.
+    one_pass: bool = True
+    # RAM budget (bytes) of the cpu activation cache; what does not fit goes to disk. Lossless, so it is left
+    # out of repr(), which fingerprints a run: a resume after running out of memory may add or change it.
+    cache_max_memory: int | None = field(default=None, repr=False)
+    cache_dtype: str | None = None  # "bfloat16"/"float16": store fp32 activations narrower (lossy)
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -49,6 +60,17 @@ class PipelineArgs:
             )
         if self.offload not in ("cpu", "disk"):
             raise ValueError(f"offload={self.offload!r} is not one of ('cpu', 'disk')")
+        if self.cache_dtype not in (None, *STORE_DTYPES):
+            raise ValueError(
+                f"cache_dtype={self.cache_dtype!r} is not one of {(None, *STORE_DTYPES)}; it stores the "
+                "cached activations in that dtype (lossy), None stores them exactly"
+            )
+        budget = self.cache_max_memory
+        if budget is not None and (self.offload != "cpu" or not isinstance(budget, int) or budget < 0):
+            raise ValueError(
+                f"cache_max_memory={budget!r} needs offload='cpu' (got {self.offload!r}) and an int number "
+                "of bytes >= 0 (oneshot also takes '4GB'); offload='disk' keeps no activation in RAM already"
+            )
 
 
 @dataclass
@@ -97,14 +119,18 @@ def run_pipeline(
         rows = _whole_model(model, modifiers, state, batches)
     else:
         batches = [{**batch, **_no_cache(model)} for batch in batches]
+        subgraphs = _one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
         try:
-            subgraphs = trace_subgraphs(
+            subgraphs = subgraphs or trace_subgraphs(
                 model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph
             )
         except TracingError as err:
             subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
         device = model_device(model)
-        with ActivationCache(offload=args.offload, offload_dir=args.offload_dir, device=device) as cache:
+        with ActivationCache(
+            offload=args.offload, offload_dir=args.offload_dir, device=device, max_memory=args.cache_max_memory,
+            store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
+        ) as cache:  # fmt: skip
             weights = SubgraphWeights(model, store, subgraphs, device) if store is not None else None
             stream = _streaming(model, state, subgraphs, output, weights)
             schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
@@ -137,6 +163,28 @@ def run_pipeline(
     for line in state.log:
         logger.warning(line)
     return state
+
+
+def _one_pass_subgraphs(
+    model: torch.nn.Module, sample: dict[str, Any], modifiers: list[Any], args: PipelineArgs
+) -> SubgraphList | None:
+    """Subgraphs cut before the modifiers' modules, or None when that mode does not apply to this run."""
+    if not args.one_pass or args.targets_per_subgraph != 1:
+        return None
+    if not all(getattr(m, "input_only", False) for m in modifiers):
+        return None
+    wanted = {n for m in modifiers for n in getattr(m, "modules", {})}
+    if not wanted:
+        return None
+    names = [n for n, _ in model.named_modules() if n in wanted]
+    pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"
+    try:
+        return trace_subgraphs(model, sample, [pattern], args.tracing_ignore, None, 1, cut="before")
+    except (TracingError, OnePassError) as err:
+        # Not an error: the layer-level cut below handles this model (it hooks modules inside layers).
+        reason = err.problems[0].what if isinstance(err, TracingError) else str(err)
+        logger.info("seqcal: cutting at layers, not before each module (%s)", reason)
+        return None
 
 
 def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:

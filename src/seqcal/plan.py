@@ -57,7 +57,9 @@ class MemoryPlan:
 
     def table(self) -> str:
         gb = 1024**3
-        lines = [f"{'#':>3}  {'target':<28} {'weights':>9} {'hessians':>9} {'activ.':>9} {'device':>9} {'cache':>9}"]
+        lines = [
+            f"{'#':>3}  {'target':<28} {'weights':>9} {'hessians':>9} {'activ.':>9} {'device':>9} {'cache':>9}"
+        ]
         for r in self.rows:
             target = (r.targets[0] if r.targets else "-")[:28]
             lines.append(
@@ -111,7 +113,9 @@ def plan_memory(
         crossing = len(sg.inputs) + len(sg.outputs)
         # values read and written (hidden-sized), the widest intermediate (MLP up projection, x3 for gate/up/act),
         # and the fp32 copy of one layer's inputs the Hessian update makes
-        activations = crossing * hidden_bytes + 3 * tokens * inter * dtype_bytes + tokens * max(hidden, inter) * 4
+        activations = (
+            crossing * hidden_bytes + 3 * tokens * inter * dtype_bytes + tokens * max(hidden, inter) * 4
+        )
         alive = alive + len(sg.outputs) - len(sg.frees)
         host_cache = max(alive, 1) * hidden_bytes * batches
         rows.append(SubgraphPlan(sg.index, sg.targets, weights, _hessian_bytes(model, sg, quantized),
@@ -154,7 +158,9 @@ def make_plan(
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
     quantized = {n for m in modifiers for n in getattr(m, "modules", {})}
-    bits = max((s.weights.num_bits for m in modifiers for s in getattr(m, "modules", {}).values()), default=16)
+    bits = max(
+        (s.weights.num_bits for m in modifiers for s in getattr(m, "modules", {}).values()), default=16
+    )
     dtype_bytes = next((p.element_size() for p in model.parameters()), 4)
     targets, notes = sequential_targets, []
     for _ in range(2):

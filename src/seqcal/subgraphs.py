@@ -129,6 +129,7 @@ def trace_subgraphs(
     ignore: Sequence[str] | None = None,
     leaf_modules: Sequence[str] | None = None,
     targets_per_subgraph: int = 1,
+    cut: str = "after",
 ) -> SubgraphList:
     """Trace ``model`` on ``sample`` and cut it into subgraphs around the sequential targets.
 
@@ -139,6 +140,8 @@ def trace_subgraphs(
         ignore: function/method names always run opaquely.
         leaf_modules: class names or ``re:`` patterns of modules kept as single nodes.
         targets_per_subgraph: targets per subgraph (default 1: N targets give N+1 subgraphs).
+        cut: "after" (each subgraph ends with its target) or "before" (each starts with its targets and the
+            ones sharing their input; see ``partition``).
 
     Returns:
         A SubgraphList: ``len()``, ``.targets``, ``.run(**inputs)``.
@@ -153,5 +156,5 @@ def trace_subgraphs(
     """
     traced = trace(model, sample, sequential_targets, ignore, leaf_modules)
     names = {id(m): n for n, m in model.named_modules()}
-    subgraphs = partition(traced.graph, traced.targets, targets_per_subgraph, names)
+    subgraphs = partition(traced.graph, traced.targets, targets_per_subgraph, names, cut)
     return SubgraphList(model, traced, subgraphs)

@@ -139,29 +139,67 @@ def _check_inputs(W: Tensor, H: Tensor, strategy: str, group_size: int | None, b
         raise ValueError("gptq_quantize: W contains NaN or inf; the checkpoint is broken upstream of GPTQ")
 
 
-def _inverse_hessian_factor(
-    H: Tensor, dampening_frac: float, max_retries: int, damp_growth: float
-) -> tuple[Tensor, float, int]:
-    """Upper Cholesky factor of ``(H + damp I)^-1``, raising dampening ``damp_growth``x per failure.
+def _reverse_(t: Tensor, chunk: int = 1 << 20) -> Tensor:
+    """Reverse the elements of contiguous ``t`` in place, ``chunk`` at a time (no full-size temporary).
 
-    ``H`` [in, in] is modified in place (it holds the dampened matrix afterwards).
+    For a contiguous square matrix that is ``P t P`` with P the reversal permutation.
     """
-    if not torch.isfinite(H.sum()):  # one reduction: any NaN/inf makes the sum non-finite
+    flat = t.view(-1)
+    n = flat.numel()
+    for i in range(0, n // 2, chunk):
+        j = min(i + chunk, n // 2)
+        head = flat[i:j].flip(0)  # [j - i] copy
+        flat[i:j] = flat[n - j : n - i].flip(0)
+        flat[n - j : n - i] = head
+    return t
+
+
+def _processing_hessian(H: Tensor, perm: Tensor | None, dead: Tensor) -> Tensor:
+    """``H`` float32 in processing order, dead inputs' diagonal set to 1: one new [in, in] matrix."""
+    Hp = H[perm[:, None], perm] if perm is not None else H.clone(memory_format=torch.contiguous_format)
+    Hp.diagonal()[dead if perm is None else dead[perm]] = 1
+    return Hp
+
+
+def _inverse_hessian_factor(
+    H: Tensor, perm: Tensor | None, dead: Tensor, dampening_frac: float, max_retries: int, damp_growth: float
+) -> tuple[Tensor, float, int]:
+    """Upper Cholesky factor of ``(Hp + damp I)^-1``, raising dampening ``damp_growth``x per failure.
+
+    ``Hp`` is ``H`` [in, in] float32 (not modified) permuted by ``perm`` with the ``dead`` inputs' diagonal
+    set to 1. Memory: besides ``H``, at most three [in, in] matrices are alive at once (the dampened copy,
+    its Cholesky factor and the triangular solve's output), which bounds a layer's peak for wide inputs
+    (down_proj: 5632^2 floats = 127 MB each). A retry rebuilds the dampened copy from ``H`` and replays
+    the dampening steps, so the values are those of dampening one copy step by step.
+    """
+    Hp = _processing_hessian(H, perm, dead)
+    if not torch.isfinite(Hp.sum()):  # one reduction: any NaN/inf makes the sum non-finite
         raise GPTQNumericalError("Hessian contains NaN or inf (inputs overflowed?); use RTN for this module")
-    mean_diag = H.diagonal().mean().item()
+    mean_diag = Hp.diagonal().mean().item()
     n = H.shape[0]
     flip = torch.arange(n - 1, -1, -1, device=H.device)
-    eye = torch.eye(n, dtype=H.dtype, device=H.device)
+    steps: list[float] = []  # diagonal increments so far; each attempt applies them all, in order
     applied = 0.0
     for retry in range(max_retries + 1):
         frac = dampening_frac * damp_growth**retry
-        H.diagonal().add_((frac - applied) * mean_diag)
+        steps.append((frac - applied) * mean_diag)
         applied = frac
         # The upper Cholesky factor U of H^-1 (H^-1 = U^T U) without forming H^-1: with P the reversal
         # permutation and P H P = Lr Lr^T, U = P Lr^-1 P. One Cholesky and one triangular solve.
-        Lr, info = torch.linalg.cholesky_ex(H[flip][:, flip])
+        Hr = _reverse_(Hp if Hp is not None else _processing_hessian(H, perm, dead))  # P Hp P, in place
+        Hp = None
+        for step in steps:
+            Hr.diagonal().add_(step)  # the diagonal of P Hp P is Hp's, reversed: same values, same adds
+        Lr, info = torch.linalg.cholesky_ex(Hr)
+        del Hr
         if info.item() == 0:
-            Hinv = torch.linalg.solve_triangular(Lr, eye, upper=False)[flip][:, flip]
+            # Lr^-1 in place of an identity laid out column-major, as solve_triangular lays out its own
+            # output: same LAPACK call, same values, no second [in, in] buffer.
+            inv = torch.eye(n, dtype=Lr.dtype, device=Lr.device).t()
+            torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
+            del Lr
+            Hinv = inv[flip[:, None], flip]  # P Lr^-1 P, row-major
+            del inv
             if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
                 return Hinv, frac, retry
     raise GPTQNumericalError(
@@ -171,26 +209,39 @@ def _inverse_hessian_factor(
     )
 
 
-def _order_and_qparams(W: Tensor, H: Tensor, actorder: str | None, group_size: int | None, qkw: dict):
-    """Processing order and qparams.
+def _order(H: Tensor, dead: Tensor, actorder: str | None) -> Tensor | None:
+    """Processing order of the input columns: most active first (descending diag(H)), or None."""
+    if actorder is None:
+        return None
+    diag = H.diagonal().clone()  # [in]
+    diag[dead] = 1
+    return torch.argsort(diag, descending=True, stable=True)
 
-    Returns ``W, H`` permuted into processing order, ``perm`` (or None), ``scale, zero_point``,
+
+def _weight_and_qparams(
+    W: Tensor, dead: Tensor, perm: Tensor | None, actorder: str | None, group_size: int | None, qkw: dict
+):
+    """W transposed into processing order and its qparams.
+
+    Returns ``WT [in, out]`` float32 (column i of the processing order is row i), ``scale, zero_point``,
     ``col_group [in]`` (the qparam column used by each processed column) and ``g_idx`` (or None).
+    At most two weight-sized float32 copies exist at once.
     """
     n_in = W.shape[1]
+    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
+    W32[:, dead] = 0  # inputs never seen: any weight is free, so make it 0
     col_group = torch.arange(n_in, device=W.device)
     col_group = col_group // group_size if qkw["strategy"] == "group" else torch.zeros_like(col_group)
     if actorder is None:
-        return W, H, None, *weight_qparams(W, **qkw), col_group, None
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True)  # most active inputs first
+        return W32.T.contiguous(), *weight_qparams(W32, **qkw), col_group, None
     if actorder == "weight":
         # groups stay contiguous in the original order: the checkpoint format does not change
-        scale, zero_point = weight_qparams(W, **qkw)
-        return W[:, perm], H[perm][:, perm], perm, scale, zero_point, col_group[perm], None
-    W, H = W[:, perm], H[perm][:, perm]
-    scale, zero_point = weight_qparams(W, **qkw)  # groups of consecutive *permuted* columns
+        scale, zero_point = weight_qparams(W32, **qkw)
+        return W32.T.index_select(0, perm), scale, zero_point, col_group[perm], None
+    W32 = W32[:, perm]
+    scale, zero_point = weight_qparams(W32, **qkw)  # groups of consecutive *permuted* columns
     g_idx = col_group[torch.argsort(perm)].to(torch.int32) if qkw["strategy"] == "group" else None
-    return W, H, perm, scale, zero_point, col_group, g_idx
+    return W32.T.contiguous(), scale, zero_point, col_group, g_idx
 
 
 # Columns updated eagerly (rank-1) inside a block; the rest of the block gets one matmul per sub-block.
@@ -200,23 +251,22 @@ SUB_BLOCK = 16
 
 
 def _quantize_columns(
-    W: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple
+    WT: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The GPTQ column loop (paper Alg. 1); ``W`` [out, in] float32 is not modified.
+    """The GPTQ column loop (paper Alg. 1) on ``WT = W^T`` [in, out] float32, which it overwrites.
 
     ``scale``/``zero`` are float32 ``[out or 1, G]``; ``qrange = (qmin, qmax, is_fp8)``.
     Works on ``W^T`` so that a column of W is a contiguous row, and blocks twice (``block_size``, then
     ``SUB_BLOCK``) so that rank-1 updates stay small; everything else is a matmul.
-    Returns ``(Q, codes, row_loss)`` in processing order: Q ``[out, in]`` float32, codes int8 or fp8,
-    row_loss ``[out]`` (the objective summed over columns, per output row).
+    Returns ``(QT, codes, row_loss)`` in processing order: QT ``[in, out]`` float32 (in ``WT``'s memory),
+    codes ``[out, in]`` int8 or fp8, row_loss ``[out]`` (the objective summed over columns, per output row).
     """
     qmin, qmax, is_fp8 = qrange
-    n_out, n_in = W.shape
-    WT = W.T.contiguous()  # [in, out]
+    n_in, n_out = WT.shape
     CT = torch.empty_like(WT)  # [in, out] codes, as floats until the end
     groups = col_group.tolist()  # plain ints: cheap indexing in the per-column loop
     scaleT, zeroT = scale.T.contiguous(), zero.T.contiguous()  # [G, out or 1]
-    losses = torch.zeros(n_out, dtype=torch.float32, device=W.device)
+    losses = torch.zeros(n_out, dtype=torch.float32, device=WT.device)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
@@ -237,10 +287,12 @@ def _quantize_columns(
             W1[j2:].addmm_(Hinv1[j1:j2, j2:].T, Err1[j1:j2], alpha=-1)  # rest of the block, at once
         losses += (Err1 * Err1).sum(0)
         WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks
-    cols = col_group.to(W.device)
-    QT = (CT - zeroT[cols]) * scaleT[cols]  # [in, out]: exactly the per-column dequantization
     codes = CT.T.to(torch.float8_e4m3fn if is_fp8 else torch.int8)
-    return QT.T, codes, losses / 2
+    cols = col_group.to(WT.device)
+    for i1 in range(0, n_in, block_size):  # WT is spent: dequantize into it, a block of rows at a time
+        i2, g = min(i1 + block_size, n_in), cols[i1 : i1 + block_size]
+        torch.sub(CT[i1:i2], zeroT[g], out=WT[i1:i2]).mul_(scaleT[g])  # exactly the per-column dequantization
+    return WT, codes, losses / 2
 
 
 def gptq_quantize(
@@ -299,29 +351,30 @@ def gptq_quantize(
     qkw = dict(num_bits=num_bits, symmetric=symmetric, strategy=strategy, group_size=group_size)
     qkw.update(type=type, observer=observer)
 
-    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
-    H32 = H.detach().to(device=W.device, dtype=torch.float32, copy=True)  # [in, in]
-    dead = H32.diagonal() == 0  # inputs never seen: any weight is free, so make it 0
-    H32.diagonal()[dead] = 1
-    W32[:, dead] = 0
-
-    W32, H32, perm, scale, zero_point, col_group, g_idx = _order_and_qparams(
-        W32, H32, ACTORDER.get(actorder) if actorder else None, group_size, qkw
-    )
+    # float32 on W's device; no copy when it already is (it is only read)
+    H32 = H.detach().to(device=W.device, dtype=torch.float32)  # [in, in]
+    dead = H32.diagonal() == 0  # inputs never seen: H_ii = 1 and W[:, i] = 0
+    order = ACTORDER.get(actorder) if actorder else None
+    perm = _order(H32, dead, order)
+    # the inverse first: its [in, in] temporaries are gone before the weight-sized ones appear
+    Hinv, frac, retries = _inverse_hessian_factor(H32, perm, dead, dampening_frac, max_retries, damp_growth)
+    del H32
+    WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W, dead, perm, order, group_size, qkw)
     # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
     scale = scale.to(scale_dtype)
     scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-    Hinv, frac, retries = _inverse_hessian_factor(H32, dampening_frac, max_retries, damp_growth)
-    del H32
     scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
     zero32 = zero_point.float().reshape(scale32.shape)
     qrange = (*quant_range(num_bits, type), type == "float")
-    Q, codes, row_loss = _quantize_columns(W32, Hinv, scale32, zero32, col_group, block_size, qrange)
+    QT, codes, row_loss = _quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange)
+    del WT, Hinv
+    Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
+    del QT
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
     return GPTQResult(
-        Q=Q.to(W.dtype),
+        Q=Q,
         q=codes,
         scale=scale,
         zero_point=zero_point,

@@ -8,6 +8,7 @@ The executor owns hooks and state and passes them down; a modifier keeps nothing
     for each subgraph:
         with modifier.calibrate(subgraph, model, state):   hooks live only inside this block
             calibration pass over all batches
+            (or, for subgraphs cut before their modules: modifier.observe(names, x, state) per batch)
         changed = modifier.compress(subgraph, model, state)
         (propagation pass when any modifier changed weights)
     modifier.finalize(model, state)              once
@@ -56,7 +57,9 @@ class RunState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     report: dict[str, Any] = field(default_factory=dict)  # per-subgraph/per-module numbers, saved as JSON
     token_mask: torch.Tensor | None = None
-    compute_dtype: torch.dtype | None = None  # autocast dtype of the forward passes (None: the weights' dtype)  # [batch, seq] bool of the batch being run (False = padding)
+    compute_dtype: torch.dtype | None = (
+        None  # autocast dtype of the forward passes (None: the weights' dtype)  # [batch, seq] bool of the batch being run (False = padding)
+    )
 
 
 class Modifier:
@@ -64,6 +67,9 @@ class Modifier:
 
     name: ClassVar[str] = "Modifier"
     needs_calibration: ClassVar[bool] = False  # False: data-free, the executor may skip calibration passes
+    # True: calibration needs only the inputs of the modifier's own modules (``observe``), so the pipeline
+    # may cut subgraphs before those modules and run each subgraph once instead of twice.
+    input_only: ClassVar[bool] = False
 
     @classmethod
     def argument_names(cls) -> list[str]:
@@ -79,6 +85,12 @@ class Modifier:
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
         """Attach hooks for the calibration pass of ``subgraph``; they are removed on exit, also on error."""
         yield
+
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
+        """One batch's input ``x`` of the modules ``names`` (they all read it), for ``input_only`` modifiers.
+
+        Called instead of hooks when subgraphs are cut before the modules (``state.token_mask`` is set).
+        """
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         """Use what calibration gathered; return True when weights of ``subgraph`` changed."""

@@ -50,6 +50,7 @@ class GPTQModifier(QuantizationModifier):
 
     name: ClassVar[str] = "GPTQModifier"
     needs_calibration: ClassVar[bool] = True
+    input_only: ClassVar[bool] = True  # Hessians need only each Linear's input
     block_size: int = 128
     dampening_frac: float = 0.01
     actorder: str | None = "static"
@@ -111,13 +112,27 @@ class GPTQModifier(QuantizationModifier):
             if acc.last_input is x and acc.last_version == x._version:
                 return  # a sibling (q after k, up after gate) already added this input
             acc.last_input, acc.last_version = x, x._version
-            X = x.detach()
-            mask = state.token_mask
-            if mask is not None and X.dim() == 3 and tuple(mask.shape) == tuple(X.shape[:2]):
-                X = X[mask.to(X.device, torch.bool)]  # padding tokens carry no signal
-            acc.H, acc.n = accumulate_hessian(acc.H, X, acc.n, getattr(torch, self.hessian_products))
+            self._add(acc, x, state)
 
         return hook
+
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
+        mine = [n for n in names if n in self.modules and n not in state.quantized]
+        if not mine:
+            return
+        acc = self._acc.get(mine[0])
+        if acc is None:  # first batch: the modules reading x share one accumulator
+            acc = _Accumulator()
+            self._acc.update(dict.fromkeys(mine, acc))
+        self._add(acc, x, state)
+
+    def _add(self, acc: _Accumulator, x: torch.Tensor, state: RunState) -> None:
+        """Add one batch's input ``x`` ([..., in]) to ``acc``'s Hessian, without the padding tokens."""
+        X = x.detach()
+        mask = state.token_mask
+        if mask is not None and X.dim() == 3 and tuple(mask.shape) == tuple(X.shape[:2]):
+            X = X[mask.to(X.device, torch.bool)]  # padding tokens carry no signal
+        acc.H, acc.n = accumulate_hessian(acc.H, X, acc.n, getattr(torch, self.hessian_products))
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]

@@ -30,6 +30,7 @@ class QuantizationModifier(Modifier):
     """
 
     name: ClassVar[str] = "QuantizationModifier"
+    input_only: ClassVar[bool] = True  # needs no data at all (activations are quantized dynamically)
     targets: str | list[str] = "Linear"
     scheme: str | dict[str, Any] | None = None
     config_groups: dict[str, Any] | None = None
@@ -57,7 +58,11 @@ class QuantizationModifier(Modifier):
             self.validate(model)
 
     def modules_in(self, subgraph: Subgraph) -> list[str]:
-        """The modules of this modifier whose weights ``subgraph`` uses."""
+        """The modules of this modifier whose weights ``subgraph`` uses (for a subgraph cut before its
+        targets: the targets only; an opaque statement touching a parent module does not pull its children in).
+        """
+        if subgraph.target_inputs:
+            return [n for n in self.modules if n in set(subgraph.targets)]
         prefixes = tuple(subgraph.modules)
         return [n for n in self.modules if n in prefixes or n.startswith(tuple(p + "." for p in prefixes))]
 

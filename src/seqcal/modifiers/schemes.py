@@ -77,7 +77,9 @@ def _preset(name: str, targets: list[str], where: str) -> QuantizationScheme:
         raise ValueError(f"{where}: unknown scheme {name!r}; valid presets: {', '.join(SUPPORTED_PRESETS)}")
     scheme = preset_name_to_scheme(key, targets)
     if key not in SUPPORTED_PRESETS:
-        check_supported(scheme, f"{where} preset {name!r}")  # names the missing feature, e.g. static activations
+        check_supported(
+            scheme, f"{where} preset {name!r}"
+        )  # names the missing feature, e.g. static activations
         raise ValueError(
             f"{where}: scheme {name!r} is a compressed-tensors preset seqcal does not implement yet; "
             f"supported: {', '.join(SUPPORTED_PRESETS)}"
