@@ -6,14 +6,12 @@ import argparse
 import time
 
 import torch
+from _scheme import SCHEME  # benchmarks/ is on sys.path: the runners are run as scripts
 from datasets import Dataset
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-SCHEME = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                         "strategy": "group", "group_size": 64}}}  # fmt: skip
 
 
 def main() -> None:

@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import time
 
+from _scheme import SCHEME  # benchmarks/ is on sys.path: the runners are run as scripts
 from safetensors.torch import load_file
 
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
-
-SCHEME = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                         "strategy": "group", "group_size": 64}}}  # fmt: skip
 
 
 def main() -> None:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from save_helpers import checkpoint_tensors
 from seqcal.entrypoint import oneshot
 from seqcal.offload import load_offloaded, params_under
 from seqcal.preflight import DiskSpaceError, check_environment, check_output_dir
@@ -31,20 +31,12 @@ def data() -> list[dict[str, list[int]]]:
     return [{"input_ids": (torch.randint(-3, 4, (40,), generator=g).cumsum(0) % 256).tolist()} for _ in range(8)]
 
 
-def tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in path.glob("*.safetensors"):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
 def test_offloaded_run_equals_in_memory_run(model_dir: Path, tmp_path: Path) -> None:
     offloaded = oneshot(model=str(model_dir), dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "a"))
     assert all(p.device.type == "meta" for p in offloaded.parameters())  # nothing was kept in RAM
     in_memory = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     oneshot(model=in_memory, dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "b"))
-    a, b = tensors(tmp_path / "a"), tensors(tmp_path / "b")
+    a, b = checkpoint_tensors(tmp_path / "a"), checkpoint_tensors(tmp_path / "b")
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key

@@ -154,6 +154,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed,
         resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
+        one_pass=not args.layer_cut,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -210,6 +211,9 @@ def _add_oneshot(sub: Any) -> None:
         choices=["bfloat16", "float16"],
         help="autocast the forward passes (weights and Hessians stay in their dtype)",
     )
+    one.add_argument("--layer-cut", action="store_true",
+                     help="cut after each layer (a calibration and a propagation pass per layer) instead of "
+                          "before each group of quantized modules (one pass)")  # fmt: skip
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     one.add_argument("--profile", default=None, metavar="TRACE.json",
                      help="write a Chrome trace of time and memory per stage (open in ui.perfetto.dev)")  # fmt: skip

@@ -187,6 +187,11 @@ class CheckpointWriter:
                 stray.unlink()
         return writer, manifest["progress"]
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes added since the last flush (held in RAM until their shard is written)."""
+        return self._pending_bytes
+
     def written(self) -> set[str]:
         """Checkpoint keys already on disk or pending."""
         return set(self._weight_map) | set(self._pending)

@@ -35,6 +35,10 @@ from seqcal.save import (
 )
 
 RESUME_DIR = "seqcal_resume"
+# Progress is recorded (and a shard written) once this much is waiting: every subgraph would give one small
+# shard per module group (hundreds for a 30-layer model cut before each module); a crash loses at most this
+# much finished work, which the resumed run recomputes.
+CHECKPOINT_BYTES = 64 * 1024**2
 
 
 class ResumeError(RuntimeError):
@@ -57,16 +61,19 @@ class StreamingCheckpoint:
         run_id: fingerprint of recipe, data and model; a resume must match it.
         overwrite: replace a non-empty directory (never needed to resume).
         resume: continue an interrupted run in ``output_dir`` if there is one.
+        checkpoint_bytes: record progress once this many bytes of finished modules wait to be written
+            (default ``CHECKPOINT_BYTES``).
     """
 
     def __init__(self, model: torch.nn.Module, state: RunState, output_dir: str | Path,
                  subgraphs: Sequence[Subgraph], run_id: str, *, overwrite: bool = False,
-                 resume: bool = False, weights: Any = None) -> None:  # fmt: skip
+                 resume: bool = False, weights: Any = None, checkpoint_bytes: int | None = None) -> None:  # fmt: skip
         self.model, self.state, self.run_id = model, state, run_id
         self.weights = weights  # offload.SubgraphWeights when parameters live off-device, else None
         self.path = Path(output_dir)
         self.layout = ModelLayout.from_model(model)
         self.finished = -1
+        self.checkpoint_bytes = CHECKPOINT_BYTES if checkpoint_bytes is None else checkpoint_bytes
         if resume and (self.path / PROGRESS_NAME).is_file():
             self.writer, progress = CheckpointWriter.resume(self.path, layout=self.layout)
             if progress.get("run_id") != run_id:
@@ -110,8 +117,9 @@ class StreamingCheckpoint:
             save_file(
                 {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / f"{sg.index}.st")
             )
-        self.writer.checkpoint({"finished": sg.index, "run_id": self.run_id})
-        self.finished = sg.index
+        if self.writer.pending_bytes >= self.checkpoint_bytes:
+            self.writer.checkpoint({"finished": sg.index, "run_id": self.run_id})
+            self.finished = sg.index
         self._trim(mine)
 
     def _trim(self, names: Any) -> None:
