@@ -21,6 +21,7 @@ from seqcal.algorithms import (
     observe_mse,
     pack_int32,
     quantize,
+    relative_output_error,
     unpack_int32,
     weight_qparams,
 )
@@ -361,3 +362,17 @@ def test_docstring_examples_run():
             module, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE
         )
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_relative_output_error_from_the_hessian_equals_the_forward_error() -> None:
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(3, 40, 24, generator=g)  # [batch, tokens, in]
+    W = torch.randn(16, 24, generator=g)
+    Q = W + 0.05 * torch.randn(16, 24, generator=g)
+    H, n = None, 0
+    for x in X:  # accumulated batch by batch, as in calibration
+        H, n = accumulate_hessian(H, x, n)
+    rows = X.reshape(-1, 24)
+    want = ((rows @ (Q - W).T).norm() / (rows @ W.T).norm()).item()
+    assert relative_output_error(W, Q, H) == pytest.approx(want, rel=1e-4)
+    assert relative_output_error(W, W, H) == 0.0

@@ -57,7 +57,7 @@ def test_zoo_cut_before_modules_equals_eager_or_declines(name: str) -> None:
     """Every architecture either runs cut before its Linear modules exactly as eager, or keeps the layer cut."""
     spec = ARCHS[name]
     model = spec.build()
-    gptq = GPTQModifier(scheme="W4A16", ignore=["re:.*lm_head", "re:.*embed.*"])
+    gptq = GPTQModifier(scheme="W4A16", ignore=["re:.*lm_head", "re:.*embed.*", "re:.*(vision|visual).*"])
     try:
         gptq.validate(model)
     except ValueError:
@@ -111,3 +111,12 @@ def test_one_pass_gptq_is_at_least_as_good_as_the_layer_cut() -> None:
                 one_pass=one_pass)  # fmt: skip
         errors[one_pass] = _output_error(model, reference)
     assert errors[True] <= 1.05 * errors[False]
+
+
+def test_modules_outside_the_layers_keep_the_layer_cut() -> None:
+    model = tiny_llama()
+    gptq = GPTQModifier(scheme="W4A16")  # lm_head too: it is not inside a decoder layer
+    gptq.validate(model)
+    sample = _sample(torch.randint(0, 256, (1, 8)))
+    assert _one_pass_subgraphs(model, sample, [gptq], PipelineArgs()) is None
+    assert _one_pass_subgraphs(model, sample, [gptq], PipelineArgs(one_pass=False)) is None

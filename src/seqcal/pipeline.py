@@ -22,6 +22,7 @@ from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.stream import StreamingCheckpoint
 from seqcal.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing import TracingError
+from seqcal.tracing.targets import infer_candidates
 
 logger = logging.getLogger("seqcal")
 
@@ -175,6 +176,13 @@ def _one_pass_subgraphs(
         return None
     wanted = {n for m in modifiers for n in getattr(m, "modules", {})}
     if not wanted:
+        return None
+    # Only modules inside the layer stacks that the layer cut would trace around (the text decoder's
+    # layers): the code between them is what the zoo checks; a vision tower traced module by module is not.
+    layers = tuple(f"{layer}." for layer in infer_candidates(model).values())
+    outside = sorted(n for n in wanted if not n.startswith(layers))
+    if not layers or outside:
+        logger.info("seqcal: cutting at layers, not before each module (%s outside the layers)", outside[:3])
         return None
     names = [n for n, _ in model.named_modules() if n in wanted]
     pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"

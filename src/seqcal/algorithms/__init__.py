@@ -10,6 +10,7 @@ from seqcal.algorithms.gptq import (
     GPTQResult,
     accumulate_hessian,
     gptq_quantize,
+    relative_output_error,
 )
 from seqcal.algorithms.packing import pack_int32, unpack_int32
 from seqcal.algorithms.quant import (
@@ -43,6 +44,7 @@ __all__ = [
     "fake_quantize_per_token",
     "gptq_quantize",
     "observe_minmax",
+    "relative_output_error",
     "observe_mse",
     "pack_int32",
     "quant_range",

@@ -384,3 +384,30 @@ def gptq_quantize(
         retries=retries,
         row_loss=row_loss,
     )
+
+
+def relative_output_error(W: Tensor, Q: Tensor, H: Tensor) -> float:
+    """``||(Q - W) X^T|| / ||W X^T||`` over every calibration input row of X, from its Hessian alone.
+
+    With ``H = 2/n X^T X`` (:func:`accumulate_hessian`), ``||A X^T||_F^2 = n/2 tr(A H A^T)``; the scale
+    cancels in the ratio. One [out, in] x [in, in] product per weight instead of a forward pass.
+
+    Args:
+        W: original weight ``[out, in]``.
+        Q: quantized (dequantized) weight ``[out, in]``.
+        H: Hessian ``[in, in]`` of the inputs, float32.
+
+    Returns:
+        The relative error of the module's output (0 when ``Q == W``).
+
+    Example:
+        >>> X = torch.randn(64, 8); H, _ = accumulate_hessian(None, X, 0)
+        >>> W = torch.randn(4, 8); round(relative_output_error(W, 1.1 * W, H), 4)
+        0.1
+    """
+    W32 = W.to(H.dtype)  # [out, in]
+    D = Q.to(H.dtype) - W32  # [out, in]
+    num = ((D @ H) * D).sum()
+    den = ((W32 @ H) * W32).sum()
+    return (num.clamp_min(0) / den.clamp_min(torch.finfo(H.dtype).tiny)).sqrt().item()
+

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from seqcal.algorithms import GPTQNumericalError, accumulate_hessian, gptq_quantize
+from seqcal.algorithms import GPTQNumericalError, accumulate_hessian, gptq_quantize, relative_output_error
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.partition import Subgraph
@@ -183,8 +183,10 @@ class GPTQModifier(QuantizationModifier):
             names, modules, split(result.Q), split(result.q), split(result.scale),
             split(result.zero_point), split(result.row_loss),
         ):  # fmt: skip
+            errors = state.module_errors.setdefault(name, {})
+            errors["rel_error"] = relative_output_error(module.weight.data, Q, H)
             module.weight.data = Q.contiguous()
-            state.module_errors.setdefault(name, {})["gptq_loss"] = loss.sum().item()
+            errors["gptq_loss"] = loss.sum().item()
             state.quantized[name] = QuantizedWeight(
                 q=q.contiguous(), scale=scale.contiguous(),
                 zero_point=None if kw["symmetric"] else zp.contiguous(),
