@@ -11,7 +11,7 @@ from seqcal import trace_subgraphs
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.partition import OnePassError, partition
-from seqcal.pipeline import PipelineArgs, _one_pass_subgraphs
+from seqcal.pipeline import PipelineArgs, one_pass_subgraphs
 from test_oneshot import tiny_llama, token_data
 from test_trace_equivalence import SUPPORTED, assert_same_outputs
 from zoo import ARCHS
@@ -62,7 +62,7 @@ def test_zoo_cut_before_modules_equals_eager_or_declines(name: str) -> None:
         gptq.validate(model)
     except ValueError:
         pytest.skip(f"{name} has no Linear module to quantize")
-    subgraphs = _one_pass_subgraphs(model, spec.make_inputs(model, batch=1, seq_len=12), [gptq], PipelineArgs())
+    subgraphs = one_pass_subgraphs(model, spec.make_inputs(model, batch=1, seq_len=12), [gptq], PipelineArgs())
     if subgraphs is None:  # declined (logged); the pipeline then cuts after each layer
         return
     inputs = spec.make_inputs(model, batch=2, seq_len=9, left_pad=3)
@@ -118,5 +118,5 @@ def test_modules_outside_the_layers_keep_the_layer_cut() -> None:
     gptq = GPTQModifier(scheme="W4A16")  # lm_head too: it is not inside a decoder layer
     gptq.validate(model)
     sample = _sample(torch.randint(0, 256, (1, 8)))
-    assert _one_pass_subgraphs(model, sample, [gptq], PipelineArgs()) is None
-    assert _one_pass_subgraphs(model, sample, [gptq], PipelineArgs(one_pass=False)) is None
+    assert one_pass_subgraphs(model, sample, [gptq], PipelineArgs()) is None
+    assert one_pass_subgraphs(model, sample, [gptq], PipelineArgs(one_pass=False)) is None

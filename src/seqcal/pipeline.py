@@ -120,7 +120,7 @@ def run_pipeline(
         rows = _whole_model(model, modifiers, state, batches)
     else:
         batches = [{**batch, **_no_cache(model)} for batch in batches]
-        subgraphs = _one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
+        subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
         try:
             subgraphs = subgraphs or trace_subgraphs(
                 model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph
@@ -166,7 +166,7 @@ def run_pipeline(
     return state
 
 
-def _one_pass_subgraphs(
+def one_pass_subgraphs(
     model: torch.nn.Module, sample: dict[str, Any], modifiers: list[Any], args: PipelineArgs
 ) -> SubgraphList | None:
     """Subgraphs cut before the modifiers' modules, or None when that mode does not apply to this run."""

@@ -3,18 +3,30 @@
 The model is built on the meta device and traced (no weights needed), then per subgraph:
 
     device  = its weights + GPTQ Hessians of its Linear layers (fp32, one per shared input)
-              + activations of one batch: the values it reads and writes, and a layer's widest intermediate
-    host    = process baseline + activation cache (values alive after the subgraph, for every batch)
-              + the compressed weights waiting to be written
+              + the larger of: one batch's activations (the values it reads and writes, its widest
+              intermediate twice, the fp32 copy of a target's input the Hessian update makes) and the GPTQ
+              solve's temporaries (algorithms.gptq: two more [in, in] fp32 matrices, or the inverse factor
+              plus two fp32 copies of the stacked weight, its codes and the modifier's stacked copy)
+    host    = process baseline + activation cache (values alive during the subgraph, for every batch)
+              + checkpoint tensors waiting to be written (stream.CHECKPOINT_BYTES at most, then flushed)
+              + the device's share when the device is the host (cpu runs), or every weight when the model
+              sits in RAM
     disk    = the checkpoint (quantized widths) and, with the disk cache tier, the activation cache
 
-Activations are sized from the config (hidden, intermediate, heads, vocabulary) because shapes are only
-known at run time; the plan says so. Given ``max_device_memory``, a subgraph that would not fit makes the
-plan retry with finer targets (the children of the layer class: attention, MLP) and report the switch.
+The size of every value crossing a subgraph boundary is measured, not guessed: the subgraphs run on three
+tiny batches (4, 8 and 16 tokens per row) with stand-in weights (zero-stride zeros: no memory, no weight
+read), and each value's bytes are extrapolated to ``seq_len`` with the quadratic through the three sizes
+(exact for sizes linear in the tokens, like hidden states, or quadratic, like attention masks). If that run
+fails the plan falls back to sizes from the config (hidden, intermediate) and says so.
+
+Given ``max_device_memory``, a subgraph that would not fit makes the plan retry with finer targets (the
+children of the layer class: attention, MLP) and report the switch.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,22 +35,29 @@ import torch
 from seqcal.offload import params_under
 from seqcal.partition import Subgraph
 
-# Resident memory of a Python process with torch and transformers imported (measured on this machine).
-PROCESS_BASELINE = 450 * 1024**2
+# Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
+# model skeleton on meta, trace and batches (measured on this machine: 0.34 GiB after the imports, 0.36 GiB
+# at the first onload; benchmarks/RESULTS.md). A CUDA context adds its own host memory on top.
+PROCESS_BASELINE = 370 * 1024**2
+PROBE_TOKENS = (4, 8, 16)  # tokens per row of the stand-in runs that measure the crossing values
 
 
 @dataclass
 class SubgraphPlan:
+    """Predicted memory of one subgraph (bytes); ``host`` is the process's resident memory while it runs."""
+
     index: int
     targets: list[str]
     weights: int
     hessians: int
     activations: int
     host_cache: int
+    solve: int = 0
+    host: int = 0
 
     @property
     def device_peak(self) -> int:
-        return self.weights + self.hessians + self.activations
+        return self.weights + self.hessians + max(self.activations, self.solve)
 
 
 @dataclass
@@ -57,15 +76,12 @@ class MemoryPlan:
 
     def table(self) -> str:
         gb = 1024**3
-        lines = [
-            f"{'#':>3}  {'target':<28} {'weights':>9} {'hessians':>9} {'activ.':>9} {'device':>9} {'cache':>9}"
-        ]
+        cols = ("weights", "hessians", "activ.", "solve", "device", "cache", "host")
+        lines = [f"{'#':>3}  {'target':<28} " + " ".join(f"{c:>9}" for c in cols)]
         for r in self.rows:
             target = (r.targets[0] if r.targets else "-")[:28]
-            lines.append(
-                f"{r.index:>3}  {target:<28} {r.weights / gb:>8.3f}G {r.hessians / gb:>8.3f}G "
-                f"{r.activations / gb:>8.3f}G {r.device_peak / gb:>8.3f}G {r.host_cache / gb:>8.3f}G"
-            )
+            values = (r.weights, r.hessians, r.activations, r.solve, r.device_peak, r.host_cache, r.host)
+            lines.append(f"{r.index:>3}  {target:<28} " + " ".join(f"{v / gb:>8.3f}G" for v in values))
         lines.append(
             f"peak: device {self.device_peak / gb:.3f} GB, host {self.host_peak / gb:.3f} GB, "
             f"disk {self.disk / gb:.3f} GB"
@@ -73,18 +89,123 @@ class MemoryPlan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def _hessian_bytes(model: torch.nn.Module, sg: Subgraph, quantized: set[str]) -> int:
-    """fp32 Hessians: one per (parent, in_features), as q/k/v and gate/up share theirs."""
-    seen: set[tuple[str, int]] = set()
-    total = 0
+def _solve_groups(
+    model: torch.nn.Module, sg: Subgraph, quantized: set[str]
+) -> dict[tuple[str, int], list[int]]:
+    """(parent, in_features) -> out_features of the quantized Linears solved together (one Hessian).
+
+    The modules are those the modifiers calibrate in ``sg`` (QuantizationModifier.modules_in): its targets
+    for a subgraph cut before them, else every quantized module under its modules.
+    """
+    groups: dict[tuple[str, int], list[int]] = {}
     prefixes = tuple(m + "." for m in sg.modules)
     for name, module in model.named_modules():
-        if name in quantized and (name in sg.modules or name.startswith(prefixes)):
+        if name not in quantized:
+            continue
+        if name in sg.targets if sg.target_inputs else (name in sg.modules or name.startswith(prefixes)):
             key = (name.rpartition(".")[0], module.in_features)
-            if key not in seen:
-                seen.add(key)
-                total += module.in_features**2 * 4
-    return total
+            groups.setdefault(key, []).append(module.out_features)
+    return groups
+
+
+def _hessian_bytes(model: torch.nn.Module, sg: Subgraph, quantized: set[str]) -> int:
+    """fp32 Hessians: one per (parent, in_features), as q/k/v and gate/up share theirs."""
+    return sum(n_in**2 * 4 for _, n_in in _solve_groups(model, sg, quantized))
+
+
+def _solve_bytes(model: torch.nn.Module, sg: Subgraph, quantized: set[str], dtype_bytes: int) -> int:
+    """Temporaries of the largest GPTQ solve beyond its Hessian and weights (see algorithms.gptq)."""
+    peak = 0
+    for (_, n_in), outs in _solve_groups(model, sg, quantized).items():
+        n_out = sum(outs)  # modules sharing a Hessian are stacked into one solve
+        inverse = 2 * n_in**2 * 4  # dampened copy / Cholesky factor / triangular solve: two beside H
+        # H^-1 factor + W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype
+        columns = n_in**2 * 4 + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
+        # then per module relative_output_error: W, Q - W, (Q - W) H and its product with Q - W in fp32
+        error = 4 * max(outs) * n_in * 4 + n_out * n_in * (1 + 2 * dtype_bytes)
+        peak = max(peak, inverse, columns, error)
+    return peak
+
+
+@contextlib.contextmanager
+def _stand_in_weights(model: torch.nn.Module) -> Iterator[None]:
+    """Parameters on meta become zero-stride zeros on cpu for the block: shapes without memory or reads."""
+    swapped = []
+    try:
+        for module in model.modules():
+            for leaf, p in list(module._parameters.items()):
+                if p is not None and p.device.type == "meta":
+                    zeros = torch.zeros((), dtype=p.dtype).expand(p.shape)
+                    module._parameters[leaf] = torch.nn.Parameter(zeros, requires_grad=False)
+                    swapped.append((module, leaf, p))
+        yield
+    finally:
+        for module, leaf, p in swapped:
+            module._parameters[leaf] = p
+
+
+def _quadratic_at(xs: tuple[int, ...], ys: list[int], x: int) -> int:
+    """The quadratic through three points, evaluated at ``x`` (Lagrange form), never below 0."""
+    (x0, x1, x2), (y0, y1, y2) = xs, ys
+    value = (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+             + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))  # fmt: skip
+    return max(int(round(value)), 0)
+
+
+def measure_values(subgraphs: Any, batch_size: int, seq_len: int) -> tuple[dict[str, int], dict[int, int]]:
+    """Bytes per batch of each value crossing a boundary, and of each subgraph's largest intermediate.
+
+    Runs ``subgraphs`` (a SubgraphList) on ``PROBE_TOKENS``-long zero batches with stand-in weights and
+    extrapolates every size to ``seq_len`` tokens per row (module docstring).
+
+    Returns:
+        (value name -> bytes, subgraph index -> bytes of its largest node output).
+
+    Example:
+        >>> values, widest = measure_values(trace_subgraphs(model, sample), 1, 2048)  # doctest: +SKIP
+    """
+    from seqcal.executor import GraphRunner
+    from seqcal.report.profile import tensor_bytes
+
+    runner = GraphRunner(subgraphs.model)
+    sizes: dict[str, list[int]] = {}
+    widest: dict[int, list[int]] = {}
+    for tokens in PROBE_TOKENS:
+        ids = torch.zeros(batch_size, tokens, dtype=torch.long)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        env = {node: inputs[key] for key, node in subgraphs.placeholders.items() if key in inputs}
+        for node in env:
+            sizes.setdefault(node, []).append(tensor_bytes(env[node]))
+        with torch.no_grad(), _stand_in_weights(subgraphs.model):
+            for sg in subgraphs:
+                local = dict(env)
+                runner.run(sg, local)
+                produced = [tensor_bytes(local[n.name]) for n in sg.nodes if n.name in local]
+                widest.setdefault(sg.index, []).append(max(produced, default=0))
+                for name in sg.outputs:
+                    env[name] = local[name]
+                    sizes.setdefault(name, []).append(tensor_bytes(local[name]))
+                for name in sg.frees:
+                    env.pop(name, None)
+    values = {n: _quadratic_at(PROBE_TOKENS, ys, seq_len) for n, ys in sizes.items() if len(ys) == 3}
+    return values, {i: _quadratic_at(PROBE_TOKENS, ys, seq_len) for i, ys in widest.items()}
+
+
+def _owned_bytes(model: torch.nn.Module, subgraphs: list[Subgraph], quantized: set[str], dtype_bytes: int,
+                 quant_bits: int) -> dict[int, int]:  # fmt: skip
+    """Checkpoint bytes written after each subgraph (the modules it uses last), as stream.StreamingCheckpoint."""
+    last: dict[str, int] = {}
+    for sg in subgraphs:
+        for name in params_under(model, sg.modules):
+            last[name] = sg.index
+    out: dict[int, int] = {}
+    for name, index in last.items():
+        numel = model.get_parameter(name).numel()
+        module = name.rpartition(".")[0]
+        packed = module in quantized and name.endswith(".weight")
+        size = numel * quant_bits // 8 + numel * dtype_bytes // 32 if packed else numel * dtype_bytes
+        out[index] = out.get(index, 0) + size
+    return out
 
 
 def plan_memory(
@@ -98,35 +219,58 @@ def plan_memory(
     dtype_bytes: int,
     quant_bits: int = 4,
     disk_cache: bool = False,
+    value_bytes: Mapping[str, int] | None = None,
+    widest: Mapping[int, int] | None = None,
+    device_on_host: bool = True,
+    resident_weights: int = 0,
 ) -> MemoryPlan:
-    """Predict the run's memory (see the module docstring). ``model`` may be on meta."""
+    """Predict the run's memory (see the module docstring). ``model`` may be on meta.
+
+    Args:
+        value_bytes / widest: from ``measure_values``; None sizes values from the config instead.
+        device_on_host: the execution device is the cpu, so the device's share is resident memory too.
+        resident_weights: bytes of weights that stay in RAM all along (a model loaded in RAM, not offloaded).
+    """
+    from seqcal.stream import CHECKPOINT_BYTES
+
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", 0) or 0
     inter = getattr(text, "intermediate_size", 0) or 4 * hidden
     tokens = batch_size * seq_len
     batches = -(-num_samples // batch_size)
-    hidden_bytes = tokens * hidden * dtype_bytes
-    rows, alive = [], 0
+    measured = value_bytes is not None
+    size = (
+        (lambda name: value_bytes.get(name, 0)) if measured else (lambda name: tokens * hidden * dtype_bytes)
+    )
+    written = _owned_bytes(model, subgraphs, quantized, dtype_bytes, quant_bits)
+    inputs = {n for sg in subgraphs for n in sg.inputs} - {n for sg in subgraphs for n in sg.outputs}
+    rows, alive, pending = [], sum(size(n) for n in inputs), 0  # model inputs are cached from the start
     for sg in subgraphs:
         weights = sum(model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, sg.modules))
-        crossing = len(sg.inputs) + len(sg.outputs)
-        # values read and written (hidden-sized), the widest intermediate (MLP up projection, x3 for gate/up/act),
-        # and the fp32 copy of one layer's inputs the Hessian update makes
-        activations = (
-            crossing * hidden_bytes + 3 * tokens * inter * dtype_bytes + tokens * max(hidden, inter) * 4
-        )
-        alive = alive + len(sg.outputs) - len(sg.frees)
-        host_cache = max(alive, 1) * hidden_bytes * batches
-        rows.append(SubgraphPlan(sg.index, sg.targets, weights, _hessian_bytes(model, sg, quantized),
-                                 activations, host_cache))  # fmt: skip
+        read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
+        wide = widest.get(sg.index, 0) if widest is not None else 3 * tokens * inter * dtype_bytes
+        widest_in = max((n_in for _, n_in in _solve_groups(model, sg, quantized)), default=0)
+        # one batch's inputs and outputs, the widest intermediate and its operand, the fp32 Hessian input
+        activations = read + made + 2 * wide + tokens * widest_in * 4
+        solve = _solve_bytes(model, sg, quantized, dtype_bytes)
+        during = 0 if disk_cache else (alive + made) * batches  # outputs are stored before frees are dropped
+        alive += made - sum(size(n) for n in sg.frees)
+        row = SubgraphPlan(sg.index, sg.targets, weights, _hessian_bytes(model, sg, quantized), activations,
+                           0 if disk_cache else alive * batches, solve)  # fmt: skip
+        out = written.get(sg.index, 0)
+        device = row.device_peak if device_on_host else 0
+        # the solve peaks with the carried-over pending bytes; the save, after it, holds them plus a copy
+        row.host = PROCESS_BASELINE + resident_weights + during + max(pending + device, pending + 2 * out)
+        pending = 0 if pending + out >= CHECKPOINT_BYTES else pending + out
+        rows.append(row)
     params = sum(p.numel() for p in model.parameters())
     q_params = sum(model.get_submodule(n).weight.numel() for n in quantized)
     disk = (params - q_params) * dtype_bytes + q_params * quant_bits // 8 + q_params * dtype_bytes // 32
-    host_peak = PROCESS_BASELINE + max((r.host_cache + r.weights for r in rows), default=0)
+    host_peak = max((r.host for r in rows), default=PROCESS_BASELINE)
     if disk_cache:
         disk += max((r.host_cache for r in rows), default=0)
-    notes = ["activation sizes come from the config (shapes are only known at run time)"]
+    notes = [] if measured else ["activation sizes come from the config (the stand-in run failed)"]
     return MemoryPlan(rows, host_peak, disk, notes)
 
 
@@ -151,8 +295,18 @@ def make_plan(
     tracing_ignore: list[str],
     disk_cache: bool = False,
     max_device_memory: int | None = None,
+    one_pass: bool = True,
 ) -> MemoryPlan:
-    """Trace on a synthetic batch (no weights read) and plan; with ``max_device_memory``, refine targets."""
+    """Trace on a synthetic batch (no weights read) and plan; with ``max_device_memory``, refine targets.
+
+    The subgraphs are cut as the run will cut them: before each group of target modules (``one_pass``, when
+    the modifiers allow it and no targets are given), else after each sequential target.
+
+    Example:
+        >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,
+        ...                 sequential_targets=None, tracing_ignore=[]).table())  # doctest: +SKIP
+    """
+    from seqcal.pipeline import PipelineArgs, one_pass_subgraphs
     from seqcal.subgraphs import trace_subgraphs
 
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
@@ -162,16 +316,29 @@ def make_plan(
         (s.weights.num_bits for m in modifiers for s in getattr(m, "modules", {}).values()), default=16
     )
     dtype_bytes = next((p.element_size() for p in model.parameters()), 4)
+    offloaded = any(p.device.type == "meta" for p in model.parameters())
+    # as pipeline._execution_device: offloaded weights run on cuda when present, else where the model is
+    on_host = not torch.cuda.is_available() if offloaded else next(model.parameters()).device.type == "cpu"
+    resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
     targets, notes = sequential_targets, []
     for _ in range(2):
-        subgraphs = list(trace_subgraphs(model, sample, targets, tracing_ignore))
-        plan = plan_memory(model, subgraphs, quantized, num_samples=num_samples, seq_len=seq_len,
+        args = PipelineArgs(
+            sequential_targets=targets, tracing_ignore=list(tracing_ignore), one_pass=one_pass
+        )
+        subgraphs = (one_pass_subgraphs(model, sample, modifiers, args) if targets is None else None) or (
+            trace_subgraphs(model, sample, targets, tracing_ignore))  # fmt: skip
+        try:
+            values, widest = measure_values(subgraphs, batch_size, seq_len)
+        except Exception:  # noqa: BLE001 - any failure of the stand-in run only costs precision
+            values, widest = None, None
+        plan = plan_memory(model, list(subgraphs), quantized, num_samples=num_samples, seq_len=seq_len,
                            batch_size=batch_size, dtype_bytes=dtype_bytes, quant_bits=bits,
-                           disk_cache=disk_cache)  # fmt: skip
+                           disk_cache=disk_cache, value_bytes=values, widest=widest, device_on_host=on_host,
+                           resident_weights=resident)  # fmt: skip
         plan.targets = targets
         if max_device_memory is None or plan.device_peak <= max_device_memory:
             break
-        finer = finer_targets(model, subgraphs)
+        finer = finer_targets(model, list(subgraphs))
         if finer is None or finer == targets:
             notes.append(f"the largest subgraph needs {plan.device_peak / 1024**3:.2f} GB of device memory, more "
                          f"than max_device_memory; no finer targets exist")  # fmt: skip
