@@ -53,7 +53,9 @@ def write_checkpoint(path: Path, layers: int) -> int:
     names = [n for n, _ in skeleton.named_parameters()]
     for i, name in enumerate(names):
         p = skeleton.get_parameter(name)
-        value = torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02
+        value = (
+            torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02
+        )
         shard[name] = value.to(torch.bfloat16)
         size += shard[name].numel() * 2
         if size > 512 * 1024**2 or i == len(names) - 1:
@@ -67,7 +69,18 @@ def write_checkpoint(path: Path, layers: int) -> int:
 
 
 def run(model: Path, out: Path, samples: int, seq: int, mode: str) -> tuple[float, float]:
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-c", RUN, str(model), str(out), str(samples), str(seq), mode]
+    cmd = [
+        "/usr/bin/time",
+        "-v",
+        sys.executable,
+        "-c",
+        RUN,
+        str(model),
+        str(out),
+        str(samples),
+        str(seq),
+        mode,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
         raise SystemExit(proc.stderr[-4000:])
@@ -85,7 +98,9 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
@@ -96,12 +111,16 @@ def main() -> None:
     size = write_checkpoint(model, args.layers) if not (model / "config.json").exists() or not any(
         model.glob("*.safetensors")) else sum(f.stat().st_size for f in model.glob("*.safetensors"))  # fmt: skip
     params = size / 2 / 1e9
-    print(f"checkpoint: {params:.2f}B params, {size / 1e9:.2f} GB bf16 on disk ({time.perf_counter() - start:.0f} s)")
+    print(
+        f"checkpoint: {params:.2f}B params, {size / 1e9:.2f} GB bf16 on disk ({time.perf_counter() - start:.0f} s)"
+    )
     seconds, rss = run(model, WORK / f"out-{args.layers}L-offload", args.samples, args.seq, "offload")
-    print(f"offloaded: {seconds:.0f} s, peak RSS {rss:.2f} GB = {rss / (size / 1e9):.2f} x size on disk")
+    verdict = "within" if rss <= size / 3e9 else "ABOVE"
+    print(f"offloaded: {seconds:.0f} s, peak RSS {rss:.3f} GB = {rss / (size / 1e9):.3f} x size on disk "
+          f"({verdict} the bound of one third: {size / 3e9:.3f} GB)")  # fmt: skip
     if args.compare:
         seconds_ram, rss_ram = run(model, WORK / f"out-{args.layers}L-ram", args.samples, args.seq, "ram")
-        print(f"in RAM:    {seconds_ram:.0f} s, peak RSS {rss_ram:.2f} GB")
+        print(f"in RAM:    {seconds_ram:.0f} s, peak RSS {rss_ram:.3f} GB")
         a, b = tensors(WORK / f"out-{args.layers}L-offload"), tensors(WORK / f"out-{args.layers}L-ram")
         same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         print(f"checkpoints bit-identical: {same} ({len(a)} tensors)")

@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--no-baseline", action="store_true", help="skip the unquantized model's perplexity")
+    parser.add_argument("--skip-eval", default="", help="runs (comma-separated) timed but not evaluated")
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 
@@ -89,7 +90,7 @@ def main() -> None:
         out = WORK / name
         cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
         wall, cpu, rss, last = measure(cmd)
-        ppl = perplexity(out, args.eval_windows)
+        ppl = float("nan") if name in args.skip_eval.split(",") else perplexity(out, args.eval_windows)
         results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
                          "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
         print(f"{name:<18} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}", flush=True)

@@ -188,7 +188,7 @@ def oneshot(
             loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
             batch_size=batch_size, sequential_targets=pipe_args.sequential_targets,
             tracing_ignore=pipe_args.tracing_ignore, disk_cache=offload == "disk",
-            max_device_memory=parse_bytes(max_device_memory),
+            max_device_memory=parse_bytes(max_device_memory), one_pass=pipe_args.one_pass,
         )  # fmt: skip
         if dry_run:
             return plan

@@ -13,6 +13,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from tqdm.auto import tqdm
 
 from seqcal.cache import ActivationCache
+from seqcal.offload import trim_host_memory
 from seqcal.partition import Subgraph
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
 from seqcal.tracing.values import OpaqueCall
@@ -325,6 +326,7 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
                 for m in modifiers:
                     m.observe(names, x, state)
         state.token_mask = None
+    trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
     with prof.span("compress", label, subgraph=sg.index):
         for m in modifiers:
             m.compress(sg, runner.model, state)

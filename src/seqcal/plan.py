@@ -8,7 +8,8 @@ The model is built on the meta device and traced (no weights needed), then per s
               solve's temporaries (algorithms.gptq: two more [in, in] fp32 matrices, or the inverse factor
               plus two fp32 copies of the stacked weight, its codes and the modifier's stacked copy)
     host    = process baseline + activation cache (values alive during the subgraph, for every batch)
-              + checkpoint tensors waiting to be written (stream.CHECKPOINT_BYTES at most, then flushed)
+              + the save after it (the modules it finished, as written, and a copy of their int8 codes for
+              resuming; the checkpoint writer streams tensors to disk and holds none)
               + the device's share when the device is the host (cpu runs), or every weight when the model
               sits in RAM
     disk    = the checkpoint (quantized widths) and, with the disk cache tier, the activation cache
@@ -120,22 +121,21 @@ def _solve_bytes(model: torch.nn.Module, sg: Subgraph, quantized: set[str], dtyp
         n_out = sum(outs)  # modules sharing a Hessian are stacked into one solve
         inverse = 2 * n_in**2 * 4  # dampened copy / Cholesky factor / triangular solve: two beside H
         # H^-1 factor + W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype
+        # (the relative output error that follows works on row chunks: less than this)
         columns = n_in**2 * 4 + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
-        # then per module relative_output_error: W, Q - W, (Q - W) H and its product with Q - W in fp32
-        error = 4 * max(outs) * n_in * 4 + n_out * n_in * (1 + 2 * dtype_bytes)
-        peak = max(peak, inverse, columns, error)
+        peak = max(peak, inverse, columns)
     return peak
 
 
 @contextlib.contextmanager
-def _stand_in_weights(model: torch.nn.Module) -> Iterator[None]:
-    """Parameters on meta become zero-stride zeros on cpu for the block: shapes without memory or reads."""
+def _stand_in_weights(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Parameters on meta become zero-stride zeros for the block: shapes without memory or weight reads."""
     swapped = []
     try:
         for module in model.modules():
             for leaf, p in list(module._parameters.items()):
                 if p is not None and p.device.type == "meta":
-                    zeros = torch.zeros((), dtype=p.dtype).expand(p.shape)
+                    zeros = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
                     module._parameters[leaf] = torch.nn.Parameter(zeros, requires_grad=False)
                     swapped.append((module, leaf, p))
         yield
@@ -166,17 +166,18 @@ def measure_values(subgraphs: Any, batch_size: int, seq_len: int) -> tuple[dict[
     """
     from seqcal.executor import GraphRunner
     from seqcal.report.profile import tensor_bytes
+    from seqcal.subgraphs import model_device
 
-    runner = GraphRunner(subgraphs.model)
+    runner, device = GraphRunner(subgraphs.model), model_device(subgraphs.model)
     sizes: dict[str, list[int]] = {}
     widest: dict[int, list[int]] = {}
     for tokens in PROBE_TOKENS:
-        ids = torch.zeros(batch_size, tokens, dtype=torch.long)
+        ids = torch.zeros(batch_size, tokens, dtype=torch.long, device=device)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         env = {node: inputs[key] for key, node in subgraphs.placeholders.items() if key in inputs}
         for node in env:
             sizes.setdefault(node, []).append(tensor_bytes(env[node]))
-        with torch.no_grad(), _stand_in_weights(subgraphs.model):
+        with torch.no_grad(), _stand_in_weights(subgraphs.model, device):
             for sg in subgraphs:
                 local = dict(env)
                 runner.run(sg, local)
@@ -231,8 +232,6 @@ def plan_memory(
         device_on_host: the execution device is the cpu, so the device's share is resident memory too.
         resident_weights: bytes of weights that stay in RAM all along (a model loaded in RAM, not offloaded).
     """
-    from seqcal.stream import CHECKPOINT_BYTES
-
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", 0) or 0
@@ -245,7 +244,7 @@ def plan_memory(
     )
     written = _owned_bytes(model, subgraphs, quantized, dtype_bytes, quant_bits)
     inputs = {n for sg in subgraphs for n in sg.inputs} - {n for sg in subgraphs for n in sg.outputs}
-    rows, alive, pending = [], sum(size(n) for n in inputs), 0  # model inputs are cached from the start
+    rows, alive = [], sum(size(n) for n in inputs)  # model inputs are cached from the start
     for sg in subgraphs:
         weights = sum(model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, sg.modules))
         read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
@@ -258,11 +257,11 @@ def plan_memory(
         alive += made - sum(size(n) for n in sg.frees)
         row = SubgraphPlan(sg.index, sg.targets, weights, _hessian_bytes(model, sg, quantized), activations,
                            0 if disk_cache else alive * batches, solve)  # fmt: skip
-        out = written.get(sg.index, 0)
-        device = row.device_peak if device_on_host else 0
-        # the solve peaks with the carried-over pending bytes; the save, after it, holds them plus a copy
-        row.host = PROCESS_BASELINE + resident_weights + during + max(pending + device, pending + 2 * out)
-        pending = 0 if pending + out >= CHECKPOINT_BYTES else pending + out
+        codes = sum(n_in * sum(outs) for (_, n_in), outs in _solve_groups(model, sg, quantized).items())
+        save = 2 * written.get(sg.index, 0) + 2 * codes  # tensors as written + the resume file's int8 codes
+        row.host = (
+            PROCESS_BASELINE + resident_weights + during + max(row.device_peak if device_on_host else 0, save)
+        )
         rows.append(row)
     params = sum(p.numel() for p in model.parameters())
     q_params = sum(model.get_submodule(n).weight.numel() for n in quantized)
@@ -270,8 +269,7 @@ def plan_memory(
     host_peak = max((r.host for r in rows), default=PROCESS_BASELINE)
     if disk_cache:
         disk += max((r.host_cache for r in rows), default=0)
-    notes = [] if measured else ["activation sizes come from the config (the stand-in run failed)"]
-    return MemoryPlan(rows, host_peak, disk, notes)
+    return MemoryPlan(rows, host_peak, disk, [])
 
 
 def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str] | None:
@@ -329,8 +327,10 @@ def make_plan(
             trace_subgraphs(model, sample, targets, tracing_ignore))  # fmt: skip
         try:
             values, widest = measure_values(subgraphs, batch_size, seq_len)
-        except Exception:  # noqa: BLE001 - any failure of the stand-in run only costs precision
+        except Exception as err:  # noqa: BLE001 - a failed stand-in run only costs precision, and says so
             values, widest = None, None
+            notes.append(f"activation sizes come from the config: the stand-in run failed ({type(err).__name__}: "
+                         f"{str(err)[:200]})")  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, num_samples=num_samples, seq_len=seq_len,
                            batch_size=batch_size, dtype_bytes=dtype_bytes, quant_bits=bits,
                            disk_cache=disk_cache, value_bytes=values, widest=widest, device_on_host=on_host,

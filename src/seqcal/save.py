@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from seqcal.modifiers.base import QuantizedWeight, RunState
@@ -62,12 +62,69 @@ SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 PROGRESS_NAME = "seqcal_progress.json"  # present while a run is unfinished: what `resume=True` continues
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+HEADER_RESERVE = 1024**2  # bytes kept free at the start of a shard for its JSON header (~7000 tensors)
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
+    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+class _ShardFile:
+    """A safetensors file written tensor by tensor: the bytes go to disk when added, the header at the end.
+
+    The header's room is reserved up front and filled with the JSON padded by spaces (the format allows
+    trailing whitespace), so no tensor waits in RAM for its shard to fill: streaming the checkpoint costs
+    no memory beyond the tensor being written.
+    """
+
+    def __init__(self, path: Path, reserve: int = HEADER_RESERVE) -> None:
+        self.path, self.reserve = path, reserve
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.size = 0  # data bytes so far
+        self._header_bytes = 64  # braces, separators and the format metadata
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by finish() or discard()
+        self._file.write(b"\0" * (8 + reserve))
+
+    def fits(self, name: str, tensor: Tensor) -> bool:
+        """Whether the header has room for one more entry."""
+        return self._header_bytes + len(name) + 32 + 8 * tensor.dim() + 48 <= self.reserve
+
+    def add(self, name: str, tensor: Tensor) -> int:
+        """Write ``tensor``'s bytes; returns how many."""
+        t = tensor.detach().to("cpu").contiguous()
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(
+                f"CheckpointWriter: {name!r} has dtype {t.dtype}, which safetensors cannot store"
+            )
+        data = t.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
+        self._file.write(memoryview(data))
+        entry = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                 "data_offsets": [self.size, self.size + data.nbytes]}  # fmt: skip
+        self.entries[name] = entry
+        self._header_bytes += len(json.dumps({name: entry}, separators=(",", ":")))
+        self.size += data.nbytes
+        return data.nbytes
+
+    def finish(self, metadata: dict[str, str]) -> None:
+        """Write the header into its reserved room and close the file."""
+        header = json.dumps({"__metadata__": metadata, **self.entries}, separators=(",", ":")).encode()
+        if len(header) > self.reserve:  # fits() keeps this from happening
+            raise AssertionError(f"{self.path}: header of {len(header)} bytes exceeds its {self.reserve}")
+        self._file.seek(0)
+        self._file.write(struct.pack("<Q", self.reserve) + header.ljust(self.reserve, b" "))
+        self._file.close()
+
+    def discard(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
 
 
 class CheckpointWriter:
     """Streams tensors into safetensors shards; ``close`` writes the index, then ``config.json``.
 
-    At most one shard (``max_shard_size`` bytes, or one larger tensor) is held in memory. Shards are named
+    Tensors go to disk as they are added (a shard's header is written when it is finished), so the writer
+    holds no tensor in memory; a shard has at most ``max_shard_size`` bytes (or one larger tensor). Shards are named
     ``model-00001.safetensors.partial`` while writing and renamed on ``close`` to transformers' names
     (``model.safetensors`` or ``model-00001-of-0000N.safetensors`` with ``model.safetensors.index.json``).
 
@@ -100,8 +157,9 @@ class CheckpointWriter:
         self.output_dir = Path(output_dir)
         self.max_shard_size = max_shard_size
         self.layout = layout or ModelLayout()
-        self._pending: dict[str, Tensor] = {}
+        self._pending: dict[str, None] = {}  # keys in the open shard, not yet recorded
         self._pending_bytes = 0
+        self._open: _ShardFile | None = None
         self._shards: list[Path] = []  # partial files written so far
         self._weight_map: dict[str, int] = {}  # key -> shard index
         self._total_size = 0
@@ -126,7 +184,7 @@ class CheckpointWriter:
             self.add_tensor(key, tensors[key])
 
     def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """Add one tensor under the checkpoint key ``name`` (a copy is taken; it is written when its shard fills)."""
+        """Write one tensor under the checkpoint key ``name`` to the open shard (its bytes go to disk now)."""
         if self._closed:
             raise RuntimeError(f"CheckpointWriter: add_tensor({name!r}) after close()")
         if name in self._weight_map or name in self._pending:
@@ -135,20 +193,25 @@ class CheckpointWriter:
             raise ValueError(
                 f"CheckpointWriter: {name!r} is on the meta device (offloaded); onload it before adding"
             )
-        t = tensor.detach().to("cpu", copy=True).contiguous()
-        nbytes = t.numel() * t.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.max_shard_size:
+        nbytes = tensor.numel() * tensor.element_size()
+        full = self._open is not None and not self._open.fits(name, tensor)
+        if self._pending and (full or self._pending_bytes + nbytes > self.max_shard_size):
             self._flush()
-        self._pending[name] = t
+        self._open = self._open or self._new_shard()
+        self._open.add(name, tensor)
+        self._pending[name] = None
         self._pending_bytes += nbytes
         self._total_size += nbytes
 
+    def _new_shard(self) -> _ShardFile:
+        return _ShardFile(self.output_dir / f"model-{len(self._shards) + 1:05d}.safetensors.partial")
+
     def _flush(self) -> None:
-        path = self.output_dir / f"model-{len(self._shards) + 1:05d}.safetensors.partial"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
+        shard = self._open or self._new_shard()  # an empty model still gets one (empty) shard
+        shard.finish({"format": "pt"})
         self._weight_map.update(dict.fromkeys(self._pending, len(self._shards)))
-        self._shards.append(path)
-        self._pending, self._pending_bytes = {}, 0
+        self._shards.append(shard.path)
+        self._open, self._pending, self._pending_bytes = None, {}, 0
 
     def checkpoint(self, progress: dict[str, Any]) -> None:
         """Flush everything added so far and record it, with ``progress``, for ``resume``.
@@ -178,7 +241,7 @@ class CheckpointWriter:
         writer = cls.__new__(cls)
         writer.output_dir, writer.max_shard_size = path, max_shard_size
         writer.layout = layout or ModelLayout()
-        writer._pending, writer._pending_bytes, writer._closed = {}, 0, False
+        writer._pending, writer._pending_bytes, writer._closed, writer._open = {}, 0, False, None
         writer._shards = [path / name for name in manifest["shards"]]
         writer._weight_map = dict(manifest["weight_map"])
         writer._total_size = manifest["total_size"]
@@ -189,7 +252,7 @@ class CheckpointWriter:
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes added since the last flush (held in RAM until their shard is written)."""
+        """Bytes added since the last flush (on disk in the open shard, not yet recorded in the progress)."""
         return self._pending_bytes
 
     def written(self) -> set[str]:
@@ -235,7 +298,9 @@ class CheckpointWriter:
         """Remove the partial shards written so far (after an error); the directory stays unfinished."""
         for path in self._shards:
             path.unlink(missing_ok=True)
-        self._pending, self._closed = {}, True
+        if self._open is not None:
+            self._open.discard()
+        self._open, self._pending, self._closed = None, {}, True
 
 
 def _prepare_dir(path: Path, overwrite: bool) -> None:
