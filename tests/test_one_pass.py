@@ -30,6 +30,11 @@ def test_groups_follow_shared_inputs_and_read_them_from_the_cache() -> None:
         assert sg.target_inputs and all(name in sg.inputs for name in sg.target_inputs)
         assert sorted(n for names in sg.target_inputs.values() for n in names) == sorted(sg.targets)
         assert sg.nodes[0].op == "call_module" and sg.nodes[0].target == sg.targets[0]  # starts with a target
+    # The attention module handed to sdpa_attention_forward is used as itself, not as its whole layer:
+    # the q/k/v subgraph must not onload the MLP.
+    qkv = subgraphs[1]
+    assert "model.layers.0.self_attn" in qkv.modules and "model.layers.0" not in qkv.modules
+    assert not any(".mlp" in m for m in qkv.modules)
     ids = torch.randint(0, 256, (2, 11))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0

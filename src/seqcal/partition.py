@@ -98,6 +98,7 @@ def _cuts_before(graph: fx.Graph, targets: Sequence[str]) -> list[list[fx.Node]]
 
 def _modules_of(nodes: Sequence[fx.Node], module_names: dict[int, str]) -> list[str]:
     used: list[str] = []
+    modules = set(module_names.values())
     for node in nodes:
         if node.op == "call_module":
             used.append(str(node.target))
@@ -105,11 +106,15 @@ def _modules_of(nodes: Sequence[fx.Node], module_names: dict[int, str]) -> list[
             prefix = module_names.get(id(node.target.module), "")
             for attr in node.target.site.touched:
                 name = f"{prefix}.{attr}" if prefix else attr
-                if name in module_names.values():
+                if name in modules:
                     used.append(name)
         for arg in node.all_input_nodes:
             if arg.op == "get_attr":
-                used.append(str(arg.target).rsplit(".", 1)[0])
+                # A module passed as a value (the attention module handed to sdpa_attention_forward) is
+                # itself what is used; only a parameter or buffer stands for its owner. Its parent would
+                # onload the whole layer for the q/k/v subgraph.
+                target = str(arg.target)
+                used.append(target if target in modules else target.rsplit(".", 1)[0])
     return list(dict.fromkeys(used))
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The device checks, as one call on a lent GPU machine (see CONTRIBUTING.md, "GPU checks"):
+#   1. tests/test_cuda.py (skipped on CPU-only machines, i.e. in CI),
+#   2. benchmarks/gpu_bench.py: seqcal vs llm-compressor GPTQ on a SmolLM2-shaped model,
+#   3. the tests that run on the execution device, with CUDA visible (offloaded weights then run on the GPU).
+# The machine has no network: wheels travel in .whl/ (common, seqcal, peer) and the SmolLM2 config and
+# tokenizer in .gpu/tok/; prepare them with benchmarks/gpu_prepare.sh and carry both folders.
+# Logs and results go to $OUT (the device tool fetches them); each stage has its own time limit.
+set -u
+OUT=${OUT:-/tmp/seqcal-gpu-out}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, transformers, pyarrow; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+'transformers(system)', transformers.__version__, 'pyarrow', pyarrow.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+install() {  # install() TARGET WHEEL...: a private site folder per tool (their compressed-tensors differ)
+  local target=$1; shift
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$target" "$@" \
+    >>"$OUT/install.log" 2>&1 || echo "install into $target failed (see install.log)"
+}
+[ -n "${SKIP_INSTALL:-}" ] || install /tmp/seqcal-site .whl/common/*.whl .whl/seqcal/*.whl .whl/peer/datasets-*.whl .whl/peer/dill-*.whl \
+  .whl/peer/multiprocess-*.whl
+[ -n "${SKIP_INSTALL:-}" ] || install /tmp/peer-site .whl/common/*.whl .whl/peer/*.whl
+SEQ=/tmp/seqcal-site:$PWD/src
+
+echo "== tests/test_cuda.py"
+PYTHONPATH=$SEQ timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+  | tee "$OUT/test_cuda.log" | tail -15
+
+echo "== benchmark"
+PYTHONPATH=$SEQ timeout 290 $PY benchmarks/gpu_bench.py --config-dir .gpu/tok --out "$OUT/gpu_bench.json" \
+  --seqcal-path "$SEQ" --peer-path /tmp/peer-site --peer-python "${PEER_PY:-$PY}" --timeout 100 ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+tail -3 "$OUT/bench.log" | head -1
+cp /tmp/seqcal-gpu-bench/seqcal.trace.json "$OUT/" 2>/dev/null
+tar czf "$OUT/bench-logs.tgz" -C /tmp/seqcal-gpu-bench --exclude='out-*' --exclude=model . 2>/dev/null
+
+echo "== device-facing tests, CUDA visible"
+# The tests whose runs put weights or activations on the execution device (tracing and the zoo are CPU work).
+SUITE="tests/test_offload.py tests/test_resume.py tests/test_oneshot.py tests/test_one_pass.py tests/test_cache.py
+  tests/test_cache_budget.py tests/test_report.py tests/test_save.py tests/test_save_writer.py tests/test_eval.py
+  tests/test_fallback.py tests/test_models.py tests/test_recipe.py"
+PYTHONPATH=$SEQ timeout ${SUITE_SECONDS:-130} $PY -m pytest -q -p no:cacheprovider -n 12 $SUITE -k "not zoo" 2>&1 \
+  | tee "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+
+echo "== benchmark table"
+sed -n '/^run /,$p' "$OUT/bench.log"
