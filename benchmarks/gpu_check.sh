@@ -28,11 +28,11 @@ install() {  # install() TARGET WHEEL...: a private site folder per tool (their 
 SEQ=/tmp/seqcal-site:$PWD/src
 
 echo "== tests/test_cuda.py"
-PYTHONPATH=$SEQ timeout 100 $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+PYTHONPATH=$SEQ timeout ${CUDA_TEST_SECONDS:-90} $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
   | tee "$OUT/test_cuda.log" | tail -15
 
 echo "== benchmark"
-PYTHONPATH=$SEQ timeout 260 $PY benchmarks/gpu_bench.py --config-dir .gpu/tok --out "$OUT/gpu_bench.json" \
+PYTHONPATH=$SEQ timeout ${BENCH_SECONDS:-260} $PY benchmarks/gpu_bench.py --config-dir .gpu/tok --out "$OUT/gpu_bench.json" \
   --seqcal-path "$SEQ" --peer-path /tmp/peer-site --peer-python "${PEER_PY:-$PY}" --timeout 90 ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
 tail -3 "$OUT/bench.log" | head -1
 cp /tmp/seqcal-gpu-bench/seqcal.trace.json "$OUT/" 2>/dev/null
@@ -43,8 +43,8 @@ echo "== device-facing tests, CUDA visible"
 SUITE="tests/test_offload.py tests/test_resume.py tests/test_oneshot.py tests/test_one_pass.py tests/test_cache.py
   tests/test_cache_budget.py tests/test_report.py tests/test_save.py tests/test_save_writer.py tests/test_eval.py
   tests/test_fallback.py tests/test_models.py tests/test_recipe.py"
-PYTHONPATH=$SEQ timeout ${SUITE_SECONDS:-110} $PY -m pytest -q -p no:cacheprovider -n 12 $SUITE -k "not zoo" 2>&1 \
-  | tee "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed" | tail -25
+PYTHONPATH=$SEQ timeout ${SUITE_SECONDS:-110} $PY -m pytest -q -p no:cacheprovider -n 12 -v --tb=line $SUITE -k "not zoo" 2>&1 \
+  | tee "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed|^E " | tail -25
 
 echo "== benchmark table"
 sed -n '/^run /,$p' "$OUT/bench.log"

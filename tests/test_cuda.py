@@ -44,7 +44,9 @@ def _run(model: object, out: Path | None, **kwargs: object) -> torch.nn.Module:
 def test_offloaded_run_on_cuda_matches_the_cpu_run(tmp_path: Path, one_pass: bool) -> None:
     """A model given as a path runs on cuda; one given on cpu runs there: same checkpoint up to rounding."""
     src = _saved_llama(tmp_path / "src")
+    torch.cuda.reset_peak_memory_stats()
     _run(str(src), tmp_path / "gpu", one_pass=one_pass)
+    assert torch.cuda.max_memory_allocated() > 0  # it did run on the GPU
     cpu_model = LlamaForCausalLM.from_pretrained(src).eval()
     _run(cpu_model, tmp_path / "cpu", one_pass=one_pass)
     gpu, cpu = checkpoint_tensors(tmp_path / "gpu"), checkpoint_tensors(tmp_path / "cpu")
@@ -77,7 +79,11 @@ def test_cuda_holds_one_subgraph_and_gives_everything_back(tmp_path: Path) -> No
     torch.cuda.reset_peak_memory_stats()
     model = _run(str(src), tmp_path / "out")
     peak = torch.cuda.max_memory_allocated() - before
-    assert peak < 0.35 * model_bytes, (peak, model_bytes)
+    layer_bytes = model_bytes / 12
+    assert layer_bytes / 4 < peak < 0.35 * model_bytes, (
+        peak,
+        model_bytes,
+    )  # ran there, one subgraph at a time
     assert torch.cuda.memory_allocated() - before < 1 << 20  # weights went back; no cached activation left
     assert all(p.device.type in ("meta", "cpu") for p in model.parameters())
 

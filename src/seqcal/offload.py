@@ -180,6 +180,24 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
             handle.remove()
 
 
+@contextlib.contextmanager
+def buffers_on(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Move the model's materialised buffers (rotary tables, position ids) to ``device`` for the run.
+
+    An offloaded model keeps its buffers real on cpu (``load_offloaded``); they are small and every subgraph
+    may read them, so they go to the execution device once and come back to cpu at the end.
+    """
+    moved = [(m, n, b.device) for m in model.modules() for n, b in m._buffers.items()
+             if b is not None and b.device.type != "meta" and b.device != device]  # fmt: skip
+    for module, name, _ in moved:
+        module._buffers[name] = module._buffers[name].to(device)
+    try:
+        yield
+    finally:
+        for module, name, home in moved:
+            module._buffers[name] = module._buffers[name].to(home)
+
+
 class SubgraphWeights:
     """Onloads each subgraph's parameters before it runs and releases them after it is saved.
 

@@ -16,7 +16,7 @@ from seqcal.cache import STORE_DTYPES, ActivationCache
 from seqcal.data import DataArgs, load_calibration_batches
 from seqcal.executor import calibrate_subgraphs
 from seqcal.modifiers import RunState
-from seqcal.offload import SubgraphWeights, WeightStore, safety_hooks
+from seqcal.offload import SubgraphWeights, WeightStore, buffers_on, safety_hooks
 from seqcal.partition import OnePassError
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.stream import StreamingCheckpoint
@@ -127,7 +127,6 @@ def run_pipeline(
             )
         except TracingError as err:
             subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
-        device = model_device(model)
         with ActivationCache(
             offload=args.offload, offload_dir=args.offload_dir, device=device, max_memory=args.cache_max_memory,
             store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
@@ -145,7 +144,12 @@ def run_pipeline(
                         sg, [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
                     )
 
-            with safety_hooks(model, store, device) if store is not None else contextlib.nullcontext():
+            on_device = (
+                (safety_hooks(model, store, device), buffers_on(model, device)) if store is not None else ()
+            )
+            with contextlib.ExitStack() as stack:
+                for context in on_device:
+                    stack.enter_context(context)
                 rows = calibrate_subgraphs(
                     model, subgraphs, batches, modifiers, cache, subgraphs.placeholders, state,
                     on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
@@ -198,7 +202,14 @@ def one_pass_subgraphs(
 def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:
     """Where subgraphs run: the model's device, or for offloaded weights cuda when present, else cpu."""
     if store is None:
-        return model_device(model)
+        device = model_device(model)
+        if device.type == "cpu" and torch.cuda.is_available():
+            logger.warning(
+                "seqcal: the model is on cpu, so calibration runs on cpu although CUDA is available; pass the "
+                "model's directory instead (its weights are then onloaded to the GPU one subgraph at a time) "
+                "or move the model to cuda first"
+            )
+        return device
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
