@@ -28,13 +28,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def data() -> list[dict[str, list[int]]]:
     g = torch.Generator().manual_seed(3)
-    return [{"input_ids": (torch.randint(-3, 4, (40,), generator=g).cumsum(0) % 256).tolist()} for _ in range(8)]
+    return [
+        {"input_ids": (torch.randint(-3, 4, (40,), generator=g).cumsum(0) % 256).tolist()} for _ in range(8)
+    ]
 
 
 def test_offloaded_run_equals_in_memory_run(model_dir: Path, tmp_path: Path) -> None:
     offloaded = oneshot(model=str(model_dir), dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "a"))
     assert all(p.device.type == "meta" for p in offloaded.parameters())  # nothing was kept in RAM
-    in_memory = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    # Where CUDA is, the offloaded run executes there: the in-memory run must too to compare bit for bit.
+    in_memory = (
+        AutoModelForCausalLM.from_pretrained(model_dir)
+        .eval()
+        .to("cuda" if torch.cuda.is_available() else "cpu")
+    )
     oneshot(model=in_memory, dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "b"))
     a, b = checkpoint_tensors(tmp_path / "a"), checkpoint_tensors(tmp_path / "b")
     assert a.keys() == b.keys()
@@ -45,11 +52,15 @@ def test_offloaded_run_equals_in_memory_run(model_dir: Path, tmp_path: Path) -> 
 def test_load_offloaded_reads_nothing_until_asked(model_dir: Path) -> None:
     model, store = load_offloaded(model_dir)
     assert all(p.device.type == "meta" for p in model.parameters())
-    assert store.aliases == {"lm_head.weight": "model.embed_tokens.weight"}  # tied: read under the stored name
+    assert store.aliases == {
+        "lm_head.weight": "model.embed_tokens.weight"
+    }  # tied: read under the stored name
     names = params_under(model, ["model.layers.1"])
     assert names and all(n.startswith("model.layers.1.") for n in names)
     reference = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
-    assert torch.equal(store.read("model.layers.1.mlp.up_proj.weight"), reference["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(
+        store.read("model.layers.1.mlp.up_proj.weight"), reference["model.layers.1.mlp.up_proj.weight"]
+    )
 
 
 def test_preflight_refuses_bad_environments(model_dir: Path, tmp_path: Path) -> None:

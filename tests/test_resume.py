@@ -42,7 +42,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(model_dir: Path, out: Path, resume: bool) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    path = os.pathsep.join(
+        p for p in (str(Path(__file__).parent.parent / "src"), os.environ.get("PYTHONPATH")) if p
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
     return subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_dir), str(out), "1" if resume else "0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
 
@@ -86,7 +89,12 @@ def test_sigkill_midway_then_resume_equals_uninterrupted(model_dir: Path, tmp_pa
 def test_resume_refuses_finished_or_foreign_runs(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "done"
     data = [{"input_ids": list(range(1, 33))}] * 2
-    oneshot(model=str(model_dir), dataset=data, output_dir=str(out), recipe="QuantizationModifier: {scheme: W4A16}")
+    oneshot(
+        model=str(model_dir),
+        dataset=data,
+        output_dir=str(out),
+        recipe="QuantizationModifier: {scheme: W4A16}",
+    )
     with pytest.raises(ResumeError, match="finished"):
         oneshot(model=str(model_dir), dataset=data, output_dir=str(out), resume=True,
                 recipe="QuantizationModifier: {scheme: W4A16}")  # fmt: skip

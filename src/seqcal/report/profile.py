@@ -135,9 +135,13 @@ class Profiler:
             raise ValueError(f"Profiler.span: track {track!r} is not one of {list(TRACKS)}")
         return _Span(self, track, name, args)
 
-    def _now_us(self) -> int:
-        if self._cuda:
-            torch.cuda.synchronize()  # the host clock only means something once queued kernels finished
+    def _now_us(self, track: str) -> int:
+        # The host clock only means something once queued kernels finished: synchronize, except around cache
+        # spans (tens of thousands of them): syncing those stalled host and device, +15% of a GPTQ run on an
+        # H200 (benchmarks/RESULTS.md). A cache span is the host time to queue its copies; the device time of
+        # the copies lands in the enclosing stage's span, which does synchronize.
+        if self._cuda and track != "cache":
+            torch.cuda.synchronize()
         # Integer microseconds: a span's end (ts + dur) is then exactly comparable to the next start.
         return (time.perf_counter_ns() - self._origin) // 1000
 
@@ -151,10 +155,10 @@ class Profiler:
                 "one on another track"
             )
         self._open_spans[span.track] = span.name
-        span.start = self._now_us()
+        span.start = self._now_us(span.track)
 
     def _close(self, span: _Span) -> None:
-        end = self._now_us()
+        end = self._now_us(span.track)
         del self._open_spans[span.track]
         self.events.append({"name": span.name, "cat": span.track, "ph": "X", "ts": span.start,
                             "dur": end - span.start, "pid": 1, "tid": TRACKS.index(span.track) + 1,
