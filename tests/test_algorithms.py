@@ -22,9 +22,11 @@ from seqcal.algorithms import (
     pack_int32,
     quantize,
     relative_output_error,
+    symmetrize_upper,
     unpack_int32,
     weight_qparams,
 )
+from seqcal.algorithms.gptq import UPPER_BLOCK
 
 GS = 32
 
@@ -189,6 +191,20 @@ def test_accumulate_hessian_is_a_running_token_average():
     torch.testing.assert_close(H, 2 * Xf.T @ Xf / 30)
     with pytest.raises(ValueError, match="must be float32 \\[8, 8\\]"):
         accumulate_hessian(H, torch.randn(4, 8), n)
+
+
+@pytest.mark.parametrize("product_dtype", [torch.float32, torch.bfloat16])
+def test_upper_only_hessian_equals_the_full_one_once_symmetrized(product_dtype: torch.dtype):
+    d = 2 * UPPER_BLOCK + 100  # three block rows, the last one short
+    X = torch.randn(3, 50, d).to(torch.bfloat16)
+    full, upper, n, m = None, None, 0, 0
+    for batch in X:
+        full, n = accumulate_hessian(full, batch, n, product_dtype)
+        upper, m = accumulate_hessian(upper, batch, m, product_dtype, upper=True)
+    assert not torch.allclose(upper, full)  # below the diagonal blocks: stale until symmetrized
+    symmetrize_upper(upper)
+    assert n == m and torch.equal(upper, upper.T)
+    torch.testing.assert_close(upper, full, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- GPTQ

@@ -166,3 +166,26 @@ def test_layout_matches_save_pretrained(arch: str, tmp_path: Path) -> None:
     ours, theirs = checkpoint_tensors(tmp_path / "ours"), checkpoint_tensors(tmp_path / "hf")
     assert sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_full_headers_start_new_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each shard's header room is reserved up front; when it is full the next tensor opens a new shard."""
+    from seqcal import save
+
+    monkeypatch.setattr(save._ShardFile.__init__, "__defaults__", (400,))  # bytes of header room per shard
+    tensors = {
+        f"model.layers.{i}.some_rather_long_module_name.weight": torch.randn(3, i + 1) for i in range(12)
+    }
+    writer = CheckpointWriter(tmp_path)
+    for name, tensor in tensors.items():
+        writer.add_tensor(name, tensor)
+    writer.close({"architectures": ["X"]})
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2  # by header room alone: the bytes would fit one shard
+    for shard in shards:
+        raw = shard.read_bytes()
+        assert int.from_bytes(raw[:8], "little") == 400 and raw[8:408].rstrip(b" ").endswith(b"}")
+    loaded = checkpoint_tensors(tmp_path)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    with pytest.raises(ValueError, match="does not fit a shard header"):
+        CheckpointWriter(tmp_path / "b").add_tensor("x" * 500, torch.zeros(1))

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from seqcal.eval_report import ERRORS_PNG
 from seqcal.report import FORMATS
 from seqcal.tracing import TracingError
 
@@ -88,8 +89,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     print(f"traced in {elapsed:.2f} s")
     print(trace_report(subgraphs))
-    for path in args.export or []:
-        export_graph(subgraphs, Path(path).suffix.lstrip(".").lower(), path, sample=dict(sample))
+    exports = [(Path(p).suffix.lstrip(".").lower(), p) for p in args.export or []]
+    if args.output:
+        exports.append((args.format or Path(args.output).suffix.lstrip(".").lower(), args.output))
+    for fmt, path in exports:
+        export_graph(subgraphs, fmt, path, sample=dict(sample))
         print(f"wrote {path}")
     if not args.check:
         return 0
@@ -132,10 +136,36 @@ def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Names
     return result.ppl
 
 
+def _has_matplotlib() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _plot_errors(report: dict[str, Any], output_dir: Path, plot: str | None) -> None:
+    """The per-layer error PNG: next to the checkpoint by default (when matplotlib is installed)."""
+    if plot == "none" or (plot in (None, "auto") and not _has_matplotlib()):
+        return
+    from seqcal.report import plot_errors
+
+    path = output_dir / ERRORS_PNG if plot in (None, "auto") else Path(plot)
+    print(f"error plot: {plot_errors(report, path)}")
+
+
+def _plot_timeline(trace: Path) -> None:
+    """The profile's timeline PNG next to the trace (``run.trace.json`` -> ``run.timeline.png``)."""
+    if not _has_matplotlib() or not trace.is_file():
+        return
+    from seqcal.report import plot_timeline
+
+    stem = trace.name.removesuffix(".json").removesuffix(".trace")
+    print(f"timeline: {plot_timeline(trace, trace.with_name(stem + '.timeline.png'))}")
+
+
 def cmd_oneshot(args: argparse.Namespace) -> int:
     from seqcal.entrypoint import ModelArgs, load_model, oneshot
 
-    if args.plot and not args.output_dir:
+    if args.plot not in (None, "auto", "none") and not args.output_dir:
         raise SystemExit("seqcal oneshot: --plot draws the saved quantization_report.json; add --output-dir")
 
     # Without --eval the directory is passed on, so oneshot keeps the weights offloaded (memory bound);
@@ -167,14 +197,13 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         if report_path.is_file():
             report = json.loads(report_path.read_text())
             print(format_error_table(report))
-            if args.plot:
-                from seqcal.report import plot_errors
-
-                print(f"error plot: {plot_errors(report, args.plot)}")
+            _plot_errors(report, Path(args.output_dir), args.plot)
             if args.profile:
                 from seqcal.report import Profiler
 
                 print(f"\nprofile ({args.profile}):\n" + Profiler.load(args.profile).summary(report))
+    if args.profile:
+        _plot_timeline(Path(args.profile))
     print(f"\noneshot took {elapsed:.1f} s" + (f"; checkpoint: {args.output_dir}" if args.output_dir else ""))
     if args.eval:
         after = _ppl(model, tokenizer, text, args)
@@ -217,8 +246,9 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     one.add_argument("--profile", default=None, metavar="TRACE.json",
                      help="write a Chrome trace of time and memory per stage (open in ui.perfetto.dev)")  # fmt: skip
-    one.add_argument("--plot", default=None, metavar="ERRORS.png",
-                     help="draw per-layer error and GPTQ loss per module (needs --output-dir)")  # fmt: skip
+    one.add_argument("--plot", default="auto", metavar="ERRORS.png",
+                     help=f"where to draw per-layer error and GPTQ loss per module (default: {ERRORS_PNG} in "
+                          "--output-dir when matplotlib is installed; 'none': no plot)")  # fmt: skip
     one.add_argument("--resume", action="store_true", help="continue an interrupted run in --output-dir")
     one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets to fit")
     one.add_argument("--cache-max-memory", default=None,
@@ -283,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--export", nargs="+", default=None, type=_export_path, metavar="PATH",
         help="write the graph: .json (every node, with shapes), .dot, .svg or .html (one offline page)",
     )  # fmt: skip
+    trace.add_argument(
+        "--output", default=None, metavar="FILE", help="write the graph to FILE (see --format)"
+    )
+    trace.add_argument("--format", default=None, choices=sorted(FORMATS),
+                       help="format of --output (default: from its suffix)")  # fmt: skip
     trace.add_argument("--dataset", default=None, help="text file to take the sample and check batch from")
     trace.add_argument("--max-seq-length", type=int, default=128)
     trace.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -294,7 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``seqcal`` command."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "trace" and (args.format or args.output):
+        if not args.output:
+            parser.error("trace: --format needs --output FILE")
+        if not args.format and Path(args.output).suffix.lstrip(".").lower() not in FORMATS:
+            parser.error(
+                f"trace: give --format {{{','.join(sorted(FORMATS))}}} or an --output with that suffix"
+            )
     return int(args.func(args) or 0)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 REPORT_FILENAME = "quantization_report.json"
+ERRORS_PNG = "quantization_errors.png"  # its plot (seqcal oneshot draws it there by default)
 
 
 def format_error_table(report: Mapping[str, Any], *, top: int = 10) -> str:

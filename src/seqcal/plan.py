@@ -245,6 +245,7 @@ def plan_memory(
     written = _owned_bytes(model, subgraphs, quantized, dtype_bytes, quant_bits)
     inputs = {n for sg in subgraphs for n in sg.inputs} - {n for sg in subgraphs for n in sg.outputs}
     rows, alive = [], sum(size(n) for n in inputs)  # model inputs are cached from the start
+    cache_peak = 0  # bytes of cached activations at most, wherever the cache keeps them
     for sg in subgraphs:
         weights = sum(model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, sg.modules))
         read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
@@ -255,6 +256,7 @@ def plan_memory(
         solve = _solve_bytes(model, sg, quantized, dtype_bytes)
         during = 0 if disk_cache else (alive + made) * batches  # outputs are stored before frees are dropped
         alive += made - sum(size(n) for n in sg.frees)
+        cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, _hessian_bytes(model, sg, quantized), activations,
                            0 if disk_cache else alive * batches, solve)  # fmt: skip
         codes = sum(n_in * sum(outs) for (_, n_in), outs in _solve_groups(model, sg, quantized).items())
@@ -267,8 +269,8 @@ def plan_memory(
     q_params = sum(model.get_submodule(n).weight.numel() for n in quantized)
     disk = (params - q_params) * dtype_bytes + q_params * quant_bits // 8 + q_params * dtype_bytes // 32
     host_peak = max((r.host for r in rows), default=PROCESS_BASELINE)
-    if disk_cache:
-        disk += max((r.host_cache for r in rows), default=0)
+    if disk_cache:  # rows hold no host cache then: the same bytes are on disk
+        disk += cache_peak
     return MemoryPlan(rows, host_peak, disk, [])
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from seqcal.eval_report import ERRORS_PNG, REPORT_FILENAME
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.save_config import (
     WRITABLE_FORMATS,
@@ -198,6 +199,11 @@ class CheckpointWriter:
         if self._pending and (full or self._pending_bytes + nbytes > self.max_shard_size):
             self._flush()
         self._open = self._open or self._new_shard()
+        if not self._pending and not self._open.fits(name, tensor):
+            raise ValueError(
+                f"CheckpointWriter: the header entry of {name!r} ({len(name)} characters, {tensor.dim()} dims) "
+                f"does not fit a shard header's {self._open.reserve} bytes; shorten the key"
+            )
         self._open.add(name, tensor)
         self._pending[name] = None
         self._pending_bytes += nbytes
@@ -316,6 +322,8 @@ def _prepare_dir(path: Path, overwrite: bool) -> None:
             *path.glob("model*.safetensors*"),
             path / "generation_config.json",
             path / "recipe.yaml",
+            path / REPORT_FILENAME,
+            path / ERRORS_PNG,  # a report or plot of an earlier run must not pass for this one's
         ]:
             stale.unlink(missing_ok=True)  # files of an earlier save that this one may not replace
     path.mkdir(parents=True, exist_ok=True)

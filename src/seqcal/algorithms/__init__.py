@@ -11,6 +11,7 @@ from seqcal.algorithms.gptq import (
     accumulate_hessian,
     gptq_quantize,
     relative_output_error,
+    symmetrize_upper,
 )
 from seqcal.algorithms.packing import pack_int32, unpack_int32
 from seqcal.algorithms.quant import (
@@ -45,6 +46,7 @@ __all__ = [
     "gptq_quantize",
     "observe_minmax",
     "relative_output_error",
+    "symmetrize_upper",
     "observe_mse",
     "pack_int32",
     "quant_range",

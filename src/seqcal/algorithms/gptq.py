@@ -69,8 +69,16 @@ class GPTQResult:
     row_loss: Tensor | None = None
 
 
+UPPER_BLOCK = 384  # columns per block row of an upper-only update: big enough to keep the GEMMs efficient
+
+
 def accumulate_hessian(
-    H: Tensor | None, X: Tensor, n_seen: int, product_dtype: torch.dtype = torch.float32
+    H: Tensor | None,
+    X: Tensor,
+    n_seen: int,
+    product_dtype: torch.dtype = torch.float32,
+    *,
+    upper: bool = False,
 ) -> tuple[Tensor, int]:
     """Running average of ``2 x x^T`` over tokens: ``H_n = 2 / n * sum_t x_t x_t^T``, in float32.
 
@@ -86,6 +94,10 @@ def accumulate_hessian(
             rounding; bfloat16 (for bf16 activations, whose products are exact) uses the bf16 matmul units
             with float32 accumulation inside and rounds only the batch's partial sum, which ``H`` then
             accumulates in float32.
+        upper: update only the block rows' parts on and right of the diagonal (``k`` blocks of
+            ``UPPER_BLOCK`` columns: ``(k + 1) / 2k`` of the flops, 62% for 1536 features); what lies below
+            the diagonal blocks goes stale, so :func:`symmetrize_upper` must run before ``H`` is used.
+            Worth it where the matmul is compute-bound (CPU); on a GPU one product is cheaper than k.
 
     Returns:
         ``(H, n_seen + tokens in X)``.
@@ -108,14 +120,30 @@ def accumulate_hessian(
         return H, n_seen
     n = n_seen + m
     H.mul_(n_seen / n)
+    d = X.shape[1]
+    blocks = [(i, min(i + UPPER_BLOCK, d)) for i in range(0, d, UPPER_BLOCK)] if upper else [(0, d)]
     if product_dtype != torch.float32:
         Xp = X.to(device=H.device, dtype=product_dtype)  # [m, in]
-        H.add_(torch.mm(Xp.T, Xp).float(), alpha=2 / n)
+        for i0, i1 in blocks:  # block row i0:i1, columns i0: (all of them when not upper)
+            H[i0:i1, i0:].add_(torch.mm(Xp[:, i0:i1].T, Xp[:, i0:]).float(), alpha=2 / n)
         return H, n
     # one float32 copy, scaled in place: a second [m, in] temporary per batch only fragments the heap
     Xs = X.to(device=H.device, dtype=torch.float32, copy=True).mul_(math.sqrt(2 / n))  # [m, in]
-    H.addmm_(Xs.T, Xs)
+    for i0, i1 in blocks:
+        H[i0:i1, i0:].addmm_(Xs[:, i0:i1].T, Xs[:, i0:])  # [i1 - i0, in - i0], in place in H's rows
     return H, n
+
+
+def symmetrize_upper(H: Tensor) -> Tensor:
+    """Fill ``H`` below the diagonal from above it (in place), after ``accumulate_hessian(upper=True)``.
+
+    Example:
+        >>> H, _ = accumulate_hessian(None, torch.randn(64, 500), 0, upper=True)
+        >>> torch.equal(symmetrize_upper(H), H.T)
+        True
+    """
+    strict_upper = torch.triu(H, 1)  # [in, in]
+    return H.copy_(torch.triu(H)).add_(strict_upper.T)
 
 
 def _check_inputs(W: Tensor, H: Tensor, strategy: str, group_size: int | None, block_size: int) -> None:

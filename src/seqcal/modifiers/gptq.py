@@ -10,7 +10,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from seqcal.algorithms import GPTQNumericalError, accumulate_hessian, gptq_quantize, relative_output_error
+from seqcal.algorithms import (
+    GPTQNumericalError,
+    accumulate_hessian,
+    gptq_quantize,
+    relative_output_error,
+    symmetrize_upper,
+)
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.partition import Subgraph
@@ -25,6 +31,7 @@ class _Accumulator:
 
     H: torch.Tensor | None = None
     n: int = 0
+    upper: bool = False  # H is accumulated upper-only (on cpu); symmetrize_upper before it is used
     # The input most recently added, held so that its identity cannot be reused by a later tensor
     # (comparing data pointers is not enough: the allocator hands freed memory to the next batch).
     last_input: torch.Tensor | None = None
@@ -132,7 +139,11 @@ class GPTQModifier(QuantizationModifier):
         mask = state.token_mask
         if mask is not None and X.dim() == 3 and tuple(mask.shape) == tuple(X.shape[:2]):
             X = X[mask.to(X.device, torch.bool)]  # padding tokens carry no signal
-        acc.H, acc.n = accumulate_hessian(acc.H, X, acc.n, getattr(torch, self.hessian_products))
+        if acc.H is None:  # the CPU's matmul is compute-bound: update only the upper triangle's blocks
+            acc.upper = X.device.type == "cpu"
+        acc.H, acc.n = accumulate_hessian(
+            acc.H, X, acc.n, getattr(torch, self.hessian_products), upper=acc.upper
+        )
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
@@ -148,6 +159,9 @@ class GPTQModifier(QuantizationModifier):
             per_row = quant_kwargs(self.modules[name])["strategy"] != "tensor"
             key = (id(acc), repr(self.modules[name])) if per_row else (id(acc), name)
             solved.setdefault(key, []).append(name)
+            if acc.upper:
+                acc.upper = False
+                symmetrize_upper(acc.H)
             self._hessians[key] = acc.H
         for key, group in solved.items():
             start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""See inside a run: graph export (JSON/DOT/SVG/HTML), trace report, Chrome-trace profiler, error plot.
+"""See inside a run: graph export (JSON/DOT/SVG/HTML), trace report, Chrome-trace profiler and its timeline, error plot.
 
 Names load lazily from their submodule: the executor imports ``seqcal.report.profile`` while
 ``seqcal.report.graph`` imports the executor, so this package must not import ``graph`` eagerly.
@@ -27,11 +27,12 @@ if TYPE_CHECKING:
     )
     from seqcal.report.plot import plot_errors
     from seqcal.report.profile import NO_SPAN, TRACKS, NullProfiler, Profiler, tensor_bytes
+    from seqcal.report.timeline import plot_timeline
 
 _EXPORTS = {
     "FORMATS": "graph", "LAYOUTS": "graph", "export_graph": "graph", "format_subgraph_table": "graph",
     "graph_dict": "graph", "record_shapes": "graph", "to_dot": "graph", "to_svg": "graph",
-    "trace_report": "graph", "plot_errors": "plot", "NO_SPAN": "profile", "TRACKS": "profile",
+    "trace_report": "graph", "plot_errors": "plot", "plot_timeline": "timeline", "NO_SPAN": "profile", "TRACKS": "profile",
     "NullProfiler": "profile", "Profiler": "profile", "tensor_bytes": "profile",
 }  # fmt: skip
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "format_subgraph_table",
     "graph_dict",
     "plot_errors",
+    "plot_timeline",
     "record_shapes",
     "tensor_bytes",
     "to_dot",

@@ -1,0 +1,85 @@
+"""The memory plan (``oneshot(dry_run=True)``, ``seqcal plan``): what it predicts and how it picks targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from seqcal.cli import main
+from seqcal.entrypoint import oneshot
+from seqcal.offload import WeightStore
+from seqcal.plan import MemoryPlan
+
+LAYERS, HIDDEN, INTER = 3, 128, 512
+GPTQ = "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    path = tmp_path_factory.mktemp("plan-model")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _plan(model_dir: Path, **kwargs: object) -> MemoryPlan:
+    args = {"num_calibration_samples": 16, "max_seq_length": 64, **kwargs}
+    return oneshot(model=str(model_dir), recipe=GPTQ, dataset=[], dry_run=True, **args)
+
+
+def test_dry_run_reads_no_weight(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: WeightStore, name: str) -> torch.Tensor:
+        raise AssertionError(f"dry_run read weight {name}")
+
+    monkeypatch.setattr(WeightStore, "read", refuse)
+    plan = _plan(model_dir)
+    assert isinstance(plan, MemoryPlan) and plan.rows and plan.device_peak > 0 and plan.host_peak > 0
+
+
+def test_plan_follows_the_run_cut_and_counts_each_weight(model_dir: Path) -> None:
+    one_pass, layers = _plan(model_dir), _plan(model_dir, one_pass=False)
+    assert (
+        len(one_pass.rows) == 4 * LAYERS + 1
+    )  # before q/k/v, o, gate/up, down of each layer, plus the start
+    assert len(layers.rows) == LAYERS + 1
+    mlp_bytes = 3 * HIDDEN * INTER * 4  # gate, up, down in float32
+    # A layer-cut subgraph holds its whole layer; no one-pass subgraph holds more than one layer's MLP.
+    assert max(r.weights for r in layers.rows[:LAYERS]) > mlp_bytes
+    assert all(r.weights < mlp_bytes for r in one_pass.rows[1:])
+    assert "peak: device" in one_pass.table() and len(one_pass.table().splitlines()) == len(one_pass.rows) + 2
+
+
+def test_cache_grows_with_samples_and_goes_to_disk(model_dir: Path) -> None:
+    small, big = _plan(model_dir, num_calibration_samples=8), _plan(model_dir, num_calibration_samples=32)
+    assert max(r.host_cache for r in big.rows) == pytest.approx(
+        4 * max(r.host_cache for r in small.rows), rel=0.05
+    )
+    on_disk = _plan(model_dir, num_calibration_samples=32, offload="disk")
+    assert all(r.host_cache == 0 for r in on_disk.rows)
+    # the checkpoint's bytes are in both; the cache's go to disk instead of RAM
+    assert on_disk.disk - big.disk == pytest.approx(max(r.host_cache for r in big.rows), rel=0.01)
+
+
+def test_max_device_memory_picks_finer_targets_or_says_none_exist(model_dir: Path) -> None:
+    layer = _plan(model_dir, one_pass=False)
+    finer = _plan(model_dir, one_pass=False, max_device_memory=int(0.9 * layer.device_peak))
+    assert finer.targets and {"LlamaAttention", "LlamaMLP"} <= set(finer.targets)
+    assert finer.device_peak < layer.device_peak
+    assert any("finer targets" in note for note in finer.notes)
+    hopeless = _plan(model_dir, one_pass=False, max_device_memory=1)
+    assert any("no finer targets exist" in note for note in hopeless.notes)
+
+
+def test_plan_cli_prints_the_table(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(GPTQ + "\n")
+    args = ["plan", "--model", str(model_dir), "--recipe", str(recipe), "--num-calibration-samples", "8",
+            "--max-seq-length", "32"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "peak: device" in out and "model.layers.0" in out
