@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import seqcal.pipeline
 from save_helpers import checkpoint_tensors, reload
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier
@@ -47,7 +48,7 @@ def _mean_module_error(out: Path) -> float:
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
-def test_offloaded_run_on_cuda_matches_the_cpu_run(tmp_path: Path, one_pass: bool) -> None:
+def test_offloaded_run_on_cuda_matches_the_cpu_run(tmp_path: Path, one_pass: bool, monkeypatch) -> None:
     """A model given as a path runs on cuda, one given on cpu runs there: same checkpoint, same quality.
 
     Not the same codes: a last-bit difference in a Hessian flips an odd rounding decision and GPTQ's error
@@ -59,6 +60,7 @@ def test_offloaded_run_on_cuda_matches_the_cpu_run(tmp_path: Path, one_pass: boo
     _run(str(src), tmp_path / "gpu", one_pass=one_pass)
     assert torch.cuda.max_memory_allocated() > 0  # it did run on the GPU
     reference = LlamaForCausalLM.from_pretrained(src).eval()
+    monkeypatch.setattr(seqcal.pipeline, "_stage", lambda model, args: False)  # a model in RAM stays on cpu
     _run(LlamaForCausalLM.from_pretrained(src).eval(), tmp_path / "cpu", one_pass=one_pass)
     gpu, cpu = checkpoint_tensors(tmp_path / "gpu"), checkpoint_tensors(tmp_path / "cpu")
     assert gpu.keys() == cpu.keys()
@@ -130,3 +132,20 @@ def test_bf16_autocast_on_cuda(tmp_path: Path) -> None:
             for run in ("fp32", "bf16")
         }
     assert err["bf16"] < 1.25 * err["fp32"], err
+
+
+def test_model_in_ram_runs_on_cuda_and_comes_back(tmp_path: Path) -> None:
+    """A model object on the cpu is staged through the GPU subgraph by subgraph and returned on the cpu."""
+    src = _saved_llama(tmp_path / "src")
+    model = LlamaForCausalLM.from_pretrained(src).eval()
+    torch.cuda.reset_peak_memory_stats()
+    returned = _run(model, tmp_path / "ram")
+    assert torch.cuda.max_memory_allocated() > 0 and returned is model
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    _run(str(src), tmp_path / "dir")
+    a, b = _mean_module_error(tmp_path / "ram"), _mean_module_error(tmp_path / "dir")
+    assert abs(a - b) < 0.05 * b, (a, b)
+    ids = torch.tensor([row["input_ids"] for row in token_data(2, 24)])
+    with torch.no_grad():  # the weights in the returned model are the checkpoint's
+        want = reload(tmp_path / "ram", dequantize=True)(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)

@@ -80,3 +80,30 @@ def test_preflight_refuses_bad_environments(model_dir: Path, tmp_path: Path) -> 
         check_environment(huge, [], str(tmp_path / "out"), "cpu", None)
     with pytest.raises(PermissionError, match="offload_dir"):
         check_environment(model, [], None, "disk", str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_staged_in_memory_model_equals_the_plain_in_memory_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tie: bool
+) -> None:
+    """A model in RAM is staged through the execution device (the GPU path) with the same result."""
+    import seqcal.pipeline
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)  # fmt: skip
+    plain, staged = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
+    staged.load_state_dict(plain.state_dict())
+    oneshot(model=plain, dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "plain"))
+    monkeypatch.setattr(seqcal.pipeline, "_stage", lambda model, args: True)
+    real, staged_models = seqcal.pipeline.stage_in_memory, []
+    monkeypatch.setattr(seqcal.pipeline, "stage_in_memory", lambda m: staged_models.append(m) or real(m))
+    oneshot(model=staged, dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "staged"))
+    assert staged_models == [staged]
+    a, b = checkpoint_tensors(tmp_path / "plain"), checkpoint_tensors(tmp_path / "staged")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the model given comes back whole: quantized weights in place, on cpu, tied weights one object again
+    assert all(p.device.type == "cpu" for p in staged.parameters())
+    want = dict(plain.named_parameters())
+    assert all(torch.equal(p, want[n]) for n, p in staged.named_parameters())
+    assert (staged.lm_head.weight is staged.model.embed_tokens.weight) == tie

@@ -59,9 +59,10 @@ class WeightStore:
 
     def read(self, name: str) -> torch.Tensor:
         """The current value of parameter ``name`` on cpu (an override, else read from its file)."""
-        if name in self.overrides:
-            return self.overrides[name]
         stored = self.aliases.get(name, name)
+        for key in (name, stored):
+            if key in self.overrides:
+                return self.overrides[key]
         if stored not in self.files:
             raise KeyError(f"parameter {name!r} is not in the checkpoint (looked for {stored!r})")
         with safe_open(self.files[stored], framework="pt") as f:
@@ -105,6 +106,44 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
             f"{path}: checkpoint lacks parameters {missing[:5]}; is it the model's own checkpoint?"
         )
     return model.eval(), store
+
+
+def stage_in_memory(model: torch.nn.Module) -> WeightStore:
+    """Take a model held in RAM apart like ``load_offloaded``: its values into a store, meta in their place.
+
+    The store holds the parameters' own tensors (no copy), so the pipeline can onload each subgraph to the
+    execution device (a GPU) and release it, as for a model read from disk; ``restore_in_memory`` puts
+    them, quantized ones included, back. Tied parameters are stored once (``aliases``).
+
+    Example:
+        >>> store = stage_in_memory(model)  # doctest: +SKIP
+        >>> restore_in_memory(model, store)  # doctest: +SKIP
+    """
+    store = WeightStore(files={})
+    first: dict[int, str] = {}
+    names = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.append(name)
+        if id(param) in first:
+            store.aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+            store.overrides[name] = param.detach()
+    offload(model, names)
+    return store
+
+
+def restore_in_memory(model: torch.nn.Module, store: WeightStore) -> None:
+    """Put the store's values back into ``model``'s parameters on cpu; tied ones become one object again."""
+    made: dict[str, torch.nn.Parameter] = {}
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        stored = store.aliases.get(name, name)
+        if stored not in made:
+            value = param.detach() if param.device.type != "meta" else store.read(stored)
+            made[stored] = torch.nn.Parameter(value.to("cpu"), requires_grad=param.requires_grad)
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = made[stored]
+    store.overrides.clear()
 
 
 def params_under(model: torch.nn.Module, modules: Iterable[str]) -> list[str]:
@@ -205,15 +244,18 @@ class SubgraphWeights:
     that a later subgraph still reads (a tied weight, say) is kept in the store's overrides meanwhile.
 
     Args:
-        model: the model with parameters on meta (``load_offloaded``).
+        model: the model with parameters on meta (``load_offloaded``, ``stage_in_memory``).
         store: where the parameters' values are.
         subgraphs: the run's subgraphs.
         device: the execution device.
+        keep_changed: keep every changed parameter in the store's overrides (a staged in-memory model,
+            whose quantized weights go back into it), not only those a later subgraph reads.
     """
 
     def __init__(self, model: torch.nn.Module, store: WeightStore, subgraphs: Iterable[Any],
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, keep_changed: bool = False) -> None:  # fmt: skip
         self.model, self.store, self.device = model, store, device
+        self.keep_changed = keep_changed  # a staged in-memory model gets every changed weight back
         self.params = {sg.index: params_under(model, sg.modules) for sg in subgraphs}
         self.last_use: dict[str, int] = {}
         for index, names in self.params.items():
@@ -231,7 +273,7 @@ class SubgraphWeights:
         changed = tuple(c + "." for c in changed)
         names = [n for n in self.params[sg.index] if self.model.get_parameter(n).device.type != "meta"]
         for name in names:
-            if self.last_use[name] > sg.index and name.startswith(changed):
+            if (self.keep_changed or self.last_use[name] > sg.index) and name.startswith(changed):
                 self.store.overrides[name] = self.model.get_parameter(name).detach().to("cpu", copy=True)
         offload(self.model, names)
         trim_host_memory()  # the subgraph's transients are freed now; see trim_host_memory for why

@@ -16,7 +16,14 @@ from seqcal.cache import STORE_DTYPES, ActivationCache
 from seqcal.data import DataArgs, load_calibration_batches
 from seqcal.executor import calibrate_subgraphs
 from seqcal.modifiers import RunState
-from seqcal.offload import SubgraphWeights, WeightStore, buffers_on, safety_hooks
+from seqcal.offload import (
+    SubgraphWeights,
+    WeightStore,
+    buffers_on,
+    restore_in_memory,
+    safety_hooks,
+    stage_in_memory,
+)
 from seqcal.partition import OnePassError
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.stream import StreamingCheckpoint
@@ -51,6 +58,10 @@ class PipelineArgs:
     # out of repr(), which fingerprints a run: a resume after running out of memory may add or change it.
     cache_max_memory: int | None = field(default=None, repr=False)
     cache_dtype: str | None = None  # "bfloat16"/"float16": store fp32 activations narrower (lossy)
+    # A model given in RAM on the cpu: stage its weights through the execution device one subgraph at a time,
+    # as for a model read from disk. None: when CUDA is available (the model's weights stay in RAM, each
+    # subgraph runs on the GPU). Same results either way, so it is left out of the run's fingerprint.
+    stage_weights: bool | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.pipeline not in PIPELINES:
@@ -95,6 +106,26 @@ def run_pipeline(
     profiler: Profiler | None = None,
 ) -> RunState:
     """Run the modifiers over the model (the calibration stage of ``oneshot``); returns the run's state."""
+    staged = store is None and args.pipeline == "sequential" and _stage(model, args)
+    if staged:
+        store = stage_in_memory(model)
+    try:
+        return _run(model, tokenizer, modifiers, data_args, args, output, store, profiler, staged)
+    finally:
+        if staged:
+            restore_in_memory(model, store)
+
+
+def _stage(model: torch.nn.Module, args: PipelineArgs) -> bool:
+    if args.stage_weights is not None:
+        return args.stage_weights
+    return torch.cuda.is_available() and all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _run(
+    model: torch.nn.Module, tokenizer: Any, modifiers: list[Any], data_args: DataArgs | None, args: PipelineArgs,
+    output: OutputPlan | None, store: WeightStore | None, profiler: Profiler | None, staged: bool,
+) -> RunState:  # fmt: skip
     start = time.perf_counter()
     profiler = profiler if profiler is not None else NullProfiler()
     device = _execution_device(model, store)
@@ -131,7 +162,7 @@ def run_pipeline(
             offload=args.offload, offload_dir=args.offload_dir, device=device, max_memory=args.cache_max_memory,
             store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
         ) as cache:  # fmt: skip
-            weights = SubgraphWeights(model, store, subgraphs, device) if store is not None else None
+            weights = SubgraphWeights(model, store, subgraphs, device, staged) if store is not None else None
             stream = _streaming(model, state, subgraphs, output, weights)
             schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
 
@@ -202,14 +233,7 @@ def one_pass_subgraphs(
 def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:
     """Where subgraphs run: the model's device, or for offloaded weights cuda when present, else cpu."""
     if store is None:
-        device = model_device(model)
-        if device.type == "cpu" and torch.cuda.is_available():
-            logger.warning(
-                "seqcal: the model is on cpu, so calibration runs on cpu although CUDA is available; pass the "
-                "model's directory instead (its weights are then onloaded to the GPU one subgraph at a time) "
-                "or move the model to cuda first"
-            )
-        return device
+        return model_device(model)
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -99,18 +99,29 @@ def plot_errors(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     """
     if not isinstance(report, Mapping):
         raise TypeError(f"plot_errors: report must be a dict (the run report), got {type(report).__name__}")
+    fig = agg_figure("plot_errors", (11, 7))
+    top, bottom = fig.subplots(2, 1)
+    _errors_panel(top, [s for s in report.get("subgraphs") or [] if isinstance(s, Mapping)])
+    _loss_panel(bottom, report.get("modules") or {})
+    return save_png(fig, path)
+
+
+def agg_figure(caller: str, size: tuple[float, float]) -> Any:
+    """A matplotlib Figure drawn by the Agg canvas (no pyplot state); ImportError names ``caller``."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:
         raise ImportError(
-            "plot_errors needs matplotlib, which is not installed: pip install matplotlib"
+            f"{caller} needs matplotlib, which is not installed: pip install matplotlib"
         ) from err
-    fig = Figure(figsize=(11, 7), layout="constrained")
+    fig = Figure(figsize=size, layout="constrained")
     FigureCanvasAgg(fig)  # attaches itself to the figure: savefig renders with Agg, no pyplot state
-    top, bottom = fig.subplots(2, 1)
-    _errors_panel(top, [s for s in report.get("subgraphs") or [] if isinstance(s, Mapping)])
-    _loss_panel(bottom, report.get("modules") or {})
+    return fig
+
+
+def save_png(fig: Any, path: str | os.PathLike[str]) -> Path:
+    """Write ``fig`` to ``path`` as PNG (parent folders created); returns the path."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=100)

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from seqcal.report.plot import agg_figure, save_png
 from seqcal.report.profile import TRACKS
 
 _COLORS = {
@@ -59,15 +60,7 @@ def plot_timeline(trace: str | os.PathLike[str] | Mapping[str, Any], path: str |
     if not any(spans.values()):
         raise ValueError(f"plot_timeline: {trace if not isinstance(trace, Mapping) else 'trace'} has no stage "
                          "spans; pass a trace written by oneshot(profile=...)")  # fmt: skip
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise ImportError(
-            "plot_timeline needs matplotlib, which is not installed: pip install matplotlib"
-        ) from err
-    fig = Figure(figsize=(12, 6), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = agg_figure("plot_timeline", (12, 6))
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
     rows = [t for t in TRACKS if spans[t]]
     for y, track in enumerate(rows):
@@ -86,7 +79,4 @@ def plot_timeline(trace: str | os.PathLike[str] | Mapping[str, Any], path: str |
     bottom.set_xlabel("seconds since the run started")
     bottom.grid(True, alpha=0.3)
     bottom.legend(fontsize=8, loc="upper left")
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=100)
-    return out
+    return save_png(fig, path)
