@@ -25,7 +25,10 @@ def test_groups_follow_shared_inputs_and_read_them_from_the_cache() -> None:
     model = tiny_llama()
     subgraphs = trace_subgraphs(model, _sample(torch.randint(0, 256, (1, 16))), ["re:.*_proj$"], cut="before")
     groups = [[t.rsplit(".", 1)[1] for t in sg.targets] for sg in subgraphs]
-    assert groups == [[]] + [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]] * 2
+    assert (
+        groups
+        == [[]] + [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]] * 2
+    )
     for sg in subgraphs[1:]:
         assert sg.target_inputs and all(name in sg.inputs for name in sg.target_inputs)
         assert sorted(n for names in sg.target_inputs.values() for n in names) == sorted(sg.targets)
@@ -62,12 +65,17 @@ def test_zoo_cut_before_modules_equals_eager_or_declines(name: str) -> None:
     """Every architecture either runs cut before its Linear modules exactly as eager, or keeps the layer cut."""
     spec = ARCHS[name]
     model = spec.build()
-    gptq = GPTQModifier(scheme="W4A16", ignore=["re:.*lm_head", "re:.*embed.*", "re:.*(vision|visual).*"])
+    # per channel: the tiny zoo models' widths are not multiples of W4A16's group of 128
+    gptq = GPTQModifier(scheme="W8A16", ignore=["re:.*lm_head", "re:.*embed.*", "re:.*(vision|visual).*"])
     try:
         gptq.validate(model)
-    except ValueError:
+    except ValueError as err:
+        if "no Linear layer matches" not in str(err):
+            raise
         pytest.skip(f"{name} has no Linear module to quantize")
-    subgraphs = one_pass_subgraphs(model, spec.make_inputs(model, batch=1, seq_len=12), [gptq], PipelineArgs())
+    subgraphs = one_pass_subgraphs(
+        model, spec.make_inputs(model, batch=1, seq_len=12), [gptq], PipelineArgs()
+    )
     if subgraphs is None:  # declined (logged); the pipeline then cuts after each layer
         return
     inputs = spec.make_inputs(model, batch=2, seq_len=9, left_pad=3)
@@ -96,13 +104,19 @@ def test_round_to_nearest_runs_no_forward_pass() -> None:
     model = tiny_llama()
     reference = tiny_llama()
     layer = _count_calls(model.model.layers[0].self_attn.o_proj)
-    oneshot(model=model, dataset=token_data(4), recipe=QuantizationModifier(scheme="W4A16", ignore=["lm_head"]))
+    oneshot(
+        model=model, dataset=token_data(4), recipe=QuantizationModifier(scheme="W4A16", ignore=["lm_head"])
+    )
     assert layer[0] == 0
     datafree = tiny_llama()
-    oneshot(model=datafree, recipe=QuantizationModifier(scheme="W4A16", ignore=["lm_head"]), pipeline="datafree")
+    oneshot(
+        model=datafree, recipe=QuantizationModifier(scheme="W4A16", ignore=["lm_head"]), pipeline="datafree"
+    )
     for (name, a), b in zip(model.named_parameters(), datafree.parameters()):
         assert torch.equal(a, b), name
-    assert not torch.equal(model.model.layers[0].self_attn.o_proj.weight, reference.model.layers[0].self_attn.o_proj.weight)
+    assert not torch.equal(
+        model.model.layers[0].self_attn.o_proj.weight, reference.model.layers[0].self_attn.o_proj.weight
+    )
 
 
 def test_one_pass_gptq_is_at_least_as_good_as_the_layer_cut() -> None:

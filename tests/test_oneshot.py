@@ -173,8 +173,16 @@ def test_basic_pipeline_gptq_equals_sequential_on_first_layer() -> None:
         ({"recipe": "GPTQModifier: {scheme: W4A16, targets: Conv9d}"}, ValueError, "no Linear layer"),
         ({"recipe": "GPTQModifier: {scheme: W4A16, actorder: group}"}, ValueError, "weight"),
         ({"recipe": "GPTQModifier: {scheme: W9A99}"}, ValueError, "unknown scheme"),
-        ({"recipe": "GPTQModifier: {scheme: W4A16}", "dataset": "/no/such/file.txt"}, FileNotFoundError, "file"),
-        ({"recipe": "GPTQModifier: {scheme: W4A16}", "num_calibration_samples": 0}, ValueError, "num_calibration"),
+        (
+            {"recipe": "GPTQModifier: {scheme: W4A16}", "dataset": "/no/such/file.txt"},
+            FileNotFoundError,
+            "file",
+        ),
+        (
+            {"recipe": "GPTQModifier: {scheme: W4A16}", "num_calibration_samples": 0},
+            ValueError,
+            "num_calibration",
+        ),
     ],
 )
 def test_bad_arguments_are_explained(kwargs: dict, error: type, match: str) -> None:
@@ -206,3 +214,22 @@ def test_autocast_compute_dtype_keeps_fp32_weights_and_quality() -> None:
     assert fast.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
     # bf16 matmuls in the forward passes change the Hessians only slightly: the error stays within 10%
     assert _output_error(fast, reference) < 1.1 * _output_error(exact, reference)
+
+
+def test_a_group_size_that_does_not_divide_the_inputs_fails_before_calibrating() -> None:
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )  # fmt: skip
+    ).eval()
+    with pytest.raises(
+        ValueError, match=r"group_size 128 does not divide the inputs of 14 module\(s\): model\.layers"
+    ):
+        oneshot(
+            model=model, dataset=token_data(2, 16), recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"])
+        )

@@ -52,6 +52,19 @@ class QuantizationModifier(Modifier):
                 f"{self.name}: no Linear layer matches targets {self.targets!r} (ignore={self.ignore!r}); "
                 "targets are class names such as 'Linear' or 're:' patterns on module names"
             )
+        # Before any calibration: a group that does not divide a module's inputs would stop the run later,
+        # at that module's solve, after every subgraph before it was calibrated.
+        ragged = []
+        for name, scheme in self.modules.items():
+            kw, features = quant_kwargs(scheme), model.get_submodule(name).weight.shape[-1]
+            if kw["strategy"] == "group" and features % kw["group_size"]:
+                ragged.append(f"{name} ({features} inputs)")
+        if ragged:
+            raise ValueError(
+                f"{self.name}: group_size {quant_kwargs(self.modules[ragged[0].split()[0]])['group_size']} does "
+                f"not divide the inputs of {len(ragged)} module(s): {', '.join(ragged[:5])}; choose a "
+                "group_size that divides them (e.g. 32 or 64), or add them to ignore"
+            )
 
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self.modules:
