@@ -10,6 +10,7 @@ import os
 import pickle
 from typing import Any
 
+import numpy
 import psutil
 import pytest
 import torch
@@ -243,13 +244,14 @@ def test_copies_are_snapshots_not_fooled_by_reused_addresses_or_inplace_changes(
             x.add_(1)  # in place after the copy: the next put must not reuse the stale bytes
             cache.put(0, "after", x)
             assert cache.fetch(0, "before").sum() == 0 and cache.fetch(0, "after").sum() == 64
-            addresses = {}
-            for batch in range(20):  # freed storages: the allocator reuses addresses
-                t = torch.full((64,), float(batch))
-                addresses.setdefault(t.data_ptr(), []).append(batch)
+            # A new tensor at a used address (what the allocator does with freed storages, made certain
+            # here): same data_ptr, a fresh version counter, other values.
+            buffer = numpy.zeros(64, dtype=numpy.float32)
+            for batch in range(20):
+                buffer[:] = batch
+                t = torch.from_numpy(buffer)
                 cache.put(batch, "h", t)
                 del t
-            assert any(len(b) > 1 for b in addresses.values()), "no address reused; the test proves nothing"
             for batch in range(20):
                 assert torch.equal(cache.fetch(batch, "h"), torch.full((64,), float(batch)))
 
