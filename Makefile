@@ -38,6 +38,7 @@ demo: venv
 	$(BIN)/seqcal trace --model default --check
 	$(BIN)/seqcal oneshot --model default --recipe recipes/gptq_w4a16_g64.yaml --dataset default \
 		--num-calibration-samples 64 --max-seq-length 256 --output-dir out/demo --overwrite \
+		--profile out/demo-run.trace.json \
 		--eval --eval-windows 8
 
 lint: venv
