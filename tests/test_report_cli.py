@@ -62,6 +62,9 @@ def test_oneshot_cli_writes_error_plot_and_timeline(model_dir: Path, tmp_path: P
     assert "profile (" in printed and "timeline:" in printed
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["cat"] for e in events if e["ph"] == "X"} <= set(TRACKS)
+    # bytes moved: every weight is onloaded at least once (the model is read from its directory)
+    weights = sum(p.numel() * 4 for p in LlamaForCausalLM.from_pretrained(model_dir).parameters())
+    assert sum(e["args"]["bytes"] for e in events if e.get("cat") == "onload") >= weights
     assert main([*args[:-2], "--overwrite", "--plot", "none"]) == 0
     assert not (out / ERRORS_PNG).exists()
 

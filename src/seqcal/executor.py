@@ -184,11 +184,11 @@ def calibrate_subgraphs(
     cache: ActivationCache,
     placeholders: Mapping[str, str],
     state: Any,
-    on_subgraph_done: Callable[[Subgraph], None] | None = None,
+    on_subgraph_done: Callable[[Subgraph], int | None] | None = None,
     progress: bool = True,
     resume_from: int = 0,
     restore: Callable[[Subgraph], None] | None = None,
-    on_subgraph_start: Callable[[Subgraph], None] | None = None,
+    on_subgraph_start: Callable[[Subgraph], int | None] | None = None,
     profiler: Profiler | None = None,
 ) -> list[dict[str, Any]]:
     """The sequential calibration loop (DESIGN data flow), one subgraph at a time.
@@ -220,8 +220,10 @@ def calibrate_subgraphs(
             replay = sg.index < resume_from
             label = f"subgraph {sg.index}"
             if on_subgraph_start is not None:
-                with prof.span("onload", label, subgraph=sg.index):
-                    on_subgraph_start(sg)  # e.g. onload its weights
+                with prof.span("onload", label, subgraph=sg.index) as args:
+                    moved = on_subgraph_start(sg)  # e.g. onload its weights
+                    if isinstance(moved, int):
+                        args["bytes"] = moved
             if replay:
                 if restore is not None:
                     with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
@@ -236,8 +238,10 @@ def calibrate_subgraphs(
                 for name in sg.frees:
                     cache.drop_name(name)
             if on_subgraph_done is not None and not replay:
-                with prof.span("offload", label, subgraph=sg.index):
-                    on_subgraph_done(sg)
+                with prof.span("offload", label, subgraph=sg.index) as args:
+                    moved = on_subgraph_done(sg)  # e.g. save it, release its weights
+                    if isinstance(moved, int):
+                        args["bytes"] = moved
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             bar.update()

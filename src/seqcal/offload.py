@@ -265,18 +265,28 @@ class SubgraphWeights:
     def _on_meta(self, names: Iterable[str]) -> list[str]:
         return [n for n in names if self.model.get_parameter(n).device.type == "meta"]
 
-    def onload(self, sg: Any) -> None:
-        onload(self.model, self.store, self._on_meta(self.params[sg.index]), self.device)
+    def onload(self, sg: Any) -> int:
+        """Onload ``sg``'s parameters that are not on the device yet; returns the bytes moved."""
+        names = self._on_meta(self.params[sg.index])
+        onload(self.model, self.store, names, self.device)
+        return sum(self.model.get_parameter(n).nbytes for n in names)
 
-    def release(self, sg: Any, changed: Iterable[str] = ()) -> None:
-        """Release ``sg``'s parameters; ``changed`` (module names) were modified and are kept if still used."""
+    def release(self, sg: Any, changed: Iterable[str] = ()) -> int:
+        """Release ``sg``'s parameters; ``changed`` (module names) were modified and are kept if still used.
+
+        Returns:
+            The bytes copied back to the host (changed weights kept for later).
+        """
         changed = tuple(c + "." for c in changed)
         names = [n for n in self.params[sg.index] if self.model.get_parameter(n).device.type != "meta"]
+        kept = 0
         for name in names:
             if (self.keep_changed or self.last_use[name] > sg.index) and name.startswith(changed):
                 self.store.overrides[name] = self.model.get_parameter(name).detach().to("cpu", copy=True)
+                kept += self.store.overrides[name].nbytes
         offload(self.model, names)
         trim_host_memory()  # the subgraph's transients are freed now; see trim_host_memory for why
+        return kept
 
     @contextlib.contextmanager
     def modules_onloaded(self, modules: Iterable[str]) -> Iterator[None]:

@@ -166,14 +166,14 @@ def _run(
             stream = _streaming(model, state, subgraphs, output, weights)
             schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
 
-            def done(sg: Any) -> None:
+            def done(sg: Any) -> int | None:
                 if stream is not None:
                     with profiler.span("save", f"subgraph {sg.index}", subgraph=sg.index):
                         stream.done(sg)
-                if weights is not None:
-                    weights.release(
-                        sg, [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
-                    )
+                if weights is None:
+                    return None
+                changed = [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
+                return weights.release(sg, changed)  # bytes copied back to the host
 
             on_device = (
                 (safety_hooks(model, store, device), buffers_on(model, device)) if store is not None else ()
