@@ -319,3 +319,22 @@ def test_plot_errors_without_matplotlib_says_how_to_install(tmp_path: Path, monk
         plot_errors(REPORT, tmp_path / "e.png")
     with pytest.raises(TypeError, match="report must be a dict"):
         plot_errors([1, 2], tmp_path / "e.png")
+
+
+def test_onnx_export_has_every_node_with_shapes_for_netron(subgraphs, tmp_path: Path) -> None:
+    onnx = pytest.importorskip("onnx")
+    path = export_graph(subgraphs, "onnx", tmp_path / "g.onnx", sample=_sample(1, 7))
+    model = onnx.load(str(path))
+    data = graph_dict(subgraphs, _sample(1, 7))
+    inner = [n for n in data["nodes"] if n["op"] not in ("placeholder", "output")]
+    assert [n.name for n in model.graph.node] == [n["name"] for n in inner]
+    assert {n.op_type for n in model.graph.node} >= {"LlamaDecoderLayer", "LlamaRMSNorm", "Opaque", "getitem"}
+    assert [i.name for i in model.graph.input] == [
+        n["name"] for n in data["nodes"] if n["op"] == "placeholder"
+    ]
+    shaped = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.value_info}
+    layer = next(n for n in inner if n["class"] == "LlamaDecoderLayer")
+    assert shaped[layer["name"]] == layer["shapes"][0] == [1, 7, HIDDEN]
+    for node in model.graph.node:  # edges: every input is a graph input or an earlier node's output
+        assert all(name in shaped or name in {i.name for i in model.graph.input} or name in
+                   {m.name for m in model.graph.node} for name in node.input)  # fmt: skip

@@ -66,7 +66,9 @@ def _max_diff(got: Any, want: Any) -> float:
 
 def _export_path(path: str) -> str:
     if Path(path).suffix.lstrip(".").lower() not in FORMATS:
-        raise argparse.ArgumentTypeError(f"{path}: the suffix picks the format: .json, .dot, .svg or .html")
+        raise argparse.ArgumentTypeError(
+            f"{path}: the suffix picks the format: .json, .dot, .svg, .html or .onnx"
+        )
     return path
 
 
@@ -311,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
     trace.add_argument(
         "--export", nargs="+", default=None, type=_export_path, metavar="PATH",
-        help="write the graph: .json (every node, with shapes), .dot, .svg or .html (one offline page)",
+        help="write the graph: .json (every node, with shapes), .dot, .svg, .html (one offline page) or .onnx (Netron)",
     )  # fmt: skip
     trace.add_argument(
         "--output", default=None, metavar="FILE", help="write the graph to FILE (see --format)"

@@ -27,7 +27,7 @@ from seqcal.tracing.tracer import OpaqueCall
 if TYPE_CHECKING:
     from seqcal.subgraphs import SubgraphList
 
-FORMATS = ("json", "dot", "svg", "html")
+FORMATS = ("json", "dot", "svg", "html", "onnx")  # onnx: for Netron (needs the onnx package)
 
 
 # -- the graph as a dict -----------------------------------------------------------------------------------
@@ -208,11 +208,12 @@ def export_graph(
     sample: Mapping[str, Any] | None = None,
     layout: str = "auto",
 ) -> Path:
-    """Write the traced graph to ``path`` as JSON, DOT, SVG or one self-contained HTML page.
+    """Write the traced graph to ``path`` as JSON, DOT, SVG, one self-contained HTML page or ONNX (Netron).
 
     Args:
         subgraphs: from ``trace_subgraphs``.
-        fmt: "json" (every node and edge), "dot", "svg" or "html".
+        fmt: "json" (every node and edge), "dot", "svg", "html" or "onnx" (structure and shapes for Netron,
+            no weights; needs the onnx package).
         path: the file to write (parent folders are created).
         collapse_targets: DOT/SVG/HTML draw each target as one box and fold get_attr and getitem nodes into
             their neighbours (readable for deep models); False draws every graph node.
@@ -230,6 +231,13 @@ def export_graph(
     if fmt not in FORMATS:
         raise ValueError(f"export_graph: fmt={fmt!r} is not a format; valid: {list(FORMATS)}")
     data = graph_dict(subgraphs, sample)
+    out = Path(path)
+    if fmt == "onnx":
+        from seqcal.report.onnx_graph import to_onnx
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(to_onnx(data))
+        return out
     if fmt == "json":
         text = json.dumps(data, indent=1) + "\n"
     elif fmt == "dot":
@@ -237,7 +245,6 @@ def export_graph(
     else:
         svg = to_svg(data, collapse_targets, layout)
         text = svg if fmt == "svg" else to_html(subgraphs, data, svg)
-    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     return out
