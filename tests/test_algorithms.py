@@ -10,6 +10,7 @@ from compressed_tensors.quantization.lifecycle import forward as ct
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, compute_dynamic_scales_and_zp
 
 from seqcal.algorithms import (
+    UPPER_BLOCK,
     GPTQNumericalError,
     accumulate_hessian,
     compute_qparams,
@@ -26,7 +27,6 @@ from seqcal.algorithms import (
     unpack_int32,
     weight_qparams,
 )
-from seqcal.algorithms.gptq import UPPER_BLOCK
 
 GS = 32
 
@@ -371,9 +371,9 @@ def test_gptq_rejects_bad_arguments_with_valid_choices():
 def test_docstring_examples_run():
     import doctest
 
-    from seqcal.algorithms import gptq, packing, quant
+    from seqcal.algorithms import gptq, hessian, packing, quant
 
-    for module in (quant, packing, gptq):
+    for module in (quant, packing, gptq, hessian):
         result = doctest.testmod(
             module, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE
         )

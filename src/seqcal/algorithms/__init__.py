@@ -1,18 +1,12 @@
 """Pure tensor math for post-training quantization (no hooks, no modules, no config).
 
 ``quant``: qparams, observers, (fake-)quantization, in the compressed-tensors convention.
-``packing``: int32 packing of low-bit codes. ``gptq``: Hessian accumulation and the GPTQ solver.
+``packing``: int32 packing of low-bit codes. ``hessian``: the layer Hessian and errors measured with it.
+``gptq``: the GPTQ solver.
 """
 
-from seqcal.algorithms.gptq import (
-    ACTORDER,
-    GPTQNumericalError,
-    GPTQResult,
-    accumulate_hessian,
-    gptq_quantize,
-    relative_output_error,
-    symmetrize_upper,
-)
+from seqcal.algorithms.gptq import ACTORDER, GPTQNumericalError, GPTQResult, gptq_quantize
+from seqcal.algorithms.hessian import UPPER_BLOCK, accumulate_hessian, relative_output_error, symmetrize_upper
 from seqcal.algorithms.packing import pack_int32, unpack_int32
 from seqcal.algorithms.quant import (
     FP8_DTYPE,
@@ -35,6 +29,7 @@ __all__ = [
     "FP8_DTYPE",
     "OBSERVERS",
     "STRATEGIES",
+    "UPPER_BLOCK",
     "GPTQNumericalError",
     "GPTQResult",
     "accumulate_hessian",
