@@ -59,6 +59,17 @@ def test_untraceable_chain_falls_back_and_matches_traced(caplog: pytest.LogCaptu
     assert not torch.equal(guarded.layers[0].up.weight, Chain(guard=False).layers[0].up.weight)  # quantized
 
 
+def test_fallback_with_weights_staged_off_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With weights staged out of the model (the GPU path), the capture still runs on real weights."""
+    import seqcal.pipeline
+
+    plain = oneshot(model=Chain(guard=True), dataset=data(), recipe=RECIPE)
+    monkeypatch.setattr(seqcal.pipeline, "_stage", lambda model, args: True)
+    staged = oneshot(model=Chain(guard=True), dataset=data(), recipe=RECIPE)
+    for (name, a), (_, b) in zip(staged.named_parameters(), plain.named_parameters()):
+        assert a.device.type == "cpu" and torch.equal(a, b), name
+
+
 class Skipping(Chain):
     """Not a chain: layer 1 is skipped, so its input is not the previous layer's output."""
 

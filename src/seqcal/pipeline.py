@@ -157,7 +157,11 @@ def _run(
                 model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph
             )
         except TracingError as err:
-            subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
+            # the capture runs the model's own forward: weights on meta are onloaded per module for it
+            cpu = torch.device("cpu")
+            onloading = safety_hooks(model, store, cpu) if store is not None else contextlib.nullcontext()
+            with onloading:
+                subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
         with ActivationCache(
             offload=args.offload, offload_dir=args.offload_dir, device=device, max_memory=args.cache_max_memory,
             store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
