@@ -20,16 +20,61 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "benchmarks" / ".work"
 WIKI = ROOT.parent / "shared" / "data"
 RUNS = {
-    "seqcal-gptq-bf16-h16": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "bfloat16",
-                             "--hessian-products", "bfloat16"],
-    "seqcal-gptq-autocast": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "float32",
-                             "--compute-dtype", "bfloat16"],
-    "seqcal-gptq-bf16": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "bfloat16"],
-    "seqcal-gptq-bf16-layers": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype",
-                                "bfloat16", "--layer-cut"],
-    "seqcal-gptq-bf16-profile": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype",
-                                 "bfloat16", "--profile", "benchmarks/.work/smollm2-gptq.trace.json"],
-    "seqcal-gptq-fp32": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "float32"],
+    "seqcal-gptq-bf16-h16": [
+        ".venv/bin/python",
+        "benchmarks/_run_seqcal.py",
+        "--algo",
+        "gptq",
+        "--dtype",
+        "bfloat16",
+        "--hessian-products",
+        "bfloat16",
+    ],
+    "seqcal-gptq-autocast": [
+        ".venv/bin/python",
+        "benchmarks/_run_seqcal.py",
+        "--algo",
+        "gptq",
+        "--dtype",
+        "float32",
+        "--compute-dtype",
+        "bfloat16",
+    ],
+    "seqcal-gptq-bf16": [
+        ".venv/bin/python",
+        "benchmarks/_run_seqcal.py",
+        "--algo",
+        "gptq",
+        "--dtype",
+        "bfloat16",
+    ],
+    "seqcal-gptq-bf16-layers": [
+        ".venv/bin/python",
+        "benchmarks/_run_seqcal.py",
+        "--algo",
+        "gptq",
+        "--dtype",
+        "bfloat16",
+        "--layer-cut",
+    ],
+    "seqcal-gptq-bf16-profile": [
+        ".venv/bin/python",
+        "benchmarks/_run_seqcal.py",
+        "--algo",
+        "gptq",
+        "--dtype",
+        "bfloat16",
+        "--profile",
+        "benchmarks/.work/smollm2-gptq.trace.json",
+    ],
+    "seqcal-gptq-fp32": [
+        ".venv/bin/python",
+        "benchmarks/_run_seqcal.py",
+        "--algo",
+        "gptq",
+        "--dtype",
+        "float32",
+    ],
     "seqcal-rtn": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "rtn", "--dtype", "float32"],
     "llmc-gptq-fp32": [".peer-venv/bin/python", "benchmarks/_run_llmcompressor.py", "--algo", "gptq"],
     "llmc-rtn": [".peer-venv/bin/python", "benchmarks/_run_llmcompressor.py", "--algo", "rtn"],
@@ -60,12 +105,16 @@ def perplexity(checkpoint: Path, windows: int | None) -> float:
         f"r = perplexity(m, t, load_eval_text({str(WIKI / 'wiki.test.raw')!r}), seq_len=2048, "
         f"max_windows={windows!r}, progress=False); print(r.ppl, r.windows)"
     )
-    out = subprocess.run([".venv/bin/python", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [".venv/bin/python", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return float(out.stdout.split()[-2])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--eval-windows", type=int, default=None, help="default: the whole test set")
     parser.add_argument("--samples", type=int, default=128)
@@ -93,7 +142,10 @@ def main() -> None:
         ppl = float("nan") if name in args.skip_eval.split(",") else perplexity(out, args.eval_windows)
         results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
                          "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
-        print(f"{name:<18} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}", flush=True)
+        print(
+            f"{name:<18} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
+            flush=True,
+        )
     (WORK / "results.json").write_text(json.dumps(results, indent=1))
 
 
