@@ -316,9 +316,9 @@ def make_plan(
         (s.weights.num_bits for m in modifiers for s in getattr(m, "modules", {}).values()), default=16
     )
     dtype_bytes = next((p.element_size() for p in model.parameters()), 4)
-    offloaded = any(p.device.type == "meta" for p in model.parameters())
-    # as pipeline._execution_device: offloaded weights run on cuda when present, else where the model is
-    on_host = not torch.cuda.is_available() if offloaded else next(model.parameters()).device.type == "cpu"
+    # as the pipeline: offloaded weights, and a model in RAM on the cpu (staged), run on cuda when present
+    on_cpu = all(p.device.type in ("cpu", "meta") for p in model.parameters())
+    on_host = on_cpu and not torch.cuda.is_available()
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
     targets, notes = sequential_targets, []
     for _ in range(2):
