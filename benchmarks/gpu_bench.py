@@ -28,6 +28,7 @@ SEQCAL = ["benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "bfloat16"]
 RUNS = {
     "seqcal": [*SEQCAL],
     "llmc": ["benchmarks/_run_llmcompressor.py", "--algo", "gptq", "--dtype", "bfloat16"],
+    "seqcal-bs8": [*SEQCAL, "--batch-size", "8"],  # 8 samples per subgraph run: fewer, larger launches
     "seqcal-layers": [*SEQCAL, "--layer-cut"],
     "seqcal-profile": [*SEQCAL, "--profile", "{work}/seqcal.trace.json"],
     "seqcal-again": [*SEQCAL],
