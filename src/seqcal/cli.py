@@ -183,7 +183,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         num_calibration_samples=args.num_calibration_samples, max_seq_length=args.max_seq_length,
         batch_size=args.batch_size, sequential_targets=args.sequential_targets, tracing_ignore=args.tracing_ignore,
-        pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed,
+        pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed, concatenate=args.concatenate,
         resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
         one_pass=not args.layer_cut,
@@ -231,6 +231,8 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--max-seq-length", type=int, default=2048)
     one.add_argument("--batch-size", type=int, default=1)
     one.add_argument("--seed", type=int, default=42)
+    one.add_argument("--concatenate", action="store_true",
+                     help="join the texts and cut full windows of --max-seq-length tokens")  # fmt: skip
     one.add_argument("--sequential-targets", nargs="+", default=None)
     one.add_argument("--tracing-ignore", nargs="+", default=None)
     one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])

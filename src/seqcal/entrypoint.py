@@ -102,6 +102,7 @@ def oneshot(
     text_column: str = "text",
     splits: Any = None,
     seed: int = 42,
+    concatenate: bool = False,
     sequential_targets: list[str] | None = None,
     tracing_ignore: list[str] | None = None,
     pipeline: str = "sequential",
@@ -132,6 +133,8 @@ def oneshot(
         output_dir: where to write the checkpoint (None: keep in memory only).
         num_calibration_samples / max_seq_length / batch_size / shuffle_calibration_samples / text_column /
             splits / seed: how calibration batches are drawn (see seqcal.data.DataArgs).
+        concatenate: join the texts and cut full windows of ``max_seq_length`` tokens (short texts such as
+            paragraphs then fill whole samples) instead of one sample per text.
         sequential_targets: layer classes calibrated one at a time (default: inferred).
         tracing_ignore: functions/methods always run opaquely while tracing.
         pipeline: "sequential" (default), "datafree" (no data, round-to-nearest only) or "basic".
@@ -200,7 +203,7 @@ def oneshot(
     if pipe_args.pipeline != "datafree":
         data_args = DataArgs(
             dataset if dataset is not None else "default", num_calibration_samples, max_seq_length, batch_size,
-            shuffle_calibration_samples, text_column, splits, seed,
+            shuffle_calibration_samples, text_column, splits, seed, concatenate,
         )  # fmt: skip
     recipe_yaml = parsed.to_yaml()
     output = OutputPlan(out_args, recipe_yaml, fingerprint(recipe_yaml, repr(data_args), repr(pipe_args),
