@@ -233,3 +233,22 @@ def test_a_group_size_that_does_not_divide_the_inputs_fails_before_calibrating()
         oneshot(
             model=model, dataset=token_data(2, 16), recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"])
         )
+
+
+def test_concatenate_reaches_the_data_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    import seqcal.entrypoint
+    from seqcal.cli import build_parser
+
+    seen = []
+
+    def stop(model, tokenizer, modifiers, data_args, *args, **kwargs):
+        seen.append(data_args)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(seqcal.entrypoint, "run_pipeline", stop)
+    with pytest.raises(RuntimeError, match="stop here"):
+        oneshot(model=tiny_llama(), dataset=token_data(2, 16), recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
+                concatenate=True)  # fmt: skip
+    assert seen[0].concatenate is True
+    args = build_parser().parse_args(["oneshot", "--model", "m", "--recipe", "r", "--concatenate"])
+    assert args.concatenate is True
