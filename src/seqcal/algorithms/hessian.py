@@ -85,8 +85,13 @@ def symmetrize_upper(H: Tensor) -> Tensor:
         >>> torch.equal(symmetrize_upper(H), H.T)
         True
     """
-    strict_upper = torch.triu(H, 1)  # [in, in]
-    return H.copy_(torch.triu(H)).add_(strict_upper.T)
+    d = H.shape[0]
+    for i0 in range(0, d, UPPER_BLOCK):  # in place, block by block: no [in, in] temporary (5632^2 = 127 MB)
+        i1 = min(i0 + UPPER_BLOCK, d)
+        block = H[i0:i1, i0:i1]  # both triangles computed; make them bit-equal
+        block.copy_(torch.triu(block) + torch.triu(block, 1).T)
+        H[i1:, i0:i1].copy_(H[i0:i1, i1:].T)  # below the diagonal blocks, from above
+    return H
 
 
 def relative_output_error(W: Tensor, Q: Tensor, H: Tensor, rows: int = 256) -> float:
