@@ -33,7 +33,7 @@ PYTHONPATH=$SEQ timeout ${CUDA_TEST_SECONDS:-90} $PY -m pytest -q -p no:cachepro
 
 echo "== benchmark"
 PYTHONPATH=$SEQ timeout ${BENCH_SECONDS:-260} $PY benchmarks/gpu_bench.py --config-dir .gpu/tok --out "$OUT/gpu_bench.json" \
-  --seqcal-path "$SEQ" --peer-path /tmp/peer-site --peer-python "${PEER_PY:-$PY}" --timeout 90 ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  --seqcal-path "$SEQ" --peer-path /tmp/peer-site --peer-python "${PEER_PY:-$PY}" --timeout 90 --runs seqcal,llmc,seqcal-bs8,seqcal-profile ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
 tail -3 "$OUT/bench.log" | head -1
 cp /tmp/seqcal-gpu-bench/seqcal.trace.json "$OUT/" 2>/dev/null
 tar czf "$OUT/bench-logs.tgz" -C /tmp/seqcal-gpu-bench --exclude='out-*' --exclude=model . 2>/dev/null
