@@ -19,65 +19,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "benchmarks" / ".work"
 WIKI = ROOT.parent / "shared" / "data"
+SEQCAL = [".venv/bin/python", "benchmarks/_run_seqcal.py"]
+PEER = [".peer-venv/bin/python", "benchmarks/_run_llmcompressor.py"]
+BF16 = [*SEQCAL, "--algo", "gptq", "--dtype", "bfloat16"]
 RUNS = {
-    "seqcal-gptq-bf16-h16": [
-        ".venv/bin/python",
-        "benchmarks/_run_seqcal.py",
-        "--algo",
-        "gptq",
-        "--dtype",
-        "bfloat16",
-        "--hessian-products",
-        "bfloat16",
-    ],
-    "seqcal-gptq-autocast": [
-        ".venv/bin/python",
-        "benchmarks/_run_seqcal.py",
-        "--algo",
-        "gptq",
-        "--dtype",
-        "float32",
-        "--compute-dtype",
-        "bfloat16",
-    ],
-    "seqcal-gptq-bf16": [
-        ".venv/bin/python",
-        "benchmarks/_run_seqcal.py",
-        "--algo",
-        "gptq",
-        "--dtype",
-        "bfloat16",
-    ],
-    "seqcal-gptq-bf16-layers": [
-        ".venv/bin/python",
-        "benchmarks/_run_seqcal.py",
-        "--algo",
-        "gptq",
-        "--dtype",
-        "bfloat16",
-        "--layer-cut",
-    ],
-    "seqcal-gptq-bf16-profile": [
-        ".venv/bin/python",
-        "benchmarks/_run_seqcal.py",
-        "--algo",
-        "gptq",
-        "--dtype",
-        "bfloat16",
-        "--profile",
-        "benchmarks/.work/smollm2-gptq.trace.json",
-    ],
-    "seqcal-gptq-fp32": [
-        ".venv/bin/python",
-        "benchmarks/_run_seqcal.py",
-        "--algo",
-        "gptq",
-        "--dtype",
-        "float32",
-    ],
-    "seqcal-rtn": [".venv/bin/python", "benchmarks/_run_seqcal.py", "--algo", "rtn", "--dtype", "float32"],
-    "llmc-gptq-fp32": [".peer-venv/bin/python", "benchmarks/_run_llmcompressor.py", "--algo", "gptq"],
-    "llmc-rtn": [".peer-venv/bin/python", "benchmarks/_run_llmcompressor.py", "--algo", "rtn"],
+    "seqcal-gptq-bf16-h16": [*BF16, "--hessian-products", "bfloat16"],
+    "seqcal-gptq-autocast": [*SEQCAL, "--algo", "gptq", "--dtype", "float32", "--compute-dtype", "bfloat16"],
+    "seqcal-gptq-bf16": BF16,
+    "seqcal-gptq-bf16-layers": [*BF16, "--layer-cut"],
+    "seqcal-gptq-bf16-profile": [*BF16, "--profile", "benchmarks/.work/smollm2-gptq.trace.json"],
+    "seqcal-gptq-fp32": [*SEQCAL, "--algo", "gptq", "--dtype", "float32"],
+    "seqcal-rtn": [*SEQCAL, "--algo", "rtn", "--dtype", "float32"],
+    "llmc-gptq-fp32": [*PEER, "--algo", "gptq"],
+    "llmc-rtn": [*PEER, "--algo", "rtn"],
 }
 
 
