@@ -338,3 +338,19 @@ def test_onnx_export_has_every_node_with_shapes_for_netron(subgraphs, tmp_path: 
     for node in model.graph.node:  # edges: every input is a graph input or an earlier node's output
         assert all(name in shaped or name in {i.name for i in model.graph.input} or name in
                    {m.name for m in model.graph.node} for name in node.input)  # fmt: skip
+
+
+def test_profiler_synchronizes_cuda_around_stages_not_cache_spans(tmp_path: Path, monkeypatch) -> None:
+    """Real durations on a GPU without stalling it: stage spans synchronize, the many cache spans do not."""
+    syncs: list[int] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    prof = Profiler(tmp_path / "t.json")
+    prof._cuda = True  # as on a machine with CUDA
+    for _ in range(50):
+        with prof.span("cache", "fetch"):
+            pass
+    assert syncs == []
+    with prof.span("propagation", "subgraph 0", subgraph=0):
+        pass
+    assert len(syncs) == 2  # at its start and at its end
