@@ -107,3 +107,20 @@ def test_staged_in_memory_model_equals_the_plain_in_memory_run(
     want = dict(plain.named_parameters())
     assert all(torch.equal(p, want[n]) for n, p in staged.named_parameters())
     assert (staged.lm_head.weight is staged.model.embed_tokens.weight) == tie
+
+
+def test_where_a_run_executes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA: weights off the model (a directory, or a model in RAM, staged) run on cuda; else where they are."""
+    from seqcal.offload import WeightStore
+    from seqcal.pipeline import PipelineArgs, _execution_device, _stage
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    store = WeightStore(files={})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not _stage(model, PipelineArgs()) and _stage(model, PipelineArgs(stage_weights=True))
+    assert _execution_device(model, store).type == "cpu" and _execution_device(model, None).type == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _stage(model, PipelineArgs()) and not _stage(model, PipelineArgs(stage_weights=False))
+    assert _execution_device(model, store).type == "cuda"
+    assert _execution_device(model, None).type == "cpu"  # not staged: runs where its weights are
