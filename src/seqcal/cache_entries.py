@@ -112,9 +112,10 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """(n,) uint8 host copy of `flat`; pinned and non-blocking from cuda, with its completion event."""
-    pin = torch.cuda.is_available()
-    host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=pin)
-    non_blocking = pin and flat.device.type == "cuda"
+    # Pinned only for what comes from the GPU (and goes back there): pinning is slow to allocate and is no
+    # use for a host-to-host copy (a run on the CPU of a machine that has CUDA).
+    non_blocking = flat.device.type == "cuda"
+    host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=non_blocking)
     host.copy_(flat, non_blocking=non_blocking)
     if not non_blocking:
         return host, None
