@@ -109,15 +109,15 @@ def _solve_groups(
     return groups
 
 
-def _hessian_bytes(model: torch.nn.Module, sg: Subgraph, quantized: set[str]) -> int:
-    """fp32 Hessians: one per (parent, in_features), as q/k/v and gate/up share theirs."""
-    return sum(n_in**2 * 4 for _, n_in in _solve_groups(model, sg, quantized))
+def _hessian_bytes(groups: dict[tuple[str, int], list[int]]) -> int:
+    """fp32 Hessians: one per (parent, in_features) of ``_solve_groups``, as q/k/v and gate/up share theirs."""
+    return sum(n_in**2 * 4 for _, n_in in groups)
 
 
-def _solve_bytes(model: torch.nn.Module, sg: Subgraph, quantized: set[str], dtype_bytes: int) -> int:
-    """Temporaries of the largest GPTQ solve beyond its Hessian and weights (see algorithms.gptq)."""
+def _solve_bytes(groups: dict[tuple[str, int], list[int]], dtype_bytes: int) -> int:
+    """Temporaries of the largest GPTQ solve of ``_solve_groups`` beyond its Hessian and weights."""
     peak = 0
-    for (_, n_in), outs in _solve_groups(model, sg, quantized).items():
+    for (_, n_in), outs in groups.items():
         n_out = sum(outs)  # modules sharing a Hessian are stacked into one solve
         inverse = 2 * n_in**2 * 4  # dampened copy / Cholesky factor / triangular solve: two beside H
         # H^-1 factor + W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype
@@ -250,16 +250,17 @@ def plan_memory(
         weights = sum(model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, sg.modules))
         read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
         wide = widest.get(sg.index, 0) if widest is not None else 3 * tokens * inter * dtype_bytes
-        widest_in = max((n_in for _, n_in in _solve_groups(model, sg, quantized)), default=0)
+        groups = _solve_groups(model, sg, quantized)
+        widest_in = max((n_in for _, n_in in groups), default=0)
         # one batch's inputs and outputs, the widest intermediate and its operand, the fp32 Hessian input
         activations = read + made + 2 * wide + tokens * widest_in * 4
-        solve = _solve_bytes(model, sg, quantized, dtype_bytes)
+        solve = _solve_bytes(groups, dtype_bytes)
         during = 0 if disk_cache else (alive + made) * batches  # outputs are stored before frees are dropped
         alive += made - sum(size(n) for n in sg.frees)
         cache_peak = max(cache_peak, alive * batches)
-        row = SubgraphPlan(sg.index, sg.targets, weights, _hessian_bytes(model, sg, quantized), activations,
+        row = SubgraphPlan(sg.index, sg.targets, weights, _hessian_bytes(groups), activations,
                            0 if disk_cache else alive * batches, solve)  # fmt: skip
-        codes = sum(n_in * sum(outs) for (_, n_in), outs in _solve_groups(model, sg, quantized).items())
+        codes = sum(n_in * sum(outs) for (_, n_in), outs in groups.items())
         save = 2 * written.get(sg.index, 0) + 2 * codes  # tensors as written + the resume file's int8 codes
         row.host = (
             PROCESS_BASELINE + resident_weights + during + max(row.device_peak if device_on_host else 0, save)
