@@ -95,11 +95,8 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
         model.tie_weights()  # tied parameters become one object, found below under the name on disk
     store = WeightStore.from_checkpoint(path, dtype=dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
-    by_id: dict[int, str] = {}
-    for name, param in params.items():  # tied parameters share one object; read it under the stored name
-        if id(param) in by_id and not store.has(name):
-            store.aliases[name] = by_id[id(param)]
-        by_id.setdefault(id(param), name)
+    # tied parameters share one object; a name absent from the files reads it under the stored name
+    store.aliases.update({n: first for n, first in _tied_names(model).items() if not store.has(n)})
     missing = [n for n in params if not store.has(n)]
     if missing:
         raise KeyError(
@@ -119,18 +116,23 @@ def stage_in_memory(model: torch.nn.Module) -> WeightStore:
         >>> store = stage_in_memory(model)  # doctest: +SKIP
         >>> restore_in_memory(model, store)  # doctest: +SKIP
     """
-    store = WeightStore(files={})
-    first: dict[int, str] = {}
-    names = []
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.append(name)
-        if id(param) in first:
-            store.aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
-            store.overrides[name] = param.detach()
-    offload(model, names)
+    tied = _tied_names(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    store = WeightStore(files={}, aliases=tied)
+    store.overrides.update({n: p.detach() for n, p in params.items() if n not in tied})
+    offload(model, params)
     return store
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Name of each parameter that is another one's object (a tied weight) -> that parameter's first name."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        first.setdefault(id(param), name)
+    return tied
 
 
 def restore_in_memory(model: torch.nn.Module, store: WeightStore) -> None:

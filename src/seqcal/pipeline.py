@@ -179,12 +179,10 @@ def _run(
                 changed = [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
                 return weights.release(sg, changed)  # bytes copied back to the host
 
-            on_device = (
-                (safety_hooks(model, store, device), buffers_on(model, device)) if store is not None else ()
-            )
             with contextlib.ExitStack() as stack:
-                for context in on_device:
-                    stack.enter_context(context)
+                if store is not None:  # weights off the model: onloaded per subgraph; its buffers go once
+                    stack.enter_context(safety_hooks(model, store, device))
+                    stack.enter_context(buffers_on(model, device))
                 rows = calibrate_subgraphs(
                     model, subgraphs, batches, modifiers, cache, subgraphs.placeholders, state,
                     on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
