@@ -79,3 +79,14 @@ def test_trace_cli_format_and_output(model_dir: Path, tmp_path: Path) -> None:
     for bad in (["--format", "svg"], ["--output", str(tmp_path / "g.txt")]):
         with pytest.raises(SystemExit):
             main(["trace", "--model", str(model_dir), *bad])
+
+
+def test_explicit_plot_without_matplotlib_is_reported_not_raised(tmp_path: Path, monkeypatch, capsys) -> None:
+    import sys
+
+    from seqcal import cli
+
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
+    cli._plot_errors({"subgraphs": [], "modules": {}}, tmp_path, str(tmp_path / "e.png"))
+    assert "pip install matplotlib" in capsys.readouterr().err and not (tmp_path / "e.png").exists()

@@ -64,8 +64,13 @@ def _max_diff(got: Any, want: Any) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def _format_of(path: str) -> str:
+    """The graph format a file name asks for: its suffix ("graph.SVG" -> "svg")."""
+    return Path(path).suffix.lstrip(".").lower()
+
+
 def _export_path(path: str) -> str:
-    if Path(path).suffix.lstrip(".").lower() not in FORMATS:
+    if _format_of(path) not in FORMATS:
         raise argparse.ArgumentTypeError(
             f"{path}: the suffix picks the format: .json, .dot, .svg, .html or .onnx"
         )
@@ -91,9 +96,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     print(f"traced in {elapsed:.2f} s")
     print(trace_report(subgraphs))
-    exports = [(Path(p).suffix.lstrip(".").lower(), p) for p in args.export or []]
+    exports = [(_format_of(p), p) for p in args.export or []]
     if args.output:
-        exports.append((args.format or Path(args.output).suffix.lstrip(".").lower(), args.output))
+        exports.append((args.format or _format_of(args.output), args.output))
     for fmt, path in exports:
         export_graph(subgraphs, fmt, path, sample=dict(sample))
         print(f"wrote {path}")
@@ -146,12 +151,15 @@ def _has_matplotlib() -> bool:
 
 def _plot_errors(report: dict[str, Any], output_dir: Path, plot: str | None) -> None:
     """The per-layer error PNG: next to the checkpoint by default (when matplotlib is installed)."""
-    if plot == "none" or (plot in (None, "auto") and not _has_matplotlib()):
+    default = plot in (None, "auto")
+    if plot == "none" or (default and not _has_matplotlib()):
         return
     from seqcal.report import plot_errors
 
-    path = output_dir / ERRORS_PNG if plot in (None, "auto") else Path(plot)
-    print(f"error plot: {plot_errors(report, path)}")
+    try:
+        print(f"error plot: {plot_errors(report, output_dir / ERRORS_PNG if default else Path(plot))}")
+    except ImportError as err:  # --plot PATH without matplotlib: the checkpoint is saved, say what is missing
+        print(f"seqcal oneshot: no error plot: {err}", file=sys.stderr)
 
 
 def _plot_timeline(trace: Path) -> None:
@@ -338,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "trace" and (args.format or args.output):
         if not args.output:
             parser.error("trace: --format needs --output FILE")
-        if not args.format and Path(args.output).suffix.lstrip(".").lower() not in FORMATS:
+        if not args.format and _format_of(args.output) not in FORMATS:
             parser.error(
                 f"trace: give --format {{{','.join(sorted(FORMATS))}}} or an --output with that suffix"
             )

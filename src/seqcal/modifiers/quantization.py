@@ -54,16 +54,16 @@ class QuantizationModifier(Modifier):
             )
         # Before any calibration: a group that does not divide a module's inputs would stop the run later,
         # at that module's solve, after every subgraph before it was calibrated.
-        ragged = []
+        ragged = []  # (module, inputs, group size)
         for name, scheme in self.modules.items():
             kw, features = quant_kwargs(scheme), model.get_submodule(name).weight.shape[-1]
             if kw["strategy"] == "group" and features % kw["group_size"]:
-                ragged.append(f"{name} ({features} inputs)")
+                ragged.append((name, features, kw["group_size"]))
         if ragged:
+            listed = ", ".join(f"{name} ({features} inputs)" for name, features, _ in ragged[:5])
             raise ValueError(
-                f"{self.name}: group_size {quant_kwargs(self.modules[ragged[0].split()[0]])['group_size']} does "
-                f"not divide the inputs of {len(ragged)} module(s): {', '.join(ragged[:5])}; choose a "
-                "group_size that divides them (e.g. 32 or 64), or add them to ignore"
+                f"{self.name}: group_size {ragged[0][2]} does not divide the inputs of {len(ragged)} module(s): "
+                f"{listed}; choose a group_size that divides them (e.g. 32 or 64), or add them to ignore"
             )
 
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
