@@ -46,6 +46,9 @@ def test_timeline_png_from_a_trace(tmp_path: Path) -> None:
     empty = {"traceEvents": [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "seqcal"}}]}
     with pytest.raises(ValueError, match="no stage spans"):
         plot_timeline(empty, tmp_path / "e.png")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a Chrome trace written by Profiler.close"):
+        plot_timeline(tmp_path / "bad.json", tmp_path / "e.png")
 
 
 def test_oneshot_cli_writes_error_plot_and_timeline(model_dir: Path, tmp_path: Path, capsys) -> None:

@@ -6,14 +6,13 @@ The picture a person would take a screenshot of in ui.perfetto.dev, drawn offlin
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from seqcal.report.plot import agg_figure, save_png
-from seqcal.report.profile import TRACKS
+from seqcal.report.profile import TRACKS, Profiler
 
 _COLORS = {
     "onload": "#9d755d", "calibration": "#4c78a8", "compress": "#e45756", "propagation": "#54a24b",
@@ -54,8 +53,8 @@ def plot_timeline(trace: str | os.PathLike[str] | Mapping[str, Any], path: str |
         >>> plot_timeline("run.trace.json", "run.timeline.png")  # doctest: +SKIP
         PosixPath('run.timeline.png')
     """
-    data = trace if isinstance(trace, Mapping) else json.loads(Path(trace).read_text())
-    events = data.get("traceEvents") or []
+    # a file is read as Profiler.load reads it (a clear error for one that is not a trace)
+    events = (trace.get("traceEvents") or []) if isinstance(trace, Mapping) else Profiler.load(trace).events
     spans = _spans(events)
     if not any(spans.values()):
         raise ValueError(f"plot_timeline: {trace if not isinstance(trace, Mapping) else 'trace'} has no stage "
