@@ -53,7 +53,7 @@ def measure(cmd: list[str]) -> tuple[float, float, float, str]:
 def perplexity(checkpoint: Path, windows: int | None) -> float:
     code = (
         "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
-        "from seqcal.eval import perplexity, load_eval_text;"
+        "from seqcal.evaluation.perplexity import perplexity, load_eval_text;"
         f"m = AutoModelForCausalLM.from_pretrained({str(checkpoint)!r}, dtype=torch.float32).eval();"
         f"t = AutoTokenizer.from_pretrained({str(checkpoint)!r});"
         f"r = perplexity(m, t, load_eval_text({str(WIKI / 'wiki.test.raw')!r}), seq_len=2048, "

@@ -38,7 +38,7 @@ def pairs(n: int, model: str) -> None:
 
 
 def self_time(model: str) -> None:
-    import seqcal.executor as executor
+    import seqcal.execution.executor as executor
     import seqcal.report.profile as profile
 
     spent = [0.0, 0]

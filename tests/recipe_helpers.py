@@ -5,7 +5,7 @@ from __future__ import annotations
 from compressed_tensors.quantization import QuantizationArgs
 
 from seqcal.modifiers import QuantizationModifier
-from seqcal.recipe import Recipe, parse_recipe
+from seqcal.recipe.parse import Recipe, parse_recipe
 
 
 def assert_same(a: Recipe, b: Recipe) -> None:

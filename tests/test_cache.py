@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from seqcal.cache import ActivationCache, CacheMissError
+from seqcal.execution.cache.store import ActivationCache, CacheMissError
 
 MB = 1 << 20
 Point = collections.namedtuple("Point", "x y")

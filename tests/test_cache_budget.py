@@ -13,14 +13,14 @@ import psutil
 import pytest
 import torch
 
-import seqcal.cache as cache_module
-from seqcal.cache import DEDUP_MAX_BYTES, ActivationCache
-from seqcal.cache_entries import _checksum
-from seqcal.cache_spill import SpillFolder
+import seqcal.execution.cache.store as cache_module
 from seqcal.cli import build_parser
 from seqcal.entrypoint import oneshot
+from seqcal.execution.cache.entries import _checksum
+from seqcal.execution.cache.spill import SpillFolder
+from seqcal.execution.cache.store import DEDUP_MAX_BYTES, ActivationCache
+from seqcal.execution.pipeline import PipelineArgs
 from seqcal.modifiers import GPTQModifier
-from seqcal.pipeline import PipelineArgs
 from test_oneshot import _output_error, tiny_llama, token_data
 
 MB = 1 << 20

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import seqcal.pipeline
+import seqcal.execution.pipeline
 from save_helpers import checkpoint_tensors, reload
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier
@@ -60,7 +60,9 @@ def test_offloaded_run_on_cuda_matches_the_cpu_run(tmp_path: Path, one_pass: boo
     _run(str(src), tmp_path / "gpu", one_pass=one_pass)
     assert torch.cuda.max_memory_allocated() > 0  # it did run on the GPU
     reference = LlamaForCausalLM.from_pretrained(src).eval()
-    monkeypatch.setattr(seqcal.pipeline, "_stage", lambda model, args: False)  # a model in RAM stays on cpu
+    monkeypatch.setattr(
+        seqcal.execution.pipeline, "_stage", lambda model, args: False
+    )  # a model in RAM stays on cpu
     _run(LlamaForCausalLM.from_pretrained(src).eval(), tmp_path / "cpu", one_pass=one_pass)
     gpu, cpu = checkpoint_tensors(tmp_path / "gpu"), checkpoint_tensors(tmp_path / "cpu")
     assert gpu.keys() == cpu.keys()

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from seqcal.data import (
+from seqcal.data.batches import (
     MIN_PARAGRAPH_CHARS,
     CalibrationDataError,
     DataArgs,
@@ -234,7 +234,7 @@ def test_dataloader_batches_pass_through(tok, caplog):
     assert torch.equal(batches[0]["input_ids"], torch.stack([torch.arange(0, 4), torch.arange(1, 5)]))
     assert torch.equal(batches[0]["attention_mask"], torch.ones(2, 4, dtype=torch.long))
     assert batches[0]["labels"].shape == (2, 4)
-    with caplog.at_level(logging.WARNING, logger="seqcal.data"):
+    with caplog.at_level(logging.WARNING, logger="seqcal.data.batches"):
         assert len(load_calibration_batches(DataArgs(loader, num_calibration_samples=100), tok)) == 3
     assert "fewer than the 100 requested" in caplog.text
     bad = torch.utils.data.DataLoader([{"text": "x"}], batch_size=1)
@@ -341,7 +341,7 @@ def test_concatenate_cuts_full_windows(tok, caplog):
         load(PARAS, tok, concatenate=True, max_seq_length=T, num_calibration_samples=3, batch_size=2)
     )
     assert got == [joined[i * T : (i + 1) * T] for i in range(3)]
-    with caplog.at_level(logging.WARNING, logger="seqcal.data"):
+    with caplog.at_level(logging.WARNING, logger="seqcal.data.batches"):
         got = rows_of(load(PARAS, tok, concatenate=True, max_seq_length=T, num_calibration_samples=10_000))
     assert len(got) == len(joined) // T and all(len(r) == T for r in got)
     assert "fewer than the 10000 requested" in caplog.text
@@ -365,7 +365,7 @@ def test_concatenate_on_wikitext_drops_headings(tok):
 
 
 def test_fewer_samples_than_requested_warns(tok, caplog):
-    with caplog.at_level(logging.WARNING, logger="seqcal.data"):
+    with caplog.at_level(logging.WARNING, logger="seqcal.data.batches"):
         assert len(load(PARAS[:2], tok, num_calibration_samples=512)) == 2
     assert "2 calibration samples, fewer than the 512 requested" in caplog.text
 

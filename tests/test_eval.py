@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from seqcal.eval import (
+from seqcal.evaluation.perplexity import (
     REPORT_FILENAME,
     PerplexityResult,
     format_error_table,

@@ -61,10 +61,10 @@ def test_untraceable_chain_falls_back_and_matches_traced(caplog: pytest.LogCaptu
 
 def test_fallback_with_weights_staged_off_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """With weights staged out of the model (the GPU path), the capture still runs on real weights."""
-    import seqcal.pipeline
+    import seqcal.execution.pipeline
 
     plain = oneshot(model=Chain(guard=True), dataset=data(), recipe=RECIPE)
-    monkeypatch.setattr(seqcal.pipeline, "_stage", lambda model, args: True)
+    monkeypatch.setattr(seqcal.execution.pipeline, "_stage", lambda model, args: True)
     staged = oneshot(model=Chain(guard=True), dataset=data(), recipe=RECIPE)
     for (name, a), (_, b) in zip(staged.named_parameters(), plain.named_parameters()):
         assert a.device.type == "cpu" and torch.equal(a, b), name

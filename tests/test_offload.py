@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from save_helpers import checkpoint_tensors
+from seqcal.checkpoint.preflight import DiskSpaceError, check_environment, check_output_dir
 from seqcal.entrypoint import oneshot
-from seqcal.offload import load_offloaded, params_under
-from seqcal.preflight import DiskSpaceError, check_environment, check_output_dir
+from seqcal.execution.weights import load_offloaded, params_under
 
 RECIPE = "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}"
 
@@ -87,7 +87,7 @@ def test_staged_in_memory_model_equals_the_plain_in_memory_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tie: bool
 ) -> None:
     """A model in RAM is staged through the execution device (the GPU path) with the same result."""
-    import seqcal.pipeline
+    import seqcal.execution.pipeline
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -95,9 +95,11 @@ def test_staged_in_memory_model_equals_the_plain_in_memory_run(
     plain, staged = LlamaForCausalLM(config).eval(), LlamaForCausalLM(config).eval()
     staged.load_state_dict(plain.state_dict())
     oneshot(model=plain, dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "plain"))
-    monkeypatch.setattr(seqcal.pipeline, "_stage", lambda model, args: True)
-    real, staged_models = seqcal.pipeline.stage_in_memory, []
-    monkeypatch.setattr(seqcal.pipeline, "stage_in_memory", lambda m: staged_models.append(m) or real(m))
+    monkeypatch.setattr(seqcal.execution.pipeline, "_stage", lambda model, args: True)
+    real, staged_models = seqcal.execution.pipeline.stage_in_memory, []
+    monkeypatch.setattr(
+        seqcal.execution.pipeline, "stage_in_memory", lambda m: staged_models.append(m) or real(m)
+    )
     oneshot(model=staged, dataset=data(), recipe=RECIPE, output_dir=str(tmp_path / "staged"))
     assert staged_models == [staged]
     a, b = checkpoint_tensors(tmp_path / "plain"), checkpoint_tensors(tmp_path / "staged")
@@ -111,8 +113,8 @@ def test_staged_in_memory_model_equals_the_plain_in_memory_run(
 
 def test_where_a_run_executes(monkeypatch: pytest.MonkeyPatch) -> None:
     """With CUDA: weights off the model (a directory, or a model in RAM, staged) run on cuda; else where they are."""
-    from seqcal.offload import WeightStore
-    from seqcal.pipeline import PipelineArgs, _execution_device, _stage
+    from seqcal.execution.pipeline import PipelineArgs, _execution_device, _stage
+    from seqcal.execution.weights import WeightStore
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))  # fmt: skip

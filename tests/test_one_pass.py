@@ -9,9 +9,9 @@ import torch
 
 from seqcal import trace_subgraphs
 from seqcal.entrypoint import oneshot
+from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
-from seqcal.partition import OnePassError, partition
-from seqcal.pipeline import PipelineArgs, one_pass_subgraphs
+from seqcal.tracing.partition import OnePassError, partition
 from test_oneshot import tiny_llama, token_data
 from test_trace_equivalence import SUPPORTED, assert_same_outputs
 from zoo import ARCHS

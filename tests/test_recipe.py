@@ -14,7 +14,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from recipe_helpers import assert_same, group_weights, round_trip
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
-from seqcal.recipe import Recipe, RecipeError, parse_recipe
+from seqcal.recipe.parse import Recipe, RecipeError, parse_recipe
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 EXPECTED_RECIPES = {

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from seqcal.modifiers import GPTQModifier
-from seqcal.recipe import Recipe, RecipeError, parse_recipe
+from seqcal.recipe.parse import Recipe, RecipeError, parse_recipe
 
 # --- llm-compressor's recipe files seqcal cannot run (Apache-2.0, vllm-project/llm-compressor) -----------
 

@@ -6,7 +6,7 @@ import pytest
 
 from recipe_helpers import group_weights, round_trip
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
-from seqcal.recipe import parse_recipe
+from seqcal.recipe.parse import parse_recipe
 
 # --- llm-compressor's recipe files (Apache-2.0, vllm-project/llm-compressor), re-typed as they are --------
 

@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from seqcal import SubgraphList, trace_subgraphs
-from seqcal.executor import GraphRunner
+from seqcal.execution.executor import GraphRunner
 from seqcal.report import (
     NO_SPAN,
     TRACKS,

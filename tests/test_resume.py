@@ -15,15 +15,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from save_helpers import checkpoint_tensors
+from seqcal.checkpoint.streaming import ResumeError
 from seqcal.entrypoint import oneshot
-from seqcal.stream import ResumeError
 
 LAYERS = 12
 SCRIPT = """
 import sys, torch
-import seqcal.stream
+import seqcal.checkpoint.streaming
 from seqcal.entrypoint import oneshot
-seqcal.stream.CHECKPOINT_BYTES = 1  # record progress after every subgraph, so the kill lands midway
+seqcal.checkpoint.streaming.CHECKPOINT_BYTES = 1  # record progress after every subgraph, so the kill lands midway
 g = torch.Generator().manual_seed(1)
 data = [{"input_ids": (torch.randint(-3, 4, (64,), generator=g).cumsum(0) % 256).tolist()} for _ in range(24)]
 oneshot(model=sys.argv[1], dataset=data, output_dir=sys.argv[2], resume=sys.argv[3] == "1", max_seq_length=64,

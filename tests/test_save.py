@@ -1,4 +1,4 @@
-"""Tests for seqcal.save: compressed-tensors checkpoints that transformers reloads to the same model.
+"""Tests for seqcal.checkpoint.writer: compressed-tensors checkpoints that transformers reloads to the same model.
 
 Each scheme is quantized here with seqcal.algorithms (RTN or GPTQ), saved, and reloaded with
 ``AutoModelForCausalLM.from_pretrained``; the reloaded logits must equal the in-memory fake-quantized model's
@@ -34,8 +34,8 @@ from save_helpers import (
     tiny_llama,
     weights,
 )
+from seqcal.checkpoint.writer import quantization_config, save_checkpoint
 from seqcal.modifiers.base import RunState
-from seqcal.save import quantization_config, save_checkpoint
 
 FORMATS = {
     "w4a16_g16": "pack-quantized",

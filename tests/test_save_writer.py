@@ -1,4 +1,4 @@
-"""Tests for seqcal.save's writer: the checkpoint directory, shards and index, tied weights, extras, the
+"""Tests for seqcal.checkpoint.writer's writer: the checkpoint directory, shards and index, tied weights, extras, the
 streaming ``CheckpointWriter`` and key layouts that match ``save_pretrained``."""
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from save_helpers import (
     rtn_lm_head,
     tiny_llama,
 )
-from seqcal.modifiers.base import RunState
-from seqcal.save import (
+from seqcal.checkpoint.writer import (
     CheckpointWriter,
     ModelLayout,
     checkpoint_config,
     save_checkpoint,
     write_extras,
 )
+from seqcal.modifiers.base import RunState
 from zoo import ARCHS
 
 

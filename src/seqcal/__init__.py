@@ -2,9 +2,9 @@
 
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
-from seqcal.recipe import Recipe, parse_recipe
-from seqcal.subgraphs import SubgraphList, trace_subgraphs
+from seqcal.recipe.parse import Recipe, parse_recipe
 from seqcal.tracing import TracingError
+from seqcal.tracing.subgraphs import SubgraphList, trace_subgraphs
 
 __all__ = [
     "GPTQModifier",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from seqcal.eval_report import ERRORS_PNG
+from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
 from seqcal.tracing import TracingError
 
@@ -123,7 +123,7 @@ def _eval_text(path: str | None) -> tuple[str, str]:
     """The evaluation text and its name: a file, else WikiText-2 test next to the repo, else the embedded text."""
     from pathlib import Path
 
-    from seqcal.eval import load_eval_text
+    from seqcal.evaluation.perplexity import load_eval_text
 
     candidates = [path] if path else [str(Path.cwd().parent / "shared" / "data" / "wiki.test.raw")]
     for candidate in candidates:
@@ -131,13 +131,13 @@ def _eval_text(path: str | None) -> tuple[str, str]:
             return load_eval_text(candidate), candidate
     if path:
         raise SystemExit(f"seqcal: evaluation file {path} does not exist")
-    from seqcal.data import default_calibration_text
+    from seqcal.data.batches import default_calibration_text
 
     return default_calibration_text(), "embedded text (no WikiText-2 found)"
 
 
 def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Namespace) -> float:
-    from seqcal.eval import perplexity
+    from seqcal.evaluation.perplexity import perplexity
 
     result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows)
     return result.ppl
@@ -201,7 +201,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         import json
         from pathlib import Path
 
-        from seqcal.eval import format_error_table
+        from seqcal.evaluation.perplexity import format_error_table
 
         report_path = Path(args.output_dir) / "quantization_report.json"
         if report_path.is_file():

@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from seqcal.data import DataArgs
-from seqcal.offload import WeightStore, load_offloaded
-from seqcal.pipeline import OutputPlan, PipelineArgs, run_pipeline
+from seqcal.checkpoint.preflight import check_environment, check_output_dir
+from seqcal.checkpoint.streaming import fingerprint
+from seqcal.data.batches import DataArgs
+from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
+from seqcal.execution.weights import WeightStore, load_offloaded
 from seqcal.plan import make_plan
-from seqcal.preflight import check_environment, check_output_dir
-from seqcal.recipe import parse_recipe
+from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
-from seqcal.stream import fingerprint
 
 logger = logging.getLogger("seqcal")
 
@@ -211,8 +211,8 @@ def oneshot(
     with Profiler(profile) as profiler:  # writes the trace on the way out, also when a stage fails
         state = run_pipeline(loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler)
         if out_args.output_dir is not None:
-            from seqcal.eval import write_error_report
-            from seqcal.save import save_checkpoint
+            from seqcal.checkpoint.writer import save_checkpoint
+            from seqcal.evaluation.perplexity import write_error_report
 
             with profiler.span("save", "checkpoint"):
                 if output.stream is not None:

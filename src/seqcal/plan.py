@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from seqcal.offload import params_under
-from seqcal.partition import Subgraph
+from seqcal.execution.weights import params_under
+from seqcal.tracing.partition import Subgraph
 
 # Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
 # model skeleton on meta, trace and batches (measured on this machine: 0.34 GiB after the imports, 0.36 GiB
@@ -164,9 +164,9 @@ def measure_values(subgraphs: Any, batch_size: int, seq_len: int) -> tuple[dict[
     Example:
         >>> values, widest = measure_values(trace_subgraphs(model, sample), 1, 2048)  # doctest: +SKIP
     """
-    from seqcal.executor import GraphRunner
+    from seqcal.execution.executor import GraphRunner
     from seqcal.report.profile import tensor_bytes
-    from seqcal.subgraphs import model_device
+    from seqcal.tracing.subgraphs import model_device
 
     runner, device = GraphRunner(subgraphs.model), model_device(subgraphs.model)
     sizes: dict[str, list[int]] = {}
@@ -307,8 +307,8 @@ def make_plan(
         >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,
         ...                 sequential_targets=None, tracing_ignore=[]).table())  # doctest: +SKIP
     """
-    from seqcal.pipeline import PipelineArgs, one_pass_subgraphs
-    from seqcal.subgraphs import trace_subgraphs
+    from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
+    from seqcal.tracing.subgraphs import trace_subgraphs
 
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}

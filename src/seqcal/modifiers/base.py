@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from seqcal.partition import Subgraph
+from seqcal.tracing.partition import Subgraph
 
 
 @dataclass

@@ -19,7 +19,7 @@ from seqcal.algorithms import (
 )
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
-from seqcal.partition import Subgraph
+from seqcal.tracing.partition import Subgraph
 
 # "group"/"dynamic" ordering (g_idx in the checkpoint) was removed from compressed-tensors and vLLM.
 ACTORDERS = (None, "static", "weight")

@@ -11,7 +11,7 @@ from compressed_tensors.quantization import QuantizationScheme
 from seqcal.algorithms import fake_quantize, quantize, weight_qparams
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.schemes import resolve_modules, resolve_schemes, strategy_of
-from seqcal.partition import Subgraph
+from seqcal.tracing.partition import Subgraph
 
 
 @dataclass

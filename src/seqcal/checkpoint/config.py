@@ -3,7 +3,7 @@
 ``ModelLayout`` maps in-memory state-dict keys to checkpoint keys (tied weights, transformers' weight
 conversions); ``quantization_config`` builds compressed-tensors' config block, and ``checkpoint_config``
 checks that its targets and ignore list give exactly the quantized modules on load (falling back to exact
-module names when they would not). ``seqcal.save`` writes the weights and re-exports these names.
+module names when they would not). ``seqcal.checkpoint.writer`` writes the weights and re-exports these names.
 
 Example:
     >>> layout = ModelLayout.from_model(model)  # doctest: +SKIP

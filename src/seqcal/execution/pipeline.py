@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from seqcal.cache import STORE_DTYPES, ActivationCache
-from seqcal.data import DataArgs, load_calibration_batches
-from seqcal.executor import calibrate_subgraphs
-from seqcal.modifiers import RunState
-from seqcal.offload import (
+from seqcal.checkpoint.streaming import StreamingCheckpoint
+from seqcal.data.batches import DataArgs, load_calibration_batches
+from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache
+from seqcal.execution.executor import calibrate_subgraphs
+from seqcal.execution.weights import (
     SubgraphWeights,
     WeightStore,
     buffers_on,
@@ -24,11 +24,11 @@ from seqcal.offload import (
     safety_hooks,
     stage_in_memory,
 )
-from seqcal.partition import OnePassError
+from seqcal.modifiers import RunState
 from seqcal.report.profile import NullProfiler, Profiler
-from seqcal.stream import StreamingCheckpoint
-from seqcal.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing import TracingError
+from seqcal.tracing.partition import OnePassError
+from seqcal.tracing.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing.targets import infer_candidates
 
 logger = logging.getLogger("seqcal")
@@ -257,9 +257,9 @@ def _layerwise_fallback(
     model: torch.nn.Module, batches: list[dict[str, Any]], targets: list[str] | None, err: TracingError
 ) -> tuple[SubgraphList, list[dict[str, Any]]]:
     """Tracing failed: calibrate layer by layer with hooks if the targets form a simple chain, else re-raise."""
-    from seqcal.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
-    from seqcal.partition import partition
     from seqcal.tracing.diagnostics import Problem
+    from seqcal.tracing.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
+    from seqcal.tracing.partition import partition
     from seqcal.tracing.targets import infer_candidates, match_targets
 
     found = match_targets(model, targets) if targets else infer_candidates(model)
@@ -286,7 +286,7 @@ def _whole_model(
     """pipeline 'basic' (one pass of the whole model, no tracing) and 'datafree' (no pass at all)."""
     import contextlib
 
-    from seqcal.partition import Subgraph
+    from seqcal.tracing.partition import Subgraph
 
     every = Subgraph(index=0, nodes=[], modules=[n for n, _ in model.named_modules() if n])
     start = time.perf_counter()

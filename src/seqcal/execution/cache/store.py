@@ -22,8 +22,8 @@ Objects the cache cannot decompose (a transformers ``DynamicCache``, arbitrary o
 reference in RAM and never pickled (DESIGN invariant 8); their tensors are not counted in
 ``resident_bytes`` and stay on whatever device they are on.
 
-The value <-> skeleton structure code lives in ``seqcal.cache_tree`` (``flatten``, ``unflatten``, re-exported
-here), the byte records in ``seqcal.cache_entries`` and the safetensors files in ``seqcal.cache_spill``.
+The value <-> skeleton structure code lives in ``seqcal.execution.cache.tree`` (``flatten``, ``unflatten``, re-exported
+here), the byte records in ``seqcal.execution.cache.entries`` and the safetensors files in ``seqcal.execution.cache.spill``.
 
 Example:
     >>> with ActivationCache(offload="disk") as cache:
@@ -40,7 +40,7 @@ from typing import Any, Literal, Self
 
 import torch
 
-from seqcal.cache_entries import (
+from seqcal.execution.cache.entries import (
     _Alias,
     _byte_span,
     _checksum,
@@ -54,8 +54,8 @@ from seqcal.cache_entries import (
     _TensorRef,
     _view,
 )
-from seqcal.cache_spill import SpillFolder
-from seqcal.cache_tree import flatten, unflatten
+from seqcal.execution.cache.spill import SpillFolder
+from seqcal.execution.cache.tree import flatten, unflatten
 
 OFFLOAD_TIERS = ("cpu", "disk")
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -3,7 +3,7 @@
 ``_load`` parses YAML with ``yaml.SafeLoader`` only (DESIGN invariant 8) and records where each mapping key
 is, so ``_Locator`` can point messages at "file:line"; repeated keys are refused instead of silently
 overwritten. ``RecipeError``, ``UNSUPPORTED_MODIFIERS`` and the message helpers (``_kind``, ``_closest``,
-``_looks_like_modifier``) live here too, since the loader's messages need them; ``seqcal.recipe`` turns the
+``_looks_like_modifier``) live here too, since the loader's messages need them; ``seqcal.recipe.parse`` turns the
 loaded data into modifiers and re-exports the public names.
 
 Example:

@@ -22,10 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from seqcal.algorithms import dequantize
-from seqcal.modifiers.base import QuantizedWeight, RunState
-from seqcal.modifiers.schemes import strategy_of
-from seqcal.partition import Subgraph
-from seqcal.save import (
+from seqcal.checkpoint.writer import (
     CONFIG_NAME,
     PROGRESS_NAME,
     CheckpointWriter,
@@ -33,6 +30,9 @@ from seqcal.save import (
     checkpoint_config,
     write_extras,
 )
+from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.schemes import strategy_of
+from seqcal.tracing.partition import Subgraph
 
 RESUME_DIR = "seqcal_resume"
 # Progress is recorded (and a shard written) once this much is waiting: every subgraph would give one small

@@ -2,7 +2,7 @@
 
 ``format_error_table`` prints one row per subgraph and the modules with the largest GPTQ loss;
 ``write_error_report`` writes ``quantization_report.json`` into the checkpoint directory atomically. Both
-are re-exported by ``seqcal.eval``.
+are re-exported by ``seqcal.evaluation.perplexity``.
 
 Example:
     >>> print(format_error_table({"modules": {"model.layers.0.mlp.down_proj": {"gptq_loss": 0.5}}}))
@@ -48,7 +48,7 @@ def format_error_table(report: Mapping[str, Any], *, top: int = 10) -> str:
     """
     if not isinstance(report, Mapping):
         raise TypeError(
-            f"seqcal.eval.format_error_table: expected a dict report, got {type(report).__name__}."
+            f"seqcal.evaluation.perplexity.format_error_table: expected a dict report, got {type(report).__name__}."
         )
     sections = []
     subgraphs = [s if isinstance(s, Mapping) else {} for s in report.get("subgraphs") or []]
@@ -130,7 +130,7 @@ def write_error_report(report: Mapping[str, Any], output_dir: str | os.PathLike[
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(
-            f"seqcal.eval.write_error_report: {out} is a file; pass the checkpoint directory instead."
+            f"seqcal.evaluation.perplexity.write_error_report: {out} is a file; pass the checkpoint directory instead."
         )
     text = json.dumps(_jsonable(report, "report"), indent=2, allow_nan=False) + "\n"
     out.mkdir(parents=True, exist_ok=True)
@@ -159,6 +159,6 @@ def _jsonable(value: Any, where: str) -> Any:
     if callable(getattr(value, "tolist", None)):  # torch / numpy tensors and scalars
         return _jsonable(value.tolist(), where)
     raise TypeError(
-        f"seqcal.eval.write_error_report: {where} is a {type(value).__name__}, which JSON cannot hold; "
+        f"seqcal.evaluation.perplexity.write_error_report: {where} is a {type(value).__name__}, which JSON cannot hold; "
         "store numbers, strings, lists or dicts in the report."
     )

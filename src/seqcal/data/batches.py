@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from seqcal.data_sources import (
+from seqcal.data.sources import (
     _HEADING,
     _ROW_READERS,
     ACCEPTED,
@@ -58,7 +58,7 @@ __all__ = [
     "load_calibration_batches",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("seqcal.data")
 
 
 @dataclasses.dataclass(frozen=True)

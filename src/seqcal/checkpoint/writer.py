@@ -16,7 +16,7 @@ Shards are written as they fill; ``config.json`` is written last, so a crash nev
 looks finished.
 
 The config side (``ModelLayout``, ``quantization_config``, ``checkpoint_config``) lives in
-``seqcal.save_config`` and the per-module tensors in ``seqcal.save_tensors``; the config names are
+``seqcal.checkpoint.config`` and the per-module tensors in ``seqcal.checkpoint.tensors``; the config names are
 re-exported here.
 """
 
@@ -31,16 +31,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqcal.eval_report import ERRORS_PNG, REPORT_FILENAME
-from seqcal.modifiers.base import QuantizedWeight, RunState
-from seqcal.save_config import (
+from seqcal.checkpoint.config import (
     WRITABLE_FORMATS,
     ModelLayout,
     Revert,
     checkpoint_config,
     quantization_config,
 )
-from seqcal.save_tensors import _module_tensors
+from seqcal.checkpoint.tensors import _module_tensors
+from seqcal.evaluation.errors import ERRORS_PNG, REPORT_FILENAME
+from seqcal.modifiers.base import QuantizedWeight, RunState
 
 __all__ = [
     "CONFIG_NAME",

@@ -7,7 +7,7 @@ scored on its own, ``nll`` = mean next-token cross-entropy over every predicted 
 ``ppl = exp(nll)``. Numbers are comparable with published GPTQ-style WikiText-2 perplexities, not with
 lm-eval's ``wikitext`` task (word perplexity per document, rolling windows).
 
-The per-layer error report (``format_error_table``, ``write_error_report``) lives in ``seqcal.eval_report``
+The per-layer error report (``format_error_table``, ``write_error_report``) lives in ``seqcal.evaluation.errors``
 and is re-exported here.
 
 Example:
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from seqcal.eval_report import REPORT_FILENAME, format_error_table, write_error_report
+from seqcal.evaluation.errors import REPORT_FILENAME, format_error_table, write_error_report
 
 __all__ = [
     "DTYPES",
@@ -129,7 +129,7 @@ def load_eval_text(path: str | os.PathLike[str]) -> str:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"seqcal.eval.load_eval_text: {path} is not a file. Pass a WikiText raw split such as "
+            f"seqcal.evaluation.perplexity.load_eval_text: {path} is not a file. Pass a WikiText raw split such as "
             "../shared/data/wiki.test.raw (the perplexity evaluation text)."
         )
     text = path.read_text(encoding="utf-8")  # text mode: CRLF reads as "\n", as the HF loader reads it
@@ -183,7 +183,7 @@ def token_windows(tokenizer: Any, text: str, seq_len: int, max_windows: int | No
     ids = torch.as_tensor(tokenizer(text, verbose=False)["input_ids"], dtype=torch.long)  # (N,)
     if ids.dim() != 1:
         raise ValueError(
-            f"seqcal.eval.token_windows: the tokenizer returned ids of shape {tuple(ids.shape)} for one "
+            f"seqcal.evaluation.perplexity.token_windows: the tokenizer returned ids of shape {tuple(ids.shape)} for one "
             "string; expected a flat list. Pass a Hugging Face tokenizer and a single str."
         )
     count = ids.numel() // seq_len
@@ -191,7 +191,7 @@ def token_windows(tokenizer: Any, text: str, seq_len: int, max_windows: int | No
         count = min(count, max_windows)
     if count == 0:
         raise ValueError(
-            f"seqcal.eval.token_windows: the text has {ids.numel()} tokens, fewer than seq_len={seq_len}; "
+            f"seqcal.evaluation.perplexity.token_windows: the text has {ids.numel()} tokens, fewer than seq_len={seq_len}; "
             "pass a longer text or a smaller seq_len."
         )
     return ids[: count * seq_len].view(count, seq_len)  # (W, T)
@@ -222,7 +222,7 @@ def window_nll_sum(
     batch, length, vocab = logits.shape
     if tuple(input_ids.shape) != (batch, length):
         raise ValueError(
-            f"seqcal.eval.window_nll_sum: logits {tuple(logits.shape)} need input_ids of shape "
+            f"seqcal.evaluation.perplexity.window_nll_sum: logits {tuple(logits.shape)} need input_ids of shape "
             f"{(batch, length)}, got {tuple(input_ids.shape)}."
         )
     rows = chunk_rows or max(1, _LOSS_CHUNK_ELEMENTS // vocab)
@@ -243,7 +243,7 @@ def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     resolved = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(str(dtype))
     if resolved is None or not resolved.is_floating_point:
         raise ValueError(
-            f"seqcal.eval: dtype {dtype!r} is not a floating dtype; valid names: {sorted(DTYPES)} "
+            f"seqcal.evaluation.perplexity: dtype {dtype!r} is not a floating dtype; valid names: {sorted(DTYPES)} "
             "(or a floating torch.dtype, or None to keep the model's dtype)."
         )
     return resolved
@@ -304,7 +304,7 @@ def perplexity(
         seq_len=seq_len,
         seconds=time.perf_counter() - start,
     )
-    logger.info("seqcal.eval: %s", result.summary())
+    logger.info("seqcal.evaluation.perplexity: %s", result.summary())
     return result
 
 
@@ -317,7 +317,7 @@ def _check_perplexity_args(seq_len: int, batch_size: int, max_windows: int | Non
     if max_windows is not None and max_windows < 1:
         problems.append(f"max_windows={max_windows} (>= 1, or None for all windows)")
     if problems:
-        raise ValueError(f"seqcal.eval.perplexity: invalid {', '.join(problems)}.")
+        raise ValueError(f"seqcal.evaluation.perplexity.perplexity: invalid {', '.join(problems)}.")
 
 
 def _place_model(model: torch.nn.Module, device: Any, dtype: torch.dtype | None) -> torch.device:
@@ -326,7 +326,7 @@ def _place_model(model: torch.nn.Module, device: Any, dtype: torch.dtype | None)
         return _input_device(model)
     if getattr(model, "hf_device_map", None):
         raise ValueError(
-            "seqcal.eval.perplexity: the model is dispatched across devices (it has an hf_device_map), so "
+            "seqcal.evaluation.perplexity.perplexity: the model is dispatched across devices (it has an hf_device_map), so "
             "it cannot be moved or cast as a whole; pass device=None and dtype=None to evaluate it in place."
         )
     model.to(device=device, dtype=dtype)
@@ -361,7 +361,7 @@ def _score_windows(
             logits = output[0] if isinstance(output, tuple) else getattr(output, "logits", None)
             if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
                 raise TypeError(
-                    f"seqcal.eval.perplexity: {type(model).__name__} returned no (batch, seq, vocab) logits; "
+                    f"seqcal.evaluation.perplexity.perplexity: {type(model).__name__} returned no (batch, seq, vocab) logits; "
                     "pass a causal LM with its head, e.g. one loaded with AutoModelForCausalLM."
                 )
             batch_total, batch_count = window_nll_sum(logits, batch)

@@ -2,8 +2,8 @@
 
 ``_module_tensors`` gives a module's own state-dict entries with its quantized weight replaced by the
 tensors of its format (``weight_packed``/``weight``, ``weight_scale``, ``weight_zero_point``,
-``weight_shape``; see ``seqcal.save``); the codes are checked first and the in-memory weight must equal
-their dequantization exactly. ``seqcal.save.CheckpointWriter`` writes what it returns.
+``weight_shape``; see ``seqcal.checkpoint.writer``); the codes are checked first and the in-memory weight must equal
+their dequantization exactly. ``seqcal.checkpoint.writer.CheckpointWriter`` writes what it returns.
 
 Example:
     >>> sorted(_module_tensors("model.layers.0.mlp.down_proj", module, qw))  # doctest: +SKIP
@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from seqcal.algorithms import code_dtype, dequantize, pack_int32, quant_range
+from seqcal.checkpoint.config import _format
 from seqcal.modifiers.base import QuantizedWeight
 from seqcal.modifiers.schemes import strategy_of
-from seqcal.save_config import _format
 
 
 def _check_quantized(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> None:

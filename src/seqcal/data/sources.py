@@ -3,7 +3,7 @@
 A row is what one sample comes from: a paragraph of a text file, a JSON/CSV/Parquet row, a row of an HF
 dataset (the requested split, cut to its ``[A:B]`` window), a conversation, or a token sequence. The
 readers are literal registries (``_FILE_READERS`` by file extension, ``_ROW_READERS`` by dataset kind).
-``seqcal.data`` turns rows into samples and batches; its public names (``CalibrationDataError``,
+``seqcal.data.batches`` turns rows into samples and batches; its public names (``CalibrationDataError``,
 ``default_calibration_text``, ``ACCEPTED``, ...) are defined here and re-exported there.
 
 Example:
@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 if TYPE_CHECKING:
-    from seqcal.data import DataArgs
+    from seqcal.data.batches import DataArgs
 
 # Records keep the logger name users configure for calibration data, whichever module emits them.
 logger = logging.getLogger("seqcal.data")
@@ -305,7 +305,7 @@ _ROW_READERS: dict[str, Callable[[DataArgs], tuple[Sequence[Any], str]]] = {
 }
 
 
-# ---- row shapes (also read by seqcal.data when it converts rows) ---------------------------------------
+# ---- row shapes (also read by seqcal.data.batches when it converts rows) ---------------------------------------
 
 
 def _is_conversation(value: Any) -> bool:

@@ -1,6 +1,6 @@
 """Records of the activation cache's stored bytes: refcounted entries, their aliases, tensor leaves.
 
-``seqcal.cache.ActivationCache`` creates and frees these; they hold no logic beyond viewing bytes as a
+``seqcal.execution.cache.store.ActivationCache`` creates and frees these; they hold no logic beyond viewing bytes as a
 tensor again (``_view``) and the byte span a tensor reads (``_byte_span``).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from seqcal.cache_tree import _Node
+from seqcal.execution.cache.tree import _Node
 
 
 @dataclasses.dataclass(eq=False)

@@ -12,10 +12,10 @@ from torch import fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from tqdm.auto import tqdm
 
-from seqcal.cache import ActivationCache
-from seqcal.offload import trim_host_memory
-from seqcal.partition import Subgraph
+from seqcal.execution.cache.store import ActivationCache
+from seqcal.execution.weights import trim_host_memory
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
+from seqcal.tracing.partition import Subgraph
 from seqcal.tracing.values import OpaqueCall
 
 

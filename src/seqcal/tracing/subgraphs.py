@@ -7,10 +7,10 @@ from typing import Any, overload
 
 import torch
 
-from seqcal.cache import ActivationCache
-from seqcal.executor import run_subgraphs
-from seqcal.partition import Subgraph, partition
+from seqcal.execution.cache.store import ActivationCache
+from seqcal.execution.executor import run_subgraphs
 from seqcal.tracing import TraceResult, split_inputs, trace
+from seqcal.tracing.partition import Subgraph, partition
 
 
 class SubgraphList(Sequence[Subgraph]):

@@ -1,7 +1,7 @@
 """Value <-> skeleton for the activation cache: ``flatten`` splits a value into containers and tensor leaves.
 
 The skeleton (``_Node``) keeps containers, constants and opaque objects; ``unflatten`` rebuilds the value
-from it. ``seqcal.cache.ActivationCache`` stores the tensor leaves and keeps the skeleton.
+from it. ``seqcal.execution.cache.store.ActivationCache`` stores the tensor leaves and keeps the skeleton.
 
 Example:
     >>> unflatten(flatten((torch.ones(1), None), lambda t: t * 2), lambda r: r)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from seqcal.save import PROGRESS_NAME
+from seqcal.checkpoint.writer import PROGRESS_NAME
 
 # Headroom on free-space estimates: shards are written whole, and the filesystem needs slack.
 DISK_MARGIN = 1.1

@@ -17,7 +17,7 @@ scheme, and its `targets` name the layers to calibrate one by one, as in llm-com
 
 Recipes are read with PyYAML's safe loader only (DESIGN invariant 8): tags such as `!GPTQModifier` or
 `!!python/...` are rejected, and `eval(...)` strings are refused, never evaluated. The loader, `RecipeError`
-and the message helpers live in `seqcal.recipe_yaml`; this module re-exports `RecipeError` and
+and the message helpers live in `seqcal.recipe.llmc_format`; this module re-exports `RecipeError` and
 `UNSUPPORTED_MODIFIERS`.
 """
 
@@ -34,7 +34,7 @@ from typing import Any, Union
 import yaml
 
 from seqcal.modifiers import MODIFIERS, Modifier, QuantizationModifier
-from seqcal.recipe_yaml import (
+from seqcal.recipe.llmc_format import (
     UNSUPPORTED_MODIFIERS,
     RecipeError,
     _closest,

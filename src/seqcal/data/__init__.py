@@ -1,0 +1,12 @@
+"""Calibration data: any accepted source -> padded token batches (see ``seqcal.data.batches``)."""
+
+from seqcal.data.batches import DataArgs, load_calibration_batches
+from seqcal.data.sources import ACCEPTED, CalibrationDataError, default_calibration_text
+
+__all__ = [
+    "ACCEPTED",
+    "CalibrationDataError",
+    "DataArgs",
+    "default_calibration_text",
+    "load_calibration_batches",
+]

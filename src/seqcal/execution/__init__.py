@@ -1,0 +1,1 @@
+"""Execution: run the partitioned graph subgraph by subgraph (pipeline, executor, weights, cache)."""
