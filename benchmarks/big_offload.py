@@ -39,10 +39,10 @@ print(f"seconds {time.perf_counter() - start:.1f}")
 """
 
 
-def write_checkpoint(path: Path, layers: int) -> int:
+def write_checkpoint(path: Path, layers: int, vocab_size: int = 32000) -> int:
     """A random bf16 Llama checkpoint in ~512 MB shards; returns its size in bytes."""
     config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
-                         num_key_value_heads=4, vocab_size=32000, torch_dtype="bfloat16")  # fmt: skip
+                         num_key_value_heads=4, vocab_size=vocab_size, torch_dtype="bfloat16")  # fmt: skip
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)
     path.mkdir(parents=True, exist_ok=True)
