@@ -117,7 +117,9 @@ def run_cli(
            "--max-seq-length", str(seq), "--output-dir", str(out), "--overwrite"]  # fmt: skip
     print("command:", "seqcal", " ".join(cmd[3 + len(entry) :]), flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    # the user's environment: tokenizers' own default parallelism, not the test suite's setting
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     poller = TreeRSS(proc.pid)
     stdout, stderr = proc.communicate()
     poller.stop()
@@ -162,5 +164,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.exit(main())
