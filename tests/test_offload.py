@@ -126,3 +126,41 @@ def test_where_a_run_executes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _stage(model, PipelineArgs()) and not _stage(model, PipelineArgs(stage_weights=False))
     assert _execution_device(model, store).type == "cuda"
     assert _execution_device(model, None).type == "cpu"  # not staged: runs where its weights are
+
+
+def test_a_tokenizer_oneshot_loaded_is_not_held_during_calibration(
+    smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its RSS (53 MB for SmolLM2's) would count against the memory bound; it is read again for the save."""
+    import gc
+    import shutil
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+    from seqcal.execution.weights import SubgraphWeights
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, model / name)
+    alive: list[bool] = []
+    real = SubgraphWeights.onload
+
+    def onload(self: SubgraphWeights, sg: object) -> int:
+        gc.collect()
+        alive.append(any(isinstance(o, PreTrainedTokenizerBase) for o in gc.get_objects()))
+        return real(self, sg)
+
+    monkeypatch.setattr(SubgraphWeights, "onload", onload)
+    texts = ["The history of the city begins with a small settlement on the river.", "Light is energy."]
+    # the embeddings outweigh these tiny layers, so the layers are named rather than inferred
+    oneshot(model=str(model), dataset=texts, recipe=RECIPE, output_dir=str(tmp_path / "out"), max_seq_length=32,
+            sequential_targets=["LlamaDecoderLayer"])  # fmt: skip
+    assert alive and not any(alive)  # no tokenizer object while subgraphs run
+    saved = AutoTokenizer.from_pretrained(tmp_path / "out")  # still saved with the checkpoint
+    assert (
+        saved("Light is energy.")["input_ids"]
+        == AutoTokenizer.from_pretrained(model)("Light is energy.")["input_ids"]
+    )

@@ -104,13 +104,19 @@ def run_pipeline(
     output: OutputPlan | None = None,
     store: WeightStore | None = None,
     profiler: Profiler | None = None,
+    batches: list[dict[str, Any]] | None = None,
 ) -> RunState:
-    """Run the modifiers over the model (the calibration stage of ``oneshot``); returns the run's state."""
+    """Run the modifiers over the model (the calibration stage of ``oneshot``); returns the run's state.
+
+    ``batches``: the calibration batches already built from ``data_args`` (``oneshot`` builds them first so
+    that it need not hold the tokenizer during calibration); None builds them here with ``tokenizer``.
+    """
     staged = store is None and args.pipeline == "sequential" and _stage(model, args)
     if staged:
         store = stage_in_memory(model)
     try:
-        return _run(model, tokenizer, modifiers, data_args, args, output, store, profiler, staged)
+        data = batches if batches is not None else data_args
+        return _run(model, tokenizer, modifiers, data, args, output, store, profiler, staged)
     finally:
         if staged:
             restore_in_memory(model, store)
@@ -123,8 +129,9 @@ def _stage(model: torch.nn.Module, args: PipelineArgs) -> bool:
 
 
 def _run(
-    model: torch.nn.Module, tokenizer: Any, modifiers: list[Any], data_args: DataArgs | None, args: PipelineArgs,
-    output: OutputPlan | None, store: WeightStore | None, profiler: Profiler | None, staged: bool,
+    model: torch.nn.Module, tokenizer: Any, modifiers: list[Any], data_args: DataArgs | list | None,
+    args: PipelineArgs, output: OutputPlan | None, store: WeightStore | None, profiler: Profiler | None,
+    staged: bool,
 ) -> RunState:  # fmt: skip
     start = time.perf_counter()
     profiler = profiler if profiler is not None else NullProfiler()
@@ -141,7 +148,7 @@ def _run(
             )
         batches = []
     else:
-        batches = load_calibration_batches(data_args, tokenizer)
+        batches = data_args if isinstance(data_args, list) else load_calibration_batches(data_args, tokenizer)
     targets = args.sequential_targets or next(
         (m.sequential_targets for m in modifiers if getattr(m, "sequential_targets", None)), None
     )
