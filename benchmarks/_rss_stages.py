@@ -55,7 +55,9 @@ def main() -> int:
 
     STAGE[0] = "cli started"
     _mark(entrypoint, "load_model", "load model + tokenizer")
-    _mark(pipeline, "load_calibration_batches", "tokenize calibration text")
+    for module in (pipeline, entrypoint):  # wherever the batches are built
+        if hasattr(module, "load_calibration_batches"):
+            _mark(module, "load_calibration_batches", "tokenize calibration text")
     _mark(pipeline, "one_pass_subgraphs", "trace")
     _mark(SubgraphWeights, "onload", arg=True)
     _mark(StreamingCheckpoint, "finish", "save (finish)")
