@@ -238,13 +238,13 @@ def _batches_then_release(
     command line). One the caller passed is kept (the caller holds it anyway).
 
     Returns:
-        (batches or None without data, the tokenizer to keep or None, the folder to read it again from).
+        (the batches, None, the folder to read the tokenizer again from) when it is released, else
+        (None, the tokenizer, None).
     """
-    batches = load_calibration_batches(data_args, tok) if data_args is not None else None
     path = getattr(tok, "name_or_path", None)
-    if owned and tok is not None and path and Path(path).is_dir():
-        return batches, None, str(path)
-    return batches, tok, None
+    if data_args is None or not owned or tok is None or not path or not Path(path).is_dir():
+        return None, tok, None  # nothing to release: the pipeline builds the batches
+    return load_calibration_batches(data_args, tok), None, str(path)
 
 
 def _reload_tokenizer(path: str, trust_remote_code: bool) -> Any:
