@@ -26,19 +26,24 @@ DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, 
 
 @dataclass
 class ModelArgs:
-    """Which model, in which dtype. ``model`` is a directory, 'default', or a loaded PreTrainedModel."""
+    """Which model, in which dtype. ``model`` is a directory, 'default', a Hub id or a loaded PreTrainedModel.
+
+    ``tokenizer`` is a tokenizer/processor object, or a directory or Hub id to load it from (None: the model's).
+    ``revision`` picks the branch, tag or commit of a Hub id.
+    """
 
     model: Any
     tokenizer: Any = None
     dtype: str = "auto"
     trust_remote_code: bool = False
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if not isinstance(self.model, (str, Path, torch.nn.Module)):
             raise TypeError(
-                f"model must be a directory, 'default' or a PreTrainedModel, got {type(self.model)}"
+                f"model must be a directory, 'default', a Hub id or a PreTrainedModel, got {type(self.model)}"
             )
 
 
@@ -75,7 +80,7 @@ def load_model(
     if isinstance(args.model, torch.nn.Module):
         model, source = args.model, getattr(args.model, "name_or_path", None)
     else:
-        source = str(resolve_model(args.model))
+        source = str(resolve_model(args.model, args.revision, args.trust_remote_code))
         dtype = DTYPES[args.dtype]
         if offload_weights:
             model, store = load_offloaded(source, None if dtype == "auto" else dtype, args.trust_remote_code)
@@ -84,6 +89,8 @@ def load_model(
                 source, dtype=dtype, trust_remote_code=args.trust_remote_code
             )
     tokenizer = args.tokenizer
+    if isinstance(tokenizer, (str, Path)):  # a directory or Hub id, resolved by transformers itself
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=args.trust_remote_code)
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if tokenizer is None and source and any((Path(source) / f).is_file() for f in files):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
