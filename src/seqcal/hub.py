@@ -114,11 +114,11 @@ def snapshot(
         raise HubError(f"{what} has no revision {revision!r} on the Hugging Face Hub; pass an existing "
                        "branch, tag or commit") from err  # fmt: skip
     except RepositoryNotFoundError as err:
-        raise HubError(f"{what} is not a local path and not a repository on the Hugging Face Hub (a private "
+        raise HubError(f"{what} is not a repository on the Hugging Face Hub (a private "
                        "one needs `hf auth login` or HF_TOKEN); check the name or pass a local path") from err  # fmt: skip
     except LocalEntryNotFoundError as err:
         why = "while HF_HUB_OFFLINE=1" if hub_offline() else "and the Hub could not be reached"
-        raise HubError(f"{what}{at} is not a local path and not in the Hugging Face Hub cache ({hub_cache()}) "
+        raise HubError(f"{what}{at} is not in the Hugging Face Hub cache ({hub_cache()}) "
                        f"{why}; run once online (or `hf download {repo_id}"
                        f"{' --repo-type dataset' if repo_type == 'dataset' else ''}`) to cache it, "
                        "or pass a local path", offline=True) from err  # fmt: skip

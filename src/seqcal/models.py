@@ -171,15 +171,16 @@ def resolve_model(
         try:
             snapshot = hub.snapshot(name, revision=revision, allow_patterns=patterns)
         except hub.HubError as err:
-            raise ValueError(f"seqcal.models.resolve_model: {err}; valid: one of the aliases {sorted(_EMBEDDED)}, "
-                             "a local model directory, or a Hub id") from err  # fmt: skip
+            raise ValueError(f"seqcal.models.resolve_model: '{name}' is neither an alias nor an existing directory, "
+                             f"and as a Hub id: {err}; valid: one of the aliases {sorted(_EMBEDDED)}, a local model "
+                             "directory, or a Hub id") from err  # fmt: skip
         return _check_hub_snapshot(name, snapshot)
     if not name:
         hint = "the model name is empty."
     elif path.exists():
         hint = f"'{name}' is a file; pass the directory that holds config.json and the weights."
     else:
-        hint = f"'{name}' is neither an alias, an existing directory nor a Hub id ('org/name')."
+        hint = f"'{name}' is neither an alias nor an existing directory, nor a Hub id ('org/name')."
     raise ValueError(
         f"seqcal.models.resolve_model: {hint} Valid: one of the aliases {sorted(_EMBEDDED)}, "
         "a local model directory, or a Hugging Face Hub id."

@@ -248,7 +248,9 @@ def _hub_rows(name: str, args: DataArgs) -> Sequence[Any]:
     try:
         loaded = datasets.load_dataset(name, args.dataset_config_name, split=split)
     except ConnectionError as err:
-        loaded = datasets.load_dataset(str(_hub_snapshot(name, args, err)), args.dataset_config_name, split=split)
+        loaded = datasets.load_dataset(
+            str(_hub_snapshot(name, args, err)), args.dataset_config_name, split=split
+        )
     return _hf_rows(loaded, args, sliced=args.splits is not None)
 
 
