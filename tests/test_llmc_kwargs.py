@@ -177,8 +177,9 @@ def test_llmc_keywords_run_end_to_end(tmp_path: Path, caplog) -> None:
     reference = {n: p.detach().clone() for n, p in model.named_parameters()}
     oneshot(model=model, dataset=[{"input_ids": list(range(3, 35))}] * 4, recipe=RECIPE, output_dir=str(tmp_path),
             max_seq_length=32, num_calibration_samples=4, save_compressed=True, trust_remote_code_model=False,
-            concatenate_data=False, pipeline="independent", moe_calibrate_all_experts=True, log_dir=str(tmp_path / "logs"),
-            clear_sparse_session=True, precision="auto")  # fmt: skip
+            concatenate_data=False, pipeline="independent", moe_calibrate_all_experts=True,
+            log_dir=str(tmp_path / "logs"), clear_sparse_session=True, precision="auto",
+            tracing_ignore=LLMC_0_14_DEFAULTS["tracing_ignore"])  # fmt: skip
     assert (tmp_path / "model.safetensors").is_file() and not (tmp_path / "logs").exists()
     weight = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(dict(model.named_parameters())[weight], reference[weight])  # quantized

@@ -1,7 +1,7 @@
 """Hugging Face Hub names -> local snapshot directories, resolved the way transformers and datasets do.
 
-A name such as ``"org/name"`` is looked up with ``huggingface_hub.snapshot_download``: online it downloads what
-is missing into the Hub cache (``HF_HUB_CACHE``, ``HF_HOME/hub`` or ``~/.cache/huggingface/hub``); with
+A name such as ``"org/name"`` is looked up with ``huggingface_hub.snapshot_download``: online it downloads
+what is missing into the Hub cache (``HF_HUB_CACHE``, ``HF_HOME/hub`` or ``~/.cache/huggingface/hub``); with
 ``HF_HUB_OFFLINE=1``, or when the Hub cannot be reached, it returns the cached snapshot. Only the files seqcal
 reads are fetched (``MODEL_FILES``): config, tokenizer, safetensors weights and their index, never ``.bin``
 or ``.pt`` pickles, so a model is not downloaded twice in two formats and nothing untrusted is loaded.
@@ -53,7 +53,7 @@ def is_repo_id(name: str) -> bool:
 
 
 def hub_offline() -> bool:
-    """Whether huggingface_hub runs offline (``HF_HUB_OFFLINE``, read by huggingface_hub when it is imported)."""
+    """Whether huggingface_hub runs offline (``HF_HUB_OFFLINE``, which it reads when it is imported)."""
     from huggingface_hub import constants
 
     return bool(constants.HF_HUB_OFFLINE)

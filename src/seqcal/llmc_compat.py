@@ -12,7 +12,9 @@ others are listed here, each with what seqcal does with it:
   empty ``accepts`` tuple refuses every value.
 
 Example:
-    >>> translate(oneshot_signature, {"model": "m", "unknown": {"concatenate_data": True}})["concatenate"]  # doctest: +SKIP
+    >>> from seqcal.entrypoint import oneshot
+    >>> args = {**{n: p.default for n, p in inspect.signature(oneshot).parameters.items()}, "model": "m"}
+    >>> translate(oneshot, {**args, "unknown": {"concatenate_data": True}})["concatenate"]
     True
 """
 
@@ -204,7 +206,10 @@ def translate(func: Callable[..., Any], bound: dict[str, Any]) -> dict[str, Any]
             seqcal's name for it, or a value seqcal cannot honour; the message names the keyword.
 
     Example:
-        >>> translate(oneshot, {**defaults, "unknown": {"trust_remote_code_model": True}})["trust_remote_code"]  # doctest: +SKIP
+        >>> from seqcal.entrypoint import oneshot
+        >>> defaults = {n: p.default for n, p in inspect.signature(oneshot).parameters.items()}
+        >>> kwargs = translate(oneshot, {**defaults, "model": "m", "unknown": {"trust_remote_code_model": True}})
+        >>> kwargs["trust_remote_code"]
         True
     """
     params = inspect.signature(func).parameters

