@@ -220,7 +220,11 @@ def test_trace_and_eval_cli_resolve_hub_ids(cache: Path, tmp_path: Path) -> None
     assert "traced in" in done.stdout
     text = tmp_path / "eval.txt"
     text.write_text("\n\n".join(TEXTS * 20))
-    done = _seqcal(["eval", "ppl", "--model", "org/missing", "--dataset", str(text)], cache, tmp_path)
+    eval_args = ["--dataset", str(text), "--eval-seq-length", "32", "--eval-windows", "2"]
+    done = _seqcal(["eval", "ppl", "--model", "org/tiny", *eval_args], cache, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.rsplit(":", 1)[1]) > 1.0  # a perplexity, computed with the snapshot's model
+    done = _seqcal(["eval", "ppl", "--model", "org/missing", *eval_args], cache, tmp_path)
     assert done.returncode != 0
     assert "'org/missing' is neither an alias nor an existing directory" in done.stderr
     assert "HF_HUB_OFFLINE=1" in done.stderr
