@@ -113,7 +113,10 @@ def test_hub_id_not_cached_offline_is_one_sentence_with_the_fix(in_cache: Path) 
     assert "'org/missing' is neither an alias nor an existing directory" in message
     assert "not in the Hugging Face Hub cache" in message and str(in_cache) in message
     assert "while HF_HUB_OFFLINE=1; run once online" in message and "pass a local path" in message
-    with pytest.raises(ValueError, match=r"at revision 'nope' is not in the Hugging Face Hub cache"):
+    with pytest.raises(
+        ValueError,
+        match=r"as a Hub id it is not in the Hugging Face Hub cache \(.*\) at revision 'nope' while",
+    ):
         resolve_model("org/tiny", revision="nope")
 
 
@@ -154,6 +157,42 @@ def test_only_config_tokenizer_and_safetensors_are_downloaded(monkeypatch, tmp_p
     for name in ("pytorch_model.bin", "model.pt", "modeling_x.py"):
         assert not any(Path(name).match(p) for p in patterns), name
     assert "*.py" in remote["allow_patterns"]
+
+
+def _hub_error(name: str) -> Exception:
+    """A huggingface_hub error as snapshot_download raises it online (built without an HTTP response)."""
+    import huggingface_hub.errors
+
+    cls = getattr(huggingface_hub.errors, name)
+    err = cls.__new__(cls)
+    Exception.__init__(err, "from the Hub")
+    return err
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (
+            "GatedRepoError",
+            r"is gated on the Hugging Face Hub: accept its terms at https://huggingface.co/org/x ",
+        ),
+        (
+            "RepositoryNotFoundError",
+            r"is not a repository on the Hugging Face Hub .*check the name or pass a local",
+        ),
+        ("RevisionNotFoundError", r"has no revision 'r9' on the Hugging Face Hub; pass an existing branch"),
+    ],
+)
+def test_online_hub_errors_say_what_to_do(error: str, expected: str, monkeypatch) -> None:
+    import huggingface_hub
+
+    def fail(repo_id, **kwargs):
+        raise _hub_error(error)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    with pytest.raises(ValueError, match=r"^seqcal.models.resolve_model: 'org/x' is neither an alias nor an "
+                                         r"existing directory, and as a Hub id it " + expected):  # fmt: skip
+        resolve_model("org/x", revision="r9")
 
 
 def test_offloaded_loading_reads_the_hub_snapshot(in_cache: Path) -> None:

@@ -27,11 +27,13 @@ REMOTE_CODE_FILES = ("*.py",)
 class HubError(ValueError):
     """A Hub name could not be resolved to a local snapshot; the message says why and what to do.
 
+    ``reason`` is the message without its subject ("model 'org/name'"), for callers that name it themselves;
     ``offline`` is True when the Hub was not consulted (HF_HUB_OFFLINE=1) or could not be reached.
     """
 
-    def __init__(self, message: str, offline: bool = False) -> None:
-        super().__init__(message)
+    def __init__(self, subject: str, reason: str, offline: bool = False) -> None:
+        super().__init__(f"{subject} {reason}")
+        self.reason = reason
         self.offline = offline
 
 
@@ -108,17 +110,17 @@ def snapshot(
             repo_id, repo_type=repo_type, revision=revision, allow_patterns=list(allow_patterns or []) or None
         )
     except GatedRepoError as err:  # before RepositoryNotFoundError, its base class
-        raise HubError(f"{what} is gated on the Hugging Face Hub: accept its terms at {page} and log in "
+        raise HubError(what, f"is gated on the Hugging Face Hub: accept its terms at {page} and log in "
                        "(`hf auth login` or HF_TOKEN)") from err  # fmt: skip
     except RevisionNotFoundError as err:
-        raise HubError(f"{what} has no revision {revision!r} on the Hugging Face Hub; pass an existing "
+        raise HubError(what, f"has no revision {revision!r} on the Hugging Face Hub; pass an existing "
                        "branch, tag or commit") from err  # fmt: skip
     except RepositoryNotFoundError as err:
-        raise HubError(f"{what} is not a repository on the Hugging Face Hub (a private "
+        raise HubError(what, "is not a repository on the Hugging Face Hub (a private "
                        "one needs `hf auth login` or HF_TOKEN); check the name or pass a local path") from err  # fmt: skip
     except LocalEntryNotFoundError as err:
         why = "while HF_HUB_OFFLINE=1" if hub_offline() else "and the Hub could not be reached"
-        raise HubError(f"{what}{at} is not in the Hugging Face Hub cache ({hub_cache()}) "
+        raise HubError(what, f"is not in the Hugging Face Hub cache ({hub_cache()}){at} "
                        f"{why}; run once online (or `hf download {repo_id}"
                        f"{' --repo-type dataset' if repo_type == 'dataset' else ''}`) to cache it, "
                        "or pass a local path", offline=True) from err  # fmt: skip

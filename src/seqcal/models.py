@@ -172,7 +172,7 @@ def resolve_model(
             snapshot = hub.snapshot(name, revision=revision, allow_patterns=patterns)
         except hub.HubError as err:
             raise ValueError(f"seqcal.models.resolve_model: '{name}' is neither an alias nor an existing directory, "
-                             f"and as a Hub id: {err}; valid: one of the aliases {sorted(_EMBEDDED)}, a local model "
+                             f"and as a Hub id it {err.reason}; valid: one of the aliases {sorted(_EMBEDDED)}, a local model "
                              "directory, or a Hub id") from err  # fmt: skip
         return _check_hub_snapshot(name, snapshot)
     if not name:
