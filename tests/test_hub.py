@@ -242,10 +242,13 @@ def test_oneshot_cli_on_cached_hub_model_and_dataset(cache: Path, tmp_path: Path
 
 
 def test_python_oneshot_honours_hf_hub_offline_from_the_environment(cache: Path, tmp_path: Path) -> None:
-    script = ("from seqcal import oneshot\n"
-              f"oneshot(model='org/tiny', dataset='org/calib', recipe={RECIPE!r}, output_dir={str(tmp_path / 'o')!r},"
-              " num_calibration_samples=4, max_seq_length=32)\n"
-              "oneshot(model='org/absent', recipe={RECIPE!r})\n".replace("{RECIPE!r}", repr(RECIPE)))  # fmt: skip
+    out = str(tmp_path / "o")
+    script = "\n".join([
+        "from seqcal import oneshot",
+        f"oneshot(model='org/tiny', dataset='org/calib', recipe={RECIPE!r}, output_dir={out!r},",
+        "        num_calibration_samples=4, max_seq_length=32)",
+        f"oneshot(model='org/absent', recipe={RECIPE!r})",
+    ])  # fmt: skip
     done = subprocess.run([sys.executable, "-c", script], env=_env(cache, tmp_path), capture_output=True,
                           text=True, timeout=600)  # fmt: skip
     assert (tmp_path / "o" / "model.safetensors").is_file(), done.stderr[-3000:]
