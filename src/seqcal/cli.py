@@ -231,7 +231,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 def _add_oneshot(sub: Any) -> None:
     one = sub.add_parser("oneshot", help="quantize a model with a recipe and calibration data")
-    one.add_argument("--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)")
+    one.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
     one.add_argument("--recipe", required=True, help="recipe YAML file (llm-compressor format accepted)")
     one.add_argument("--dataset", default="default", help="calibration data: file, HF name, or 'default'")
     one.add_argument("--output-dir", default=None)
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="seqcal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     trace = sub.add_parser("trace", help="trace a model and print its subgraphs")
-    trace.add_argument("--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)")
+    trace.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
     trace.add_argument("--targets", nargs="+", default=None, help="sequential target classes or re: patterns")
     trace.add_argument("--ignore", nargs="+", default=None, help="functions/methods to keep opaque")
     trace.add_argument(

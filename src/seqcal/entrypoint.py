@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,8 @@ from seqcal.checkpoint.streaming import fingerprint
 from seqcal.data.batches import DataArgs
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
+from seqcal.llmc_compat import needs_translation as needs_llmc_translation
+from seqcal.llmc_compat import translate as translate_llmc_kwargs
 from seqcal.plan import make_plan
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
@@ -26,19 +27,24 @@ DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, 
 
 @dataclass
 class ModelArgs:
-    """Which model, in which dtype. ``model`` is a directory, 'default', or a loaded PreTrainedModel."""
+    """Which model, in which dtype. ``model`` is a directory, 'default', a Hub id or a loaded PreTrainedModel.
+
+    ``tokenizer`` is a tokenizer/processor object, or a directory or Hub id to load it from (None: the model's).
+    ``revision`` picks the branch, tag or commit of a Hub id.
+    """
 
     model: Any
     tokenizer: Any = None
     dtype: str = "auto"
     trust_remote_code: bool = False
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if not isinstance(self.model, (str, Path, torch.nn.Module)):
             raise TypeError(
-                f"model must be a directory, 'default' or a PreTrainedModel, got {type(self.model)}"
+                f"model must be a directory, 'default', a Hub id or a PreTrainedModel, got {type(self.model)}"
             )
 
 
@@ -75,7 +81,7 @@ def load_model(
     if isinstance(args.model, torch.nn.Module):
         model, source = args.model, getattr(args.model, "name_or_path", None)
     else:
-        source = str(resolve_model(args.model))
+        source = str(resolve_model(args.model, args.revision, args.trust_remote_code))
         dtype = DTYPES[args.dtype]
         if offload_weights:
             model, store = load_offloaded(source, None if dtype == "auto" else dtype, args.trust_remote_code)
@@ -84,6 +90,8 @@ def load_model(
                 source, dtype=dtype, trust_remote_code=args.trust_remote_code
             )
     tokenizer = args.tokenizer
+    if isinstance(tokenizer, (str, Path)):  # a directory or Hub id, resolved by transformers itself
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=args.trust_remote_code)
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if tokenizer is None and source and any((Path(source) / f).is_file() for f in files):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
@@ -120,14 +128,19 @@ def oneshot(
     one_pass: bool = True,
     cache_max_memory: int | str | None = None,
     cache_dtype: str | None = None,
+    dataset_config_name: str | None = None,
+    model_revision: str | None = None,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
 
-    Keyword names follow llm-compressor's ``oneshot``, so scripts port by changing the import.
+    Keyword names follow llm-compressor's ``oneshot``; its other keywords are translated by
+    ``seqcal.llmc_compat`` (aliases such as ``concatenate_data``, no-ops logged with the reason, or an error
+    that names the keyword and what to use instead).
 
     Args:
-        model: a model directory, 'default' (SmolLM2-135M-Instruct, offline) or a PreTrainedModel.
+        model: a model directory, 'default' (SmolLM2-135M-Instruct, offline), a Hugging Face Hub id
+            (downloaded as transformers does; read from the Hub cache with HF_HUB_OFFLINE=1) or a PreTrainedModel.
         dataset: calibration data (text/jsonl/json/csv/parquet file, list of strings, Dataset, ...).
         recipe: a YAML file or string, a Modifier, or a list of them.
         output_dir: where to write the checkpoint (None: keep in memory only).
@@ -158,6 +171,8 @@ def oneshot(
             not fit is written to safetensors files in a temporary folder (under offload_dir if given).
         cache_dtype: "bfloat16" or "float16" stores float32 activations in that dtype (half the cache,
             lossy); None stores them exactly.
+        dataset_config_name: configuration of a Hub dataset, e.g. "wikitext-2-raw-v1".
+        model_revision: branch, tag or commit of a Hub model id (None: "main").
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left).
@@ -166,15 +181,9 @@ def oneshot(
         >>> oneshot(model="default", dataset="default", recipe="recipes/gptq_w4a16_g64.yaml",
         ...         output_dir="out", num_calibration_samples=64, max_seq_length=512)  # doctest: +SKIP
     """
-    if unknown:
-        valid = [p for p in oneshot.__code__.co_varnames[: oneshot.__code__.co_argcount]]
-        hints = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}
-        raise TypeError(
-            "oneshot() got unknown argument(s): "
-            + ", ".join(f"{k}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
-            + f"; valid arguments: {', '.join(valid)}"
-        )
-    model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code)
+    if needs_llmc_translation(dict(locals())):  # llm-compressor's keywords: seqcal's own, or an error
+        return oneshot(**translate_llmc_kwargs(oneshot, dict(locals())))
+    model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code, model_revision)
     pipe_args = PipelineArgs(
         pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
         offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
@@ -203,7 +212,7 @@ def oneshot(
     if pipe_args.pipeline != "datafree":
         data_args = DataArgs(
             dataset if dataset is not None else "default", num_calibration_samples, max_seq_length, batch_size,
-            shuffle_calibration_samples, text_column, splits, seed, concatenate,
+            shuffle_calibration_samples, text_column, splits, seed, concatenate, dataset_config_name,
         )  # fmt: skip
     recipe_yaml = parsed.to_yaml()
     output = OutputPlan(out_args, recipe_yaml, fingerprint(recipe_yaml, repr(data_args), repr(pipe_args),

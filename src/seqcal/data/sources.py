@@ -235,18 +235,40 @@ def _string_rows(args: DataArgs) -> tuple[Sequence[Any], str]:
 
 
 def _hub_rows(name: str, args: DataArgs) -> Sequence[Any]:
+    """Rows of a Hub dataset, resolved as ``datasets.load_dataset`` resolves it.
+
+    Online, and offline when ``datasets`` prepared it before (its own cache), ``load_dataset(name)`` does it.
+    Offline otherwise, ``datasets`` does not look in the Hub file cache, so the cached snapshot of the
+    repository (``hf download --repo-type dataset``, or an earlier download) is loaded as a local folder.
+    """
     datasets = _import_datasets(
         f"dataset {name!r} is not a local file, so it would come from the Hugging Face Hub; that"
     )
+    split = _split_spec(args.splits)
     try:
-        loaded = datasets.load_dataset(name, args.dataset_config_name, split=_split_spec(args.splits))
+        loaded = datasets.load_dataset(name, args.dataset_config_name, split=split)
     except ConnectionError as err:
-        raise ConnectionError(
-            f"cannot load dataset {name!r} from the Hugging Face Hub: this machine is offline or HF_HUB_OFFLINE=1 "
-            f"is set ({err}). Pass a local file instead, e.g. dataset='calib.txt' (paragraphs separated by blank "
-            f"lines) or dataset='calib.jsonl' with a {args.text_column!r} field per line, or dataset='default'"
-        ) from err
+        loaded = datasets.load_dataset(
+            str(_hub_snapshot(name, args, err)), args.dataset_config_name, split=split
+        )
     return _hf_rows(loaded, args, sliced=args.splits is not None)
+
+
+def _hub_snapshot(name: str, args: DataArgs, err: ConnectionError) -> Path:
+    """The dataset's snapshot in the Hub cache, after ``datasets`` could not reach the Hub (``err``)."""
+    from seqcal import hub
+
+    try:
+        return hub.snapshot(name, repo_type="dataset")
+    except hub.HubError as missing:
+        if not missing.offline:
+            raise CalibrationDataError(str(missing)) from missing
+        raise ConnectionError(
+            f"cannot load dataset {name!r}: offline ({err}) and not in the Hugging Face Hub cache "
+            f"({hub.hub_cache()}); run once online (or `hf download {name} --repo-type dataset`) to cache it. "
+            f"Pass a local file instead, e.g. dataset='calib.txt' (paragraphs separated by blank lines) or "
+            f"dataset='calib.jsonl' with a {args.text_column!r} field per line, or dataset='default'"
+        ) from err
 
 
 def _hf_rows(ds: Any, args: DataArgs, sliced: bool) -> Sequence[Any]:
