@@ -30,18 +30,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
+from seqcal.data.args import ACCEPTED, CalibrationDataError, DataArgs, _dataset_kind
 from seqcal.data.sources import (
     _HEADING,
     _ROW_READERS,
-    ACCEPTED,
     MIN_PARAGRAPH_CHARS,
-    CalibrationDataError,
     _as_ids,
-    _dataset_kind,
     _is_conversation,
-    _is_int,
-    _require,
-    _split_spec,
     _warn_unused_splits,
     default_calibration_text,
 )
@@ -59,64 +54,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("seqcal.data")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataArgs:
-    """Where calibration data comes from and how it is cut into batches (llm-compressor's keyword names).
-
-    Args:
-        dataset: any of ``ACCEPTED`` (a file path, "default", a Hub name, a list, a Dataset, tensors, ...).
-        num_calibration_samples: samples (``concatenate``: windows) to use, taken after shuffling.
-        max_seq_length: tokens per sample at most (``concatenate``: exactly).
-        batch_size: samples per batch; a batch is padded to its longest sample.
-        shuffle_calibration_samples: shuffle rows with ``random.Random(seed)`` before selecting.
-        text_column: column holding the text in row-shaped data (JSON, CSV, Parquet, HF datasets).
-        splits: HF split to use: ``"train"``, ``"train[:512]"``, ``"validation[:10%]"`` or
-            ``{"calibration": "train"}``; None picks "calibration", then "train", then the only split.
-        seed: shuffling seed.
-        concatenate: join texts with blank lines and cut full windows of ``max_seq_length`` tokens
-            (the GPTQ paper's WikiText/C4 recipe) instead of one sample per row.
-        dataset_config_name: HF dataset configuration, e.g. ``"wikitext-2-raw-v1"``.
-
-    Example:
-        >>> DataArgs("calib.jsonl", num_calibration_samples=128, max_seq_length=512, text_column="content")
-    """
-
-    dataset: Any
-    num_calibration_samples: int = 512
-    max_seq_length: int = 2048
-    batch_size: int = 1
-    shuffle_calibration_samples: bool = True
-    text_column: str = "text"
-    splits: str | dict[str, str] | None = None
-    seed: int = 42
-    concatenate: bool = False
-    dataset_config_name: str | None = None
-
-    def __post_init__(self) -> None:
-        for name, example in (("num_calibration_samples", 512), ("max_seq_length", 2048), ("batch_size", 1)):
-            value = getattr(self, name)
-            _require(
-                _is_int(value) and value > 0,
-                f"DataArgs.{name} must be a positive int, got {value!r}; e.g. {name}={example}",
-            )
-        _require(_is_int(self.seed), f"DataArgs.seed must be an int, got {self.seed!r}; e.g. seed=42")
-        for name in ("shuffle_calibration_samples", "concatenate"):
-            _require(
-                isinstance(getattr(self, name), bool),
-                f"DataArgs.{name} must be True or False, got {getattr(self, name)!r}",
-            )
-        _require(
-            isinstance(self.text_column, str) and bool(self.text_column),
-            f"DataArgs.text_column must be a non-empty column name, got {self.text_column!r}",
-        )
-        _require(
-            self.dataset_config_name is None or isinstance(self.dataset_config_name, str),
-            f"DataArgs.dataset_config_name must be a str or None, got {self.dataset_config_name!r}",
-        )
-        _split_spec(self.splits)
-        _dataset_kind(self.dataset)
 
 
 @dataclasses.dataclass(frozen=True)
