@@ -37,6 +37,7 @@ from seqcal.data.sources import (
     MIN_PARAGRAPH_CHARS,
     _as_ids,
     _is_conversation,
+    _row_where,
     _warn_unused_splits,
     default_calibration_text,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "DataArgs",
     "default_calibration_text",
     "load_calibration_batches",
+    "needs_tokenizer",
 ]
 
 logger = logging.getLogger("seqcal.data")
@@ -95,7 +97,9 @@ def load_calibration_batches(
     if args.shuffle_calibration_samples:
         random.Random(args.seed).shuffle(order)
     samples = (
-        s for i in order if (s := _to_sample(rows[i], f"{where}, row {i}", args, tokenizer)) is not None
+        s
+        for i in order
+        if (s := _to_sample(rows[i], _row_where(rows, where, i), args, tokenizer)) is not None
     )
     seqs = (
         _windows(samples, args, tokenizer, where) if args.concatenate else _first_n(samples, args, tokenizer)
@@ -112,6 +116,35 @@ def load_calibration_batches(
     return [
         _collate(seqs[i : i + args.batch_size], pad_id, side) for i in range(0, len(seqs), args.batch_size)
     ]
+
+
+def needs_tokenizer(args: DataArgs) -> bool:
+    """Whether the calibration data holds text (which needs a tokenizer) rather than token ids.
+
+    Decided by the first non-empty row; reading rows costs a second read of the dataset, so call it only
+    when no tokenizer is at hand.
+
+    Args:
+        args: the dataset and how to read it.
+
+    Returns:
+        False for a DataLoader and for token ids (tensors, id lists, ``{"input_ids": ...}`` rows), else True.
+
+    Example:
+        >>> needs_tokenizer(DataArgs(["Some text."])), needs_tokenizer(DataArgs(torch.ones(2, 8).long()))
+        (True, False)
+    """
+    kind = _dataset_kind(args.dataset)
+    if kind == "loader":
+        return False
+    rows, _ = _ROW_READERS[kind](args)
+    for row in rows:
+        if row is None or (isinstance(row, str) and not row.strip()):
+            continue
+        if isinstance(row, Mapping):
+            return "input_ids" not in row or args.text_column in row or "messages" in row
+        return isinstance(row, str) or _is_conversation(row)
+    return False
 
 
 # ---- rows -> samples -> token sequences ----------------------------------------------------------------
@@ -143,6 +176,16 @@ def _render_chat(messages: Sequence[Mapping], tokenizer: Any, where: str, args: 
     return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False)
 
 
+def _not_messages(value: Any, where: str) -> str:
+    """The error for a 'messages' value that is not a conversation (a string, a dict, messages without roles)."""
+    got = f"a {type(value).__name__}"
+    if isinstance(value, (list, tuple)):
+        bad = next(m for m in value if not (isinstance(m, Mapping) and "role" in m and "content" in m))
+        got = f"a list whose item {bad!r:.60} is not a {{'role', 'content'}} dict"
+    return (f"{where}: expected a list of messages like [{{'role': 'user', 'content': '...'}}], got {got}; "
+            "give each chat row such a list, or put plain text in the text column")  # fmt: skip
+
+
 def _to_sample(row: Any, where: str, args: DataArgs, tokenizer: Any) -> _Sample | None:
     """One row as text, chat text or token ids; None for rows with nothing to calibrate on."""
     if row is None:
@@ -154,6 +197,8 @@ def _to_sample(row: Any, where: str, args: DataArgs, tokenizer: Any) -> _Sample 
     if isinstance(row, Mapping):
         for key in (args.text_column, "messages"):
             if key in row:
+                if key == "messages" and row[key] != [] and not _is_conversation(row[key]):
+                    raise CalibrationDataError(_not_messages(row[key], f"{where}, column 'messages'"))
                 return _to_sample(row[key], f"{where}, column {key!r}", args, tokenizer)
         if "input_ids" in row:
             ids = _unpad(row, where)

@@ -72,18 +72,36 @@ def _paragraphs(text: str) -> list[str]:
     return out
 
 
+class _JsonLines(list):
+    """The rows of a JSON lines file, with the file's line number of each row (blank lines are skipped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[int] = []
+
+
 def _read_jsonl(path: Path) -> list[Any]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
+    rows = _JsonLines()
+    with path.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the first row
+        n = 0
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise CalibrationDataError(f"{path}:{n}: not valid JSON ({err.msg}); JSON lines hold one object "
-                                           'per line, e.g. {"text": "..."}') from err  # fmt: skip
+                rows.lines.append(n)
+        except json.JSONDecodeError as err:
+            raise CalibrationDataError(f"{path}:{n}: not valid JSON ({err.msg}); JSON lines hold one object "
+                                       'per line, e.g. {"text": "..."}') from err  # fmt: skip
+        except UnicodeDecodeError as err:
+            raise CalibrationDataError(f"{path}:{n + 1}: not UTF-8 text ({err.reason}); is it the right file? "
+                                       'JSON lines hold one object per line, e.g. {"text": "..."}') from err  # fmt: skip
     return rows
+
+
+def _row_where(rows: Sequence[Any], where: str, i: int) -> str:
+    """Where row ``i`` is, for messages: ``file:line`` for JSON lines, else ``where, row i``."""
+    return f"{where}:{rows.lines[i]}" if isinstance(rows, _JsonLines) else f"{where}, row {i}"
 
 
 def _columns_to_rows(data: Mapping) -> list[Any] | None:

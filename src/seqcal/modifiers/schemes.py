@@ -6,6 +6,7 @@ names mean exactly what they mean in llm-compressor and in the saved ``quantizat
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -122,15 +123,40 @@ def matches_target(module: torch.nn.Module, name: str, patterns: Sequence[str]) 
 
 
 def resolve_modules(
-    model: torch.nn.Module, groups: dict[str, QuantizationScheme], ignore: Sequence[str]
+    model: torch.nn.Module,
+    groups: dict[str, QuantizationScheme],
+    ignore: Sequence[str],
+    where: str = "recipe",
 ) -> dict[str, QuantizationScheme]:
     """Module name -> scheme for every Linear matched by a group's targets and not ignored.
 
     The first group that matches wins, as in compressed-tensors. Only ``nn.Linear`` weights are quantized
     (embeddings and norms are not), whatever the target pattern.
+
+    Args:
+        model: the model the recipe is applied to.
+        groups: the modifier's schemes, each with its ``targets``.
+        ignore: class names or ``re:`` patterns of modules left in full precision.
+        where: the modifier's name, for error messages.
+
+    Returns:
+        Qualified module name -> its scheme, in module order.
+
+    Raises:
+        ValueError: a target or ignore pattern matches no module of the model (a typo); the message names
+            the pattern and the closest class or module names.
+
+    Example:
+        >>> resolve_modules(model, resolve_schemes("W4A16", None, "Linear", "m"), ["lm_head"])  # doctest: +SKIP
     """
+    modules = list(model.named_modules())
+    for kind, patterns in [("targets", [t for g in groups.values() for t in g.targets]), ("ignore", ignore)]:
+        for pattern in dict.fromkeys(patterns):
+            if not any(matches_target(m, n, [pattern]) for n, m in modules):
+                raise ValueError(f"{where}: {kind} entry {pattern!r} matches no module of "
+                                 f"{type(model).__name__}{_near(pattern, modules)}")  # fmt: skip
     found: dict[str, QuantizationScheme] = {}
-    for name, module in model.named_modules():
+    for name, module in modules:
         if not isinstance(module, torch.nn.Linear) or matches_target(module, name, ignore):
             continue
         for group in groups.values():
@@ -138,3 +164,18 @@ def resolve_modules(
                 found[name] = group
                 break
     return found
+
+
+def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> str:
+    """The closest class names (for a class name) or module names (for an ``re:`` pattern), as a hint."""
+    classes = sorted({type(m).__name__ for _, m in modules})
+    if pattern.startswith("re:"):
+        # Compare the pattern's literal tail ("q_prj" of "re:.*q_prj") with the modules' last name parts.
+        tail = re.sub(r"[^\w.]", "", pattern[3:].split("*")[-1]).strip(".").rsplit(".", 1)[-1]
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in modules if n})
+        close = difflib.get_close_matches(tail, leaves, n=3, cutoff=0.6)
+        valid = "an 're:' pattern is matched with re.match from the start of the qualified module name"
+        return f" (close module names: {', '.join(close)}); {valid}" if close else f"; {valid}"
+    close = difflib.get_close_matches(pattern, classes + [n for n, _ in modules if n], n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return f"{hint}; give a module class name (one of {', '.join(classes[:12])}) or an 're:' name pattern"

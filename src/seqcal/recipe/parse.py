@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 import yaml
 
 from seqcal.modifiers import MODIFIERS, Modifier, QuantizationModifier
@@ -83,6 +84,37 @@ class Recipe:
                 raise RecipeError(
                     f"{where}: modifiers[{i}] is a {type(modifier).__name__}, not a seqcal Modifier "
                     f"({', '.join(MODIFIERS)} from seqcal.modifiers)"
+                )
+
+    def validate(self, model: torch.nn.Module) -> None:
+        """Check every modifier against ``model``, then that no Linear is claimed by two modifiers.
+
+        A module is quantized once: a second modifier targeting it would be skipped silently, so a recipe
+        whose modifiers overlap is refused before any calibration.
+
+        Args:
+            model: the model the recipe is applied to.
+
+        Raises:
+            ValueError: a modifier's own check failed, or two modifiers target the same modules.
+
+        Example:
+            >>> parse_recipe("GPTQModifier: {scheme: W4A16, ignore: [lm_head]}").validate(model)  # doctest: +SKIP
+        """
+        claimed: dict[str, int] = {}  # module name -> index of the first modifier that quantizes it
+        for i, modifier in enumerate(self.modifiers):
+            modifier.validate(model)
+            for name in getattr(modifier, "modules", {}):
+                claimed.setdefault(name, i)
+            shared = [n for n in getattr(modifier, "modules", {}) if claimed[n] != i]
+            if shared:
+                first = self.modifiers[claimed[shared[0]]]
+                shown = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+                raise RecipeError(
+                    f"{self.source or 'recipe'}: {first.name} (modifier {claimed[shared[0]] + 1}) and "
+                    f"{modifier.name} (modifier {i + 1}) both target {len(shared)} Linear module(s) ({shown}); "
+                    f"a module is quantized once: narrow the targets of one of them or add the shared modules "
+                    f"to its ignore list"
                 )
 
     def to_yaml(self) -> str:
