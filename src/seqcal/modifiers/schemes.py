@@ -7,6 +7,7 @@ names mean exactly what they mean in llm-compressor and in the saved ``quantizat
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+logger = logging.getLogger("seqcal")
 
 # Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights, dynamic activations.
 # FP8 (static activation scales) is not among them: it needs activation observers seqcal does not have yet.
@@ -143,18 +146,14 @@ def resolve_modules(
         Qualified module name -> its scheme, in module order.
 
     Raises:
-        ValueError: a target or ignore pattern matches no module of the model (a typo); the message names
-            the pattern and the closest class or module names.
+        ValueError: a target matches no module of the model, or an ignore entry matches none but is close
+            to a module's name or class (a typo); the message names the pattern and the close names.
 
     Example:
         >>> resolve_modules(model, resolve_schemes("W4A16", None, "Linear", "m"), ["lm_head"])  # doctest: +SKIP
     """
     modules = list(model.named_modules())
-    for kind, patterns in [("targets", [t for g in groups.values() for t in g.targets]), ("ignore", ignore)]:
-        for pattern in dict.fromkeys(patterns):
-            if not any(matches_target(m, n, [pattern]) for n, m in modules):
-                raise ValueError(f"{where}: {kind} entry {pattern!r} matches no module of "
-                                 f"{type(model).__name__}{_near(pattern, modules)}")  # fmt: skip
+    _check_patterns(model, modules, [t for g in groups.values() for t in g.targets], ignore, where)
     found: dict[str, QuantizationScheme] = {}
     for name, module in modules:
         if not isinstance(module, torch.nn.Linear) or matches_target(module, name, ignore):
@@ -166,8 +165,32 @@ def resolve_modules(
     return found
 
 
-def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> str:
-    """The closest class names (for a class name) or module names (for an ``re:`` pattern), as a hint."""
+def _check_patterns(
+    model: torch.nn.Module,
+    modules: list[tuple[str, torch.nn.Module]],
+    targets: list[str],
+    ignore: Sequence[str],
+    where: str,
+) -> None:
+    """Refuse a target that matches no module, and an ignore entry that is a near miss (a typo).
+
+    "Linear" is left to the caller's "no Linear layer" check. An ignore entry with no close match names
+    something this architecture does not have (a recipe shared across models): it is only a warning.
+    """
+    for kind, patterns in (("targets", [t for t in targets if t != "Linear"]), ("ignore", list(ignore))):
+        for pattern in dict.fromkeys(patterns):
+            if any(matches_target(m, n, [pattern]) for n, m in modules):
+                continue
+            hint, close = _near(pattern, modules)
+            message = f"{where}: {kind} entry {pattern!r} matches no module of {type(model).__name__}{hint}"
+            if kind == "targets" or close:
+                raise ValueError(message)
+            logger.warning("seqcal: %s; it changes nothing here", message)
+
+
+def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> tuple[str, bool]:
+    """A hint with the closest class names (for a class name) or module names (for an ``re:`` pattern),
+    and whether any was close."""
     classes = sorted({type(m).__name__ for _, m in modules})
     if pattern.startswith("re:"):
         # Compare the pattern's literal tail ("q_prj" of "re:.*q_prj") with the modules' last name parts.
@@ -175,7 +198,8 @@ def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> str:
         leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in modules if n})
         close = difflib.get_close_matches(tail, leaves, n=3, cutoff=0.6)
         valid = "an 're:' pattern is matched with re.match from the start of the qualified module name"
-        return f" (close module names: {', '.join(close)}); {valid}" if close else f"; {valid}"
+        return (f" (close module names: {', '.join(close)}); {valid}" if close else f"; {valid}"), bool(close)
     close = difflib.get_close_matches(pattern, classes + [n for n, _ in modules if n], n=3, cutoff=0.6)
     hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-    return f"{hint}; give a module class name (one of {', '.join(classes[:12])}) or an 're:' name pattern"
+    valid = f"give a module class name (one of {', '.join(classes[:12])}) or an 're:' name pattern"
+    return f"{hint}; {valid}", bool(close)
