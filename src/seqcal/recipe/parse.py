@@ -23,7 +23,6 @@ and the message helpers live in `seqcal.recipe.llmc_format`; this module re-expo
 
 from __future__ import annotations
 
-import enum
 import os
 import re
 from collections.abc import Sequence
@@ -39,10 +38,12 @@ from seqcal.recipe.llmc_format import (
     UNSUPPORTED_MODIFIERS,
     RecipeError,
     _closest,
+    _has_eval,
     _kind,
     _load,
     _Locator,
     _looks_like_modifier,
+    _plain,
 )
 
 IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
@@ -390,30 +391,3 @@ def _is_bare_gptq(entry: _Entry) -> bool:
 
 def _is_group_key(key: Any) -> bool:
     return isinstance(key, str) and (key == "modifiers" or key.endswith("_modifiers"))
-
-
-def _has_eval(value: Any) -> bool:
-    if isinstance(value, str):
-        return "eval(" in value
-    if isinstance(value, dict):
-        return any(_has_eval(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_eval(v) for v in value)
-    return False
-
-
-def _plain(value: Any, where: str) -> Any:
-    """``value`` as plain YAML types (tuples -> lists, enums and pydantic models -> their values)."""
-    if isinstance(value, enum.Enum):
-        return _plain(value.value, where)
-    if hasattr(value, "model_dump"):  # e.g. a QuantizationScheme given in config_groups from Python
-        return _plain(value.model_dump(mode="json", exclude_none=True), where)
-    if isinstance(value, dict):
-        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
-    if value is None or type(value) in (bool, int, float, str):
-        return value
-    raise RecipeError(
-        f"{where}: cannot write a {type(value).__name__} to a recipe; use YAML values (str, number, list, dict)"
-    )
