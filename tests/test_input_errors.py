@@ -176,6 +176,15 @@ def test_an_already_quantized_checkpoint_is_refused_before_loading(tmp_path: Pat
     assert "already quantized" in message and "original (unquantized) model" in message
 
 
+def test_a_seqcal_output_directory_is_refused_as_input(tmp_path: Path) -> None:
+    out = tmp_path / "w8"
+    recipe = QuantizationModifier(scheme="W8A16", ignore=["lm_head"])
+    oneshot(model=tiny_llama(), dataset=token_data(), recipe=recipe, output_dir=str(out))
+    with pytest.raises(ValueError, match=r"config\.json has a quantization_config \(compressed-tensors\)"):
+        oneshot(model=str(out), dataset=token_data(), recipe=recipe, output_dir=str(tmp_path / "again"))
+    assert not (tmp_path / "again").exists()
+
+
 def test_a_directory_without_config_says_what_it_holds(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "snapshot").mkdir()
