@@ -285,6 +285,28 @@ def test_a_model_that_declares_nothing_falls_back_to_the_largest_stack() -> None
     assert len(infer_candidates(Net())) == 4  # a declared class absent from every stack changes nothing
 
 
+def test_a_declared_class_takes_its_whole_stack_in_a_hybrid_model() -> None:
+    """Hybrid models alternate layer classes in one list; declaring one of them is enough."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+    class Mamba(Attn):
+        pass
+
+    class Hybrid(torch.nn.Module):
+        _no_split_modules = ["Attn"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(50000, 8)  # the layers hold far under 10% of the parameters
+            self.layers = torch.nn.ModuleList([Attn(), Mamba(), Attn()])
+
+    assert sorted(infer_candidates(Hybrid()).values()) == ["layers.0", "layers.1", "layers.2"]
+
+
 # ---- 9. data modules import without a cycle ------------------------------------------------------------
 
 

@@ -91,7 +91,7 @@ def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
     """Default target candidates: the stacked layers the model declares, else the largest stacks.
 
     A model declares its layer classes in ``_no_split_modules`` (transformers' "keep this block on one
-    device"); the members of module lists of those classes are the candidates. Models that declare none
+    device"); the members of module lists holding those classes are the candidates. Models that declare none
     (or none in a list) fall back to the outermost layers of stacks holding >= 10% of the parameters; that
     share misses a small model with a large vocabulary, whose embedding outweighs its layers.
     For a multimodal model, only the text model's stacks (vision towers are left alone unless asked).
@@ -109,7 +109,9 @@ def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
     """
     stacks = _stacks(model)
     declared = _declared_layer_classes(model)
-    found = {id(m): n for members in stacks for n, m in members if type(m).__name__ in declared}
+    # A stack with one declared member is taken whole: hybrid models alternate layer classes in one list.
+    found = {id(m): n for members in stacks if any(type(m).__name__ in declared for _, m in members)
+             for n, m in members}  # fmt: skip
     if not found:
         total = max(_param_count(model), 1)
         for members in stacks:
