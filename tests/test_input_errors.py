@@ -243,6 +243,18 @@ def test_max_seq_length_past_the_positions_warns_with_both_numbers(caplog) -> No
     assert caplog.text == ""
 
 
+def test_a_multimodal_model_is_checked_against_its_text_config(caplog) -> None:
+    from transformers import LlavaConfig
+
+    from seqcal.input_checks import check_max_seq_length
+
+    model = torch.nn.Module()
+    model.config = LlavaConfig(text_config={"model_type": "llama", "max_position_embeddings": 64})
+    with caplog.at_level(logging.WARNING, logger="seqcal"):
+        check_max_seq_length(model, DataArgs("default", max_seq_length=100))
+    assert "max_seq_length=100 is beyond the 64 positions" in caplog.text
+
+
 def test_concatenated_windows_past_the_positions_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_seq_length=512 is beyond the 128 positions.*concatenate=True"):
         oneshot(model=tiny_llama(vocab=512, positions=128), tokenizer=make_tokenizer(), dataset="default",

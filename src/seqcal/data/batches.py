@@ -197,7 +197,8 @@ def _to_sample(row: Any, where: str, args: DataArgs, tokenizer: Any) -> _Sample 
     if isinstance(row, Mapping):
         for key in (args.text_column, "messages"):
             if key in row:
-                if key == "messages" and row[key] != [] and not _is_conversation(row[key]):
+                empty = isinstance(row[key], (list, tuple)) and not row[key]
+                if key == "messages" and not empty and not _is_conversation(row[key]):
                     raise CalibrationDataError(_not_messages(row[key], f"{where}, column 'messages'"))
                 return _to_sample(row[key], f"{where}, column {key!r}", args, tokenizer)
         if "input_ids" in row:
