@@ -17,6 +17,9 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
 logger = logging.getLogger("seqcal")
+# difflib ratio from which a name that matches nothing is taken for a typo: "lm_haed" ~ "lm_head" (0.86),
+# "q_prj" ~ "q_proj" (0.91); "lm_head" ~ "head" (0.73) is another architecture's name, not a typo.
+_TYPO = 0.8
 
 # Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights, dynamic activations.
 # FP8 (static activation scales) is not among them: it needs activation observers seqcal does not have yet.
@@ -190,7 +193,7 @@ def _check_patterns(
 
 def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> tuple[str, bool]:
     """A hint with the closest class names (for a class name) or module names (for an ``re:`` pattern),
-    and whether any was close."""
+    and whether one is so close that the pattern is likely a typo of it."""
     classes = sorted({type(m).__name__ for _, m in modules})
     if pattern.startswith("re:"):
         # Compare the pattern's literal tail ("q_prj" of "re:.*q_prj") with the modules' last name parts.
@@ -198,8 +201,10 @@ def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> tuple[str
         leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in modules if n})
         close = difflib.get_close_matches(tail, leaves, n=3, cutoff=0.6)
         valid = "an 're:' pattern is matched with re.match from the start of the qualified module name"
-        return (f" (close module names: {', '.join(close)}); {valid}" if close else f"; {valid}"), bool(close)
-    close = difflib.get_close_matches(pattern, classes + [n for n, _ in modules if n], n=3, cutoff=0.6)
+        hint = f" (close module names: {', '.join(close)}); {valid}" if close else f"; {valid}"
+        return hint, bool(difflib.get_close_matches(tail, leaves, n=1, cutoff=_TYPO))
+    names = classes + [n for n, _ in modules if n]
+    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.6)
     hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
     valid = f"give a module class name (one of {', '.join(classes[:12])}) or an 're:' name pattern"
-    return f"{hint}; {valid}", bool(close)
+    return f"{hint}; {valid}", bool(difflib.get_close_matches(pattern, names, n=1, cutoff=_TYPO))
