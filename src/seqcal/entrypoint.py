@@ -14,6 +14,7 @@ from seqcal.checkpoint.streaming import fingerprint
 from seqcal.data.batches import DataArgs
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
+from seqcal.input_checks import check_data_for_model, check_model_dir
 from seqcal.llmc_compat import needs_translation as needs_llmc_translation
 from seqcal.llmc_compat import translate as translate_llmc_kwargs
 from seqcal.plan import make_plan
@@ -82,6 +83,7 @@ def load_model(
         model, source = args.model, getattr(args.model, "name_or_path", None)
     else:
         source = str(resolve_model(args.model, args.revision, args.trust_remote_code))
+        check_model_dir(source)
         dtype = DTYPES[args.dtype]
         if offload_weights:
             model, store = load_offloaded(source, None if dtype == "auto" else dtype, args.trust_remote_code)
@@ -193,8 +195,7 @@ def oneshot(
     parsed = parse_recipe(recipe)
     check_output_dir(out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume)
     loaded, tok, store = load_model(model_args, offload_weights=pipe_args.pipeline == "sequential")
-    for modifier in parsed.modifiers:
-        modifier.validate(loaded)
+    parsed.validate(loaded)
     if dry_run or max_device_memory is not None:
         plan = make_plan(
             loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
@@ -214,6 +215,7 @@ def oneshot(
             dataset if dataset is not None else "default", num_calibration_samples, max_seq_length, batch_size,
             shuffle_calibration_samples, text_column, splits, seed, concatenate, dataset_config_name,
         )  # fmt: skip
+    check_data_for_model(loaded, tok, data_args, model_args.model)
     recipe_yaml = parsed.to_yaml()
     output = OutputPlan(out_args, recipe_yaml, fingerprint(recipe_yaml, repr(data_args), repr(pipe_args),
                                                          getattr(loaded, "name_or_path", ""), str(dtype)))  # fmt: skip

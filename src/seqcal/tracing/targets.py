@@ -88,14 +88,52 @@ def _language_scope(model: torch.nn.Module) -> str | None:
 
 
 def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
-    """Default target candidates: the outermost layers of stacks holding >= 10% of the parameters.
+    """Default target candidates: the stacked layers the model declares, else the largest stacks.
 
+    A model declares its layer classes in ``_no_split_modules`` (transformers' "keep this block on one
+    device"); the members of module lists holding those classes are the candidates. Models that declare none
+    (or none in a list) fall back to the outermost layers of stacks holding >= 10% of the parameters; that
+    share misses a small model with a large vocabulary, whose embedding outweighs its layers.
     For a multimodal model, only the text model's stacks (vision towers are left alone unless asked).
     The tracer then keeps the candidates that the forward actually calls (see ``check_targets``).
+
+    Args:
+        model: the model to quantize.
+
+    Returns:
+        Candidate modules, id -> qualified name, outermost only.
+
+    Example:
+        >>> list(infer_candidates(LlamaForCausalLM(config)).values())[:2]  # doctest: +SKIP
+        ['model.layers.0', 'model.layers.1']
     """
-    total = max(_param_count(model), 1)
+    stacks = _stacks(model)
+    declared = _declared_layer_classes(model)
+    # A stack with one declared member is taken whole: hybrid models alternate layer classes in one list.
+    found = {id(m): n for members in stacks if any(type(m).__name__ in declared for _, m in members)
+             for n, m in members}  # fmt: skip
+    if not found:
+        total = max(_param_count(model), 1)
+        for members in stacks:
+            if sum(_param_count(m) for _, m in members) >= MIN_STACK_SHARE * total:
+                found.update({id(m): n for n, m in members})
+    names = sorted(found.values())
+    nested = {inner for outer in names for inner in names if inner.startswith(outer + ".")}
+    return {i: n for i, n in found.items() if n not in nested}
+
+
+def _declared_layer_classes(model: torch.nn.Module) -> set[str]:
+    """Class names in the ``_no_split_modules`` of the model and of the pretrained models inside it."""
+    declared: set[str] = set()
+    for module in model.modules():
+        declared.update(getattr(module, "_no_split_modules", None) or ())
+    return declared
+
+
+def _stacks(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
+    """The members (qualified name, module) of every non-empty module list or dict, in the text model."""
     scope = _language_scope(model)
-    found: dict[int, str] = {}
+    stacks = []
     for name, container in model.named_modules():
         if not isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             continue
@@ -103,11 +141,9 @@ def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
             continue
         members = [(f"{name}.{k}", m) for k, m in container.named_children()]
         members = [(n, m) for n, m in members if not type(m).__module__.startswith("torch.")]
-        if members and sum(_param_count(m) for _, m in members) >= MIN_STACK_SHARE * total:
-            found.update({id(m): n for n, m in members})
-    names = sorted(found.values())
-    nested = {inner for outer in names for inner in names if inner.startswith(outer + ".")}
-    return {i: n for i, n in found.items() if n not in nested}
+        if members:
+            stacks.append(members)
+    return stacks
 
 
 def holders_of(model: torch.nn.Module, targets: dict[int, str]) -> set[int]:
