@@ -107,5 +107,5 @@ def differences(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) 
     """The names of the parts in which a recorded run differs from ``current`` (all of them if unknown)."""
     if not isinstance(recorded, Mapping):  # a run recorded by an older seqcal: nothing can be compared
         return list(PARTS.values())
-    keys = [*PARTS, *sorted(set(recorded) | set(current) - set(PARTS))]
+    keys = [*PARTS, *sorted((set(recorded) | set(current)) - set(PARTS))]
     return [PARTS.get(key, key) for key in keys if recorded.get(key) != current.get(key)]
