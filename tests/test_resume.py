@@ -331,3 +331,16 @@ def test_data_fingerprint_is_by_content_and_differences_name_the_parts() -> None
     assert differences(run, dict(run)) == []
     assert differences(run, {**run, "data": "x", "recipe": "y"}) == ["recipe", "calibration data"]
     assert differences(None, run) == ["recipe", "model", "dtype", "pipeline options", "calibration data"]
+
+
+def test_resume_refuses_a_progress_record_without_identity_untouched(model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    manifest = {"progress": {"finished": 3, "run_id": "0123456789abcdef"}, "shards": [], "weight_map": {},
+                "total_size": 0}  # fmt: skip
+    (out / "seqcal_progress.json").write_text(json.dumps(manifest))
+    before = _snapshot(out)
+    with pytest.raises(ResumeError, match="recorded by an older seqcal, whose arguments cannot be compared"):
+        oneshot(model=str(model_dir), dataset=[{"input_ids": list(range(1, 33))}] * 2, output_dir=str(out),
+                resume=True, recipe="QuantizationModifier: {scheme: W4A16}")  # fmt: skip
+    assert _snapshot(out) == before

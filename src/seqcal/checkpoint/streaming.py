@@ -104,7 +104,12 @@ class StreamingCheckpoint:
         """Check that the interrupted run is this one, then reopen its writer at its last record."""
         manifest = json.loads((self.path / PROGRESS_NAME).read_text(encoding="utf-8"))
         progress = manifest.get("progress", {})
-        differ = differences(progress.get("run"), self.run_id)
+        if not isinstance(progress.get("run"), Mapping):
+            raise ResumeError(
+                f"output_dir {self.path} holds an interrupted run recorded by an older seqcal, whose arguments "
+                "cannot be compared; start it again with overwrite=True (--overwrite) or choose another output_dir"
+            )
+        differ = differences(progress["run"], self.run_id)
         if differ:  # checked before anything in the directory is touched
             raise ResumeError(
                 f"output_dir {self.path} holds an interrupted run whose {', '.join(differ)} differ from this "
