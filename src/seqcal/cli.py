@@ -23,12 +23,13 @@ _SAMPLE_TEXTS = (
 
 
 def _load(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from seqcal.evaluation.loading import load_causal_lm
     from seqcal.models import resolve_model
 
     path = resolve_model(model_arg)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model = load_causal_lm(path, getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

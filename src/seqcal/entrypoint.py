@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
-from seqcal.checkpoint.streaming import fingerprint
 from seqcal.data.batches import DataArgs
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
@@ -217,8 +217,9 @@ def oneshot(
         )  # fmt: skip
     check_data_for_model(loaded, tok, data_args, model_args.model)
     recipe_yaml = parsed.to_yaml()
-    output = OutputPlan(out_args, recipe_yaml, fingerprint(recipe_yaml, repr(data_args), repr(pipe_args),
-                                                         getattr(loaded, "name_or_path", ""), str(dtype)))  # fmt: skip
+    # By content, never repr(data_args) (a DataLoader's repr is its address): the stream adds the batches' hash.
+    run = run_identity(recipe=recipe_yaml, model=loaded, pipeline=repr(pipe_args), dtype=str(dtype))
+    output = OutputPlan(out_args, recipe_yaml, run)
     with Profiler(profile) as profiler:  # writes the trace on the way out, also when a stage fails
         state = run_pipeline(loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler)
         if out_args.output_dir is not None:

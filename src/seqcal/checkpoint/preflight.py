@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from seqcal.checkpoint.writer import PROGRESS_NAME
+from seqcal.checkpoint.writer import CONFIG_NAME, PROGRESS_NAME
 
 # Headroom on free-space estimates: shards are written whole, and the filesystem needs slack.
 DISK_MARGIN = 1.1
@@ -38,6 +38,8 @@ def check_output_dir(output_dir: str | None, *, overwrite: bool, resume: bool) -
             f"output_dir {path} holds an interrupted run; continue it with resume=True (CLI: --resume) "
             "and the same arguments, or pass overwrite=True to start again"
         )
+    if resume:
+        check_resumable(path)
     if path.exists() and any(path.iterdir()) and not (overwrite or resume):
         raise FileExistsError(
             f"output_dir {path} exists and is not empty; choose another directory or pass overwrite=True"
@@ -48,6 +50,27 @@ def check_output_dir(output_dir: str | None, *, overwrite: bool, resume: bool) -
     if not os.access(existing, os.W_OK | os.X_OK):
         raise PermissionError(
             f"output_dir {path}: {existing} is not writable; choose a directory you can write"
+        )
+
+
+def check_resumable(path: Path) -> None:
+    """``resume=True`` continues only a run seqcal started in ``path``: refuse a directory of other files.
+
+    An absent or empty directory is fine (the run starts there); one with seqcal's progress record or a
+    finished checkpoint is checked further by ``StreamingCheckpoint``, which compares the run's identity.
+
+    Raises:
+        FileExistsError: ``path`` holds files but no seqcal run; nothing in it is touched.
+    """
+    if not path.is_dir() or (path / PROGRESS_NAME).is_file() or (path / CONFIG_NAME).is_file():
+        return
+    files = sorted(p.name for p in path.iterdir())
+    if files:
+        shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+        raise FileExistsError(
+            f"output_dir {path} holds files of something other than a seqcal run ({shown}) and no "
+            f"{PROGRESS_NAME}, so there is no run to resume; choose another output_dir (nothing there was "
+            "changed)"
         )
 
 

@@ -91,7 +91,7 @@ class OutputPlan:
 
     args: Any  # entrypoint.OutputArgs
     recipe_yaml: str
-    run_id: str
+    run_id: dict[str, str]  # checkpoint.identity.run_identity; the stream adds the data's hash
     stream: StreamingCheckpoint | None = None
 
 
@@ -167,7 +167,7 @@ def _run(
             store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
         ) as cache:  # fmt: skip
             weights = SubgraphWeights(model, store, subgraphs, device, staged) if store is not None else None
-            stream = _streaming(model, state, subgraphs, output, weights)
+            stream = _streaming(model, state, subgraphs, output, weights, batches)
             schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
 
             def done(sg: Any) -> int | None:
@@ -240,13 +240,14 @@ def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torc
 
 
 def _streaming(
-    model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: OutputPlan | None, weights: Any
-) -> StreamingCheckpoint | None:
+    model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: OutputPlan | None, weights: Any,
+    batches: list[dict[str, Any]],
+) -> StreamingCheckpoint | None:  # fmt: skip
     if output is None or output.args.output_dir is None:
         return None
     output.stream = StreamingCheckpoint(
         model, state, output.args.output_dir, subgraphs, output.run_id,
-        overwrite=output.args.overwrite, resume=output.args.resume, weights=weights,
+        overwrite=output.args.overwrite, resume=output.args.resume, weights=weights, batches=batches,
     )  # fmt: skip
     if output.stream.finished >= 0:
         logger.warning("seqcal: resuming after subgraph %d of %d", output.stream.finished, len(subgraphs))
