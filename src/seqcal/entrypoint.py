@@ -120,6 +120,7 @@ def oneshot(
     one_pass: bool = True,
     cache_max_memory: int | str | None = None,
     cache_dtype: str | None = None,
+    trace_into: str | list[str] | None = None,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -158,6 +159,9 @@ def oneshot(
             not fit is written to safetensors files in a temporary folder (under offload_dir if given).
         cache_dtype: "bfloat16" or "float16" stores float32 activations in that dtype (half the cache,
             lossy); None stores them exactly.
+        trace_into: "all" or class names / ``re:`` patterns of modules to trace into (the full graph:
+            attention and MLP operations as nodes, torch.nn modules such as Linear stay nodes); the same
+            subgraph cuts and checkpoint as without it.
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left).
@@ -179,6 +183,7 @@ def oneshot(
         pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
         offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
         cache_max_memory=parse_bytes(cache_max_memory, "cache_max_memory"), cache_dtype=cache_dtype,
+        trace_into=trace_into,
     )  # fmt: skip
     out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from seqcal.tracing.diagnostics import Problem, TracingError
 from seqcal.tracing.targets import matches
 
 ALL = "all"
@@ -34,13 +33,13 @@ def normalize_trace_into(trace_into: TraceInto) -> list[str]:
     """
     if trace_into is None:
         return []
-    patterns = [trace_into] if isinstance(trace_into, str) else list(trace_into)
-    if not all(isinstance(p, str) and p for p in patterns):
+    patterns = [trace_into] if isinstance(trace_into, str) else trace_into
+    if not isinstance(patterns, (list, tuple)) or not all(isinstance(p, str) and p for p in patterns):
         raise ValueError(
             f"trace_into={trace_into!r} is not valid; give 'all', a module class name, an 're:' name "
             "pattern, or a list of them"
         )
-    return [ALL] if ALL in patterns else patterns
+    return [ALL] if ALL in patterns else list(patterns)
 
 
 def _depth_below(name: str, scaffold: set[str]) -> int:
@@ -72,7 +71,7 @@ def resolve_trace_into(
         Ids of the modules whose forwards are traced (holders excluded: they are traced anyway).
 
     Raises:
-        TracingError: a pattern matches no module, or only torch.nn leaf primitives.
+        ValueError: a pattern matches no module, or only torch.nn leaf primitives; a bad depth.
 
     Example:
         >>> opened = resolve_trace_into(model, ["LlamaAttention"], holders, lambda m, n: False)  # doctest: +SKIP
@@ -81,6 +80,8 @@ def resolve_trace_into(
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise ValueError(f"trace_depth={depth!r} must be an int >= 1 (module levels below the traced layers)")
     if not patterns:
+        if depth is not None:
+            raise ValueError(f"trace_depth={depth} needs trace_into ('all' or module classes / 're:' patterns)")
         return set()
     named = dict(model.named_modules())
     _check_patterns(named, patterns)
@@ -127,17 +128,8 @@ def _check_patterns(named: dict[str, torch.nn.Module], patterns: list[str]) -> N
         if hits and not all(is_leaf_primitive(m) for m in hits):
             continue
         custom = sorted({type(m).__name__ for m in named.values() if not is_leaf_primitive(m)})
-        what = (
-            f"trace_into pattern {pattern!r} matches only torch.nn modules, which always stay one node"
-            if hits
-            else f"trace_into pattern {pattern!r} matches no module"
-        )
-        raise TracingError(
-            [
-                Problem(
-                    where=type(named[""]).__name__,
-                    what=what,
-                    fix=f"use 'all', an 're:' name pattern, or one of the model's classes: {custom[:12]}",
-                )
-            ]
+        what = "matches only torch.nn modules, which always stay one node" if hits else "matches no module"
+        raise ValueError(
+            f"trace_into pattern {pattern!r} {what} of {type(named['']).__name__}; use 'all', an 're:' name "
+            f"pattern, or one of the model's classes: {', '.join(custom[:12])}"
         )
