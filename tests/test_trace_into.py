@@ -16,8 +16,8 @@ from seqcal import trace_subgraphs
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier
 from seqcal.report import export_graph
-from test_oneshot import token_data
 from test_oneshot import tiny_llama as oneshot_llama
+from test_oneshot import token_data
 from test_trace_equivalence import assert_same_outputs
 from test_tracing import sample, tiny_llama
 
@@ -53,7 +53,8 @@ def test_full_trace_json_shows_attention_internals(tmp_path: Path) -> None:
     modules = [n["target"] for n in data["nodes"] if n["op"] == "call_module"]
     assert SDPA in targets and ROTARY in targets  # the attention's operations, sdpa kept (invariant 4)
     for layer in ("model.layers.0", "model.layers.1"):
-        assert f"{layer}.self_attn" not in modules and layer not in modules  # no opaque attention or layer node
+        # no opaque attention or layer node
+        assert f"{layer}.self_attn" not in modules and layer not in modules
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             assert modules.count(f"{layer}.self_attn.{proj}") == 1  # Linear stays one node
         assert modules.count(f"{layer}.mlp.down_proj") == 1
@@ -112,7 +113,11 @@ def test_depth_limits_how_far_all_opens() -> None:
 
 @pytest.mark.parametrize(
     "trace_into, match",
-    [(["NoSuchModule"], "matches no module.*LlamaAttention"), (["Linear"], "torch.nn modules"), (3, "not valid")],
+    [
+        (["NoSuchModule"], "matches no module.*LlamaAttention"),
+        (["Linear"], "torch.nn modules"),
+        (3, "not valid"),
+    ],
 )
 def test_bad_trace_into_is_explained(trace_into: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -160,7 +165,9 @@ def test_a_module_that_cannot_be_traced_into_stays_one_node_and_is_reported(capl
     model = Stack().eval()
     with caplog.at_level(logging.WARNING, logger="seqcal"):
         sg = trace_subgraphs(model, {"x": torch.randn(2, 8)}, sequential_targets=["Block"], trace_into="all")
-    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# GATE_LINE" in text)
+    line = next(
+        i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "# GATE_LINE" in text
+    )
     [problem] = sg.traced.not_traced_into
     assert problem.where.startswith(f"{__file__}:{line}") and "Gate" in problem.what and "fix" in str(problem)
     assert f"test_trace_into.py:{line}" in caplog.text
@@ -197,18 +204,20 @@ def test_oneshot_full_trace_writes_the_same_checkpoint(tmp_path: Path, one_pass:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "seqcal.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "seqcal.cli", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer (the CLI tokenizes text)."""
+    """A 2-layer random Llama with SmolLM2's tokenizer; its layers hold >= 10% of the parameters (targets)."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
     path = tmp_path_factory.mktemp("tiny")
     LlamaForCausalLM(config).save_pretrained(path)

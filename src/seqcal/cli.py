@@ -245,7 +245,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
-_TRACE_INTO = "trace into these modules too ('all': the full graph; torch.nn modules such as Linear stay nodes)"
+_TRACE_INTO = "trace into these modules too ('all': full graph; torch.nn modules such as Linear stay nodes)"
 
 
 def _add_oneshot(sub: Any) -> None:
@@ -262,7 +262,9 @@ def _add_oneshot(sub: Any) -> None:
                      help="join the texts and cut full windows of --max-seq-length tokens")  # fmt: skip
     one.add_argument("--sequential-targets", nargs="+", default=None)
     one.add_argument("--tracing-ignore", nargs="+", default=None)
-    one.add_argument("--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO)
+    one.add_argument(
+        "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO
+    )
     one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])
     one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
     one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -340,7 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument(
         "--leaf", nargs="+", default=None, help="module classes or re: patterns kept as one node"
     )
-    trace.add_argument("--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO)
+    trace.add_argument(
+        "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO
+    )
     trace.add_argument("--trace-depth", type=_levels, default=None, metavar="N",
                        help="with --trace-into: open modules at most N levels below the traced layers")  # fmt: skip
     trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")

@@ -81,7 +81,9 @@ def resolve_trace_into(
         raise ValueError(f"trace_depth={depth!r} must be an int >= 1 (module levels below the traced layers)")
     if not patterns:
         if depth is not None:
-            raise ValueError(f"trace_depth={depth} needs trace_into ('all' or module classes / 're:' patterns)")
+            raise ValueError(
+                f"trace_depth={depth} needs trace_into ('all' or module classes / 're:' patterns)"
+            )
         return set()
     named = dict(model.named_modules())
     _check_patterns(named, patterns)

@@ -118,7 +118,9 @@ def _cuts_before(graph: fx.Graph, targets: Sequence[str]) -> list[list[fx.Node]]
         groups[-1].append(node)
     missing = [t for t in targets if t not in calls]
     if missing:
-        raise OnePassError(f"{missing[0]} is traced into (not one call_module node), so nothing can cut before it")
+        raise OnePassError(
+            f"{missing[0]} is traced into (not one call_module node), so nothing can cut before it"
+        )
     return groups
 
 

@@ -36,11 +36,19 @@ from seqcal.tracing.rewrite import (
     names_of,
     rewrite_source,
 )
-from seqcal.tracing.values import _PLAIN_TYPES, SCOPE, OpaqueCall, contains_proxy, is_static, is_torch_callable
+from seqcal.tracing.values import (
+    _PLAIN_TYPES,
+    SCOPE,
+    OpaqueCall,
+    contains_proxy,
+    is_static,
+    is_torch_callable,
+)
 
 logger = logging.getLogger("seqcal")
 
-MAX_RETRACES = 256  # distinct statements that fail symbolically (shared by all instances of a class) + refusals
+# Distinct statements that fail symbolically (shared by all instances of a class) plus refused modules.
+MAX_RETRACES = 256
 
 
 class StatementFailed(Exception):
