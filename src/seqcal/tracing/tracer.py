@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch.fx.proxy import Proxy, TraceError
 
-from seqcal.tracing.diagnostics import Problem, TracingError, locate
+from seqcal.tracing.diagnostics import Problem, TracingError, locate, refusal
 from seqcal.tracing.rewrite import (
     OpaqueSite,
     RewritePlan,
@@ -392,7 +392,9 @@ def trace_with_retries(
             state.failures[failed.sid] = f"{type(failed.cause).__name__}: {failed.cause}"
         except ModuleRefused as refused:
             policy.refused.add(type(refused.module))
-            state.refusals.append(_refusal(refused, tracer.rewritten_files, root))
+            state.refusals.append(
+                refusal(refused.name, refused.module, refused.cause, tracer.rewritten_files, root)
+            )
             logger.warning("seqcal: %s", str(state.refusals[-1]).strip())
         except TracingError:
             raise
@@ -406,24 +408,4 @@ def trace_with_retries(
                 fix="report a bug",
             )
         ]
-    )
-
-
-def _refusal(refused: ModuleRefused, rewritten_files: set[str], root: torch.nn.Module) -> Problem:
-    """Where tracing into an opened module failed (file:line of the statement), as a Problem."""
-    cause = refused.cause
-    if isinstance(cause, TracingError) and cause.problems:
-        where, what, source = cause.problems[0].where, cause.problems[0].what, cause.problems[0].source
-    else:
-        found = locate(cause, rewritten_files, root)
-        where, what, source = found.where, found.what, found.source
-    kind = type(refused.module).__name__
-    return Problem(
-        where=where,
-        what=f"cannot trace into {refused.name} ({kind}), so every {kind} stays one node: {what}",
-        fix=(
-            f"nothing to do unless you need the inside of {kind}: pass the function this line calls in "
-            f"ignore=[...] to run it opaquely, or name {kind} in leaf_modules to keep it closed quietly"
-        ),
-        source=source,
     )
