@@ -16,6 +16,7 @@ from seqcal import trace_subgraphs
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier
 from seqcal.report import export_graph
+from seqcal.tracing.partition import target_ends
 from test_oneshot import tiny_llama as oneshot_llama
 from test_oneshot import token_data
 from test_trace_equivalence import assert_same_outputs
@@ -73,6 +74,7 @@ def test_full_trace_keeps_targets_and_equals_eager() -> None:
         # the layer's own nodes end its subgraph: nothing of layer i+1 is computed before layer i is done
         layer_nodes = [n for n in sg.nodes if n.meta.get("seqcal_module", "").startswith(target)]
         assert layer_nodes and sg.nodes[-1] is layer_nodes[-1]
+        assert target_ends(sg.nodes, sg.targets) == {layer_nodes[-1]: target}  # the layer's output node
     assert "model.layers.0.self_attn" in full.traced.traced_into and not full.traced.not_traced_into
     _equal_to_eager(model, full)
 

@@ -134,7 +134,7 @@ def trace(
     problems = check_targets(graph, model, targets, state.failures, tracer.entered)
     if problems:
         raise TracingError(problems, type(model).__name__)
-    order = list(target_ends(graph, list(targets.values())).values())
+    order = list(target_ends(graph.nodes, list(targets.values())).values())
     holder_names = {n for n, m in model.named_modules() if id(m) in holders}
     return TraceResult(
         graph=graph,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -42,9 +42,17 @@ class OnePassError(ValueError):
     """The graph cannot be cut before its targets; the message says why (the caller cuts after them)."""
 
 
-def target_ends(graph: fx.Graph, targets: Sequence[str]) -> dict[fx.Node, str]:
+def target_ends(nodes: Iterable[fx.Node], targets: Sequence[str]) -> dict[fx.Node, str]:
     """The node that ends each target: its call_module node, or for a target traced into (``trace_into``)
-    the last node of its region (nodes whose ``meta["seqcal_module"]`` is the target or inside it)."""
+    the last node of its region (nodes whose ``meta["seqcal_module"]`` is the target or inside it).
+
+    Args:
+        nodes: a graph's nodes (``graph.nodes``) or a subgraph's (``Subgraph.nodes``), in order.
+        targets: target module names.
+
+    Returns:
+        End node -> target name, in execution order.
+    """
     target_set = set(targets)
     owners: dict[str, str | None] = {}  # scope -> the target it lies in, if any
 
@@ -56,7 +64,7 @@ def target_ends(graph: fx.Graph, targets: Sequence[str]) -> dict[fx.Node, str]:
         return owners[scope]
 
     last: dict[str, fx.Node] = {}
-    for node in graph.nodes:
+    for node in nodes:
         if node.op == "call_module" and node.target in target_set:
             last[str(node.target)] = node
         elif node.op not in ("placeholder", "get_attr", "output") and (scope := node.meta.get(SCOPE)):
@@ -67,7 +75,7 @@ def target_ends(graph: fx.Graph, targets: Sequence[str]) -> dict[fx.Node, str]:
 
 def _cut_points(graph: fx.Graph, targets: Sequence[str], targets_per_subgraph: int) -> list[list[fx.Node]]:
     """Node lists: each ends with its k-th target; what follows the last target is the final one."""
-    ends = target_ends(graph, targets)
+    ends = target_ends(graph.nodes, targets)
     groups: list[list[fx.Node]] = [[]]
     seen = 0
     for node in graph.nodes:
@@ -192,7 +200,7 @@ def partition(
     )
     owner: dict[fx.Node, int] = {node: i for i, nodes in enumerate(groups) for node in nodes}
     target_set = set(targets)
-    ends = target_ends(graph, targets)
+    ends = target_ends(graph.nodes, targets)
     subgraphs = [
         Subgraph(
             index=i,
