@@ -78,10 +78,20 @@ def _export_path(path: str) -> str:
     return path
 
 
+def _levels(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of module levels >= 1")
+    return int(text)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from seqcal import trace_subgraphs
     from seqcal.report import export_graph, trace_report
 
+    if args.trace_depth is not None and not args.trace_into:
+        print("seqcal trace: --trace-depth limits --trace-into; add --trace-into all (or module classes)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     model, tokenizer = _load(args.model, args.dtype)
     texts = _texts(args.dataset)
     tokenizer.padding_side = "left"
@@ -89,14 +99,20 @@ def cmd_trace(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         subgraphs = trace_subgraphs(
-            model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf
-        )
+            model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf,
+            trace_into=args.trace_into, trace_depth=args.trace_depth,
+        )  # fmt: skip
     except TracingError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a --trace-into pattern that matches nothing
+        print(f"seqcal trace: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     print(f"traced in {elapsed:.2f} s")
     print(trace_report(subgraphs))
+    for problem in subgraphs.traced.not_traced_into:  # asked for by --trace-into, kept one node
+        print(f"not traced into (kept one node):\n{problem}")
     exports = [(_format_of(p), p) for p in args.export or []]
     if args.output:
         exports.append((args.format or _format_of(args.output), args.output))
@@ -195,7 +211,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed, concatenate=args.concatenate,
         resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
-        one_pass=not args.layer_cut,
+        one_pass=not args.layer_cut, trace_into=args.trace_into,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -230,6 +246,9 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRACE_INTO = "trace into these modules too ('all': full graph; torch.nn modules such as Linear stay nodes)"
+
+
 def _add_oneshot(sub: Any) -> None:
     one = sub.add_parser("oneshot", help="quantize a model with a recipe and calibration data")
     one.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
@@ -244,6 +263,9 @@ def _add_oneshot(sub: Any) -> None:
                      help="join the texts and cut full windows of --max-seq-length tokens")  # fmt: skip
     one.add_argument("--sequential-targets", nargs="+", default=None)
     one.add_argument("--tracing-ignore", nargs="+", default=None)
+    one.add_argument(
+        "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO
+    )
     one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])
     one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
     one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -321,6 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument(
         "--leaf", nargs="+", default=None, help="module classes or re: patterns kept as one node"
     )
+    trace.add_argument(
+        "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO
+    )
+    trace.add_argument("--trace-depth", type=_levels, default=None, metavar="N",
+                       help="with --trace-into: open modules at most N levels below the traced layers")  # fmt: skip
     trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
     trace.add_argument(
         "--export", nargs="+", default=None, type=_export_path, metavar="PATH",

@@ -132,6 +132,7 @@ def oneshot(
     cache_dtype: str | None = None,
     dataset_config_name: str | None = None,
     model_revision: str | None = None,
+    trace_into: str | list[str] | None = None,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -175,6 +176,9 @@ def oneshot(
             lossy); None stores them exactly.
         dataset_config_name: configuration of a Hub dataset, e.g. "wikitext-2-raw-v1".
         model_revision: branch, tag or commit of a Hub model id (None: "main").
+        trace_into: "all" or class names / ``re:`` patterns of modules to trace into (the full graph:
+            attention and MLP operations as nodes, torch.nn modules such as Linear stay nodes); the same
+            subgraph cuts and checkpoint as without it.
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left).
@@ -190,6 +194,7 @@ def oneshot(
         pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
         offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
         cache_max_memory=parse_bytes(cache_max_memory, "cache_max_memory"), cache_dtype=cache_dtype,
+        trace_into=trace_into,
     )  # fmt: skip
     out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)

@@ -27,6 +27,7 @@ from seqcal.execution.weights import (
 from seqcal.modifiers import RunState
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
+from seqcal.tracing.leaves import normalize_trace_into
 from seqcal.tracing.partition import OnePassError
 from seqcal.tracing.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing.targets import infer_candidates
@@ -62,8 +63,12 @@ class PipelineArgs:
     # as for a model read from disk. None: when CUDA is available (the model's weights stay in RAM, each
     # subgraph runs on the GPU). Same results either way, so it is left out of the run's fingerprint.
     stage_weights: bool | None = field(default=None, repr=False)
+    # Modules to trace into ("all" or class names / re: patterns; see seqcal.tracing.trace). The same cuts and
+    # results either way, so it is left out of the run's fingerprint.
+    trace_into: str | list[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        normalize_trace_into(self.trace_into)  # a ValueError that lists what is valid
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline={self.pipeline!r} is not one of {PIPELINES}")
         if self.compute_dtype not in (None, "bfloat16", "float16"):
@@ -154,8 +159,9 @@ def _run(
         subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
         try:
             subgraphs = subgraphs or trace_subgraphs(
-                model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph
-            )
+                model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph,
+                trace_into=args.trace_into,
+            )  # fmt: skip
         except TracingError as err:
             # the capture runs the model's own forward: weights on meta are onloaded per module for it
             cpu = torch.device("cpu")
@@ -224,11 +230,14 @@ def one_pass_subgraphs(
     names = [n for n, _ in model.named_modules() if n in wanted]
     pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"
     try:
-        return trace_subgraphs(model, sample, [pattern], args.tracing_ignore, None, 1, cut="before")
+        return trace_subgraphs(
+            model, sample, [pattern], args.tracing_ignore, None, 1, cut="before", trace_into=args.trace_into
+        )
     except (TracingError, OnePassError) as err:
         # Not an error: the layer-level cut below handles this model (it hooks modules inside layers).
         reason = err.problems[0].what if isinstance(err, TracingError) else str(err)
-        logger.info("seqcal: cutting at layers, not before each module (%s)", reason)
+        log = logger.warning if args.trace_into else logger.info  # asked for a full graph: say it differs
+        log("seqcal: cutting at layers, not before each module (%s)", reason)
         return None
 
 

@@ -57,3 +57,24 @@ def locate(exc: BaseException, rewritten_files: set[str], root: torch.nn.Module)
         ),
         source=source,
     )
+
+
+def refusal(
+    name: str, module: torch.nn.Module, cause: BaseException, rewritten_files: set[str], root: torch.nn.Module
+) -> Problem:
+    """Where tracing into an opened module failed (file:line of the statement), as a Problem."""
+    if isinstance(cause, TracingError) and cause.problems:
+        where, what, source = cause.problems[0].where, cause.problems[0].what, cause.problems[0].source
+    else:
+        found = locate(cause, rewritten_files, root)
+        where, what, source = found.where, found.what, found.source
+    kind = type(module).__name__
+    return Problem(
+        where=where,
+        what=f"cannot trace into {name} ({kind}), so every {kind} stays one node: {what}",
+        fix=(
+            f"nothing to do unless you need the inside of {kind}: pass the function this line calls in "
+            f"ignore=[...] to run it opaquely, or name {kind} in leaf_modules to keep it closed quietly"
+        ),
+        source=source,
+    )

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
 
 from seqcal.tracing.diagnostics import Problem, TracingError
-from seqcal.tracing.values import OpaqueCall
+from seqcal.tracing.values import SCOPE, OpaqueCall
 
 # A list of layers is a sequential-target candidate when it holds at least this share of the parameters:
 # that separates decoder/encoder stacks from per-layer norms or small heads kept in module lists.
@@ -157,14 +157,22 @@ def holders_of(model: torch.nn.Module, targets: dict[int, str]) -> set[int]:
     return holders
 
 
-def called_targets(graph: fx.Graph, targets: dict[int, str]) -> dict[str, int]:
-    """How often each target's name appears as a call_module node."""
+def called_targets(
+    graph: fx.Graph, targets: dict[int, str], entered: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """How often each target's name appears as a call_module node or was traced into (``entered``)."""
     names = set(targets.values())
-    counts: dict[str, int] = dict.fromkeys(names, 0)
+    counts: dict[str, int] = {name: (entered or {}).get(name, 0) for name in names}
     for node in graph.nodes:
         if node.op == "call_module" and node.target in names:
             counts[node.target] += 1
     return counts
+
+
+def _empty_regions(graph: fx.Graph, names: set[str]) -> set[str]:
+    """Targets traced into that produced no node of their own (nothing to cut after)."""
+    seen = {s for n in graph.nodes if (s := n.meta.get(SCOPE))}
+    return {t for t in names if not any(s == t or s.startswith(t + ".") for s in seen)}
 
 
 def check_targets(
@@ -172,14 +180,26 @@ def check_targets(
     model: torch.nn.Module,
     targets: dict[int, str],
     failures: dict[tuple[str, int, int], str] | None = None,
+    entered: Mapping[str, int] | None = None,
 ) -> list[Problem]:
-    """DESIGN invariant 2: every target instance is exactly one call_module node. Returns the violations.
+    """DESIGN invariant 2: every target instance is exactly one call_module node, or, when ``trace_into``
+    opened it, exactly one traced region (``entered``: how often the tracer went into each module).
+    Returns the violations.
 
     ``failures`` (statement -> error) explains why code hiding a target was made opaque.
     """
     problems: list[Problem] = []
     hidden_by: dict[str, list[str]] = {}  # one problem per hiding site, listing its targets
-    for name, count in called_targets(graph, targets).items():
+    opened = {t for t in targets.values() if (entered or {}).get(t)}
+    for name in sorted(_empty_regions(graph, opened)):
+        problems.append(
+            Problem(
+                where=name,
+                what=f"target {name} computes nothing of its own once traced into, so it has no subgraph",
+                fix=f"keep it one node: leaf_modules=[{type(model.get_submodule(name)).__name__!r}]",
+            )
+        )
+    for name, count in called_targets(graph, targets, entered).items():
         module = model.get_submodule(name)
         if count == 1:
             continue
