@@ -157,3 +157,16 @@ def test_custom_modifier_beats_rtn_and_its_checkpoint_reloads(tiny_dir: Path, tm
     weights = config["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["strategy"]) == (4, "channel")
     assert "MSEClipModifier" in (out / "recipe.yaml").read_text()
+
+
+def test_eval_ppl_without_wikitext_uses_the_embedded_text_and_says_so(tiny_dir: Path, tmp_path: Path) -> None:
+    # tmp_path has no ../shared/data next to it: the command falls back to the embedded text.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, "-m", "seqcal.cli", "eval", "ppl", "--model", str(tiny_dir), "--eval-seq-length", "32",
+         "--eval-windows", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "perplexity on the embedded calibration text" in proc.stdout
+    assert "not WikiText-2" in proc.stdout and "optimistic" in proc.stdout
