@@ -153,8 +153,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = tokenizer("Quantization maps each weight to one of a few levels.", return_tensors="pt").input_ids
 
-    # Data-free (needs_calibration is False): no calibration data is read and no forward pass runs; the
-    # executor onloads each subgraph's weights and calls compress().
+    # Data-free (needs_calibration is False), so pipeline="datafree": no calibration data is read, no forward
+    # pass runs, and compress() gets the whole model as one subgraph. (A recipe that also holds a
+    # calibrating modifier runs the sequential pipeline, and compress() is then called once per subgraph.)
     mse = copy.deepcopy(reference)
     recipe = MSEClipModifier(config_groups=channel_scheme(args.bits), ignore=["lm_head"], grid=args.grid)
     oneshot(model=mse, tokenizer=tokenizer, recipe=recipe, output_dir=args.output_dir, overwrite=True,

@@ -126,3 +126,17 @@ def test_make_venv_passes_torch_index_url_only_when_given(tmp_path: Path) -> Non
     assert "--index-url" not in torch_line()  # the default reaches PyPI only
     cpu = "https://download.pytorch.org/whl/cpu"
     assert torch_line(f"TORCH_INDEX_URL={cpu}").split()[-2:] == ["--index-url", cpu]
+
+
+INTERNAL = re.compile(r"\bsessions?\b|\blent\b|\$OUT\b|device tool|device call|\bissue \d+", re.I)
+
+
+@pytest.mark.parametrize(
+    "name", ["README.md", "CONTRIBUTING.md", "benchmarks/RESULTS.md", "examples/README.md"]
+)
+def test_documents_speak_to_outside_readers(name: str) -> None:
+    # Words of the team's own workflow (work sessions, borrowed machines, tracker numbers) mean nothing
+    # to a reader of a clone; say what was measured and how instead.
+    lines = (ROOT / name).read_text(encoding="utf-8").splitlines()
+    found = [f"{name}:{i}: {line.strip()}" for i, line in enumerate(lines, 1) if INTERNAL.search(line)]
+    assert found == []
