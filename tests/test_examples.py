@@ -159,14 +159,29 @@ def test_custom_modifier_beats_rtn_and_its_checkpoint_reloads(tiny_dir: Path, tm
     assert "MSEClipModifier" in (out / "recipe.yaml").read_text()
 
 
-def test_eval_ppl_without_wikitext_uses_the_embedded_text_and_says_so(tiny_dir: Path, tmp_path: Path) -> None:
-    # tmp_path has no ../shared/data next to it: the command falls back to the embedded text.
+def eval_ppl(model: Path, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
-        [sys.executable, "-m", "seqcal.cli", "eval", "ppl", "--model", str(tiny_dir), "--eval-seq-length", "32",
+        [sys.executable, "-m", "seqcal.cli", "eval", "ppl", "--model", str(model), "--eval-seq-length", "32",
          "--eval-windows", "2"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_eval_ppl_without_wikitext_uses_the_embedded_text_and_says_so(tiny_dir: Path, tmp_path: Path) -> None:
+    repo = tmp_path / "repo"  # no shared/data next to it: the command falls back to the embedded text
+    repo.mkdir()
+    proc = eval_ppl(tiny_dir, repo)
     assert "perplexity on the embedded calibration text" in proc.stdout
     assert "not WikiText-2" in proc.stdout and "optimistic" in proc.stdout
+
+
+def test_eval_ppl_reads_wikitext_next_to_the_repository_when_there(tiny_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "shared" / "data").mkdir(parents=True)
+    (tmp_path / "shared" / "data" / "wiki.test.raw").write_text(" = Title = \n" + default_calibration_text())
+    proc = eval_ppl(tiny_dir, tmp_path / "repo")
+    assert "perplexity on " + str(tmp_path / "shared" / "data" / "wiki.test.raw") in proc.stdout
+    assert "embedded" not in proc.stdout
