@@ -6,8 +6,8 @@ e.g. ``--schemes rtn:W8A16 rtn:W4A16``.
 
 Perplexity uses seqcal.evaluation.perplexity (non-overlapping windows, the GPTQ WikiText-2 protocol). Pass
 ``--eval-dataset wiki.test.raw`` for numbers comparable with published ones; without it the text embedded in
-seqcal is used, which is also the default calibration text: fine to rank schemes, optimistic in absolute
-terms.
+seqcal is used, which is also the default calibration text: fine to rank schemes, but it understates the
+loss from quantization.
 
 Run:
     python examples/compare_schemes.py                       # SmolLM2-135M-Instruct

@@ -112,7 +112,7 @@ def test_eval_help_says_what_is_measured_without_wikitext() -> None:
     assert proc.returncode == 0, proc.stderr
     text = " ".join(proc.stdout.split())
     assert "calibration text embedded in seqcal" in text
-    assert "optimistic and not comparable with published WikiText-2 numbers" in text
+    assert "understates the quantization loss and is not comparable with published WikiText-2 numbers" in text
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")

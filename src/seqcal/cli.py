@@ -122,12 +122,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
 # WikiText-2 is not shipped (CC BY-SA); without it the perplexity is measured on the embedded text.
 EMBEDDED_EVAL_TEXT = (
     "the embedded calibration text (no ../shared/data/wiki.test.raw found; not WikiText-2, and the same text "
-    "'--dataset default' calibrates on, so the number ranks models but is optimistic)"
+    "'--dataset default' calibrates on, so the quantization loss looks smaller than on held-out text)"
 )
 _EVAL_DEFAULT = (
     "../shared/data/wiki.test.raw, relative to the working directory, when it exists; else the calibration "
     "text embedded in seqcal, which is also the default calibration data: fine to compare models, "
-    "optimistic and not comparable with published WikiText-2 numbers"
+    "but it understates the quantization loss and is not comparable with published WikiText-2 numbers"
 )
 
 
