@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from seqcal.errors import SeqcalError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
@@ -38,7 +40,7 @@ SOURCE_FILE = "seqcal_source.json"
 _STALE_TMP_SECONDS = 3600
 
 
-class EmbeddedModelMissingError(ImportError):
+class EmbeddedModelMissingError(SeqcalError, ImportError):
     """The package that carries the embedded default model is not installed."""
 
 

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from seqcal.checkpoint.writer import PROGRESS_NAME
+from seqcal.errors import SeqcalError
 
 # Headroom on free-space estimates: shards are written whole, and the filesystem needs slack.
 DISK_MARGIN = 1.1
 
 
-class DiskSpaceError(OSError):
+class DiskSpaceError(SeqcalError, OSError):
     """The machine cannot hold what the run will write (disk space, permissions)."""
 
 

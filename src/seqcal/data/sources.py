@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
+from seqcal.errors import SeqcalError
+
 if TYPE_CHECKING:
     from seqcal.data.batches import DataArgs
 
@@ -46,7 +48,7 @@ _HEADING = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
 _SPLIT = re.compile(r"^(?P<name>[\w.-]+)?(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\])?$")
 
 
-class CalibrationDataError(ValueError):
+class CalibrationDataError(SeqcalError, ValueError):
     """The calibration dataset cannot be turned into batches; the message says where and what is valid."""
 
 
