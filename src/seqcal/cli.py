@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from seqcal.console import EXIT_INTERRUPTED, configure_logging, report_error
+from seqcal.console import EXIT_INTERRUPTED, console_logging, report_error
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
@@ -181,7 +181,9 @@ def _plot_timeline(trace: Path) -> None:
 
 
 def cmd_oneshot(args: argparse.Namespace) -> int:
+    from seqcal.checkpoint.preflight import check_output_dir
     from seqcal.entrypoint import ModelArgs, load_model, oneshot
+    from seqcal.recipe.parse import parse_recipe
 
     if args.plot not in (None, "auto", "none") and not args.output_dir:
         raise UsageError("oneshot: --plot draws the saved quantization_report.json; add --output-dir")
@@ -191,6 +193,9 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
             "either); add --output-dir DIR, or --eval to only measure it"
         )
 
+    # refused before --eval measures the model for minutes: oneshot checks these again, once loaded
+    parse_recipe(args.recipe)
+    check_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume)
     # Without --eval the directory is passed on, so oneshot keeps the weights offloaded (memory bound);
     # --eval needs the model in memory to measure it before and after.
     model, tokenizer = args.model, None
@@ -396,9 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(
                 f"trace: give --format {{{','.join(sorted(FORMATS))}}} or an --output with that suffix"
             )
-    configure_logging(args.verbose, args.quiet)
     try:
-        return int(args.func(args) or 0)
+        with console_logging(args.verbose, args.quiet):
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("seqcal: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -6,10 +6,12 @@ fallbacks, finer targets); ``-q`` shows errors only; ``-v`` shows debug lines an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
 import traceback
+from collections.abc import Iterator
 from typing import TextIO
 
 from seqcal.errors import is_user_error, one_line
@@ -39,22 +41,34 @@ class ConsoleFormatter(logging.Formatter):
         return text
 
 
-def configure_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None = None) -> None:
-    """Send the ``seqcal`` loggers to stderr at the level the flags ask for (replaces an earlier call's).
+@contextlib.contextmanager
+def console_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None = None) -> Iterator[None]:
+    """Within the block, the ``seqcal`` loggers write to stderr at the level the flags ask for.
+
+    The logger's handlers, level and propagation are restored on the way out, so ``main()`` called from
+    Python (tests, notebooks) leaves the host's logging as it found it.
 
     Args:
         verbose: ``-v`` count: 1 or more shows DEBUG lines.
         quiet: ``-q``: errors only.
         stream: where to write (default: sys.stderr at call time).
+
+    Example:
+        >>> with console_logging(verbose=1):  # doctest: +SKIP
+        ...     oneshot(...)
     """
     logger = logging.getLogger("seqcal")
-    for handler in [h for h in logger.handlers if isinstance(h.formatter, ConsoleFormatter)]:
-        logger.removeHandler(handler)
+    saved = logger.level, logger.propagate
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(ConsoleFormatter(verbose > 0))
     logger.addHandler(handler)
     logger.setLevel(logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False  # a root handler configured by the host would print every line twice
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
 
 
 def report_error(exc: BaseException, verbose: int = 0, stream: TextIO | None = None) -> int:

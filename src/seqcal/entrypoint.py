@@ -262,10 +262,8 @@ def parse_bytes(value: int | str | None, name: str = "max_device_memory") -> int
         return value
     text = str(value).strip().upper().replace(" ", "")
     units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
+    unit = next((u for u in units if text.endswith(u)), "")
     try:
-        return int(float(text))
+        return int(float(text[: len(text) - len(unit)]) * units.get(unit, 1))
     except ValueError:
         raise ValueError(f"{name}={value!r}: give bytes or a size such as '8GB' or '512MiB'") from None

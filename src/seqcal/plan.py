@@ -285,15 +285,10 @@ def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str
     return children or None
 
 
-def _over_budget(plan: MemoryPlan, max_device_memory: int, one_pass_cut: bool) -> str:
+def _over_budget(plan: MemoryPlan, max_device_memory: int, why: str) -> str:
     """The note for a plan whose largest subgraph exceeds ``max_device_memory`` with no finer cut left."""
     gib = 1024**3
     worst = max(plan.rows, key=lambda r: r.device_peak)
-    why = (
-        "the one-pass cut already gives each group of quantized modules its own subgraph"
-        if one_pass_cut
-        else "its targets have no finer children to cut at"
-    )
     return (
         f"subgraph {worst.index} ({', '.join(worst.targets[:1]) or '-'}) needs {worst.device_peak / gib:.2f} GiB "
         f"of device memory, more than max_device_memory ({max_device_memory / gib:.2f} GiB), and {why}; the "
@@ -343,7 +338,7 @@ def make_plan(
     on_host = on_cpu and not torch.cuda.is_available()
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
     targets, notes = sequential_targets, []
-    for _ in range(2):
+    for attempt in range(2):
         args = PipelineArgs(
             sequential_targets=targets, tracing_ignore=list(tracing_ignore), one_pass=one_pass
         )
@@ -362,9 +357,12 @@ def make_plan(
         plan.targets = targets
         if max_device_memory is None or plan.device_peak <= max_device_memory:
             break
-        finer = None if one_pass_cut is not None else finer_targets(model, list(subgraphs))
+        finer = None if one_pass_cut is not None or attempt else finer_targets(model, list(subgraphs))
         if finer is None or finer == targets:
-            notes.append(_over_budget(plan, max_device_memory, one_pass_cut is not None))
+            why = ("the one-pass cut already gives each group of quantized modules its own subgraph"
+                   if one_pass_cut is not None else "these are already the finer targets" if attempt
+                   else "its targets have no finer children to cut at")  # fmt: skip
+            notes.append(_over_budget(plan, max_device_memory, why))
             break
         notes.append(f"subgraphs of {targets or 'the inferred layers'} need {plan.device_peak / 1024**3:.2f} GB "
                      f"> max_device_memory: using finer targets {finer}")  # fmt: skip
