@@ -280,3 +280,24 @@ def test_the_data_options_reach_oneshot(monkeypatch: pytest.MonkeyPatch) -> None
     assert seen[0]["text_column"] == "content" and seen[0]["splits"] == "train[:64]"
     assert seen[0]["dataset_config_name"] == "wikitext-2-raw-v1"
     assert seen[0]["shuffle_calibration_samples"] is False
+
+
+def test_quiet_eval_prints_the_result_only(tiny_dir: Path, tmp_path: Path) -> None:
+    text = tmp_path / "eval.txt"
+    text.write_text(" The river runs past the old town and under its bridge. " * 40)
+    args = [
+        "eval",
+        "ppl",
+        "--model",
+        str(tiny_dir),
+        "--dataset",
+        str(text),
+        "--seq-len",
+        "32",
+        "--eval-windows",
+        "2",
+    ]
+    default, quiet = seqcal(*args), seqcal(*args, "-q")
+    assert default.returncode == quiet.returncode == 0
+    assert "perplexity" in default.stderr  # its progress bar and the summary line
+    assert "perplexity on" in quiet.stdout and quiet.stderr == "", quiet.stderr

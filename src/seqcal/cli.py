@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from seqcal.console import EXIT_INTERRUPTED, console_logging, report_error
+from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
@@ -118,7 +118,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     )
     with torch.no_grad():
         want = model(**check)
-    got = subgraphs.run(**check, progress=True)
+    got = subgraphs.run(**check, progress=not args.quiet)
     diff = _max_diff(got, want)
     scale = max(1.0, (want.logits if hasattr(want, "logits") else want[0]).abs().max().item())
     ok = diff <= 1e-5 * scale
@@ -147,7 +147,8 @@ def _eval_text(path: str | None) -> tuple[str, str]:
 def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Namespace) -> float:
     from seqcal.evaluation.perplexity import perplexity
 
-    result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows)
+    result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows,
+                        progress=not args.quiet)  # fmt: skip
     return result.ppl
 
 
@@ -336,26 +337,6 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--sequential-targets", nargs="+", default=None)
     plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets to fit")
     plan.set_defaults(func=cmd_plan)
-
-
-class SeqcalParser(argparse.ArgumentParser):
-    """An argparse parser whose errors read like seqcal's, and where every (sub)command takes -v and -q."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # SUPPRESS: a subcommand sets them only when given, so `seqcal -v oneshot` keeps the top-level -v
-        self.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
-                          help="show debug lines, and the traceback of an error")  # fmt: skip
-        self.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
-                          help="show errors only (no progress, warnings or decisions)")  # fmt: skip
-
-    def error(self, message: str) -> Any:
-        where = self.prog.removeprefix("seqcal").strip()
-        print(
-            f"seqcal: error: {where + ': ' if where else ''}{message}; see `{self.prog} --help`",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
 
 
 def build_parser() -> argparse.ArgumentParser:

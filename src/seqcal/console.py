@@ -6,13 +6,14 @@ fallbacks, finer targets); ``-q`` shows errors only; ``-v`` shows debug lines an
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import re
 import sys
 import traceback
 from collections.abc import Iterator
-from typing import TextIO
+from typing import Any, TextIO
 
 from seqcal.errors import is_user_error, one_line
 
@@ -65,10 +66,27 @@ def console_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None
     logger.setLevel(logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO)
     logger.propagate = False  # a root handler configured by the host would print every line twice
     try:
-        yield
+        with _quiet_transformers() if quiet else contextlib.nullcontext():
+            yield
     finally:
         logger.removeHandler(handler)
         logger.level, logger.propagate = saved
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' own warnings and progress bars (loading weights) off within the block, for ``-q``."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def report_error(exc: BaseException, verbose: int = 0, stream: TextIO | None = None) -> int:
@@ -101,3 +119,23 @@ def _message(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno is not None and exc.filename is not None:
         return f"{exc.filename}: {exc.strerror}"
     return one_line(exc)
+
+
+class SeqcalParser(argparse.ArgumentParser):
+    """An argparse parser whose errors read like seqcal's, and where every (sub)command takes -v and -q."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # SUPPRESS: a subcommand sets them only when given, so `seqcal -v oneshot` keeps the top-level -v
+        self.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                          help="show debug lines, and the traceback of an error")  # fmt: skip
+        self.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                          help="show errors only (no warnings, decisions or progress bars)")  # fmt: skip
+
+    def error(self, message: str) -> Any:
+        where = self.prog.removeprefix("seqcal").strip()
+        print(
+            f"seqcal: error: {where + ': ' if where else ''}{message}; see `{self.prog} --help`",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
