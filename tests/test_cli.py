@@ -20,7 +20,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from seqcal.checkpoint.preflight import check_output_dir
 from seqcal.entrypoint import oneshot
-from seqcal.errors import SeqcalError
 
 ROOT = Path(__file__).resolve().parents[1]
 RTN = str(ROOT / "recipes" / "rtn_w4a16.yaml")
@@ -192,6 +191,7 @@ def test_seqcal_errors_share_one_base() -> None:
     from seqcal.checkpoint.preflight import DiskSpaceError
     from seqcal.checkpoint.streaming import ResumeError
     from seqcal.data.sources import CalibrationDataError
+    from seqcal.errors import SeqcalError
     from seqcal.recipe.llmc_format import RecipeError
     from seqcal.tracing import TracingError
 

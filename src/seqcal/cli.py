@@ -190,8 +190,8 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         raise UsageError("oneshot: --plot draws the saved quantization_report.json; add --output-dir")
     if not args.output_dir and not args.eval:
         raise UsageError(
-            "oneshot: without --output-dir the quantized model is not saved (and without --eval not measured "
-            "either); add --output-dir DIR, or --eval to only measure it"
+            "oneshot: without --output-dir or --eval the quantized model would be lost (neither saved nor "
+            "measured); add --output-dir DIR to save the checkpoint, or --eval to only measure it"
         )
 
     # refused before --eval measures the model for minutes: oneshot checks these again, once loaded
