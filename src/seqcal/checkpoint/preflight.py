@@ -67,7 +67,7 @@ def _check_creatable(path: Path) -> None:
         reason = exc.strerror or type(exc).__name__
         raise PermissionError(
             f"output_dir {path} cannot be {'written' if existing == path else 'created'}: {existing} "
-            f"refuses new files ({reason}); choose a directory you can write"
+            f"is not writable ({reason}); choose a directory you can write"
         ) from None
 
 
