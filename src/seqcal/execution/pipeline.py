@@ -189,7 +189,7 @@ def _run(
                     on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
                     restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
                     on_subgraph_start=weights.onload if weights is not None else None,
-                    profiler=profiler,
+                    profiler=profiler, progress=logger.getEffectiveLevel() < logging.ERROR,  # off for `-q`
                 )  # fmt: skip
     for modifier in modifiers:
         modifier.finalize(model, state)
