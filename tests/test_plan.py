@@ -99,6 +99,9 @@ def test_oneshot_logs_every_note_of_the_plan(one_pass: bool, caplog: pytest.LogC
     logged = [r.getMessage() for r in caplog.records]
     assert any("more than max_device_memory" in m for m in logged), logged  # the last note, once dropped
     assert any("using finer targets" in m for m in logged) is not one_pass, logged
+    # and how the run cut the graph: before each module group, or after the finer targets
+    cut = "one pass: cut before each group" if one_pass else "cutting after each of the sequential targets ['"
+    assert sum(cut in m for m in logged) == 1, logged
 
 
 def test_plan_cli_prints_the_table(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

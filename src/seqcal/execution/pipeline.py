@@ -243,7 +243,7 @@ def _log_cut(
             "seqcal: one pass: cut before each group of quantized modules, %d subgraphs", len(one_pass)
         )
     elif targets is not None:
-        logger.info("seqcal: cutting after each %s (sequential targets given): %s", targets, layer_cut)
+        logger.info("seqcal: cutting after each of the sequential targets %s: %s", targets, layer_cut)
     elif not args.one_pass or args.targets_per_subgraph != 1:
         logger.info("seqcal: cutting after each layer (one_pass=False, CLI --layer-cut): %s", layer_cut)
     elif not all(getattr(m, "input_only", False) for m in modifiers):
