@@ -1,4 +1,8 @@
-"""The ``seqcal`` command line: ``seqcal trace | oneshot | eval``."""
+"""The ``seqcal`` command line: ``seqcal trace | oneshot | plan | eval``.
+
+Every subcommand takes ``-v`` (debug lines; a traceback on errors) and ``-q`` (errors only). A user error
+prints ``seqcal: error: <what, where, fix>`` and exits with 2; a bug says so in one line and exits with 3.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ from typing import Any
 
 import torch
 
+from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
+from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
-from seqcal.tracing import TracingError
 
 _SAMPLE_TEXTS = (
     "The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -29,8 +34,11 @@ def _load(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
     from seqcal.models import resolve_model
 
     path = resolve_model(model_arg)
-    model = load_causal_lm(path, getattr(torch, dtype))
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model = load_causal_lm(path, getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any failure inside transformers is about this checkpoint
+        raise ModelLoadError.wrap(path, exc) from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -39,10 +47,14 @@ def _load(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
 def _texts(dataset: str | None) -> list[str]:
     if dataset is None:
         return list(_SAMPLE_TEXTS)
+    if not Path(dataset).is_file():
+        raise UsageError(
+            f"--dataset {dataset}: no such file; pass a text file (paragraphs split by blank lines)"
+        )
     with open(dataset, encoding="utf-8") as f:
         paragraphs = [p.strip() for p in f.read().split("\n\n") if len(p.strip()) > 200]
     if len(paragraphs) < 2:
-        raise SystemExit(f"seqcal: {dataset} has fewer than 2 paragraphs of text; pass a larger text file")
+        raise UsageError(f"--dataset {dataset} has fewer than 2 paragraphs of text; pass a larger text file")
     return paragraphs[:2]
 
 
@@ -97,17 +109,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     tokenizer.padding_side = "left"
     sample = tokenizer(texts[:1], return_tensors="pt", truncation=True, max_length=args.max_seq_length)
     start = time.perf_counter()
-    try:
-        subgraphs = trace_subgraphs(
-            model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf,
-            trace_into=args.trace_into, trace_depth=args.trace_depth,
-        )  # fmt: skip
-    except TracingError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except ValueError as exc:  # a --trace-into pattern that matches nothing
-        print(f"seqcal trace: {exc}", file=sys.stderr)
-        return 2
+    subgraphs = trace_subgraphs(
+        model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf,
+        trace_into=args.trace_into, trace_depth=args.trace_depth,
+    )  # fmt: skip
     elapsed = time.perf_counter() - start
     print(f"traced in {elapsed:.2f} s")
     print(trace_report(subgraphs))
@@ -127,7 +132,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     )
     with torch.no_grad():
         want = model(**check)
-    got = subgraphs.run(**check, progress=True)
+    got = subgraphs.run(**check, progress=not args.quiet)
     diff = _max_diff(got, want)
     scale = max(1.0, (want.logits if hasattr(want, "logits") else want[0]).abs().max().item())
     ok = diff <= 1e-5 * scale
@@ -159,7 +164,7 @@ def _eval_text(path: str | None) -> tuple[str, str]:
         if candidate and Path(candidate).is_file():
             return load_eval_text(candidate), candidate
     if path:
-        raise SystemExit(f"seqcal: evaluation file {path} does not exist")
+        raise UsageError(f"evaluation file {path} does not exist; pass an existing raw text file")
     from seqcal.data.batches import default_calibration_text
 
     return default_calibration_text(), EMBEDDED_EVAL_TEXT
@@ -168,7 +173,8 @@ def _eval_text(path: str | None) -> tuple[str, str]:
 def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Namespace) -> float:
     from seqcal.evaluation.perplexity import perplexity
 
-    result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows)
+    result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows,
+                        progress=not args.quiet)  # fmt: skip
     return result.ppl
 
 
@@ -202,11 +208,21 @@ def _plot_timeline(trace: Path) -> None:
 
 
 def cmd_oneshot(args: argparse.Namespace) -> int:
+    from seqcal.checkpoint.preflight import check_output_dir
     from seqcal.entrypoint import ModelArgs, load_model, oneshot
+    from seqcal.recipe.parse import parse_recipe
 
     if args.plot not in (None, "auto", "none") and not args.output_dir:
-        raise SystemExit("seqcal oneshot: --plot draws the saved quantization_report.json; add --output-dir")
+        raise UsageError("oneshot: --plot draws the saved quantization_report.json; add --output-dir")
+    if not args.output_dir and not args.eval:
+        raise UsageError(
+            "oneshot: without --output-dir or --eval the quantized model would be lost (neither saved nor "
+            "measured); add --output-dir DIR to save the checkpoint, or --eval to only measure it"
+        )
 
+    # refused before --eval measures the model for minutes: oneshot checks these again, once loaded
+    parse_recipe(args.recipe)
+    check_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume)
     # Without --eval the directory is passed on, so oneshot keeps the weights offloaded (memory bound);
     # --eval needs the model in memory to measure it before and after.
     model, tokenizer = args.model, None
@@ -223,7 +239,8 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed, concatenate=args.concatenate,
         resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
-        one_pass=not args.layer_cut, trace_into=args.trace_into,
+        one_pass=not args.layer_cut, trace_into=args.trace_into, text_column=args.text_column, splits=args.splits,
+        dataset_config_name=args.dataset_config_name, shuffle_calibration_samples=args.shuffle,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -266,7 +283,16 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
     one.add_argument("--recipe", required=True, help="recipe YAML file (llm-compressor format accepted)")
     one.add_argument("--dataset", default="default", help="calibration data: file, HF name, or 'default'")
-    one.add_argument("--output-dir", default=None)
+    one.add_argument("--text-column", default="text", help="column with the text in JSON/CSV/Parquet/HF data")
+    one.add_argument("--splits", default=None, help="HF split, e.g. train or 'train[:512]' (default: "
+                     "calibration, then train, then the only split)")  # fmt: skip
+    one.add_argument(
+        "--dataset-config-name", default=None, help="HF dataset configuration, e.g. wikitext-2-raw-v1"
+    )
+    one.add_argument("--no-shuffle", dest="shuffle", action="store_false",
+                     help="take the first --num-calibration-samples rows instead of a seeded shuffle")  # fmt: skip
+    one.add_argument("--output-dir", default=None,
+                     help="where to write the checkpoint (required unless --eval only measures the result)")  # fmt: skip
     one.add_argument("--num-calibration-samples", type=int, default=512)
     one.add_argument("--max-seq-length", type=int, default=2048)
     one.add_argument("--batch-size", type=int, default=1)
@@ -350,7 +376,10 @@ def _add_plan(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="seqcal", description=__doc__)
+    parser = SeqcalParser(
+        prog="seqcal", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.set_defaults(verbose=0, quiet=False)
     sub = parser.add_subparsers(dest="command", required=True)
     trace = sub.add_parser("trace", help="trace a model and print its subgraphs")
     trace.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
@@ -394,7 +423,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(
                 f"trace: give --format {{{','.join(sorted(FORMATS))}}} or an --output with that suffix"
             )
-    return int(args.func(args) or 0)
+    try:
+        with console_logging(args.verbose, args.quiet):
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("seqcal: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - every failure ends as one line (a traceback with -v)
+        return report_error(exc, args.verbose)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from seqcal.errors import SeqcalError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
@@ -39,7 +41,7 @@ SOURCE_FILE = "seqcal_source.json"
 _STALE_TMP_SECONDS = 3600
 
 
-class EmbeddedModelMissingError(ImportError):
+class EmbeddedModelMissingError(SeqcalError, ImportError):
     """The package that carries the embedded default model is not installed."""
 
 

@@ -12,12 +12,13 @@ from typing import Any
 import torch
 
 from seqcal.checkpoint.writer import CONFIG_NAME, PROGRESS_NAME
+from seqcal.errors import SeqcalError
 
 # Headroom on free-space estimates: shards are written whole, and the filesystem needs slack.
 DISK_MARGIN = 1.1
 
 
-class DiskSpaceError(OSError):
+class DiskSpaceError(SeqcalError, OSError):
     """The machine cannot hold what the run will write (disk space, permissions)."""
 
 
@@ -26,6 +27,7 @@ def check_output_dir(output_dir: str | None, *, overwrite: bool, resume: bool) -
 
     Raises:
         FileExistsError: a finished checkpoint or an interrupted run is there (and neither overwrite nor resume).
+        NotADirectoryError: output_dir, or a parent it would be created under, is a file.
         PermissionError: the directory (or its nearest existing parent) is not writable.
     """
     if output_dir is None:
@@ -44,13 +46,31 @@ def check_output_dir(output_dir: str | None, *, overwrite: bool, resume: bool) -
         raise FileExistsError(
             f"output_dir {path} exists and is not empty; choose another directory or pass overwrite=True"
         )
+    _check_creatable(path)
+
+
+def _check_creatable(path: Path) -> None:
+    """``path`` exists as a directory or can be created: its nearest existing ancestor takes a new folder.
+
+    The check creates and removes a folder there, as permission bits do not tell for root, ACLs or
+    read-only mounts; nothing is left behind.
+    """
     existing = path
-    while not existing.exists():
+    while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(
-            f"output_dir {path}: {existing} is not writable; choose a directory you can write"
+    if not existing.is_dir():
+        raise NotADirectoryError(
+            f"output_dir {path} cannot be created: {existing} is a file, not a directory; "
+            "choose a path under a directory"
         )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".seqcal-check-", dir=existing))
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise PermissionError(
+            f"output_dir {path} cannot be {'written' if existing == path else 'created'}: {existing} "
+            f"is not writable ({reason}); choose a directory you can write"
+        ) from None
 
 
 def check_resumable(path: Path) -> None:

@@ -38,6 +38,7 @@ from seqcal.checkpoint.writer import (
     checkpoint_config,
     write_extras,
 )
+from seqcal.errors import SeqcalError
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.schemes import strategy_of
 from seqcal.tracing.partition import Subgraph
@@ -49,7 +50,7 @@ RESUME_DIR = "seqcal_resume"
 CHECKPOINT_BYTES = 64 * 1024**2
 
 
-class ResumeError(RuntimeError):
+class ResumeError(SeqcalError, RuntimeError):
     """The output directory cannot be resumed (finished, or made by a different run)."""
 
 

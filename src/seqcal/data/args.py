@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from seqcal.errors import SeqcalError
+
 ACCEPTED = (
     "'default' (the embedded text), a local file (.txt/.text/.raw/.md: paragraphs at blank lines; "
     ".jsonl/.json/.csv/.parquet: rows with a text column or 'messages'), a folder saved with "
@@ -30,7 +32,7 @@ ACCEPTED = (
 _SPLIT = re.compile(r"^(?P<name>[\w.-]+)?(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\])?$")
 
 
-class CalibrationDataError(ValueError):
+class CalibrationDataError(SeqcalError, ValueError):
     """The calibration dataset cannot be turned into batches; the message says where and what is valid."""
 
 

@@ -157,6 +157,7 @@ def _run(
     else:
         batches = [{**batch, **_no_cache(model)} for batch in batches]
         subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
+        _log_cut(subgraphs, targets, modifiers, args)
         try:
             subgraphs = subgraphs or trace_subgraphs(
                 model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph,
@@ -194,7 +195,7 @@ def _run(
                     on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
                     restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
                     on_subgraph_start=weights.onload if weights is not None else None,
-                    profiler=profiler,
+                    profiler=profiler, progress=logger.getEffectiveLevel() < logging.ERROR,  # off for `-q`
                 )  # fmt: skip
     for modifier in modifiers:
         modifier.finalize(model, state)
@@ -239,6 +240,26 @@ def one_pass_subgraphs(
         log = logger.warning if args.trace_into else logger.info  # asked for a full graph: say it differs
         log("seqcal: cutting at layers, not before each module (%s)", reason)
         return None
+
+
+def _log_cut(
+    one_pass: SubgraphList | None, targets: list[str] | None, modifiers: list[Any], args: PipelineArgs
+) -> None:
+    """One INFO line on how the graph is cut and why (``one_pass_subgraphs`` says itself why it declined)."""
+    layer_cut = "a calibration and a propagation pass per layer"
+    if one_pass is not None:
+        logger.info(
+            "seqcal: one pass: cut before each group of quantized modules, %d subgraphs", len(one_pass)
+        )
+    elif targets is not None:
+        logger.info("seqcal: cutting after each of the sequential targets %s: %s", targets, layer_cut)
+    elif not args.one_pass or args.targets_per_subgraph != 1:
+        logger.info("seqcal: cutting after each layer (one_pass=False, CLI --layer-cut): %s", layer_cut)
+    elif not all(getattr(m, "input_only", False) for m in modifiers):
+        needs = [type(m).__name__ for m in modifiers if not getattr(m, "input_only", False)]
+        logger.info(
+            "seqcal: cutting after each layer (%s needs more than its modules' inputs): %s", needs, layer_cut
+        )
 
 
 def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:

@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from seqcal.errors import SeqcalError
 from seqcal.modifiers import MODIFIERS
 
 # llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
@@ -34,7 +35,7 @@ UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
 # fmt: on
 
 
-class RecipeError(ValueError):
+class RecipeError(SeqcalError, ValueError):
     """A recipe cannot be read; the message names the file (or "<string>"), the line and the valid choices."""
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from seqcal.errors import SeqcalError
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -25,7 +27,7 @@ class Problem:
         return text
 
 
-class TracingError(RuntimeError):
+class TracingError(SeqcalError, RuntimeError):
     """Tracing could not build a partition in which every target is its own call_module node."""
 
     def __init__(self, problems: list[Problem], model: str = "") -> None:
