@@ -101,9 +101,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     from seqcal.report import export_graph, trace_report
 
     if args.trace_depth is not None and not args.trace_into:
-        print("seqcal trace: --trace-depth limits --trace-into; add --trace-into all (or module classes)",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        raise UsageError("--trace-depth limits --trace-into; add --trace-into all (or module classes)")
     model, tokenizer = _load(args.model, args.dtype)
     texts = _texts(args.dataset)
     tokenizer.padding_side = "left"
