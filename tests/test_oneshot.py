@@ -170,7 +170,7 @@ def test_basic_pipeline_gptq_equals_sequential_on_first_layer() -> None:
         ({"recipe": "GPTQModifier: {scheme: W4A16}", "dtype": "int3"}, ValueError, "dtype"),
         ({"recipe": "GPTQModifier: {scheme: W4A16}", "offload": "gpu"}, ValueError, "offload"),
         ({"recipe": "GPTQModifier: {scheme: W4A16}", "pipeline": "datafree"}, ValueError, "datafree"),
-        ({"recipe": "GPTQModifier: {scheme: W4A16, targets: Conv9d}"}, ValueError, "no Linear layer"),
+        ({"recipe": "GPTQModifier: {scheme: W4A16, targets: Conv9d}"}, ValueError, "Conv9d. matches no"),
         ({"recipe": "GPTQModifier: {scheme: W4A16, actorder: group}"}, ValueError, "weight"),
         ({"recipe": "GPTQModifier: {scheme: W9A99}"}, ValueError, "unknown scheme"),
         (
@@ -248,7 +248,7 @@ def test_concatenate_reaches_the_data_arguments(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(seqcal.entrypoint, "run_pipeline", stop)
     with pytest.raises(RuntimeError, match="stop here"):
         oneshot(model=tiny_llama(), dataset=token_data(2, 16), recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
-                concatenate=True)  # fmt: skip
+                concatenate=True, max_seq_length=16)  # fmt: skip
     assert seen[0].concatenate is True
     args = build_parser().parse_args(["oneshot", "--model", "m", "--recipe", "r", "--concatenate"])
     assert args.concatenate is True

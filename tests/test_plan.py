@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,35 @@ def test_max_device_memory_picks_finer_targets_or_says_none_exist(model_dir: Pat
     assert finer.device_peak < layer.device_peak
     assert any("finer targets" in note for note in finer.notes)
     hopeless = _plan(model_dir, one_pass=False, max_device_memory=1)
-    assert any("no finer targets exist" in note for note in hopeless.notes)
+    assert "more than max_device_memory" in hopeless.notes[-1] and "lower batch_size" in hopeless.notes[-1]
+
+
+def test_max_device_memory_in_one_pass_names_the_subgraph_and_the_fix(model_dir: Path) -> None:
+    fits = _plan(model_dir)
+    assert _plan(model_dir, max_device_memory=fits.device_peak).notes == []
+    over = _plan(model_dir, max_device_memory=1)
+    assert over.targets is None  # the run keeps the one-pass cut: no layer cut is finer
+    worst = max(over.rows, key=lambda r: r.device_peak)
+    (note,) = over.notes
+    assert f"subgraph {worst.index} ({worst.targets[0]})" in note and "one-pass cut" in note
+    assert "lower batch_size or max_seq_length, or raise max_device_memory" in note
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_oneshot_logs_every_note_of_the_plan(one_pass: bool, caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    data = [{"input_ids": list(range(i, i + 16))} for i in range(2)]
+    with caplog.at_level(logging.INFO, logger="seqcal"):
+        oneshot(model=LlamaForCausalLM(config).eval(), recipe=GPTQ, dataset=data, max_seq_length=16,
+                max_device_memory=1, one_pass=one_pass)  # fmt: skip
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("more than max_device_memory" in m for m in logged), logged  # the last note, once dropped
+    assert any("using finer targets" in m for m in logged) is not one_pass, logged
+    # and how the run cut the graph: before each module group, or after the finer targets
+    cut = "one pass: cut before each group" if one_pass else "cutting after each of the sequential targets ['"
+    assert sum(cut in m for m in logged) == 1, logged
 
 
 def test_plan_cli_prints_the_table(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

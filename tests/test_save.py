@@ -48,11 +48,6 @@ FORMATS = {
     "gptq_w4a16_g16": "pack-quantized",
 }
 
-# Asymmetric pack-quantized zero points are packed along dim 0 (what compressed-tensors and vLLM expect), but
-# transformers 5.24's default (compressed) load path builds them unpacked and refuses the shapes;
-# dequantize=True decompresses them correctly, so those cases reload that way (see test_asym_default_load).
-NEEDS_DEQUANTIZE_LOAD = {"w4a16_asym", "w3a16_asym_channel"}
-
 
 @pytest.mark.parametrize("case", list(FORMATS))
 def test_roundtrip_matches_fake_quantized_model(case: str, tmp_path: Path) -> None:
@@ -82,7 +77,7 @@ def test_roundtrip_matches_fake_quantized_model(case: str, tmp_path: Path) -> No
         decompressed = compressor.decompress(ours, qw.scheme)["weight"]
         assert torch.equal(decompressed.to(module.weight.dtype), module.weight.data), name
 
-    loaded = reload(tmp_path, dequantize=case in NEEDS_DEQUANTIZE_LOAD)
+    loaded = reload(tmp_path)  # plain from_pretrained, asymmetric packed zero points included
     with torch.no_grad():
         got = loaded(IDS).logits
     assert_logits_equal(got, ref)
@@ -90,16 +85,21 @@ def test_roundtrip_matches_fake_quantized_model(case: str, tmp_path: Path) -> No
         assert torch.equal(loaded.get_submodule(name).weight, model.get_submodule(name).weight), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="transformers 5.24 + compressed-tensors 0.20 "
-    "cannot load packed asymmetric zero points without dequantize=True (upstream bug)",
-)
-def test_asym_default_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["w4a16_asym", "w3a16_asym_channel", "w4a16_g16", "w8a8"])
+def test_dequantize_load_hint_only_for_asymmetric_packed(case: str, tmp_path: Path) -> None:
+    # Packed asymmetric zero points (int32 [ceil(out * b / 32), groups], compressed-tensors' layout) are
+    # refused by transformers' compressed load path, which builds them unpacked: the config asks transformers
+    # to dequantize on load instead. Other schemes keep the compressed path (W8A8 needs its activation quant).
     model = tiny_llama()
-    save_checkpoint(model, rtn(model, SCHEMES["w4a16_asym"]), tmp_path)
-    reload(tmp_path)
+    state = quantize_case(case, model)
+    save_checkpoint(model, state, tmp_path)
+    block = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert block.get("dequantize", False) is case.endswith(("_asym", "_asym_channel"))
+    zp = checkpoint_tensors(tmp_path).get("model.layers.0.mlp.down_proj.weight_zero_point")
+    if "asym" in case:
+        assert zp.dtype == torch.int32 and zp.shape[0] == -(-64 * int(case[1]) // 32)  # packed along dim 0
+    with torch.no_grad():
+        assert_logits_equal(reload(tmp_path)(IDS).logits, reference_logits(model, state))
 
 
 def test_bf16_model_roundtrip_is_exact(tmp_path: Path) -> None:

@@ -170,7 +170,7 @@ def test_layout_matches_save_pretrained(arch: str, tmp_path: Path) -> None:
 
 def test_full_headers_start_new_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each shard's header room is reserved up front; when it is full the next tensor opens a new shard."""
-    from seqcal import save
+    from seqcal.checkpoint import writer as save
 
     monkeypatch.setattr(save._ShardFile.__init__, "__defaults__", (400,))  # bytes of header room per shard
     tensors = {

@@ -1,4 +1,7 @@
-"""DESIGN invariants 1 and 2 over the architecture zoo: partitioned execution equals eager execution."""
+"""DESIGN invariants 1 and 2 over the architecture zoo: partitioned execution equals eager execution.
+
+Each architecture is traced twice: as by default (the layers are single nodes) and in full
+(``trace_into="all"``: every module's forward traced, torch.nn modules kept as nodes)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ UNSUPPORTED = {
     "mllama": "modeling_mllama.py",
 }
 SUPPORTED = sorted(set(ARCHS) - set(UNSUPPORTED))
+TRACES = {"layers": None, "full": "all"}  # id -> trace_into
 
 
 def _tensors(value: Any, prefix: str = "out") -> dict[str, torch.Tensor]:
@@ -47,12 +51,16 @@ def assert_same_outputs(got: Any, want: Any) -> None:
         assert diff <= 1e-5 * scale, f"{key}: max abs diff {diff:.3g} (scale {scale:.3g})"
 
 
-@pytest.fixture(scope="module", params=SUPPORTED)
+@pytest.fixture(scope="module", params=[(a, t) for a in SUPPORTED for t in TRACES], ids="-".join)
 def traced(request: pytest.FixtureRequest) -> tuple[ArchSpec, torch.nn.Module, Any]:
-    spec = ARCHS[request.param]
+    name, kind = request.param
+    spec = ARCHS[name]
     model = spec.build()
     sample = spec.make_inputs(model, batch=1, seq_len=12)
-    return spec, model, trace_subgraphs(model, sample)
+    subgraphs = trace_subgraphs(model, sample, trace_into=TRACES[kind])
+    if kind == "full":  # the full trace really went inside the modules, and gave up on none of them
+        assert subgraphs.traced.traced_into and not subgraphs.traced.not_traced_into
+    return spec, model, subgraphs
 
 
 def test_targets_are_the_layers(traced: tuple[ArchSpec, torch.nn.Module, Any]) -> None:
@@ -64,6 +72,8 @@ def test_targets_are_the_layers(traced: tuple[ArchSpec, torch.nn.Module, Any]) -
     for sg in subgraphs:  # invariant 2: each target in its own subgraph, exactly once
         assert len(sg.targets) <= 1
     assert sum(len(sg.targets) for sg in subgraphs) == len(set(subgraphs.targets))
+    opened = set(subgraphs.traced.traced_into)  # full trace: each layer is a region, not one node
+    assert not opened or set(subgraphs.targets) <= opened
 
 
 @pytest.mark.parametrize("batch,seq_len,left_pad", [(2, 9, 3), (1, 7, 0), (3, 14, 2)])

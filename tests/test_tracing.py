@@ -136,7 +136,8 @@ def test_traces_with_weights_on_meta() -> None:
 
 
 @pytest.mark.e2e
-def test_smollm2_partitioned_equals_eager_on_wikitext(smollm2_dir, wiki_test_text) -> None:
+@pytest.mark.parametrize("trace_into", [None, "all"], ids=["layers", "full"])
+def test_smollm2_partitioned_equals_eager_on_wikitext(smollm2_dir, wiki_test_text, trace_into) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
@@ -144,8 +145,9 @@ def test_smollm2_partitioned_equals_eager_on_wikitext(smollm2_dir, wiki_test_tex
     tokenizer.padding_side = "left"
     paragraphs = [line.strip() for line in wiki_test_text.splitlines() if len(line.strip()) > 400]
     sample_inputs = tokenizer(paragraphs[:1], return_tensors="pt", truncation=True, max_length=64)
-    sg = trace_subgraphs(model, dict(sample_inputs))
+    sg = trace_subgraphs(model, dict(sample_inputs), trace_into=trace_into)
     assert len(sg.targets) == 30 and len(sg) == 31
+    assert bool(sg.traced.traced_into) == (trace_into is not None) and not sg.traced.not_traced_into
     texts = [paragraphs[1], paragraphs[2][:150]]  # rows of different length: the short one is padded
     inputs = tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=96)
     assert (inputs["attention_mask"] == 0).any()  # a padded row

@@ -1,4 +1,8 @@
-"""The ``seqcal`` command line: ``seqcal trace | oneshot | eval``."""
+"""The ``seqcal`` command line: ``seqcal trace | oneshot | plan | eval``.
+
+Every subcommand takes ``-v`` (debug lines; a traceback on errors) and ``-q`` (errors only). A user error
+prints ``seqcal: error: <what, where, fix>`` and exits with 2; a bug says so in one line and exits with 3.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ from typing import Any
 
 import torch
 
+from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
+from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
-from seqcal.tracing import TracingError
 
 _SAMPLE_TEXTS = (
     "The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -23,13 +28,17 @@ _SAMPLE_TEXTS = (
 
 
 def _load(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    from seqcal.evaluation.loading import load_causal_lm
     from seqcal.models import resolve_model
 
     path = resolve_model(model_arg)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model = load_causal_lm(path, getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any failure inside transformers is about this checkpoint
+        raise ModelLoadError.wrap(path, exc) from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -38,10 +47,14 @@ def _load(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
 def _texts(dataset: str | None) -> list[str]:
     if dataset is None:
         return list(_SAMPLE_TEXTS)
+    if not Path(dataset).is_file():
+        raise UsageError(
+            f"--dataset {dataset}: no such file; pass a text file (paragraphs split by blank lines)"
+        )
     with open(dataset, encoding="utf-8") as f:
         paragraphs = [p.strip() for p in f.read().split("\n\n") if len(p.strip()) > 200]
     if len(paragraphs) < 2:
-        raise SystemExit(f"seqcal: {dataset} has fewer than 2 paragraphs of text; pass a larger text file")
+        raise UsageError(f"--dataset {dataset} has fewer than 2 paragraphs of text; pass a larger text file")
     return paragraphs[:2]
 
 
@@ -77,25 +90,32 @@ def _export_path(path: str) -> str:
     return path
 
 
+def _levels(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of module levels >= 1")
+    return int(text)
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from seqcal import trace_subgraphs
     from seqcal.report import export_graph, trace_report
 
+    if args.trace_depth is not None and not args.trace_into:
+        raise UsageError("--trace-depth limits --trace-into; add --trace-into all (or module classes)")
     model, tokenizer = _load(args.model, args.dtype)
     texts = _texts(args.dataset)
     tokenizer.padding_side = "left"
     sample = tokenizer(texts[:1], return_tensors="pt", truncation=True, max_length=args.max_seq_length)
     start = time.perf_counter()
-    try:
-        subgraphs = trace_subgraphs(
-            model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf
-        )
-    except TracingError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    subgraphs = trace_subgraphs(
+        model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf,
+        trace_into=args.trace_into, trace_depth=args.trace_depth,
+    )  # fmt: skip
     elapsed = time.perf_counter() - start
     print(f"traced in {elapsed:.2f} s")
     print(trace_report(subgraphs))
+    for problem in subgraphs.traced.not_traced_into:  # asked for by --trace-into, kept one node
+        print(f"not traced into (kept one node):\n{problem}")
     exports = [(_format_of(p), p) for p in args.export or []]
     if args.output:
         exports.append((args.format or _format_of(args.output), args.output))
@@ -110,13 +130,25 @@ def cmd_trace(args: argparse.Namespace) -> int:
     )
     with torch.no_grad():
         want = model(**check)
-    got = subgraphs.run(**check, progress=True)
+    got = subgraphs.run(**check, progress=not args.quiet)
     diff = _max_diff(got, want)
     scale = max(1.0, (want.logits if hasattr(want, "logits") else want[0]).abs().max().item())
     ok = diff <= 1e-5 * scale
     print(f"\ncheck on a padded batch of {tuple(check['input_ids'].shape)} (not the trace sample): "
           f"max |partitioned - eager| = {diff:.3g} ({'OK' if ok else 'MISMATCH'}, tolerance {1e-5 * scale:.3g})")  # fmt: skip
     return 0 if ok else 1
+
+
+# WikiText-2 is not shipped (CC BY-SA); without it the perplexity is measured on the embedded text.
+EMBEDDED_EVAL_TEXT = (
+    "the embedded calibration text (no ../shared/data/wiki.test.raw found; not WikiText-2, and the same text "
+    "'--dataset default' calibrates on, so the quantization loss looks smaller than on held-out text)"
+)
+_EVAL_DEFAULT = (
+    "../shared/data/wiki.test.raw, relative to the working directory, when it exists; else the calibration "
+    "text embedded in seqcal, which is also the default calibration data: fine to compare models, "
+    "but it understates the quantization loss and is not comparable with published WikiText-2 numbers"
+)
 
 
 def _eval_text(path: str | None) -> tuple[str, str]:
@@ -130,16 +162,17 @@ def _eval_text(path: str | None) -> tuple[str, str]:
         if candidate and Path(candidate).is_file():
             return load_eval_text(candidate), candidate
     if path:
-        raise SystemExit(f"seqcal: evaluation file {path} does not exist")
+        raise UsageError(f"evaluation file {path} does not exist; pass an existing raw text file")
     from seqcal.data.batches import default_calibration_text
 
-    return default_calibration_text(), "embedded text (no WikiText-2 found)"
+    return default_calibration_text(), EMBEDDED_EVAL_TEXT
 
 
 def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Namespace) -> float:
     from seqcal.evaluation.perplexity import perplexity
 
-    result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows)
+    result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows,
+                        progress=not args.quiet)  # fmt: skip
     return result.ppl
 
 
@@ -173,11 +206,21 @@ def _plot_timeline(trace: Path) -> None:
 
 
 def cmd_oneshot(args: argparse.Namespace) -> int:
+    from seqcal.checkpoint.preflight import check_output_dir
     from seqcal.entrypoint import ModelArgs, load_model, oneshot
+    from seqcal.recipe.parse import parse_recipe
 
     if args.plot not in (None, "auto", "none") and not args.output_dir:
-        raise SystemExit("seqcal oneshot: --plot draws the saved quantization_report.json; add --output-dir")
+        raise UsageError("oneshot: --plot draws the saved quantization_report.json; add --output-dir")
+    if not args.output_dir and not args.eval:
+        raise UsageError(
+            "oneshot: without --output-dir or --eval the quantized model would be lost (neither saved nor "
+            "measured); add --output-dir DIR to save the checkpoint, or --eval to only measure it"
+        )
 
+    # refused before --eval measures the model for minutes: oneshot checks these again, once loaded
+    parse_recipe(args.recipe)
+    check_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume)
     # Without --eval the directory is passed on, so oneshot keeps the weights offloaded (memory bound);
     # --eval needs the model in memory to measure it before and after.
     model, tokenizer = args.model, None
@@ -194,7 +237,8 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed, concatenate=args.concatenate,
         resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
-        one_pass=not args.layer_cut,
+        one_pass=not args.layer_cut, trace_into=args.trace_into, text_column=args.text_column, splits=args.splits,
+        dataset_config_name=args.dataset_config_name, shuffle_calibration_samples=args.shuffle,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -229,12 +273,24 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRACE_INTO = "trace into these modules too ('all': full graph; torch.nn modules such as Linear stay nodes)"
+
+
 def _add_oneshot(sub: Any) -> None:
     one = sub.add_parser("oneshot", help="quantize a model with a recipe and calibration data")
-    one.add_argument("--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)")
+    one.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
     one.add_argument("--recipe", required=True, help="recipe YAML file (llm-compressor format accepted)")
     one.add_argument("--dataset", default="default", help="calibration data: file, HF name, or 'default'")
-    one.add_argument("--output-dir", default=None)
+    one.add_argument("--text-column", default="text", help="column with the text in JSON/CSV/Parquet/HF data")
+    one.add_argument("--splits", default=None, help="HF split, e.g. train or 'train[:512]' (default: "
+                     "calibration, then train, then the only split)")  # fmt: skip
+    one.add_argument(
+        "--dataset-config-name", default=None, help="HF dataset configuration, e.g. wikitext-2-raw-v1"
+    )
+    one.add_argument("--no-shuffle", dest="shuffle", action="store_false",
+                     help="take the first --num-calibration-samples rows instead of a seeded shuffle")  # fmt: skip
+    one.add_argument("--output-dir", default=None,
+                     help="where to write the checkpoint (required unless --eval only measures the result)")  # fmt: skip
     one.add_argument("--num-calibration-samples", type=int, default=512)
     one.add_argument("--max-seq-length", type=int, default=2048)
     one.add_argument("--batch-size", type=int, default=1)
@@ -243,6 +299,9 @@ def _add_oneshot(sub: Any) -> None:
                      help="join the texts and cut full windows of --max-seq-length tokens")  # fmt: skip
     one.add_argument("--sequential-targets", nargs="+", default=None)
     one.add_argument("--tracing-ignore", nargs="+", default=None)
+    one.add_argument(
+        "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO
+    )
     one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])
     one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
     one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -269,7 +328,7 @@ def _add_oneshot(sub: Any) -> None:
                      help="store fp32 activations in this dtype (half the cache, lossy)")  # fmt: skip
     one.add_argument("--eval", action="store_true", help="print perplexity before and after")
     one.add_argument(
-        "--eval-dataset", default=None, help="text for --eval (default: WikiText-2 test if found)"
+        "--eval-dataset", default=None, help=f"raw text file for --eval (default: {_EVAL_DEFAULT})"
     )
     one.add_argument("--eval-seq-length", type=int, default=2048)
     one.add_argument("--eval-windows", type=int, default=None, help="evaluate only the first N windows")
@@ -277,7 +336,11 @@ def _add_oneshot(sub: Any) -> None:
     ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="metric", required=True)
     ppl = ev.add_parser("ppl", help="WikiText-2-style perplexity (non-overlapping windows)")
     ppl.add_argument("--model", required=True)
-    ppl.add_argument("--dataset", default=None, help="raw text file (default: ../shared/data/wiki.test.raw)")
+    ppl.add_argument(
+        "--dataset",
+        default=None,
+        help=f"raw text file, e.g. WikiText-2's wiki.test.raw (default: {_EVAL_DEFAULT})",
+    )
     ppl.add_argument("--eval-seq-length", "--seq-len", dest="eval_seq_length", type=int, default=2048)
     ppl.add_argument("--eval-windows", type=int, default=None)
     ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -311,15 +374,23 @@ def _add_plan(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="seqcal", description=__doc__)
+    parser = SeqcalParser(
+        prog="seqcal", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.set_defaults(verbose=0, quiet=False)
     sub = parser.add_subparsers(dest="command", required=True)
     trace = sub.add_parser("trace", help="trace a model and print its subgraphs")
-    trace.add_argument("--model", required=True, help="model directory, or 'default' (SmolLM2-135M-Instruct)")
+    trace.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
     trace.add_argument("--targets", nargs="+", default=None, help="sequential target classes or re: patterns")
     trace.add_argument("--ignore", nargs="+", default=None, help="functions/methods to keep opaque")
     trace.add_argument(
         "--leaf", nargs="+", default=None, help="module classes or re: patterns kept as one node"
     )
+    trace.add_argument(
+        "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO
+    )
+    trace.add_argument("--trace-depth", type=_levels, default=None, metavar="N",
+                       help="with --trace-into: open modules at most N levels below the traced layers")  # fmt: skip
     trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
     trace.add_argument(
         "--export", nargs="+", default=None, type=_export_path, metavar="PATH",
@@ -350,7 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(
                 f"trace: give --format {{{','.join(sorted(FORMATS))}}} or an --output with that suffix"
             )
-    return int(args.func(args) or 0)
+    try:
+        with console_logging(args.verbose, args.quiet):
+            return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("seqcal: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # noqa: BLE001 - every failure ends as one line (a traceback with -v)
+        return report_error(exc, args.verbose)
 
 
 if __name__ == "__main__":

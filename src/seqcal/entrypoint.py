@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,11 +9,15 @@ from typing import Any
 
 import torch
 
+from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
-from seqcal.checkpoint.streaming import fingerprint
 from seqcal.data.batches import DataArgs, load_calibration_batches
+from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
+from seqcal.input_checks import check_data_for_model, check_model_dir
+from seqcal.llmc_compat import needs_translation as needs_llmc_translation
+from seqcal.llmc_compat import translate as translate_llmc_kwargs
 from seqcal.plan import make_plan
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
@@ -26,19 +29,24 @@ DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, 
 
 @dataclass
 class ModelArgs:
-    """Which model, in which dtype. ``model`` is a directory, 'default', or a loaded PreTrainedModel."""
+    """Which model, in which dtype. ``model`` is a directory, 'default', a Hub id or a loaded PreTrainedModel.
+
+    ``tokenizer`` is a tokenizer/processor object, or a directory or Hub id to load it from (None: the model's).
+    ``revision`` picks the branch, tag or commit of a Hub id.
+    """
 
     model: Any
     tokenizer: Any = None
     dtype: str = "auto"
     trust_remote_code: bool = False
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
         if not isinstance(self.model, (str, Path, torch.nn.Module)):
             raise TypeError(
-                f"model must be a directory, 'default' or a PreTrainedModel, got {type(self.model)}"
+                f"model must be a directory, 'default', a Hub id or a PreTrainedModel, got {type(self.model)}"
             )
 
 
@@ -75,15 +83,23 @@ def load_model(
     if isinstance(args.model, torch.nn.Module):
         model, source = args.model, getattr(args.model, "name_or_path", None)
     else:
-        source = str(resolve_model(args.model))
+        source = str(resolve_model(args.model, args.revision, args.trust_remote_code))
+        check_model_dir(source)
         dtype = DTYPES[args.dtype]
-        if offload_weights:
-            model, store = load_offloaded(source, None if dtype == "auto" else dtype, args.trust_remote_code)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype, trust_remote_code=args.trust_remote_code
-            )
+        try:
+            if offload_weights:
+                model, store = load_offloaded(
+                    source, None if dtype == "auto" else dtype, args.trust_remote_code
+                )
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    source, dtype=dtype, trust_remote_code=args.trust_remote_code
+                )
+        except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint is the cause
+            raise ModelLoadError.wrap(source, exc) from exc
     tokenizer = args.tokenizer
+    if isinstance(tokenizer, (str, Path)):  # a directory or Hub id, resolved by transformers itself
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=args.trust_remote_code)
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if tokenizer is None and source and any((Path(source) / f).is_file() for f in files):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
@@ -101,6 +117,7 @@ def oneshot(
     shuffle_calibration_samples: bool = True,
     text_column: str = "text",
     splits: Any = None,
+    dataset_config_name: str | None = None,
     seed: int = 42,
     concatenate: bool = False,
     sequential_targets: list[str] | None = None,
@@ -120,19 +137,27 @@ def oneshot(
     one_pass: bool = True,
     cache_max_memory: int | str | None = None,
     cache_dtype: str | None = None,
+    model_revision: str | None = None,
+    trace_into: str | list[str] | None = None,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
 
-    Keyword names follow llm-compressor's ``oneshot``, so scripts port by changing the import.
+    Keyword names follow llm-compressor's ``oneshot``; its other keywords are translated by
+    ``seqcal.llmc_compat`` (aliases such as ``concatenate_data``, no-ops logged with the reason, or an error
+    that names the keyword and what to use instead).
 
     Args:
-        model: a model directory, 'default' (SmolLM2-135M-Instruct, offline) or a PreTrainedModel.
+        model: a model directory, 'default' (SmolLM2-135M-Instruct, offline), a Hugging Face Hub id
+            (downloaded as transformers does; read from the Hub cache with HF_HUB_OFFLINE=1) or a PreTrainedModel.
         dataset: calibration data (text/jsonl/json/csv/parquet file, list of strings, Dataset, ...).
         recipe: a YAML file or string, a Modifier, or a list of them.
-        output_dir: where to write the checkpoint (None: keep in memory only).
+        output_dir: where to write the checkpoint. With it, a model given as a directory is calibrated with
+            its weights read from disk per subgraph (memory bound) and the returned model's parameters stay
+            on meta: the result is the checkpoint. None: the model is loaded whole into RAM (logged) and
+            the returned model holds the quantized weights; nothing is written.
         num_calibration_samples / max_seq_length / batch_size / shuffle_calibration_samples / text_column /
-            splits / seed: how calibration batches are drawn (see seqcal.data.DataArgs).
+            splits / dataset_config_name / seed: how calibration batches are drawn (seqcal.data.DataArgs).
         concatenate: join the texts and cut full windows of ``max_seq_length`` tokens (short texts such as
             paragraphs then fill whole samples) instead of one sample per text.
         sequential_targets: layer classes calibrated one at a time (default: inferred).
@@ -146,7 +171,10 @@ def oneshot(
         resume: continue an interrupted run in output_dir (same arguments); finished subgraphs are
             replayed from their saved weights, and the checkpoint equals an uninterrupted run's.
         dry_run: read no weight and calibrate nothing: return the MemoryPlan (device/host/disk per subgraph).
-        max_device_memory: bytes or "8GB"; subgraphs that would not fit make seqcal pick finer targets.
+        max_device_memory: bytes or "8GB": picks the cut from the memory plan, limits nothing at run time.
+            A layer whose subgraph would not fit is cut at its children (attention, MLP; logged); the
+            one-pass cut is already per module group, so there a subgraph that would not fit is only
+            reported in a warning with the fix (smaller batch_size or max_seq_length).
         one_pass: when every modifier needs only its modules' inputs (GPTQ, round to nearest), cut the
             graph before each group of modules that read one input and run every subgraph once: each module
             is calibrated on inputs computed with all earlier modules already quantized. False (and an
@@ -158,34 +186,34 @@ def oneshot(
             not fit is written to safetensors files in a temporary folder (under offload_dir if given).
         cache_dtype: "bfloat16" or "float16" stores float32 activations in that dtype (half the cache,
             lossy); None stores them exactly.
+        model_revision: branch, tag or commit of a Hub model id (None: "main").
+        trace_into: "all" or class names / ``re:`` patterns of modules to trace into (the full graph:
+            attention and MLP operations as nodes, torch.nn modules such as Linear stay nodes); the same
+            subgraph cuts and checkpoint as without it.
 
     Returns:
-        The quantized model (fake-quantized weights, no hooks left).
+        The quantized model (fake-quantized weights, no hooks left); for a directory with ``output_dir``,
+        its skeleton with parameters on meta (load the checkpoint instead). With ``dry_run``, the MemoryPlan.
 
     Example:
         >>> oneshot(model="default", dataset="default", recipe="recipes/gptq_w4a16_g64.yaml",
         ...         output_dir="out", num_calibration_samples=64, max_seq_length=512)  # doctest: +SKIP
     """
-    if unknown:
-        valid = [p for p in oneshot.__code__.co_varnames[: oneshot.__code__.co_argcount]]
-        hints = {k: difflib.get_close_matches(k, valid, n=1) for k in unknown}
-        raise TypeError(
-            "oneshot() got unknown argument(s): "
-            + ", ".join(f"{k}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items())
-            + f"; valid arguments: {', '.join(valid)}"
-        )
-    model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code)
+    if needs_llmc_translation(dict(locals())):  # llm-compressor's keywords: seqcal's own, or an error
+        return oneshot(**translate_llmc_kwargs(oneshot, dict(locals())))
+    model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code, model_revision)
     pipe_args = PipelineArgs(
         pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
         offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
         cache_max_memory=parse_bytes(cache_max_memory, "cache_max_memory"), cache_dtype=cache_dtype,
+        trace_into=trace_into,
     )  # fmt: skip
     out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)
     check_output_dir(out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume)
-    loaded, tok, store = load_model(model_args, offload_weights=pipe_args.pipeline == "sequential")
-    for modifier in parsed.modifiers:
-        modifier.validate(loaded)
+    loaded, tok, store = load_model(model_args, offload_weights=_offload_weights(model_args, pipe_args,
+                                                                                 output_dir, dry_run))  # fmt: skip
+    parsed.validate(loaded)
     if dry_run or max_device_memory is not None:
         plan = make_plan(
             loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
@@ -195,7 +223,7 @@ def oneshot(
         )  # fmt: skip
         if dry_run:
             return plan
-        for note in plan.notes[:-1]:
+        for note in plan.notes:
             logger.warning("seqcal: %s", note)
         pipe_args.sequential_targets = plan.targets
     check_environment(loaded, parsed.modifiers, out_args.output_dir, pipe_args.offload, pipe_args.offload_dir)
@@ -203,11 +231,13 @@ def oneshot(
     if pipe_args.pipeline != "datafree":
         data_args = DataArgs(
             dataset if dataset is not None else "default", num_calibration_samples, max_seq_length, batch_size,
-            shuffle_calibration_samples, text_column, splits, seed, concatenate,
+            shuffle_calibration_samples, text_column, splits, seed, concatenate, dataset_config_name,
         )  # fmt: skip
+    check_data_for_model(loaded, tok, data_args, model_args.model)
     recipe_yaml = parsed.to_yaml()
-    output = OutputPlan(out_args, recipe_yaml, fingerprint(recipe_yaml, repr(data_args), repr(pipe_args),
-                                                         getattr(loaded, "name_or_path", ""), str(dtype)))  # fmt: skip
+    # By content, never repr(data_args) (a DataLoader's repr is its address): the stream adds the batches' hash.
+    run = run_identity(recipe=recipe_yaml, model=loaded, pipeline=repr(pipe_args), dtype=str(dtype))
+    output = OutputPlan(out_args, recipe_yaml, run)
     batches, tok, reload_from = _batches_then_release(data_args, tok, owned=tokenizer is None)
     with Profiler(profile) as profiler:  # writes the trace on the way out, also when a stage fails
         state = run_pipeline(
@@ -226,6 +256,23 @@ def oneshot(
                                     overwrite=out_args.overwrite)  # fmt: skip
             write_error_report(state.report, out_args.output_dir)
     return loaded
+
+
+def _offload_weights(
+    model_args: ModelArgs, pipe_args: PipelineArgs, output_dir: str | None, dry_run: bool
+) -> bool:
+    """Keep a directory's weights on disk (memory bound) unless the quantized model must come back in RAM.
+
+    Offloaded weights end on meta: the quantized values then live only in the checkpoint, so without
+    ``output_dir`` the model is loaded in RAM instead, and the returned model holds them.
+    """
+    if pipe_args.pipeline != "sequential" or isinstance(model_args.model, torch.nn.Module):
+        return False
+    if output_dir is None and not dry_run:
+        logger.info("no output_dir: loading %s into RAM so that the returned model holds the quantized "
+                    "weights; pass output_dir to keep weights on disk and write a checkpoint", model_args.model)  # fmt: skip
+        return False
+    return True
 
 
 def _batches_then_release(
@@ -260,10 +307,8 @@ def parse_bytes(value: int | str | None, name: str = "max_device_memory") -> int
         return value
     text = str(value).strip().upper().replace(" ", "")
     units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
-    for unit, scale in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * scale)
+    unit = next((u for u in units if text.endswith(u)), "")
     try:
-        return int(float(text))
+        return int(float(text[: len(text) - len(unit)]) * units.get(unit, 1))
     except ValueError:
         raise ValueError(f"{name}={value!r}: give bytes or a size such as '8GB' or '512MiB'") from None

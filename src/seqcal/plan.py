@@ -285,6 +285,17 @@ def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str
     return children or None
 
 
+def _over_budget(plan: MemoryPlan, max_device_memory: int, why: str) -> str:
+    """The note for a plan whose largest subgraph exceeds ``max_device_memory`` with no finer cut left."""
+    gib = 1024**3
+    worst = max(plan.rows, key=lambda r: r.device_peak)
+    return (
+        f"subgraph {worst.index} ({', '.join(worst.targets[:1]) or '-'}) needs {worst.device_peak / gib:.2f} GiB "
+        f"of device memory, more than max_device_memory ({max_device_memory / gib:.2f} GiB), and {why}; the "
+        "run goes ahead as planned: lower batch_size or max_seq_length, or raise max_device_memory"
+    )
+
+
 def make_plan(
     model: torch.nn.Module,
     modifiers: list[Any],
@@ -302,6 +313,11 @@ def make_plan(
 
     The subgraphs are cut as the run will cut them: before each group of target modules (``one_pass``, when
     the modifiers allow it and no targets are given), else after each sequential target.
+
+    ``max_device_memory`` picks the cut, it limits nothing at run time: when a layer's subgraph would not
+    fit, the plan cuts at the layer's children (attention, MLP: ``plan.targets``) and says so in
+    ``plan.notes``. The one-pass cut is already per module group: there a subgraph that does not fit is
+    only reported (a note naming it and the fix), as is a layer cut with no finer children.
 
     Example:
         >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,
@@ -322,12 +338,12 @@ def make_plan(
     on_host = on_cpu and not torch.cuda.is_available()
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
     targets, notes = sequential_targets, []
-    for _ in range(2):
+    for attempt in range(2):
         args = PipelineArgs(
             sequential_targets=targets, tracing_ignore=list(tracing_ignore), one_pass=one_pass
         )
-        subgraphs = (one_pass_subgraphs(model, sample, modifiers, args) if targets is None else None) or (
-            trace_subgraphs(model, sample, targets, tracing_ignore))  # fmt: skip
+        one_pass_cut = one_pass_subgraphs(model, sample, modifiers, args) if targets is None else None
+        subgraphs = one_pass_cut or trace_subgraphs(model, sample, targets, tracing_ignore)
         try:
             values, widest = measure_values(subgraphs, batch_size, seq_len)
         except Exception as err:  # noqa: BLE001 - a failed stand-in run only costs precision, and says so
@@ -341,10 +357,12 @@ def make_plan(
         plan.targets = targets
         if max_device_memory is None or plan.device_peak <= max_device_memory:
             break
-        finer = finer_targets(model, list(subgraphs))
+        finer = None if one_pass_cut is not None or attempt else finer_targets(model, list(subgraphs))
         if finer is None or finer == targets:
-            notes.append(f"the largest subgraph needs {plan.device_peak / 1024**3:.2f} GB of device memory, more "
-                         f"than max_device_memory; no finer targets exist")  # fmt: skip
+            why = ("the one-pass cut already gives each group of quantized modules its own subgraph"
+                   if one_pass_cut is not None else "these are already the finer targets" if attempt
+                   else "its targets have no finer children to cut at")  # fmt: skip
+            notes.append(_over_budget(plan, max_device_memory, why))
             break
         notes.append(f"subgraphs of {targets or 'the inferred layers'} need {plan.device_peak / 1024**3:.2f} GB "
                      f"> max_device_memory: using finer targets {finer}")  # fmt: skip

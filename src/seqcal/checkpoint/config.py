@@ -175,7 +175,45 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
         "transform_config": {},
         **config.model_dump(exclude={"quant_method"}),
     }
-    return json.loads(json.dumps(block))  # enums and dtypes as the strings config.json holds
+    block = json.loads(json.dumps(block))  # enums and dtypes as the strings config.json holds
+    if needs_dequantize_load(block):
+        block["dequantize"] = True
+    return block
+
+
+def needs_dequantize_load(block: dict) -> bool:
+    """Whether transformers must load this checkpoint with ``dequantize=True`` (asymmetric packed weights).
+
+    compressed-tensors stores the zero points of asymmetric channel/group ``pack-quantized`` weights packed
+    along the output dimension (int32 ``[ceil(out * b / 32), groups]``); its decompressor and vLLM read
+    that layout. But transformers' default (compressed) load path builds the empty module on the meta device
+    and compresses it with compressed-tensors, whose meta branch leaves ``weight_zero_point`` unpacked
+    (``[out, groups]``, its zp dtype); since transformers 5.24 (5.17 did not compare quantized parameters'
+    shapes) the packed tensor is refused as a size mismatch. Its ``dequantize=True`` path decompresses the
+    stored tensors directly and loads them. ``quantization_config`` therefore carries ``dequantize: true``
+    for such checkpoints (vLLM and compressed-tensors ignore the key), so a plain ``from_pretrained`` works.
+    Only when no group quantizes activations: ``dequantize`` loads a dense model without activation
+    quantization, which would not be the calibrated model.
+
+    Args:
+        block: a ``quantization_config`` dict (as in ``config.json``).
+
+    Returns:
+        True when some group is asymmetric channel/group pack-quantized and none quantizes activations.
+
+    Example:
+        >>> needs_dequantize_load(json.load(open("out/config.json"))["quantization_config"])  # doctest: +SKIP
+        True
+    """
+    groups = list(block.get("config_groups", {}).values())
+    packed_asym = any(
+        (g.get("format") or block.get("format")) == "pack-quantized"
+        and (g.get("weights") or {}).get("symmetric") is False
+        and (g.get("weights") or {}).get("strategy") in ("channel", "group")
+        for g in groups
+    )
+    activations = any(g.get("input_activations") or g.get("output_activations") for g in groups)
+    return packed_asym and not activations
 
 
 def _assignment(model: torch.nn.Module, block: dict) -> dict[str, str]:

@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
-from seqcal.checkpoint.writer import PROGRESS_NAME
+from seqcal.checkpoint.writer import CONFIG_NAME, PROGRESS_NAME
+from seqcal.errors import SeqcalError
 
 # Headroom on free-space estimates: shards are written whole, and the filesystem needs slack.
 DISK_MARGIN = 1.1
 
 
-class DiskSpaceError(OSError):
+class DiskSpaceError(SeqcalError, OSError):
     """The machine cannot hold what the run will write (disk space, permissions)."""
 
 
@@ -26,6 +27,7 @@ def check_output_dir(output_dir: str | None, *, overwrite: bool, resume: bool) -
 
     Raises:
         FileExistsError: a finished checkpoint or an interrupted run is there (and neither overwrite nor resume).
+        NotADirectoryError: output_dir, or a parent it would be created under, is a file.
         PermissionError: the directory (or its nearest existing parent) is not writable.
     """
     if output_dir is None:
@@ -38,16 +40,57 @@ def check_output_dir(output_dir: str | None, *, overwrite: bool, resume: bool) -
             f"output_dir {path} holds an interrupted run; continue it with resume=True (CLI: --resume) "
             "and the same arguments, or pass overwrite=True to start again"
         )
+    if resume:
+        check_resumable(path)
     if path.exists() and any(path.iterdir()) and not (overwrite or resume):
         raise FileExistsError(
             f"output_dir {path} exists and is not empty; choose another directory or pass overwrite=True"
         )
+    _check_creatable(path)
+
+
+def _check_creatable(path: Path) -> None:
+    """``path`` exists as a directory or can be created: its nearest existing ancestor takes a new folder.
+
+    The check creates and removes a folder there, as permission bits do not tell for root, ACLs or
+    read-only mounts; nothing is left behind.
+    """
     existing = path
-    while not existing.exists():
+    while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir():
+        raise NotADirectoryError(
+            f"output_dir {path} cannot be created: {existing} is a file, not a directory; "
+            "choose a path under a directory"
+        )
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".seqcal-check-", dir=existing))
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
         raise PermissionError(
-            f"output_dir {path}: {existing} is not writable; choose a directory you can write"
+            f"output_dir {path} cannot be {'written' if existing == path else 'created'}: {existing} "
+            f"is not writable ({reason}); choose a directory you can write"
+        ) from None
+
+
+def check_resumable(path: Path) -> None:
+    """``resume=True`` continues only a run seqcal started in ``path``: refuse a directory of other files.
+
+    An absent or empty directory is fine (the run starts there); one with seqcal's progress record or a
+    finished checkpoint is checked further by ``StreamingCheckpoint``, which compares the run's identity.
+
+    Raises:
+        FileExistsError: ``path`` holds files but no seqcal run; nothing in it is touched.
+    """
+    if not path.is_dir() or (path / PROGRESS_NAME).is_file() or (path / CONFIG_NAME).is_file():
+        return
+    files = sorted(p.name for p in path.iterdir())
+    if files:
+        shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+        raise FileExistsError(
+            f"output_dir {path} holds files of something other than a seqcal run ({shown}) and no "
+            f"{PROGRESS_NAME}, so there is no run to resume; choose another output_dir (nothing there was "
+            "changed)"
         )
 
 

@@ -6,15 +6,21 @@ that subgraph (``seqcal_resume/``), so an interrupted run (crash, SIGKILL, out o
 ``resume=True``: the finished subgraphs are replayed with their saved quantized weights (one propagation
 pass, no calibration) and the run goes on from the next one, producing the same tensors as a run that was
 never interrupted. ``config.json`` is written last; its presence means the checkpoint is finished.
+
+The first progress record (the run's identity, nothing finished) is written before anything else goes into
+the directory, so a killed run's directory is always recognisable: ``resume=True`` on it continues (or,
+with nothing finished, starts over inside it), and a resume with other arguments is refused with the parts
+that differ (``seqcal.checkpoint.identity``). The final save records progress before it starts, and notes
+the shard renames it is about to make, so a kill during the save resumes and finishes it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
+import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +28,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from seqcal.algorithms import dequantize
+from seqcal.checkpoint.identity import data_fingerprint, differences, fingerprint
 from seqcal.checkpoint.writer import (
     CONFIG_NAME,
+    INDEX_NAME,
     PROGRESS_NAME,
     CheckpointWriter,
     ModelLayout,
     checkpoint_config,
     write_extras,
 )
+from seqcal.errors import SeqcalError
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.schemes import strategy_of
 from seqcal.tracing.partition import Subgraph
@@ -41,13 +50,11 @@ RESUME_DIR = "seqcal_resume"
 CHECKPOINT_BYTES = 64 * 1024**2
 
 
-class ResumeError(RuntimeError):
+class ResumeError(SeqcalError, RuntimeError):
     """The output directory cannot be resumed (finished, or made by a different run)."""
 
 
-def fingerprint(*parts: Any) -> str:
-    """A short hash of what must not change between an interrupted run and its resumption."""
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+__all__ = ["CHECKPOINT_BYTES", "RESUME_DIR", "ResumeError", "StreamingCheckpoint", "fingerprint"]
 
 
 class StreamingCheckpoint:
@@ -58,35 +65,65 @@ class StreamingCheckpoint:
         state: the run state (``state.quantized`` fills as subgraphs finish).
         output_dir: the checkpoint directory.
         subgraphs: the run's subgraphs (a module is written after the last one that uses it).
-        run_id: fingerprint of recipe, data and model; a resume must match it.
+        run_id: the run's identity (``identity.run_identity``); a resume must match it.
         overwrite: replace a non-empty directory (never needed to resume).
         resume: continue an interrupted run in ``output_dir`` if there is one.
         checkpoint_bytes: record progress once this many bytes of finished modules wait to be written
             (default ``CHECKPOINT_BYTES``).
+        batches: the calibration batches; their content hash is the run's ``data`` part.
     """
 
     def __init__(self, model: torch.nn.Module, state: RunState, output_dir: str | Path,
-                 subgraphs: Sequence[Subgraph], run_id: str, *, overwrite: bool = False,
-                 resume: bool = False, weights: Any = None, checkpoint_bytes: int | None = None) -> None:  # fmt: skip
-        self.model, self.state, self.run_id = model, state, run_id
+                 subgraphs: Sequence[Subgraph], run_id: Mapping[str, str] | str, *, overwrite: bool = False,
+                 resume: bool = False, weights: Any = None, checkpoint_bytes: int | None = None,
+                 batches: Sequence[Mapping[str, Any]] | None = None) -> None:  # fmt: skip
+        self.model, self.state = model, state
+        run = dict(run_id) if isinstance(run_id, Mapping) else {"run": str(run_id)}
+        self.run_id = {**run, "data": data_fingerprint(batches) if batches is not None else None}
         self.weights = weights  # offload.SubgraphWeights when parameters live off-device, else None
         self.path = Path(output_dir)
         self.layout = ModelLayout.from_model(model)
         self.finished = -1
         self.checkpoint_bytes = CHECKPOINT_BYTES if checkpoint_bytes is None else checkpoint_bytes
         if resume and (self.path / PROGRESS_NAME).is_file():
-            self.writer, progress = CheckpointWriter.resume(self.path, layout=self.layout)
-            if progress.get("run_id") != run_id:
-                raise ResumeError(
-                    f"{self.path} holds an interrupted run of another recipe/dataset/model; resume it with the "
-                    "same arguments, or pass overwrite=True (and resume=False) to start again"
-                )
-            self.finished = int(progress["finished"])
+            self.writer, self.finished = self._resume()
         elif resume and (self.path / CONFIG_NAME).is_file():
+            shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)  # left if killed after the save's end
             raise ResumeError(f"{self.path} holds a finished checkpoint: nothing to resume")
         else:
             self.writer = CheckpointWriter(self.path, overwrite=overwrite, layout=self.layout)
+            shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)  # an overwritten run's saved subgraphs
+            self._record(-1)  # first, before any work: the directory is a resumable run of these arguments
+        self.last = self.finished  # the last subgraph whose modules and weights are on disk
         self.owner = self._owners(subgraphs)
+
+    def _record(self, finished: int) -> None:
+        self.writer.checkpoint({"finished": finished, "run": self.run_id})
+        self.finished = finished
+
+    def _resume(self) -> tuple[CheckpointWriter, int]:
+        """Check that the interrupted run is this one, then reopen its writer at its last record."""
+        manifest = json.loads((self.path / PROGRESS_NAME).read_text(encoding="utf-8"))
+        progress = manifest.get("progress", {})
+        if not isinstance(progress.get("run"), Mapping):
+            raise ResumeError(
+                f"output_dir {self.path} holds an interrupted run recorded by an older seqcal, whose arguments "
+                "cannot be compared; start it again with overwrite=True (--overwrite) or choose another output_dir"
+            )
+        differ = differences(progress["run"], self.run_id)
+        if differ:  # checked before anything in the directory is touched
+            raise ResumeError(
+                f"output_dir {self.path} holds an interrupted run whose {', '.join(differ)} differ from this "
+                f"run's; resume it with the same {', '.join(differ)}, or choose another output_dir "
+                "(overwrite=True / --overwrite discards that run)"
+            )
+        _undo_close(self.path, manifest.get("closing", {}))
+        writer, progress = CheckpointWriter.resume(self.path, layout=self.layout)
+        finished = int(progress["finished"])
+        for file in (self.path / RESUME_DIR).glob("*.st"):
+            if not file.stem.isdigit() or int(file.stem) > finished:
+                file.unlink()  # written after the last record: recomputed
+        return writer, finished
 
     def _owners(self, subgraphs: Sequence[Subgraph]) -> dict[str, int]:
         """Module name -> index of the last subgraph that uses it (-1: none; written at the end)."""
@@ -117,9 +154,9 @@ class StreamingCheckpoint:
             save_file(
                 {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / f"{sg.index}.st")
             )
+        self.last = sg.index
         if self.writer.pending_bytes >= self.checkpoint_bytes:
-            self.writer.checkpoint({"finished": sg.index, "run_id": self.run_id})
-            self.finished = sg.index
+            self._record(sg.index)
         self._trim(mine)
 
     def _trim(self, names: Any) -> None:
@@ -144,6 +181,11 @@ class StreamingCheckpoint:
         """
         file = self.path / RESUME_DIR / f"{sg.index}.st"
         if not file.is_file():
+            if any(self._in(name, sg) for name in schemes):
+                raise ResumeError(  # replaying without them would save unquantized weights as quantized
+                    f"{self.path}: the saved weights of finished subgraph {sg.index} ({file}) are missing; "
+                    "the run cannot be resumed: start it again with overwrite=True"
+                )
             return
         tensors = load_file(str(file))
         for name in sorted({k.split(":")[0] for k in tensors}):
@@ -159,7 +201,13 @@ class StreamingCheckpoint:
         self._trim({k.split(":")[0] for k in tensors})
 
     def finish(self, tokenizer: Any = None, recipe_yaml: str | None = None) -> Path:
-        """Write the modules no subgraph used, the extras and, last, config.json."""
+        """Write the modules no subgraph used, the extras and, last, config.json.
+
+        Progress is recorded first (every subgraph is on disk), so a kill from here on resumes by replaying the
+        subgraphs and finishing the save again.
+        """
+        if self.last > self.finished:
+            self._record(self.last)
         rest = [name for name, index in self.owner.items() if index == -1]
         with self.weights.modules_onloaded(rest) if self.weights else contextlib.nullcontext():
             for name in rest:
@@ -168,3 +216,20 @@ class StreamingCheckpoint:
         out = self.writer.close(checkpoint_config(self.model, self.state, self.layout))
         shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)
         return out
+
+
+def _undo_close(path: Path, closing: Mapping[str, str]) -> None:
+    """Put an interrupted save back as it was recorded: shards under their partial names, no config or index.
+
+    ``CheckpointWriter.close`` notes the renames it is about to make in the progress file; a kill during them
+    (or after ``config.json``, before the progress file is removed) leaves some shards renamed. The resumed
+    run finishes the save again, so each is renamed back, and ``config.json`` goes first: the directory must
+    not look finished while it is not.
+    """
+    if not closing:
+        return
+    (path / CONFIG_NAME).unlink(missing_ok=True)
+    (path / INDEX_NAME).unlink(missing_ok=True)
+    for partial, final in closing.items():
+        if not (path / partial).exists() and (path / final).is_file():
+            os.replace(path / final, path / partial)

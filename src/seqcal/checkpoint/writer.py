@@ -287,6 +287,11 @@ class CheckpointWriter:
             self._flush()
         n = len(self._shards)
         names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        progress = self.output_dir / PROGRESS_NAME
+        if progress.is_file():  # a kill while renaming: the resumed run renames them back (streaming)
+            manifest = json.loads(progress.read_text(encoding="utf-8"))
+            manifest["closing"] = {p.name: final for p, final in zip(self._shards, names)}
+            _write_json(progress, manifest)
         for path, final in zip(self._shards, names):
             os.replace(path, self.output_dir / final)
         if n > 1:

@@ -30,18 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
+from seqcal.data.args import ACCEPTED, CalibrationDataError, DataArgs, _dataset_kind
 from seqcal.data.sources import (
     _HEADING,
     _ROW_READERS,
-    ACCEPTED,
     MIN_PARAGRAPH_CHARS,
-    CalibrationDataError,
     _as_ids,
-    _dataset_kind,
     _is_conversation,
-    _is_int,
-    _require,
-    _split_spec,
+    _row_where,
     _warn_unused_splits,
     default_calibration_text,
 )
@@ -56,67 +52,10 @@ __all__ = [
     "DataArgs",
     "default_calibration_text",
     "load_calibration_batches",
+    "needs_tokenizer",
 ]
 
 logger = logging.getLogger("seqcal.data")
-
-
-@dataclasses.dataclass(frozen=True)
-class DataArgs:
-    """Where calibration data comes from and how it is cut into batches (llm-compressor's keyword names).
-
-    Args:
-        dataset: any of ``ACCEPTED`` (a file path, "default", a Hub name, a list, a Dataset, tensors, ...).
-        num_calibration_samples: samples (``concatenate``: windows) to use, taken after shuffling.
-        max_seq_length: tokens per sample at most (``concatenate``: exactly).
-        batch_size: samples per batch; a batch is padded to its longest sample.
-        shuffle_calibration_samples: shuffle rows with ``random.Random(seed)`` before selecting.
-        text_column: column holding the text in row-shaped data (JSON, CSV, Parquet, HF datasets).
-        splits: HF split to use: ``"train"``, ``"train[:512]"``, ``"validation[:10%]"`` or
-            ``{"calibration": "train"}``; None picks "calibration", then "train", then the only split.
-        seed: shuffling seed.
-        concatenate: join texts with blank lines and cut full windows of ``max_seq_length`` tokens
-            (the GPTQ paper's WikiText/C4 recipe) instead of one sample per row.
-        dataset_config_name: HF dataset configuration, e.g. ``"wikitext-2-raw-v1"``.
-
-    Example:
-        >>> DataArgs("calib.jsonl", num_calibration_samples=128, max_seq_length=512, text_column="content")
-    """
-
-    dataset: Any
-    num_calibration_samples: int = 512
-    max_seq_length: int = 2048
-    batch_size: int = 1
-    shuffle_calibration_samples: bool = True
-    text_column: str = "text"
-    splits: str | dict[str, str] | None = None
-    seed: int = 42
-    concatenate: bool = False
-    dataset_config_name: str | None = None
-
-    def __post_init__(self) -> None:
-        for name, example in (("num_calibration_samples", 512), ("max_seq_length", 2048), ("batch_size", 1)):
-            value = getattr(self, name)
-            _require(
-                _is_int(value) and value > 0,
-                f"DataArgs.{name} must be a positive int, got {value!r}; e.g. {name}={example}",
-            )
-        _require(_is_int(self.seed), f"DataArgs.seed must be an int, got {self.seed!r}; e.g. seed=42")
-        for name in ("shuffle_calibration_samples", "concatenate"):
-            _require(
-                isinstance(getattr(self, name), bool),
-                f"DataArgs.{name} must be True or False, got {getattr(self, name)!r}",
-            )
-        _require(
-            isinstance(self.text_column, str) and bool(self.text_column),
-            f"DataArgs.text_column must be a non-empty column name, got {self.text_column!r}",
-        )
-        _require(
-            self.dataset_config_name is None or isinstance(self.dataset_config_name, str),
-            f"DataArgs.dataset_config_name must be a str or None, got {self.dataset_config_name!r}",
-        )
-        _split_spec(self.splits)
-        _dataset_kind(self.dataset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +97,9 @@ def load_calibration_batches(
     if args.shuffle_calibration_samples:
         random.Random(args.seed).shuffle(order)
     samples = (
-        s for i in order if (s := _to_sample(rows[i], f"{where}, row {i}", args, tokenizer)) is not None
+        s
+        for i in order
+        if (s := _to_sample(rows[i], _row_where(rows, where, i), args, tokenizer)) is not None
     )
     seqs = (
         _windows(samples, args, tokenizer, where) if args.concatenate else _first_n(samples, args, tokenizer)
@@ -175,6 +116,35 @@ def load_calibration_batches(
     return [
         _collate(seqs[i : i + args.batch_size], pad_id, side) for i in range(0, len(seqs), args.batch_size)
     ]
+
+
+def needs_tokenizer(args: DataArgs) -> bool:
+    """Whether the calibration data holds text (which needs a tokenizer) rather than token ids.
+
+    Decided by the first non-empty row; reading rows costs a second read of the dataset, so call it only
+    when no tokenizer is at hand.
+
+    Args:
+        args: the dataset and how to read it.
+
+    Returns:
+        False for a DataLoader and for token ids (tensors, id lists, ``{"input_ids": ...}`` rows), else True.
+
+    Example:
+        >>> needs_tokenizer(DataArgs(["Some text."])), needs_tokenizer(DataArgs(torch.ones(2, 8).long()))
+        (True, False)
+    """
+    kind = _dataset_kind(args.dataset)
+    if kind == "loader":
+        return False
+    rows, _ = _ROW_READERS[kind](args)
+    for row in rows:
+        if row is None or (isinstance(row, str) and not row.strip()):
+            continue
+        if isinstance(row, Mapping):
+            return "input_ids" not in row or args.text_column in row or "messages" in row
+        return isinstance(row, str) or _is_conversation(row)
+    return False
 
 
 # ---- rows -> samples -> token sequences ----------------------------------------------------------------
@@ -206,6 +176,16 @@ def _render_chat(messages: Sequence[Mapping], tokenizer: Any, where: str, args: 
     return tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False)
 
 
+def _not_messages(value: Any, where: str) -> str:
+    """The error for a 'messages' value that is not a conversation (a string, a dict, messages without roles)."""
+    got = f"a {type(value).__name__}"
+    if isinstance(value, (list, tuple)):
+        bad = next(m for m in value if not (isinstance(m, Mapping) and "role" in m and "content" in m))
+        got = f"a list whose item {bad!r:.60} is not a {{'role', 'content'}} dict"
+    return (f"{where}: expected a list of messages like [{{'role': 'user', 'content': '...'}}], got {got}; "
+            "give each chat row such a list, or put plain text in the text column")  # fmt: skip
+
+
 def _to_sample(row: Any, where: str, args: DataArgs, tokenizer: Any) -> _Sample | None:
     """One row as text, chat text or token ids; None for rows with nothing to calibrate on."""
     if row is None:
@@ -217,6 +197,9 @@ def _to_sample(row: Any, where: str, args: DataArgs, tokenizer: Any) -> _Sample 
     if isinstance(row, Mapping):
         for key in (args.text_column, "messages"):
             if key in row:
+                empty = isinstance(row[key], (list, tuple)) and not row[key]
+                if key == "messages" and not empty and not _is_conversation(row[key]):
+                    raise CalibrationDataError(_not_messages(row[key], f"{where}, column 'messages'"))
                 return _to_sample(row[key], f"{where}, column {key!r}", args, tokenizer)
         if "input_ids" in row:
             ids = _unpad(row, where)

@@ -3,12 +3,13 @@
 A row is what one sample comes from: a paragraph of a text file, a JSON/CSV/Parquet row, a row of an HF
 dataset (the requested split, cut to its ``[A:B]`` window), a conversation, or a token sequence. The
 readers are literal registries (``_FILE_READERS`` by file extension, ``_ROW_READERS`` by dataset kind).
-``seqcal.data.batches`` turns rows into samples and batches; its public names (``CalibrationDataError``,
-``default_calibration_text``, ``ACCEPTED``, ...) are defined here and re-exported there.
+``seqcal.data.batches`` turns rows into samples and batches; ``DataArgs`` and ``CalibrationDataError``
+come from ``seqcal.data.args``.
 
 Example:
-    >>> _dataset_kind("calib.jsonl"), _dataset_kind(["Some text."]), _dataset_kind(torch.ones(2, 8).long())
-    ('path', 'list', 'tokens')
+    >>> rows, where = _ROW_READERS["list"](DataArgs(["Some text."]))
+    >>> rows, where
+    (['Some text.'], 'the dataset list')
 """
 
 from __future__ import annotations
@@ -20,39 +21,26 @@ import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
-if TYPE_CHECKING:
-    from seqcal.data.batches import DataArgs
+from seqcal.data.args import (
+    _SPLIT,
+    CalibrationDataError,
+    DataArgs,
+    _hf_class,
+    _is_int,
+    _split_spec,
+)
 
 # Records keep the logger name users configure for calibration data, whichever module emits them.
 logger = logging.getLogger("seqcal.data")
 
-ACCEPTED = (
-    "'default' (the embedded text), a local file (.txt/.text/.raw/.md: paragraphs at blank lines; "
-    ".jsonl/.json/.csv/.parquet: rows with a text column or 'messages'), a folder saved with "
-    "datasets' save_to_disk, a Hugging Face Hub dataset name, a datasets.Dataset or DatasetDict, a list of "
-    "strings / chat conversations / row dicts / token-id lists, a dict of columns or {'input_ids': ...}, "
-    "an integer tensor of token ids [N, T] or [T], or a torch DataLoader of {'input_ids', 'attention_mask'} "
-    "batches"
-)
 # Fragments shorter than this (captions, "References", stray list items) calibrate nothing useful.
 MIN_PARAGRAPH_CHARS = 32
 # WikiText section titles: " = Title = ", " = = Subtitle = = ".
 _HEADING = re.compile(r"^\s*(=+)\s.*\s\1\s*$")
-_SPLIT = re.compile(r"^(?P<name>[\w.-]+)?(?:\[(?P<start>-?\d+%?)?:(?P<stop>-?\d+%?)?\])?$")
-
-
-class CalibrationDataError(ValueError):
-    """The calibration dataset cannot be turned into batches; the message says where and what is valid."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
 
 
 def default_calibration_text() -> str:
@@ -71,49 +59,6 @@ def default_calibration_text() -> str:
 # ---- what the dataset is -------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _hf_class(obj: Any) -> str | None:
-    """The class name of an object of the optional `datasets` package (found without importing it)."""
-    return type(obj).__name__ if type(obj).__module__.split(".")[0] == "datasets" else None
-
-
-def _dataset_kind(dataset: Any) -> str:
-    if isinstance(dataset, (str, Path)):
-        _require(bool(str(dataset).strip()), f"DataArgs.dataset is an empty string; accepted: {ACCEPTED}")
-        return "path"
-    if isinstance(dataset, DataLoader):
-        return "loader"
-    if _hf_class(dataset) in ("Dataset", "DatasetDict"):
-        return "hf"
-    if isinstance(dataset, (list, tuple)):
-        return "list"
-    if isinstance(dataset, (Mapping, torch.Tensor)):
-        return "tokens"
-    hint = (
-        " (streaming datasets are not supported: load without streaming=True)" if _hf_class(dataset) else ""
-    )
-    raise CalibrationDataError(
-        f"DataArgs.dataset: cannot use a {type(dataset).__name__}{hint}; accepted: {ACCEPTED}"
-    )
-
-
-def _split_spec(splits: str | dict[str, str] | None) -> str | None:
-    """The split string to load, from llm-compressor's ``splits`` (a str or {"calibration": ...})."""
-    spec = splits
-    if isinstance(splits, Mapping):
-        if "calibration" not in splits and len(splits) != 1:
-            raise ValueError(f"DataArgs.splits {splits!r}: a dict needs a 'calibration' key or exactly one entry, "
-                             "e.g. {'calibration': 'train[:512]'}")  # fmt: skip
-        spec = splits.get("calibration", next(iter(splits.values())))
-    if spec is not None and (not isinstance(spec, str) or not _SPLIT.match(spec)):
-        raise ValueError(f"DataArgs.splits: {spec!r} is not a split; expected 'NAME', 'NAME[A:B]' or 'NAME[:N%]', "
-                         "e.g. 'train[:512]'")  # fmt: skip
-    return spec
-
-
 # ---- rows from each kind of dataset --------------------------------------------------------------------
 
 
@@ -127,18 +72,36 @@ def _paragraphs(text: str) -> list[str]:
     return out
 
 
+class _JsonLines(list):
+    """The rows of a JSON lines file, with the file's line number of each row (blank lines are skipped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[int] = []
+
+
 def _read_jsonl(path: Path) -> list[Any]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
+    rows = _JsonLines()
+    with path.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of the first row
+        n = 0
+        try:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
                 rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise CalibrationDataError(f"{path}:{n}: not valid JSON ({err.msg}); JSON lines hold one object "
-                                           'per line, e.g. {"text": "..."}') from err  # fmt: skip
+                rows.lines.append(n)
+        except json.JSONDecodeError as err:
+            raise CalibrationDataError(f"{path}:{n}: not valid JSON ({err.msg}); JSON lines hold one object "
+                                       'per line, e.g. {"text": "..."}') from err  # fmt: skip
+        except UnicodeDecodeError as err:
+            raise CalibrationDataError(f"{path}:{n + 1}: not UTF-8 text ({err.reason}); is it the right file? "
+                                       'JSON lines hold one object per line, e.g. {"text": "..."}') from err  # fmt: skip
     return rows
+
+
+def _row_where(rows: Sequence[Any], where: str, i: int) -> str:
+    """Where row ``i`` is, for messages: ``file:line`` for JSON lines, else ``where, row i``."""
+    return f"{where}:{rows.lines[i]}" if isinstance(rows, _JsonLines) else f"{where}, row {i}"
 
 
 def _columns_to_rows(data: Mapping) -> list[Any] | None:
@@ -235,18 +198,40 @@ def _string_rows(args: DataArgs) -> tuple[Sequence[Any], str]:
 
 
 def _hub_rows(name: str, args: DataArgs) -> Sequence[Any]:
+    """Rows of a Hub dataset, resolved as ``datasets.load_dataset`` resolves it.
+
+    Online, and offline when ``datasets`` prepared it before (its own cache), ``load_dataset(name)`` does it.
+    Offline otherwise, ``datasets`` does not look in the Hub file cache, so the cached snapshot of the
+    repository (``hf download --repo-type dataset``, or an earlier download) is loaded as a local folder.
+    """
     datasets = _import_datasets(
         f"dataset {name!r} is not a local file, so it would come from the Hugging Face Hub; that"
     )
+    split = _split_spec(args.splits)
     try:
-        loaded = datasets.load_dataset(name, args.dataset_config_name, split=_split_spec(args.splits))
+        loaded = datasets.load_dataset(name, args.dataset_config_name, split=split)
     except ConnectionError as err:
-        raise ConnectionError(
-            f"cannot load dataset {name!r} from the Hugging Face Hub: this machine is offline or HF_HUB_OFFLINE=1 "
-            f"is set ({err}). Pass a local file instead, e.g. dataset='calib.txt' (paragraphs separated by blank "
-            f"lines) or dataset='calib.jsonl' with a {args.text_column!r} field per line, or dataset='default'"
-        ) from err
+        loaded = datasets.load_dataset(
+            str(_hub_snapshot(name, args, err)), args.dataset_config_name, split=split
+        )
     return _hf_rows(loaded, args, sliced=args.splits is not None)
+
+
+def _hub_snapshot(name: str, args: DataArgs, err: ConnectionError) -> Path:
+    """The dataset's snapshot in the Hub cache, after ``datasets`` could not reach the Hub (``err``)."""
+    from seqcal import hub
+
+    try:
+        return hub.snapshot(name, repo_type="dataset")
+    except hub.HubError as missing:
+        if not missing.offline:
+            raise CalibrationDataError(str(missing)) from missing
+        raise ConnectionError(
+            f"cannot load dataset {name!r}: offline ({err}) and not in the Hugging Face Hub cache "
+            f"({hub.hub_cache()}); run once online (or `hf download {name} --repo-type dataset`) to cache it. "
+            f"Pass a local file instead, e.g. dataset='calib.txt' (paragraphs separated by blank lines) or "
+            f"dataset='calib.jsonl' with a {args.text_column!r} field per line, or dataset='default'"
+        ) from err
 
 
 def _hf_rows(ds: Any, args: DataArgs, sliced: bool) -> Sequence[Any]:

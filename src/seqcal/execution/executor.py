@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from seqcal.execution.cache.store import ActivationCache
 from seqcal.execution.weights import trim_host_memory
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
-from seqcal.tracing.partition import Subgraph
+from seqcal.tracing.partition import Subgraph, target_ends
 from seqcal.tracing.values import OpaqueCall
 
 
@@ -262,7 +262,7 @@ def _autocast(state: Any) -> contextlib.AbstractContextManager:
 def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
           state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str) -> None:  # fmt: skip
     """Run ``sg`` over every batch, storing its outputs; ``keep`` collects target outputs of a few batches."""
-    targets = [n.name for n in sg.nodes if n.op == "call_module" and n.target in set(sg.targets)]
+    targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
     with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(batches)):
         for b, batch in enumerate(batches):
             state.token_mask = _token_mask(batch)

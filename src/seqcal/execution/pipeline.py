@@ -27,6 +27,7 @@ from seqcal.execution.weights import (
 from seqcal.modifiers import RunState
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
+from seqcal.tracing.leaves import normalize_trace_into
 from seqcal.tracing.partition import OnePassError
 from seqcal.tracing.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing.targets import infer_candidates
@@ -62,8 +63,12 @@ class PipelineArgs:
     # as for a model read from disk. None: when CUDA is available (the model's weights stay in RAM, each
     # subgraph runs on the GPU). Same results either way, so it is left out of the run's fingerprint.
     stage_weights: bool | None = field(default=None, repr=False)
+    # Modules to trace into ("all" or class names / re: patterns; see seqcal.tracing.trace). The same cuts and
+    # results either way, so it is left out of the run's fingerprint.
+    trace_into: str | list[str] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        normalize_trace_into(self.trace_into)  # a ValueError that lists what is valid
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline={self.pipeline!r} is not one of {PIPELINES}")
         if self.compute_dtype not in (None, "bfloat16", "float16"):
@@ -91,7 +96,7 @@ class OutputPlan:
 
     args: Any  # entrypoint.OutputArgs
     recipe_yaml: str
-    run_id: str
+    run_id: dict[str, str]  # checkpoint.identity.run_identity; the stream adds the data's hash
     stream: StreamingCheckpoint | None = None
 
 
@@ -159,10 +164,12 @@ def _run(
     else:
         batches = [{**batch, **_no_cache(model)} for batch in batches]
         subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
+        _log_cut(subgraphs, targets, modifiers, args)
         try:
             subgraphs = subgraphs or trace_subgraphs(
-                model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph
-            )
+                model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph,
+                trace_into=args.trace_into,
+            )  # fmt: skip
         except TracingError as err:
             # the capture runs the model's own forward: weights on meta are onloaded per module for it
             cpu = torch.device("cpu")
@@ -174,7 +181,7 @@ def _run(
             store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
         ) as cache:  # fmt: skip
             weights = SubgraphWeights(model, store, subgraphs, device, staged) if store is not None else None
-            stream = _streaming(model, state, subgraphs, output, weights)
+            stream = _streaming(model, state, subgraphs, output, weights, batches)
             schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
 
             def done(sg: Any) -> int | None:
@@ -195,7 +202,7 @@ def _run(
                     on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
                     restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
                     on_subgraph_start=weights.onload if weights is not None else None,
-                    profiler=profiler,
+                    profiler=profiler, progress=logger.getEffectiveLevel() < logging.ERROR,  # off for `-q`
                 )  # fmt: skip
     for modifier in modifiers:
         modifier.finalize(model, state)
@@ -231,12 +238,35 @@ def one_pass_subgraphs(
     names = [n for n, _ in model.named_modules() if n in wanted]
     pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"
     try:
-        return trace_subgraphs(model, sample, [pattern], args.tracing_ignore, None, 1, cut="before")
+        return trace_subgraphs(
+            model, sample, [pattern], args.tracing_ignore, None, 1, cut="before", trace_into=args.trace_into
+        )
     except (TracingError, OnePassError) as err:
         # Not an error: the layer-level cut below handles this model (it hooks modules inside layers).
         reason = err.problems[0].what if isinstance(err, TracingError) else str(err)
-        logger.info("seqcal: cutting at layers, not before each module (%s)", reason)
+        log = logger.warning if args.trace_into else logger.info  # asked for a full graph: say it differs
+        log("seqcal: cutting at layers, not before each module (%s)", reason)
         return None
+
+
+def _log_cut(
+    one_pass: SubgraphList | None, targets: list[str] | None, modifiers: list[Any], args: PipelineArgs
+) -> None:
+    """One INFO line on how the graph is cut and why (``one_pass_subgraphs`` says itself why it declined)."""
+    layer_cut = "a calibration and a propagation pass per layer"
+    if one_pass is not None:
+        logger.info(
+            "seqcal: one pass: cut before each group of quantized modules, %d subgraphs", len(one_pass)
+        )
+    elif targets is not None:
+        logger.info("seqcal: cutting after each of the sequential targets %s: %s", targets, layer_cut)
+    elif not args.one_pass or args.targets_per_subgraph != 1:
+        logger.info("seqcal: cutting after each layer (one_pass=False, CLI --layer-cut): %s", layer_cut)
+    elif not all(getattr(m, "input_only", False) for m in modifiers):
+        needs = [type(m).__name__ for m in modifiers if not getattr(m, "input_only", False)]
+        logger.info(
+            "seqcal: cutting after each layer (%s needs more than its modules' inputs): %s", needs, layer_cut
+        )
 
 
 def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:
@@ -247,13 +277,14 @@ def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torc
 
 
 def _streaming(
-    model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: OutputPlan | None, weights: Any
-) -> StreamingCheckpoint | None:
+    model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: OutputPlan | None, weights: Any,
+    batches: list[dict[str, Any]],
+) -> StreamingCheckpoint | None:  # fmt: skip
     if output is None or output.args.output_dir is None:
         return None
     output.stream = StreamingCheckpoint(
         model, state, output.args.output_dir, subgraphs, output.run_id,
-        overwrite=output.args.overwrite, resume=output.args.resume, weights=weights,
+        overwrite=output.args.overwrite, resume=output.args.resume, weights=weights, batches=batches,
     )  # fmt: skip
     if output.stream.finished >= 0:
         logger.warning("seqcal: resuming after subgraph %d of %d", output.stream.finished, len(subgraphs))

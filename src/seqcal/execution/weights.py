@@ -86,7 +86,8 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    dtype = dtype or getattr(config, "torch_dtype", None) or torch.float32
+    # `dtype` since transformers 4.56; reading `torch_dtype` there logs a deprecation warning on every run
+    dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with init_empty_weights(include_buffers=False):

@@ -46,7 +46,7 @@ class QuantizationModifier(Modifier):
         self.modules: dict[str, QuantizationScheme] = {}
 
     def validate(self, model: torch.nn.Module) -> None:
-        self.modules = resolve_modules(model, self.groups, self.ignore)
+        self.modules = resolve_modules(model, self.groups, self.ignore, self.name)
         if not self.modules:
             raise ValueError(
                 f"{self.name}: no Linear layer matches targets {self.targets!r} (ignore={self.ignore!r}); "

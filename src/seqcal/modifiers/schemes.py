@@ -6,6 +6,8 @@ names mean exactly what they mean in llm-compressor and in the saved ``quantizat
 
 from __future__ import annotations
 
+import difflib
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +15,11 @@ from typing import Any
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+logger = logging.getLogger("seqcal")
+# difflib ratio from which a name that matches nothing is taken for a typo: "lm_haed" ~ "lm_head" (0.86),
+# "q_prj" ~ "q_proj" (0.91); "lm_head" ~ "head" (0.73) is another architecture's name, not a typo.
+_TYPO = 0.8
 
 # Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights, dynamic activations.
 # FP8 (static activation scales) is not among them: it needs activation observers seqcal does not have yet.
@@ -122,15 +129,36 @@ def matches_target(module: torch.nn.Module, name: str, patterns: Sequence[str]) 
 
 
 def resolve_modules(
-    model: torch.nn.Module, groups: dict[str, QuantizationScheme], ignore: Sequence[str]
+    model: torch.nn.Module,
+    groups: dict[str, QuantizationScheme],
+    ignore: Sequence[str],
+    where: str = "recipe",
 ) -> dict[str, QuantizationScheme]:
     """Module name -> scheme for every Linear matched by a group's targets and not ignored.
 
     The first group that matches wins, as in compressed-tensors. Only ``nn.Linear`` weights are quantized
     (embeddings and norms are not), whatever the target pattern.
+
+    Args:
+        model: the model the recipe is applied to.
+        groups: the modifier's schemes, each with its ``targets``.
+        ignore: class names or ``re:`` patterns of modules left in full precision.
+        where: the modifier's name, for error messages.
+
+    Returns:
+        Qualified module name -> its scheme, in module order.
+
+    Raises:
+        ValueError: a target matches no module of the model, or an ignore entry matches none but is close
+            to a module's name or class (a typo); the message names the pattern and the close names.
+
+    Example:
+        >>> resolve_modules(model, resolve_schemes("W4A16", None, "Linear", "m"), ["lm_head"])  # doctest: +SKIP
     """
+    modules = list(model.named_modules())
+    _check_patterns(model, modules, [t for g in groups.values() for t in g.targets], ignore, where)
     found: dict[str, QuantizationScheme] = {}
-    for name, module in model.named_modules():
+    for name, module in modules:
         if not isinstance(module, torch.nn.Linear) or matches_target(module, name, ignore):
             continue
         for group in groups.values():
@@ -138,3 +166,45 @@ def resolve_modules(
                 found[name] = group
                 break
     return found
+
+
+def _check_patterns(
+    model: torch.nn.Module,
+    modules: list[tuple[str, torch.nn.Module]],
+    targets: list[str],
+    ignore: Sequence[str],
+    where: str,
+) -> None:
+    """Refuse a target that matches no module, and an ignore entry that is a near miss (a typo).
+
+    "Linear" is left to the caller's "no Linear layer" check. An ignore entry with no close match names
+    something this architecture does not have (a recipe shared across models): it is only a warning.
+    """
+    for kind, patterns in (("targets", [t for t in targets if t != "Linear"]), ("ignore", list(ignore))):
+        for pattern in dict.fromkeys(patterns):
+            if any(matches_target(m, n, [pattern]) for n, m in modules):
+                continue
+            hint, close = _near(pattern, modules)
+            message = f"{where}: {kind} entry {pattern!r} matches no module of {type(model).__name__}{hint}"
+            if kind == "targets" or close:
+                raise ValueError(message)
+            logger.warning("seqcal: %s; it changes nothing here", message)
+
+
+def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> tuple[str, bool]:
+    """A hint with the closest class names (for a class name) or module names (for an ``re:`` pattern),
+    and whether one is so close that the pattern is likely a typo of it."""
+    classes = sorted({type(m).__name__ for _, m in modules})
+    if pattern.startswith("re:"):
+        # Compare the pattern's literal tail ("q_prj" of "re:.*q_prj") with the modules' last name parts.
+        tail = re.sub(r"[^\w.]", "", pattern[3:].split("*")[-1]).strip(".").rsplit(".", 1)[-1]
+        leaves = sorted({n.rsplit(".", 1)[-1] for n, _ in modules if n})
+        close = difflib.get_close_matches(tail, leaves, n=3, cutoff=0.6)
+        valid = "an 're:' pattern is matched with re.match from the start of the qualified module name"
+        hint = f" (close module names: {', '.join(close)}); {valid}" if close else f"; {valid}"
+        return hint, bool(difflib.get_close_matches(tail, leaves, n=1, cutoff=_TYPO))
+    names = classes + [n for n, _ in modules if n]
+    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    valid = f"give a module class name (one of {', '.join(classes[:12])}) or an 're:' name pattern"
+    return f"{hint}; {valid}", bool(difflib.get_close_matches(pattern, names, n=1, cutoff=_TYPO))

@@ -3,7 +3,7 @@
 ``_load`` parses YAML with ``yaml.SafeLoader`` only (DESIGN invariant 8) and records where each mapping key
 is, so ``_Locator`` can point messages at "file:line"; repeated keys are refused instead of silently
 overwritten. ``RecipeError``, ``UNSUPPORTED_MODIFIERS`` and the message helpers (``_kind``, ``_closest``,
-``_looks_like_modifier``) live here too, since the loader's messages need them; ``seqcal.recipe.parse`` turns the
+``_looks_like_modifier``, ``_has_eval``, ``_plain``) live here too; ``seqcal.recipe.parse`` turns the
 loaded data into modifiers and re-exports the public names.
 
 Example:
@@ -15,12 +15,14 @@ Example:
 from __future__ import annotations
 
 import difflib
+import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from seqcal.errors import SeqcalError
 from seqcal.modifiers import MODIFIERS
 
 # llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
@@ -33,7 +35,7 @@ UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
 # fmt: on
 
 
-class RecipeError(ValueError):
+class RecipeError(SeqcalError, ValueError):
     """A recipe cannot be read; the message names the file (or "<string>"), the line and the valid choices."""
 
 
@@ -146,3 +148,30 @@ def _kind(value: Any) -> str:
         return "nothing (an empty value)"
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _has_eval(value: Any) -> bool:
+    if isinstance(value, str):
+        return "eval(" in value
+    if isinstance(value, dict):
+        return any(_has_eval(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_eval(v) for v in value)
+    return False
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as plain YAML types (tuples -> lists, enums and pydantic models -> their values)."""
+    if isinstance(value, enum.Enum):
+        return _plain(value.value, where)
+    if hasattr(value, "model_dump"):  # e.g. a QuantizationScheme given in config_groups from Python
+        return _plain(value.model_dump(mode="json", exclude_none=True), where)
+    if isinstance(value, dict):
+        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    raise RecipeError(
+        f"{where}: cannot write a {type(value).__name__} to a recipe; use YAML values (str, number, list, dict)"
+    )

@@ -23,7 +23,6 @@ and the message helpers live in `seqcal.recipe.llmc_format`; this module re-expo
 
 from __future__ import annotations
 
-import enum
 import os
 import re
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+import torch
 import yaml
 
 from seqcal.modifiers import MODIFIERS, Modifier, QuantizationModifier
@@ -38,10 +38,12 @@ from seqcal.recipe.llmc_format import (
     UNSUPPORTED_MODIFIERS,
     RecipeError,
     _closest,
+    _has_eval,
     _kind,
     _load,
     _Locator,
     _looks_like_modifier,
+    _plain,
 )
 
 IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
@@ -83,6 +85,37 @@ class Recipe:
                 raise RecipeError(
                     f"{where}: modifiers[{i}] is a {type(modifier).__name__}, not a seqcal Modifier "
                     f"({', '.join(MODIFIERS)} from seqcal.modifiers)"
+                )
+
+    def validate(self, model: torch.nn.Module) -> None:
+        """Check every modifier against ``model``, then that no Linear is claimed by two modifiers.
+
+        A module is quantized once: a second modifier targeting it would be skipped silently, so a recipe
+        whose modifiers overlap is refused before any calibration.
+
+        Args:
+            model: the model the recipe is applied to.
+
+        Raises:
+            ValueError: a modifier's own check failed, or two modifiers target the same modules.
+
+        Example:
+            >>> parse_recipe("GPTQModifier: {scheme: W4A16, ignore: [lm_head]}").validate(model)  # doctest: +SKIP
+        """
+        claimed: dict[str, int] = {}  # module name -> index of the first modifier that quantizes it
+        for i, modifier in enumerate(self.modifiers):
+            modifier.validate(model)
+            for name in getattr(modifier, "modules", {}):
+                claimed.setdefault(name, i)
+            shared = [n for n in getattr(modifier, "modules", {}) if claimed[n] != i]
+            if shared:
+                first = self.modifiers[claimed[shared[0]]]
+                shown = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+                raise RecipeError(
+                    f"{self.source or 'recipe'}: {first.name} (modifier {claimed[shared[0]] + 1}) and "
+                    f"{modifier.name} (modifier {i + 1}) both target {len(shared)} Linear module(s) ({shown}); "
+                    f"a module is quantized once: narrow the targets of one of them or add the shared modules "
+                    f"to its ignore list"
                 )
 
     def to_yaml(self) -> str:
@@ -358,30 +391,3 @@ def _is_bare_gptq(entry: _Entry) -> bool:
 
 def _is_group_key(key: Any) -> bool:
     return isinstance(key, str) and (key == "modifiers" or key.endswith("_modifiers"))
-
-
-def _has_eval(value: Any) -> bool:
-    if isinstance(value, str):
-        return "eval(" in value
-    if isinstance(value, dict):
-        return any(_has_eval(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_has_eval(v) for v in value)
-    return False
-
-
-def _plain(value: Any, where: str) -> Any:
-    """``value`` as plain YAML types (tuples -> lists, enums and pydantic models -> their values)."""
-    if isinstance(value, enum.Enum):
-        return _plain(value.value, where)
-    if hasattr(value, "model_dump"):  # e.g. a QuantizationScheme given in config_groups from Python
-        return _plain(value.model_dump(mode="json", exclude_none=True), where)
-    if isinstance(value, dict):
-        return {str(k): _plain(v, f"{where}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
-    if value is None or type(value) in (bool, int, float, str):
-        return value
-    raise RecipeError(
-        f"{where}: cannot write a {type(value).__name__} to a recipe; use YAML values (str, number, list, dict)"
-    )

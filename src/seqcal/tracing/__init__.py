@@ -10,6 +10,8 @@ import torch
 from torch import fx
 
 from seqcal.tracing.diagnostics import Problem, TracingError
+from seqcal.tracing.leaves import TraceInto, resolve_trace_into
+from seqcal.tracing.partition import target_ends
 from seqcal.tracing.rewrite import OpaqueSite
 from seqcal.tracing.targets import check_targets, holders_of, infer_candidates, match_targets, matches
 from seqcal.tracing.tracer import LeafPolicy, trace_with_retries
@@ -29,6 +31,8 @@ class TraceResult:
         constants: non-tensor inputs the graph was specialised on (they must be the same at run time).
         opaque_sites: every place where code was made opaque, with why.
         failures: statements that failed to trace symbolically and were made opaque, with the error.
+        traced_into: modules whose forwards were traced although they hold no target (``trace_into``).
+        not_traced_into: modules ``trace_into`` asked for that stayed one node, with where and why.
     """
 
     graph: fx.Graph
@@ -37,6 +41,8 @@ class TraceResult:
     constants: dict[str, Any]
     opaque_sites: list[OpaqueSite] = field(default_factory=list)
     failures: dict[tuple[str, int, int], str] = field(default_factory=dict)
+    traced_into: list[str] = field(default_factory=list)
+    not_traced_into: list[Problem] = field(default_factory=list)
 
 
 def _holds_tensor(value: Any) -> bool:
@@ -64,6 +70,8 @@ def trace(
     sequential_targets: str | Sequence[str] | None = None,
     ignore: Sequence[str] | None = None,
     leaf_modules: Sequence[str] | None = None,
+    trace_into: TraceInto = None,
+    trace_depth: int | None = None,
 ) -> TraceResult:
     """Trace ``model(**sample)`` into a graph where each sequential target is one call_module node.
 
@@ -77,7 +85,15 @@ def trace(
         sequential_targets: class names or ``re:`` patterns on qualified names; default: the layers of the
             stacks the (text) model's forward calls.
         ignore: function or method names always run opaquely (their code is never traced).
-        leaf_modules: class names or ``re:`` patterns of modules kept as single nodes.
+        leaf_modules: class names or ``re:`` patterns of modules kept as single nodes (also inside
+            ``trace_into``).
+        trace_into: modules to trace into instead of keeping them one node: ``"all"`` (the full graph), or
+            class names / ``re:`` patterns (their ancestors are traced too). torch.nn's own modules (Linear,
+            Embedding, norms, activations ...) always stay single nodes. A target traced into becomes one
+            contiguous region of nodes in its own subgraph. A module whose forward cannot be traced stays
+            one node and is listed, with file and line, in ``not_traced_into``.
+        trace_depth: with ``trace_into``, open only modules at most this many levels below the modules
+            traced anyway (``"all"`` with 1: the layers' own forwards, their attention and MLP closed).
 
     Returns:
         A TraceResult.
@@ -109,14 +125,17 @@ def trace(
     )
     _check_leaf_conflicts(model, targets, user_leaf)
     tensors, constants = split_inputs(sample)
-    policy = LeafPolicy(targets=targets, holders=holders_of(model, targets), user_leaf=user_leaf)
+    holders = holders_of(model, targets)
+    opened = resolve_trace_into(model, trace_into, holders, user_leaf, trace_depth)
+    policy = LeafPolicy(targets=targets, holders=holders, user_leaf=user_leaf, opened=opened)
     graph, tracer, state = trace_with_retries(model, tensors, constants, policy, frozenset(ignore or ()))
     if inferred:
-        targets = _called_candidates(graph, model, targets)
-    problems = check_targets(graph, model, targets, state.failures)
+        targets = _called_candidates(graph, model, targets, tracer.entered)
+    problems = check_targets(graph, model, targets, state.failures, tracer.entered)
     if problems:
         raise TracingError(problems, type(model).__name__)
-    order = [n.target for n in graph.nodes if n.op == "call_module" and n.target in set(targets.values())]
+    order = list(target_ends(graph.nodes, list(targets.values())).values())
+    holder_names = {n for n, m in model.named_modules() if id(m) in holders}
     return TraceResult(
         graph=graph,
         targets=order,
@@ -124,6 +143,8 @@ def trace(
         constants=constants,
         opaque_sites=list(tracer.sites.values()),
         failures=dict(state.failures),
+        traced_into=[n for n in tracer.entered if n not in holder_names],
+        not_traced_into=list(state.refusals),
     )
 
 
@@ -144,9 +165,11 @@ def _check_leaf_conflicts(model: torch.nn.Module, targets: dict[int, str], user_
                 )
 
 
-def _called_candidates(graph: fx.Graph, model: torch.nn.Module, candidates: dict[int, str]) -> dict[int, str]:
+def _called_candidates(
+    graph: fx.Graph, model: torch.nn.Module, candidates: dict[int, str], entered: Mapping[str, int]
+) -> dict[int, str]:
     """Inferred targets: the candidate stacks the forward calls. A stack called only in part is an error."""
-    called = {n.target for n in graph.nodes if n.op == "call_module"}
+    called = {n.target for n in graph.nodes if n.op == "call_module"} | set(entered)
     stacks: dict[str, list[str]] = {}
     for name in candidates.values():
         stacks.setdefault(name.rsplit(".", 1)[0], []).append(name)

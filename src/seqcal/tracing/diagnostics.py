@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from seqcal.errors import SeqcalError
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -25,7 +27,7 @@ class Problem:
         return text
 
 
-class TracingError(RuntimeError):
+class TracingError(SeqcalError, RuntimeError):
     """Tracing could not build a partition in which every target is its own call_module node."""
 
     def __init__(self, problems: list[Problem], model: str = "") -> None:
@@ -54,6 +56,27 @@ def locate(exc: BaseException, rewritten_files: set[str], root: torch.nn.Module)
             "sequential_targets that are called outside it, make the module that runs it a leaf "
             "(leaf_modules=[...]) if it need not be split, or pass the function it calls in ignore=[...] "
             "if that function does not call a target"
+        ),
+        source=source,
+    )
+
+
+def refusal(
+    name: str, module: torch.nn.Module, cause: BaseException, rewritten_files: set[str], root: torch.nn.Module
+) -> Problem:
+    """Where tracing into an opened module failed (file:line of the statement), as a Problem."""
+    if isinstance(cause, TracingError) and cause.problems:
+        where, what, source = cause.problems[0].where, cause.problems[0].what, cause.problems[0].source
+    else:
+        found = locate(cause, rewritten_files, root)
+        where, what, source = found.where, found.what, found.source
+    kind = type(module).__name__
+    return Problem(
+        where=where,
+        what=f"cannot trace into {name} ({kind}), so every {kind} stays one node: {what}",
+        fix=(
+            f"nothing to do unless you need the inside of {kind}: pass the function this line calls in "
+            f"ignore=[...] to run it opaquely, or name {kind} in leaf_modules to keep it closed quietly"
         ),
         source=source,
     )

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
 
-from seqcal.tracing.values import OpaqueCall
+from seqcal.tracing.values import SCOPE, OpaqueCall
 
 
 @dataclass
@@ -42,16 +42,47 @@ class OnePassError(ValueError):
     """The graph cannot be cut before its targets; the message says why (the caller cuts after them)."""
 
 
+def target_ends(nodes: Iterable[fx.Node], targets: Sequence[str]) -> dict[fx.Node, str]:
+    """The node that ends each target: its call_module node, or for a target traced into (``trace_into``)
+    the last node of its region (nodes whose ``meta["seqcal_module"]`` is the target or inside it).
+
+    Args:
+        nodes: a graph's nodes (``graph.nodes``) or a subgraph's (``Subgraph.nodes``), in order.
+        targets: target module names.
+
+    Returns:
+        End node -> target name, in execution order.
+    """
+    target_set = set(targets)
+    owners: dict[str, str | None] = {}  # scope -> the target it lies in, if any
+
+    def owner(scope: str) -> str | None:
+        if scope not in owners:
+            parts = scope.split(".")
+            prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+            owners[scope] = next((p for p in prefixes if p in target_set), None)
+        return owners[scope]
+
+    last: dict[str, fx.Node] = {}
+    for node in nodes:
+        if node.op == "call_module" and node.target in target_set:
+            last[str(node.target)] = node
+        elif node.op not in ("placeholder", "get_attr", "output") and (scope := node.meta.get(SCOPE)):
+            if (target := owner(scope)) is not None:
+                last[target] = node
+    return {node: name for name, node in last.items()}
+
+
 def _cut_points(graph: fx.Graph, targets: Sequence[str], targets_per_subgraph: int) -> list[list[fx.Node]]:
     """Node lists: each ends with its k-th target; what follows the last target is the final one."""
-    target_set = set(targets)
+    ends = target_ends(graph.nodes, targets)
     groups: list[list[fx.Node]] = [[]]
     seen = 0
     for node in graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             continue
         groups[-1].append(node)
-        if node.op == "call_module" and node.target in target_set:
+        if node in ends:
             seen += 1
             if seen % targets_per_subgraph == 0 or seen == len(targets):
                 groups.append([])
@@ -93,6 +124,11 @@ def _cuts_before(graph: fx.Graph, targets: Sequence[str]) -> list[list[fx.Node]]
                 groups.append([])
                 group_input = source
         groups[-1].append(node)
+    missing = [t for t in targets if t not in calls]
+    if missing:
+        raise OnePassError(
+            f"{missing[0]} is traced into (not one call_module node), so nothing can cut before it"
+        )
     return groups
 
 
@@ -164,11 +200,12 @@ def partition(
     )
     owner: dict[fx.Node, int] = {node: i for i, nodes in enumerate(groups) for node in nodes}
     target_set = set(targets)
+    ends = target_ends(graph.nodes, targets)
     subgraphs = [
         Subgraph(
             index=i,
             nodes=nodes,
-            targets=[str(n.target) for n in nodes if n.op == "call_module" and n.target in target_set],
+            targets=[ends[n] for n in nodes if n in ends],
             modules=_modules_of(nodes, module_names or {}),
             returns=any(n.op == "output" for n in nodes),
         )

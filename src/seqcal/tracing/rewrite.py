@@ -144,7 +144,9 @@ class _BodyRewriter:
             return "keep"
         if isinstance(stmt, _SIMPLE):
             forced = (self.src.filename, *_stmt_id(stmt)) in self.plan.force_opaque
-            return "opaque" if forced or names_of([stmt]).calls & self.plan.ignored else "try"
+            names = names_of([stmt])
+            # Storing into ``self`` at trace time would leave proxies on the model: it runs at execution time.
+            return "opaque" if forced or names.calls & self.plan.ignored or "self" in names.mutated else "try"
         if isinstance(stmt, _COMPOUND) and self.is_essential([stmt]):
             forced = (self.src.filename, *_stmt_id(stmt)) in self.plan.force_opaque
             return "opaque" if forced else "essential"
@@ -247,7 +249,7 @@ class _BodyRewriter:
             ast.Constant(site_id),
             ast.Name(id=helper.name, ctx=ast.Load()),
             ast.Name(id="self", ctx=ast.Load()),
-            ast.Tuple(elts=[ast.Name(id=a, ctx=ast.Load()) for a in inputs], ctx=ast.Load()),
+            ast.Tuple(elts=[_bound_or_none(a, a in names.loads) for a in inputs], ctx=ast.Load()),
         )
         if top and names.has_return:
             out: list[ast.stmt] = [ast.Return(invoke)]
@@ -263,6 +265,15 @@ class _BodyRewriter:
             ast.copy_location(stmt, stmts[0])
         self.bound |= set(outputs)
         return out
+
+
+def _bound_or_none(name: str, loaded: bool) -> ast.expr:
+    """The value of local ``name``; one the statements only assign may be unbound here (assigned in a branch
+    not taken at trace time), so it is passed as ``locals().get(name)``."""
+    if loaded:
+        return ast.Name(id=name, ctx=ast.Load())
+    get = ast.Attribute(value=call("locals"), attr="get", ctx=ast.Load())
+    return ast.Call(func=get, args=[ast.Constant(name)], keywords=[])
 
 
 def _reason(stmts: list[ast.stmt]) -> str:

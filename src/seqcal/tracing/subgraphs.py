@@ -10,6 +10,7 @@ import torch
 from seqcal.execution.cache.store import ActivationCache
 from seqcal.execution.executor import run_subgraphs
 from seqcal.tracing import TraceResult, split_inputs, trace
+from seqcal.tracing.leaves import TraceInto
 from seqcal.tracing.partition import Subgraph, partition
 
 
@@ -130,6 +131,8 @@ def trace_subgraphs(
     leaf_modules: Sequence[str] | None = None,
     targets_per_subgraph: int = 1,
     cut: str = "after",
+    trace_into: TraceInto = None,
+    trace_depth: int | None = None,
 ) -> SubgraphList:
     """Trace ``model`` on ``sample`` and cut it into subgraphs around the sequential targets.
 
@@ -138,10 +141,14 @@ def trace_subgraphs(
         sample: keyword inputs as for ``model(**sample)``; only their structure is used.
         sequential_targets: class names or ``re:`` name patterns; default: inferred layer stacks.
         ignore: function/method names always run opaquely.
-        leaf_modules: class names or ``re:`` patterns of modules kept as single nodes.
+        leaf_modules: class names or ``re:`` patterns of modules kept as single nodes, also in a full trace.
         targets_per_subgraph: targets per subgraph (default 1: N targets give N+1 subgraphs).
         cut: "after" (each subgraph ends with its target) or "before" (each starts with its targets and the
             ones sharing their input; see ``partition``).
+        trace_into: ``"all"`` (the full graph) or class names / ``re:`` patterns of modules to trace into
+            instead of keeping them one node (default: only what leads to the targets is traced). torch.nn's
+            own modules (Linear, norms ...) stay nodes; a target traced into is a region in its own subgraph.
+        trace_depth: open only modules at most this many levels below the ones traced anyway.
 
     Returns:
         A SubgraphList: ``len()``, ``.targets``, ``.run(**inputs)``.
@@ -153,8 +160,9 @@ def trace_subgraphs(
         >>> subgraphs = trace_subgraphs(model, {"input_ids": ids, "attention_mask": mask})  # doctest: +SKIP
         >>> len(subgraphs) == len(subgraphs.targets) + 1  # doctest: +SKIP
         True
+        >>> full = trace_subgraphs(model, sample, trace_into="all")  # attention and MLP ops as nodes  # doctest: +SKIP
     """
-    traced = trace(model, sample, sequential_targets, ignore, leaf_modules)
+    traced = trace(model, sample, sequential_targets, ignore, leaf_modules, trace_into, trace_depth)
     names = {id(m): n for n, m in model.named_modules()}
     subgraphs = partition(traced.graph, traced.targets, targets_per_subgraph, names, cut)
     return SubgraphList(model, traced, subgraphs)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
 
 from seqcal.tracing.diagnostics import Problem, TracingError
-from seqcal.tracing.values import OpaqueCall
+from seqcal.tracing.values import SCOPE, OpaqueCall
 
 # A list of layers is a sequential-target candidate when it holds at least this share of the parameters:
 # that separates decoder/encoder stacks from per-layer norms or small heads kept in module lists.
@@ -88,14 +88,52 @@ def _language_scope(model: torch.nn.Module) -> str | None:
 
 
 def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
-    """Default target candidates: the outermost layers of stacks holding >= 10% of the parameters.
+    """Default target candidates: the stacked layers the model declares, else the largest stacks.
 
+    A model declares its layer classes in ``_no_split_modules`` (transformers' "keep this block on one
+    device"); the members of module lists holding those classes are the candidates. Models that declare none
+    (or none in a list) fall back to the outermost layers of stacks holding >= 10% of the parameters; that
+    share misses a small model with a large vocabulary, whose embedding outweighs its layers.
     For a multimodal model, only the text model's stacks (vision towers are left alone unless asked).
     The tracer then keeps the candidates that the forward actually calls (see ``check_targets``).
+
+    Args:
+        model: the model to quantize.
+
+    Returns:
+        Candidate modules, id -> qualified name, outermost only.
+
+    Example:
+        >>> list(infer_candidates(LlamaForCausalLM(config)).values())[:2]  # doctest: +SKIP
+        ['model.layers.0', 'model.layers.1']
     """
-    total = max(_param_count(model), 1)
+    stacks = _stacks(model)
+    declared = _declared_layer_classes(model)
+    # A stack with one declared member is taken whole: hybrid models alternate layer classes in one list.
+    found = {id(m): n for members in stacks if any(type(m).__name__ in declared for _, m in members)
+             for n, m in members}  # fmt: skip
+    if not found:
+        total = max(_param_count(model), 1)
+        for members in stacks:
+            if sum(_param_count(m) for _, m in members) >= MIN_STACK_SHARE * total:
+                found.update({id(m): n for n, m in members})
+    names = sorted(found.values())
+    nested = {inner for outer in names for inner in names if inner.startswith(outer + ".")}
+    return {i: n for i, n in found.items() if n not in nested}
+
+
+def _declared_layer_classes(model: torch.nn.Module) -> set[str]:
+    """Class names in the ``_no_split_modules`` of the model and of the pretrained models inside it."""
+    declared: set[str] = set()
+    for module in model.modules():
+        declared.update(getattr(module, "_no_split_modules", None) or ())
+    return declared
+
+
+def _stacks(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Module]]]:
+    """The members (qualified name, module) of every non-empty module list or dict, in the text model."""
     scope = _language_scope(model)
-    found: dict[int, str] = {}
+    stacks = []
     for name, container in model.named_modules():
         if not isinstance(container, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             continue
@@ -103,11 +141,9 @@ def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
             continue
         members = [(f"{name}.{k}", m) for k, m in container.named_children()]
         members = [(n, m) for n, m in members if not type(m).__module__.startswith("torch.")]
-        if members and sum(_param_count(m) for _, m in members) >= MIN_STACK_SHARE * total:
-            found.update({id(m): n for n, m in members})
-    names = sorted(found.values())
-    nested = {inner for outer in names for inner in names if inner.startswith(outer + ".")}
-    return {i: n for i, n in found.items() if n not in nested}
+        if members:
+            stacks.append(members)
+    return stacks
 
 
 def holders_of(model: torch.nn.Module, targets: dict[int, str]) -> set[int]:
@@ -121,14 +157,22 @@ def holders_of(model: torch.nn.Module, targets: dict[int, str]) -> set[int]:
     return holders
 
 
-def called_targets(graph: fx.Graph, targets: dict[int, str]) -> dict[str, int]:
-    """How often each target's name appears as a call_module node."""
+def called_targets(
+    graph: fx.Graph, targets: dict[int, str], entered: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """How often each target's name appears as a call_module node or was traced into (``entered``)."""
     names = set(targets.values())
-    counts: dict[str, int] = dict.fromkeys(names, 0)
+    counts: dict[str, int] = {name: (entered or {}).get(name, 0) for name in names}
     for node in graph.nodes:
         if node.op == "call_module" and node.target in names:
             counts[node.target] += 1
     return counts
+
+
+def _empty_regions(graph: fx.Graph, names: set[str]) -> set[str]:
+    """Targets traced into that produced no node of their own (nothing to cut after)."""
+    seen = {s for n in graph.nodes if (s := n.meta.get(SCOPE))}
+    return {t for t in names if not any(s == t or s.startswith(t + ".") for s in seen)}
 
 
 def check_targets(
@@ -136,14 +180,26 @@ def check_targets(
     model: torch.nn.Module,
     targets: dict[int, str],
     failures: dict[tuple[str, int, int], str] | None = None,
+    entered: Mapping[str, int] | None = None,
 ) -> list[Problem]:
-    """DESIGN invariant 2: every target instance is exactly one call_module node. Returns the violations.
+    """DESIGN invariant 2: every target instance is exactly one call_module node, or, when ``trace_into``
+    opened it, exactly one traced region (``entered``: how often the tracer went into each module).
+    Returns the violations.
 
     ``failures`` (statement -> error) explains why code hiding a target was made opaque.
     """
     problems: list[Problem] = []
     hidden_by: dict[str, list[str]] = {}  # one problem per hiding site, listing its targets
-    for name, count in called_targets(graph, targets).items():
+    opened = {t for t in targets.values() if (entered or {}).get(t)}
+    for name in sorted(_empty_regions(graph, opened)):
+        problems.append(
+            Problem(
+                where=name,
+                what=f"target {name} computes nothing of its own once traced into, so it has no subgraph",
+                fix=f"keep it one node: leaf_modules=[{type(model.get_submodule(name)).__name__!r}]",
+            )
+        )
+    for name, count in called_targets(graph, targets, entered).items():
         module = model.get_submodule(name)
         if count == 1:
             continue

@@ -1,17 +1,23 @@
 """The fx tracer: leaves are call_module nodes, the forwards above them are rewritten and traced.
 
-Leaf policy (a module becomes one opaque ``call_module`` node): every target, every module the user names
-in ``leaf_modules``, and every module that holds no target. Only the few forwards between the root and the
-targets are traced, after ``rewrite.py`` has made their untraceable statements opaque. Decisions that
-depend on values are never taken at trace time: calls with symbolic arguments become nodes, ``is`` tests
-on runtime values and ``bool()`` of them abort the statement, which is then retried as an opaque node.
+Leaf policy (a module becomes one opaque ``call_module`` node): by default every target, every module the
+user names in ``leaf_modules``, and every module that holds no target, so only the few forwards between the
+root and the targets are traced. ``trace_into`` (see ``leaves.py``) opens more modules, targets included: a
+target traced into is then one contiguous region of nodes (tagged with its name in ``node.meta``) instead of
+one node. Every traced forward is rewritten first (``rewrite.py``) so that its untraceable statements become
+opaque. Decisions that depend on values are never taken at trace time: calls with symbolic arguments become
+nodes, ``is`` tests on runtime values and ``bool()`` of them abort the statement, which is then retried as an
+opaque node. A module opened by ``trace_into`` whose forward cannot be traced at all stays a leaf, and the
+failure is reported with its file and line.
 """
 
 from __future__ import annotations
 import __future__
 
 import inspect
+import logging
 import types
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +26,7 @@ import torch
 from torch import fx
 from torch.fx.proxy import Proxy, TraceError
 
-from seqcal.tracing.diagnostics import Problem, TracingError, locate
+from seqcal.tracing.diagnostics import Problem, TracingError, locate, refusal
 from seqcal.tracing.rewrite import (
     OpaqueSite,
     RewritePlan,
@@ -30,9 +36,19 @@ from seqcal.tracing.rewrite import (
     names_of,
     rewrite_source,
 )
-from seqcal.tracing.values import _PLAIN_TYPES, OpaqueCall, contains_proxy, is_static, is_torch_callable
+from seqcal.tracing.values import (
+    _PLAIN_TYPES,
+    SCOPE,
+    OpaqueCall,
+    contains_proxy,
+    is_static,
+    is_torch_callable,
+)
 
-MAX_RETRACES = 64
+logger = logging.getLogger("seqcal")
+
+# Distinct statements that fail symbolically (shared by all instances of a class) plus refused modules.
+MAX_RETRACES = 256
 
 
 class StatementFailed(Exception):
@@ -44,18 +60,38 @@ class StatementFailed(Exception):
         self.cause = cause
 
 
+class ModuleRefused(Exception):
+    """Internal: tracing into a module opened by ``trace_into`` failed; it is retried as a leaf."""
+
+    def __init__(self, name: str, module: torch.nn.Module, cause: BaseException) -> None:
+        super().__init__(f"tracing into {name} failed: {cause!r}")
+        self.name = name
+        self.module = module
+        self.cause = cause
+
+
 @dataclass
 class LeafPolicy:
-    """Which modules are targets, which hold targets, and which the user made leaves."""
+    """Which modules are targets, which hold targets, and which are traced into (``trace_into``).
+
+    A module is traced when it holds a target or is opened (and its class was not refused on an earlier
+    attempt); every other module, targets included unless opened, is a leaf.
+    """
 
     targets: dict[int, str]  # id(module) -> qualified name
     holders: set[int]  # ids of modules that contain a target (not targets themselves)
     user_leaf: Callable[[torch.nn.Module, str], bool] = lambda m, name: False
+    opened: set[int] = field(default_factory=set)  # ids of modules traced into although they hold no target
+    refused: set[type] = field(default_factory=set)  # opened classes whose forward could not be traced
 
     def is_leaf(self, module: torch.nn.Module, name: str) -> bool:
-        if id(module) in self.targets:
-            return True
-        return id(module) not in self.holders or self.user_leaf(module, name)
+        if id(module) in self.holders:
+            return False
+        return id(module) not in self.opened or type(module) in self.refused
+
+    def is_opened(self, module: torch.nn.Module) -> bool:
+        """Traced because ``trace_into`` asked for it (not because it holds a target)."""
+        return id(module) in self.opened and type(module) not in self.refused
 
 
 @dataclass
@@ -64,6 +100,9 @@ class TraceState:
 
     force_opaque: set[StmtId] = field(default_factory=set)
     failures: dict[StmtId, str] = field(default_factory=dict)
+    refusals: list[Problem] = field(default_factory=list)  # opened modules kept as leaves, and why
+    sources: dict[Any, SourceFunction] = field(default_factory=dict)  # parsed forwards (never edited)
+    method_refs: dict[Any, set[str]] = field(default_factory=dict)  # method -> self attributes it reads
 
 
 class SeqTracer(fx.Tracer):
@@ -77,8 +116,11 @@ class SeqTracer(fx.Tracer):
         self.sites: dict[str, OpaqueSite] = {}
         self.helpers: dict[str, Callable[..., Any]] = {}
         self._compiled: dict[tuple[Any, int], Callable[..., Any]] = {}
-        self._sources: dict[Any, SourceFunction] = {}
+        self._sources = state.sources  # parsed once per trace call, shared by its retraces
         self.rewritten_files: set[str] = set()
+        self.module_scope: list[str] = []  # modules whose forwards are being traced, innermost last
+        self.entered: Counter[str] = Counter()  # how often each module was traced into
+        self._essential_methods: dict[int, set[str]] = {}
 
     # -- fx hooks -------------------------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -88,7 +130,25 @@ class SeqTracer(fx.Tracer):
         name = self.path_of_module(m)
         if self.is_leaf_module(m, name):
             return self.create_proxy("call_module", name, args, kwargs)
-        return self.call_rewritten(m, type(m).forward, args, kwargs)
+        self.entered[name] += 1
+        self.module_scope.append(name)
+        try:
+            return self.call_rewritten(m, type(m).forward, args, kwargs)
+        except (StatementFailed, ModuleRefused):
+            raise
+        except Exception as exc:
+            if self.policy.is_opened(m):  # asked for, not needed: keep it a leaf rather than fail the trace
+                raise ModuleRefused(name, m, exc) from exc
+            raise
+        finally:
+            self.module_scope.pop()
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> fx.Node:  # fmt: skip
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self.module_scope and kind not in ("placeholder", "get_attr", "output"):
+            node.meta[SCOPE] = self.module_scope[-1]
+        return node
 
     def create_arg(self, a: Any) -> Any:
         if isinstance(a, torch.nn.Parameter) or isinstance(a, (torch.nn.Module, Proxy)):
@@ -169,6 +229,8 @@ class SeqTracer(fx.Tracer):
         return fn
 
     def essential_attrs(self, module: torch.nn.Module) -> set[str]:
+        # Opened modules (trace_into) do not count: the forwards above them are rewritten exactly as without
+        # trace_into, so a compound statement guarding a call to one stays opaque (and runs eagerly).
         reach = self.policy.holders | set(self.policy.targets)
         attrs = {name for name, child in module._modules.items() if child is not None and id(child) in reach}
         for name, value in vars(type(module)).items():
@@ -183,6 +245,11 @@ class SeqTracer(fx.Tracer):
 
     def essential_methods(self, module: torch.nn.Module) -> set[str]:
         """Methods of ``module`` whose code reaches a target-holding attribute (fixpoint over self.X calls)."""
+        if id(module) not in self._essential_methods:
+            self._essential_methods[id(module)] = self._find_essential_methods(module)
+        return self._essential_methods[id(module)]
+
+    def _find_essential_methods(self, module: torch.nn.Module) -> set[str]:
         attrs = self.essential_attrs(module)
         if not attrs:
             return set()
@@ -192,10 +259,13 @@ class SeqTracer(fx.Tracer):
                 continue
             for name, value in vars(klass).items():
                 if isinstance(value, types.FunctionType) and name not in methods and name != "forward":
-                    try:
-                        methods[name] = names_of([SourceFunction.of(value).tree]).self_attrs
-                    except (OSError, TypeError, SyntaxError):
-                        methods[name] = set()
+                    if value not in self.state.method_refs:
+                        try:
+                            refs = names_of([SourceFunction.of(value).tree]).self_attrs
+                        except (OSError, TypeError, SyntaxError):
+                            refs = set()
+                        self.state.method_refs[value] = refs
+                    methods[name] = self.state.method_refs[value]
         essential: set[str] = set()
         changed = True
         while changed:
@@ -252,7 +322,7 @@ class SeqTracer(fx.Tracer):
         return (a is not b) if negate else (a is b)
 
     def _fail(self, sid: StmtId, err: BaseException) -> None:
-        if isinstance(err, (StatementFailed, TracingError)):
+        if isinstance(err, (StatementFailed, TracingError, ModuleRefused)):
             raise err
         raise StatementFailed(sid, err) from err
 
@@ -320,6 +390,12 @@ def trace_with_retries(
         except StatementFailed as failed:
             state.force_opaque.add(failed.sid)
             state.failures[failed.sid] = f"{type(failed.cause).__name__}: {failed.cause}"
+        except ModuleRefused as refused:
+            policy.refused.add(type(refused.module))
+            state.refusals.append(
+                refusal(refused.name, refused.module, refused.cause, tracer.rewritten_files, root)
+            )
+            logger.warning("seqcal: %s", str(state.refusals[-1]).strip())
         except TracingError:
             raise
         except Exception as exc:

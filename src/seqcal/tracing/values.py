@@ -14,6 +14,8 @@ from torch.fx.proxy import Proxy
 
 from seqcal.tracing.rewrite import OpaqueSite
 
+SCOPE = "seqcal_module"  # node.meta key: qualified name of the innermost module whose forward made the node
+
 
 class OpaqueCall:
     """``call_function`` target running lifted statements of ``module``'s code with real values."""

@@ -1,0 +1,46 @@
+"""Load a checkpoint for evaluation, seqcal's own compressed-tensors checkpoints included.
+
+Checkpoints written before ``quantization_config`` carried ``dequantize: true`` for asymmetric packed
+weights (see ``seqcal.checkpoint.config.needs_dequantize_load``) do not load with a plain
+``from_pretrained`` under transformers >= 5.24; this loader asks for ``dequantize=True`` for them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seqcal.checkpoint.config import needs_dequantize_load
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path)`` in eval mode, loading asymmetric packed checkpoints too.
+
+    Args:
+        path: a model directory (plain or compressed-tensors).
+        dtype: the dtype to load in.
+
+    Returns:
+        The model in eval mode.
+
+    Example:
+        >>> model = load_causal_lm("llama-w4a16-asym", torch.float32)  # doctest: +SKIP
+    """
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    kwargs: dict[str, Any] = {}
+    config = Path(path) / "config.json"
+    block = (
+        json.loads(config.read_text(encoding="utf-8")).get("quantization_config")
+        if config.is_file()
+        else None
+    )
+    if isinstance(block, dict) and needs_dequantize_load(block) and not block.get("dequantize"):
+        kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    with warnings.catch_warnings():  # "the quantization_config from the model will be used": intended
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
