@@ -260,4 +260,8 @@ def test_cli_oneshot_passes_trace_into_on(llama_dir: Path, tmp_path: Path) -> No
     assert any((tmp_path / "full").glob("*.safetensors"))
     # the keyword reaches the tracer: a pattern that matches nothing is refused before calibrating
     bad = _cli(*common, "--output-dir", str(tmp_path / "bad"), "--trace-into", "NoSuchModule")
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "trace_into pattern 'NoSuchModule' matches no module" in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "Traceback" not in bad.stderr
+        and "trace_into pattern 'NoSuchModule' matches no module" in bad.stderr
+    )
