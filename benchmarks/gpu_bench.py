@@ -1,6 +1,6 @@
 """seqcal vs llm-compressor 0.14.0.1 on a GPU: GPTQ W4A16 g64 on a SmolLM2-135M-shaped model.
 
-A lent GPU machine cannot reach the Hub and only ~64 MB travel with the repository, so the model is
+A GPU machine without network cannot reach the Hub, and only small files travel with the repository, so the model is
 SmolLM2-135M-Instruct's architecture (its config.json and tokenizer, carried) with random weights in bf16:
 right for time and memory, meaningless for perplexity (quality is compared on CPU, benchmarks/RESULTS.md).
 Each tool runs in its own process; the table gives wall time, the tool's own timer, peak device memory

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The device checks, as one call on a lent GPU machine (see CONTRIBUTING.md, "GPU checks"):
+# The GPU checks, as one command on a GPU machine (see CONTRIBUTING.md, "GPU checks"):
 #   1. tests/test_cuda.py (skipped on CPU-only machines, i.e. in CI),
 #   2. benchmarks/gpu_bench.py: seqcal vs llm-compressor GPTQ on a SmolLM2-shaped model,
 #   3. the tests that run on the execution device, with CUDA visible (offloaded weights then run on the GPU).
-# The machine has no network: wheels travel in .whl/ (common, seqcal, peer) and the SmolLM2 config and
+# The machine may have no network: wheels are read from .whl/ (common, seqcal, peer) and the SmolLM2 config and
 # tokenizer in .gpu/tok/; prepare them with benchmarks/gpu_prepare.sh and carry both folders.
-# Logs and results go to $OUT (the device tool fetches them); each stage has its own time limit.
+# Logs and results go to $OUT (default /tmp/seqcal-gpu-out); each stage has its own time limit.
 set -u
 OUT=${OUT:-/tmp/seqcal-gpu-out}
 mkdir -p "$OUT"
@@ -42,8 +42,9 @@ echo "== device-facing tests, CUDA visible"
 # The tests whose runs put weights or activations on the execution device (tracing and the zoo are CPU work).
 SUITE="tests/test_offload.py tests/test_resume.py tests/test_oneshot.py tests/test_one_pass.py tests/test_cache.py
   tests/test_cache_budget.py tests/test_report.py tests/test_save.py tests/test_save_writer.py tests/test_eval.py
-  tests/test_fallback.py tests/test_models.py tests/test_recipe.py tests/test_plan.py tests/test_report_cli.py"
-PYTHONPATH=$SEQ timeout ${SUITE_SECONDS:-110} $PY -m pytest -p no:cacheprovider -n 12 -v --tb=line $SUITE -k "not zoo" 2>&1 \
+  tests/test_fallback.py tests/test_models.py tests/test_recipe.py tests/test_plan.py tests/test_report_cli.py
+  tests/test_save_recipes.py tests/test_trace_into.py"
+PYTHONPATH=$SEQ timeout ${SUITE_SECONDS:-200} $PY -m pytest -p no:cacheprovider -n 14 -rfE --tb=short $SUITE -k "not zoo" 2>&1 \
   | tee "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed|^E " | tail -25
 
 echo "== benchmark table"
