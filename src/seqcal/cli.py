@@ -218,9 +218,9 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
             "measured); add --output-dir DIR to save the checkpoint, or --eval to only measure it"
         )
 
-    # refused before --eval measures the model for minutes: oneshot checks these again, once loaded
-    parse_recipe(args.recipe)
-    check_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume)
+    if args.eval:  # refused before --eval measures the model for minutes (oneshot checks them itself)
+        parse_recipe(args.recipe)
+        check_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume)
     # Without --eval the directory is passed on, so oneshot keeps the weights offloaded (memory bound);
     # --eval needs the model in memory to measure it before and after.
     model, tokenizer = args.model, None

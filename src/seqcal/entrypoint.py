@@ -15,7 +15,7 @@ from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
-from seqcal.input_checks import check_data_for_model, check_model_dir
+from seqcal.input_checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
 from seqcal.llmc_compat import needs_translation as needs_llmc_translation
 from seqcal.llmc_compat import translate as translate_llmc_kwargs
 from seqcal.plan import make_plan
@@ -100,8 +100,7 @@ def load_model(
     tokenizer = args.tokenizer
     if isinstance(tokenizer, (str, Path)):  # a directory or Hub id, resolved by transformers itself
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=args.trust_remote_code)
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if tokenizer is None and source and any((Path(source) / f).is_file() for f in files):
+    if tokenizer is None and source and any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     return model.eval(), tokenizer, store
 

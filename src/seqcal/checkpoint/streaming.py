@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from seqcal.algorithms import dequantize
-from seqcal.checkpoint.identity import data_fingerprint, differences, fingerprint
+from seqcal.checkpoint.identity import data_fingerprint, differences
 from seqcal.checkpoint.writer import (
     CONFIG_NAME,
     INDEX_NAME,
@@ -54,7 +54,7 @@ class ResumeError(SeqcalError, RuntimeError):
     """The output directory cannot be resumed (finished, or made by a different run)."""
 
 
-__all__ = ["CHECKPOINT_BYTES", "RESUME_DIR", "ResumeError", "StreamingCheckpoint", "fingerprint"]
+__all__ = ["CHECKPOINT_BYTES", "RESUME_DIR", "ResumeError", "StreamingCheckpoint"]
 
 
 class StreamingCheckpoint:
@@ -74,12 +74,11 @@ class StreamingCheckpoint:
     """
 
     def __init__(self, model: torch.nn.Module, state: RunState, output_dir: str | Path,
-                 subgraphs: Sequence[Subgraph], run_id: Mapping[str, str] | str, *, overwrite: bool = False,
+                 subgraphs: Sequence[Subgraph], run_id: Mapping[str, str], *, overwrite: bool = False,
                  resume: bool = False, weights: Any = None, checkpoint_bytes: int | None = None,
                  batches: Sequence[Mapping[str, Any]] | None = None) -> None:  # fmt: skip
         self.model, self.state = model, state
-        run = dict(run_id) if isinstance(run_id, Mapping) else {"run": str(run_id)}
-        self.run_id = {**run, "data": data_fingerprint(batches) if batches is not None else None}
+        self.run_id = {**run_id, "data": data_fingerprint(batches) if batches is not None else None}
         self.weights = weights  # offload.SubgraphWeights when parameters live off-device, else None
         self.path = Path(output_dir)
         self.layout = ModelLayout.from_model(model)
