@@ -33,6 +33,24 @@ def smollm2_dir() -> Path:
         pytest.skip(f"embedded default model unavailable: {err}")
 
 
+@pytest.fixture(scope="session")
+def tokenized_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A 2-layer random Llama saved with SmolLM2's tokenizer, for tests that run the CLI on text."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # layers must hold >= 10% of the parameters to be found as targets, next to a 49152-token embedding
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
 def _read_shared(name: str) -> str:
     path = SHARED_DATA / name
     if not path.is_file():

@@ -78,6 +78,11 @@ def bad_recipe(tmp_path: Path) -> str:
     return str(path)
 
 
+def _oneshot(d: dict[str, Path], t: Path, recipe: str, *extra: str) -> list[str]:
+    """``seqcal oneshot`` on the tiny model, saving under ``t``, with ``recipe`` and ``extra`` options."""
+    return ["oneshot", "--model", str(d["tiny"]), "--recipe", recipe, "--output-dir", str(t / "out"), *extra]
+
+
 # --- errors: one line, a traceback only with -v ------------------------------------------------------------
 CASES = {
     "trace: a checkpoint transformers cannot load": (
@@ -89,45 +94,16 @@ CASES = {
         ["none.txt"],
     ),
     "oneshot: a refused recipe": (
-        lambda d, t: [
-            "oneshot",
-            "--model",
-            str(d["tiny"]),
-            "--recipe",
-            bad_recipe(t),
-            "--output-dir",
-            str(t / "out"),
-        ],
-        ["recipe.yaml", "SmoothQuantModifier"],  # fmt: skip
+        lambda d, t: _oneshot(d, t, bad_recipe(t)),
+        ["recipe.yaml", "SmoothQuantModifier"],
     ),
     "oneshot: a missing dataset": (
-        lambda d, t: [
-            "oneshot",
-            "--model",
-            str(d["tiny"]),
-            "--recipe",
-            RTN,
-            "--output-dir",
-            str(t / "out"),
-            "--dataset",
-            str(t / "calib.jsonl"),
-            *SMALL,
-        ],
-        ["calib.jsonl"],  # fmt: skip
+        lambda d, t: _oneshot(d, t, RTN, "--dataset", str(t / "calib.jsonl"), *SMALL),
+        ["calib.jsonl"],
     ),
     "oneshot: a bad argument value": (
-        lambda d, t: [
-            "oneshot",
-            "--model",
-            str(d["tiny"]),
-            "--recipe",
-            RTN,
-            "--output-dir",
-            str(t / "out"),
-            "--num-calibration-samples",
-            "0",
-        ],
-        ["num_calibration_samples"],  # fmt: skip
+        lambda d, t: _oneshot(d, t, RTN, "--num-calibration-samples", "0"),
+        ["num_calibration_samples"],
     ),
     "plan: a bad --max-device-memory": (
         lambda d, t: ["plan", "--model", str(d["tiny"]), "--recipe", RTN, "--max-device-memory", "8XB"],

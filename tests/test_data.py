@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from seqcal.data.batches import (
@@ -22,6 +22,7 @@ from seqcal.data.batches import (
     default_calibration_text,
     load_calibration_batches,
 )
+from tokenizer_helpers import byte_level_bpe
 
 CHAT_TEMPLATE = "{% for m in messages %}<bos>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
 PARAS = [
@@ -37,17 +38,7 @@ PARAS = [
 @lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
     """A byte-level BPE trained offline on a little text: any string encodes, nothing is downloaded."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=["<pad>", "<eos>", "<bos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(PARAS + default_calibration_text().split("\n\n")[:10], trainer)
-    # Plain text gets a BOS, as Llama-style tokenizers do; chat templates carry their own.
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok = byte_level_bpe(PARAS + default_calibration_text().split("\n\n")[:10], vocab_size=500)
     return tok.to_str()
 
 

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from seqcal.evaluation.perplexity import (
@@ -22,6 +21,7 @@ from seqcal.evaluation.perplexity import (
     window_nll_sum,
     write_error_report,
 )
+from tokenizer_helpers import word_level
 
 SEQ_LEN = 16
 WORDS = [f"w{i}" for i in range(40)]
@@ -30,10 +30,7 @@ WORDS = [f"w{i}" for i in range(40)]
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
     """Word-level tokenizer over WORDS: one token per whitespace-separated word, no special tokens added."""
-    backend = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    return word_level(WORDS)
 
 
 @pytest.fixture

@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from seqcal.cli import ERRORS_PNG, main
 from seqcal.report import TRACKS, Profiler, plot_timeline
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer (the CLI tokenizes text)."""
-    torch.manual_seed(0)
-    # layers must hold >= 10% of the parameters to be found as targets, next to a 49152-token embedding
-    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, path / name)
-    return path
 
 
 def _trace(path: Path) -> None:
@@ -51,12 +35,14 @@ def test_timeline_png_from_a_trace(tmp_path: Path) -> None:
         plot_timeline(tmp_path / "bad.json", tmp_path / "e.png")
 
 
-def test_oneshot_cli_writes_error_plot_and_timeline(model_dir: Path, tmp_path: Path, capsys) -> None:
+def test_oneshot_cli_writes_error_plot_and_timeline(
+    tokenized_llama_dir: Path, tmp_path: Path, capsys
+) -> None:
     pytest.importorskip("matplotlib")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("GPTQModifier: {scheme: W4A16, ignore: [lm_head]}\n")
     out, trace = tmp_path / "out", tmp_path / "run.trace.json"
-    args = ["oneshot", "--model", str(model_dir), "--recipe", str(recipe), "--num-calibration-samples", "4",
+    args = ["oneshot", "--model", str(tokenized_llama_dir), "--recipe", str(recipe), "--num-calibration-samples", "4",
             "--max-seq-length", "32", "--output-dir", str(out), "--profile", str(trace)]  # fmt: skip
     assert main(args) == 0
     assert (out / ERRORS_PNG).read_bytes()[:8] == PNG  # next to the checkpoint, by default
@@ -66,22 +52,24 @@ def test_oneshot_cli_writes_error_plot_and_timeline(model_dir: Path, tmp_path: P
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["cat"] for e in events if e["ph"] == "X"} <= set(TRACKS)
     # bytes moved: every weight is onloaded at least once (the model is read from its directory)
-    weights = sum(p.numel() * 4 for p in LlamaForCausalLM.from_pretrained(model_dir).parameters())
+    weights = sum(p.numel() * 4 for p in LlamaForCausalLM.from_pretrained(tokenized_llama_dir).parameters())
     assert sum(e["args"]["bytes"] for e in events if e.get("cat") == "onload") >= weights
     assert main([*args[:-2], "--overwrite", "--plot", "none"]) == 0
     assert not (out / ERRORS_PNG).exists()
 
 
-def test_trace_cli_format_and_output(model_dir: Path, tmp_path: Path) -> None:
+def test_trace_cli_format_and_output(tokenized_llama_dir: Path, tmp_path: Path) -> None:
     graph = tmp_path / "graph.data"
-    assert main(["trace", "--model", str(model_dir), "--format", "json", "--output", str(graph)]) == 0
+    assert (
+        main(["trace", "--model", str(tokenized_llama_dir), "--format", "json", "--output", str(graph)]) == 0
+    )
     data = json.loads(graph.read_text())
     assert data["nodes"] and data["edges"] and len(data["subgraphs"]) == 3  # 2 layers + the tail
-    assert main(["trace", "--model", str(model_dir), "--output", str(tmp_path / "g.dot")]) == 0
+    assert main(["trace", "--model", str(tokenized_llama_dir), "--output", str(tmp_path / "g.dot")]) == 0
     assert (tmp_path / "g.dot").read_text().startswith("digraph")
     for bad in (["--format", "svg"], ["--output", str(tmp_path / "g.txt")]):
         with pytest.raises(SystemExit):
-            main(["trace", "--model", str(model_dir), *bad])
+            main(["trace", "--model", str(tokenized_llama_dir), *bad])
 
 
 def test_explicit_plot_without_matplotlib_is_reported_not_raised(tmp_path: Path, monkeypatch, capsys) -> None:

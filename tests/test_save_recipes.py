@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from save_helpers import assert_logits_equal, dynamic_activations
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.recipe.parse import parse_recipe
+from tokenizer_helpers import word_level
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 WORDS = [f"w{i}" for i in range(120)]
@@ -29,10 +29,7 @@ WORDS = [f"w{i}" for i in range(120)]
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[UNK]")
+    return word_level(WORDS, eos_token="[UNK]")
 
 
 def _tiny_llama(vocab: int) -> LlamaForCausalLM:

@@ -219,41 +219,26 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer; its layers hold >= 10% of the parameters (targets)."""
-    import shutil
-
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, path / name)
-    return path
-
-
-def test_cli_trace_into_all(llama_dir: Path, tmp_path: Path) -> None:
+def test_cli_trace_into_all(tokenized_llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "full.json"
-    run = _cli("trace", "--model", str(llama_dir), "--trace-into", "all", "--output", str(out), "--check")
+    run = _cli(
+        "trace", "--model", str(tokenized_llama_dir), "--trace-into", "all", "--output", str(out), "--check"
+    )
     assert run.returncode == 0, run.stderr
     assert "OK" in run.stdout
     nodes = json.loads(out.read_text())["nodes"]
     assert any(n["target"] == SDPA for n in nodes)
     assert not any(n["op"] == "call_module" and n["target"] == "model.layers.0.self_attn" for n in nodes)
-    bad = _cli("trace", "--model", str(llama_dir), "--trace-into", "NoSuchModule")
+    bad = _cli("trace", "--model", str(tokenized_llama_dir), "--trace-into", "NoSuchModule")
     assert bad.returncode == 2 and "matches no module" in bad.stderr and "Traceback" not in bad.stderr
-    depth = _cli("trace", "--model", str(llama_dir), "--trace-depth", "1")
+    depth = _cli("trace", "--model", str(tokenized_llama_dir), "--trace-depth", "1")
     assert depth.returncode == 2 and "--trace-into" in depth.stderr
 
 
-def test_cli_oneshot_passes_trace_into_on(llama_dir: Path, tmp_path: Path) -> None:
+def test_cli_oneshot_passes_trace_into_on(tokenized_llama_dir: Path, tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("GPTQModifier: {scheme: W4A16, ignore: [lm_head]}\n")
-    common = ["oneshot", "--model", str(llama_dir), "--recipe", str(recipe), "--num-calibration-samples", "2",
+    common = ["oneshot", "--model", str(tokenized_llama_dir), "--recipe", str(recipe), "--num-calibration-samples", "2",
               "--max-seq-length", "16", "--plot", "none"]  # fmt: skip
     run = _cli(*common, "--output-dir", str(tmp_path / "full"), "--trace-into", "all")
     assert run.returncode == 0, run.stderr
