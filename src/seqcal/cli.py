@@ -109,7 +109,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     subgraphs = trace_subgraphs(
         model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf,
-        trace_into=args.trace_into, trace_depth=args.trace_depth,
+        trace_into=args.trace_into, trace_depth=args.trace_depth, verify=not args.no_verify,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     print(f"traced in {elapsed:.2f} s")
@@ -237,7 +237,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed, concatenate=args.concatenate,
         resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
-        one_pass=not args.layer_cut, trace_into=args.trace_into, text_column=args.text_column, splits=args.splits,
+        one_pass=not args.layer_cut, trace_into=args.trace_into, verify=not args.no_verify, text_column=args.text_column, splits=args.splits,
         dataset_config_name=args.dataset_config_name, shuffle_calibration_samples=args.shuffle,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
@@ -273,6 +273,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+_NO_VERIFY = (
+    "skip checking the partition against the model's own forward on a second, differently shaped batch "
+    "(on by default: a partition that differs is refused)"
+)
 _TRACE_INTO = "trace into these modules too ('all': full graph; torch.nn modules such as Linear stay nodes)"
 
 
@@ -302,6 +306,7 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument(
         "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO
     )
+    one.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])
     one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
     one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -392,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--trace-depth", type=_levels, default=None, metavar="N",
                        help="with --trace-into: open modules at most N levels below the traced layers")  # fmt: skip
     trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
+    trace.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     trace.add_argument(
         "--export", nargs="+", default=None, type=_export_path, metavar="PATH",
         help="write the graph: .json (every node, with shapes), .dot, .svg, .html (one offline page) or .onnx (Netron)",

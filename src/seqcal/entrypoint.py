@@ -138,6 +138,7 @@ def oneshot(
     cache_dtype: str | None = None,
     model_revision: str | None = None,
     trace_into: str | list[str] | None = None,
+    verify: bool = True,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -189,6 +190,10 @@ def oneshot(
         trace_into: "all" or class names / ``re:`` patterns of modules to trace into (the full graph:
             attention and MLP operations as nodes, torch.nn modules such as Linear stay nodes); the same
             subgraph cuts and checkpoint as without it.
+        verify: before calibrating, run the partition and the model's own forward on a second batch shaped
+            unlike the calibration batch (another size and length, left padding) and compare their outputs.
+            A one-pass cut that differs falls back to the layer cut, a layer cut that differs to layer-by-layer
+            capture when the layers form a chain, else the run stops with where they differ. False skips it.
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left); for a directory with ``output_dir``,
@@ -205,7 +210,7 @@ def oneshot(
         pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
         offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
         cache_max_memory=parse_bytes(cache_max_memory, "cache_max_memory"), cache_dtype=cache_dtype,
-        trace_into=trace_into,
+        trace_into=trace_into, verify=verify,
     )  # fmt: skip
     out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)

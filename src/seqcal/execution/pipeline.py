@@ -31,6 +31,7 @@ from seqcal.tracing.leaves import normalize_trace_into
 from seqcal.tracing.partition import OnePassError
 from seqcal.tracing.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing.targets import infer_candidates
+from seqcal.tracing.verify import Divergence, refuse, verify_partition
 
 logger = logging.getLogger("seqcal")
 
@@ -66,6 +67,9 @@ class PipelineArgs:
     # Modules to trace into ("all" or class names / re: patterns; see seqcal.tracing.trace). The same cuts and
     # results either way, so it is left out of the run's fingerprint.
     trace_into: str | list[str] | None = field(default=None, repr=False)
+    # Check the partition against the model's own forward on a second, differently shaped batch before
+    # calibrating (seqcal.tracing.verify). A check, not a setting of the result: left out of the fingerprint.
+    verify: bool = field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         normalize_trace_into(self.trace_into)  # a ValueError that lists what is valid
@@ -164,12 +168,25 @@ def _run(
     else:
         batches = [{**batch, **_no_cache(model)} for batch in batches]
         subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
+
+        def differs(candidate: SubgraphList) -> Divergence | None:
+            if not args.verify:
+                return None
+            with profiler.span("verify", "partition vs eager"):
+                return verify_run(candidate, batches[0], store, device)
+
+        if subgraphs is not None and (diverged := differs(subgraphs)):
+            logger.warning("seqcal: cutting at layers: the cut before each module group %s", diverged.what())
+            subgraphs = None
         _log_cut(subgraphs, targets, modifiers, args)
         try:
-            subgraphs = subgraphs or trace_subgraphs(
-                model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph,
-                trace_into=args.trace_into,
-            )  # fmt: skip
+            if subgraphs is None:
+                subgraphs = trace_subgraphs(
+                    model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph,
+                    trace_into=args.trace_into, verify=False,
+                )  # fmt: skip
+                if diverged := differs(subgraphs):
+                    raise refuse(diverged, model)
         except TracingError as err:
             # the capture runs the model's own forward: weights on meta are onloaded per module for it
             cpu = torch.device("cpu")
@@ -239,8 +256,9 @@ def one_pass_subgraphs(
     pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"
     try:
         return trace_subgraphs(
-            model, sample, [pattern], args.tracing_ignore, None, 1, cut="before", trace_into=args.trace_into
-        )
+            model, sample, [pattern], args.tracing_ignore, None, 1, cut="before", trace_into=args.trace_into,
+            verify=False,
+        )  # fmt: skip
     except (TracingError, OnePassError) as err:
         # Not an error: the layer-level cut below handles this model (it hooks modules inside layers).
         reason = err.problems[0].what if isinstance(err, TracingError) else str(err)
@@ -267,6 +285,40 @@ def _log_cut(
         logger.info(
             "seqcal: cutting after each layer (%s needs more than its modules' inputs): %s", needs, layer_cut
         )
+
+
+def verify_run(
+    subgraphs: SubgraphList, batch: dict[str, Any], store: WeightStore | None, device: torch.device
+) -> Divergence | None:
+    """Check ``subgraphs`` against the model's forward on a batch shaped unlike ``batch`` (see
+    ``seqcal.tracing.verify``); offloaded weights are read per module for the eager run and per subgraph for
+    the partitioned one, so the check stays within the run's memory bound."""
+    start = time.perf_counter()
+    if store is None:
+        diverged = verify_partition(subgraphs, batch, device)
+    else:
+        weights = SubgraphWeights(subgraphs.model, store, subgraphs, device)
+
+        @contextlib.contextmanager
+        def onloading() -> Any:
+            with safety_hooks(subgraphs.model, store, device), buffers_on(subgraphs.model, device):
+                yield
+
+        @contextlib.contextmanager
+        def onloaded(sg: Any) -> Any:
+            weights.onload(sg)
+            try:
+                yield
+            finally:
+                weights.release(sg)
+
+        diverged = verify_partition(subgraphs, batch, device, onloading, onloaded)
+    if diverged is None:
+        logger.info(
+            "seqcal: the partition matches the model's forward on a second batch (checked in %.2f s)",
+            time.perf_counter() - start,
+        )
+    return diverged
 
 
 def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torch.device:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
@@ -12,6 +14,8 @@ from seqcal.execution.executor import run_subgraphs
 from seqcal.tracing import TraceResult, split_inputs, trace
 from seqcal.tracing.leaves import TraceInto
 from seqcal.tracing.partition import Subgraph, partition
+
+logger = logging.getLogger("seqcal")
 
 
 class SubgraphList(Sequence[Subgraph]):
@@ -133,6 +137,7 @@ def trace_subgraphs(
     cut: str = "after",
     trace_into: TraceInto = None,
     trace_depth: int | None = None,
+    verify: bool = True,
 ) -> SubgraphList:
     """Trace ``model`` on ``sample`` and cut it into subgraphs around the sequential targets.
 
@@ -149,12 +154,16 @@ def trace_subgraphs(
             instead of keeping them one node (default: only what leads to the targets is traced). torch.nn's
             own modules (Linear, norms ...) stay nodes; a target traced into is a region in its own subgraph.
         trace_depth: open only modules at most this many levels below the ones traced anyway.
+        verify: run the partition and the model's own forward on a second sample shaped unlike ``sample``
+            (another batch size and length, left padding) and refuse when they differ (see
+            ``seqcal.tracing.verify``). Skipped when weights are on meta. False skips it.
 
     Returns:
         A SubgraphList: ``len()``, ``.targets``, ``.run(**inputs)``.
 
     Raises:
-        TracingError: some target cannot be its own node; the message names file, line and fix.
+        TracingError: some target cannot be its own node, or the partition's outputs differ from eager on
+            the second sample; the message names where, the file and line, and the fix.
 
     Example:
         >>> subgraphs = trace_subgraphs(model, {"input_ids": ids, "attention_mask": mask})  # doctest: +SKIP
@@ -164,5 +173,25 @@ def trace_subgraphs(
     """
     traced = trace(model, sample, sequential_targets, ignore, leaf_modules, trace_into, trace_depth)
     names = {id(m): n for n, m in model.named_modules()}
-    subgraphs = partition(traced.graph, traced.targets, targets_per_subgraph, names, cut)
-    return SubgraphList(model, traced, subgraphs)
+    subgraphs = SubgraphList(
+        model, traced, partition(traced.graph, traced.targets, targets_per_subgraph, names, cut)
+    )
+    if verify:
+        _verify(subgraphs, sample)
+    return subgraphs
+
+
+def _verify(subgraphs: SubgraphList, sample: Mapping[str, Any]) -> None:
+    """Refuse a partition whose outputs differ from eager on a second sample (weights on meta: skipped)."""
+    from seqcal.tracing.verify import refuse, verify_partition
+
+    if any(p.device.type == "meta" for p in subgraphs.model.parameters()):
+        logger.info("seqcal: weights on meta, so the partition is not checked against the model's forward")
+        return
+    start = time.perf_counter()
+    divergence = verify_partition(subgraphs, sample)
+    if divergence is not None:
+        raise refuse(divergence, subgraphs.model)
+    logger.info(
+        "seqcal: the partition matches the model's forward (checked in %.2f s)", time.perf_counter() - start
+    )
