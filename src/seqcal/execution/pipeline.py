@@ -170,8 +170,8 @@ def _run(
         subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
 
         def differs(candidate: SubgraphList) -> Divergence | None:
-            if not args.verify:
-                return None
+            if not args.verify or not any(m.needs_calibration for m in modifiers):
+                return None  # no forward pass will run through the partition
             with profiler.span("verify", "partition vs eager"):
                 return verify_run(candidate, batches[0], store, device)
 

@@ -210,13 +210,16 @@ class Profiler:
         names = {
             r.get("index"): ", ".join(r.get("targets") or []) for r in (report or {}).get("subgraphs") or []
         }
-        tracks = [t for t in TRACKS if t != "save"]
+        tracks = [t for t in TRACKS if t not in ("save", "verify")]  # verify: once per run, not per subgraph
         head = f"{'#':>3}  {'target':<24} {'wall s':>8} " + " ".join(f"{t[:8]:>8}" for t in tracks)
         lines = [head + f" {'RSS MiB':>9} {'dev MiB':>9}"]
         for index, row in sorted(rows.items()):
             cells = " ".join(f"{row['tracks'].get(t, 0.0):>8.3f}" for t in tracks)
             lines.append(f"{index:>3}  {(names.get(index) or '-')[:24]:<24} {row['wall']:>8.3f} {cells} "
                          f"{_num(row['rss']):>9} {_num(row['dev']):>9}")  # fmt: skip
+        checked = sum(e["dur"] for e in self.events if e.get("ph") == "X" and e.get("cat") == "verify") / 1e6
+        if checked:
+            lines.append(f"partition checked against the model's forward before calibrating: {checked:.3f} s")
         modules = [(n, m) for n, m in ((report or {}).get("modules") or {}).items() if isinstance(m, Mapping)]
         ranked = sorted(modules, key=lambda kv: _float(kv[1].get("gptq_seconds")), reverse=True)[:top]
         if ranked:
