@@ -58,6 +58,12 @@ def contains_proxy(value: Any) -> bool:
     return False
 
 
+# Methods that change their object in place (list, dict, set, deque and look-alikes).
+MUTATORS = frozenset(
+    {"append", "extend", "insert", "appendleft", "extendleft", "update", "setdefault", "add", "pop", "popitem",
+     "remove", "discard", "clear", "sort", "reverse", "__setitem__", "__delitem__"}
+)  # fmt: skip
+
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, type)
 
 

@@ -1,0 +1,68 @@
+"""Trace once, run any batch: mechanisms by which a graph could keep something of its trace sample.
+
+Each test is a small synthetic model whose forward uses one such mechanism; the graph traced on one
+sample must equal eager execution on inputs of another batch size and length (DESIGN invariant 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.proxy import Proxy
+
+from seqcal import trace_subgraphs
+from test_trace_equivalence import assert_same_outputs
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x))
+
+
+class Stack(torch.nn.Module):
+    """Layers whose outputs a forward collects in Python containers (lists, dicts) by method calls."""
+
+    def __init__(self, width: int = 8, layers: int = 3, named: bool = True) -> None:
+        super().__init__()
+        self.named = named
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Layer(width) for _ in range(layers))
+        self.head = torch.nn.Linear(width, width)
+        self.seen: list[torch.Tensor] = []  # held by the model across forwards
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        outs = [x]
+        named: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            outs.append(x)  # a list the forward built, appended to with a value known only at run time
+            if self.named:
+                named.update({f"layer{i}": x})
+        self.seen.append(x)  # the model's own list: must get real tensors, as in eager mode
+        extra = [outs[0]]
+        for i in range(1, len(outs)):  # reaches no target, but reuses the loop variable name ``i``
+            extra.append(self.head(outs[i]))
+        return {"stacked": torch.stack(extra).mean(0), "last": named.get(f"layer{len(self.layers) - 1}", x)}
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["list", "list-and-dict"])
+def test_container_mutated_by_method_calls_follows_the_run(named: bool) -> None:
+    # A list built by the forward and appended to in a traced loop used to become an `append` node that
+    # changed the trace-time list only at run time, so `torch.stack` read the list as it was before the loop:
+    # silently wrong outputs (the dict's `update` failed at run time instead).
+    model = Stack(named=named).eval()
+    sg = trace_subgraphs(model, {"x": torch.randn(1, 5, 8)}, sequential_targets=["Layer"])
+    assert sg.targets == ["layers.0", "layers.1", "layers.2"]
+    assert not any(isinstance(v, Proxy) for v in model.seen)  # no proxy left on the model
+    model.seen.clear()
+    for shape in [(2, 3, 8), (3, 7, 8)]:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            want = model(x)
+        assert_same_outputs(sg.run(x=x), want)
+    assert len(model.seen) == 4 and all(type(v) is torch.Tensor for v in model.seen)
+
