@@ -66,3 +66,38 @@ def test_container_mutated_by_method_calls_follows_the_run(named: bool) -> None:
         assert_same_outputs(sg.run(x=x), want)
     assert len(model.seen) == 4 and all(type(v) is torch.Tensor for v in model.seen)
 
+
+class LoopLocals(torch.nn.Module):
+    """A layer loop whose opaque statements read the loop variable and a local the loop body assigns."""
+
+    def __init__(self, width: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Layer(width) for _ in range(layers))
+        self.gates = torch.nn.Linear(width, layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = self.gates(x)  # [batch, seq, layers]
+        started = False
+        for i, layer in enumerate(self.layers):
+            # `is` on a value known only at run time: opaque, and it reads the loop variable `i`.
+            gate = gates[..., i : i + 1] if gates is not None else None
+            # Opaque too; reads `prev`, which the previous iteration assigned.
+            x = x + 0.5 * prev if started and gates is not None else x  # noqa: F821
+            x = layer(x) * gate
+            prev = x  # noqa: F841 - read by the next iteration (ruff does not see loop-carried reads)
+            started = True
+        return x
+
+
+def test_opaque_code_in_a_loop_reads_the_loop_locals() -> None:
+    # The loop variable and the locals a loop body assigns used to be looked up as globals by the opaque
+    # helpers lifted from the loop body: NameError at run time.
+    model = LoopLocals().eval()
+    sg = trace_subgraphs(model, {"x": torch.randn(1, 5, 8)}, sequential_targets=["Layer"])
+    assert len(sg.traced.failures) == 2  # both statements run opaquely, as one helper
+    for shape in [(2, 3, 8), (1, 9, 8)]:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            want = model(x)
+        assert_same_outputs(sg.run(x=x), want)
