@@ -101,3 +101,48 @@ def test_opaque_code_in_a_loop_reads_the_loop_locals() -> None:
         with torch.no_grad():
             want = model(x)
         assert_same_outputs(sg.run(x=x), want)
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, width: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer(width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x if scale is None else x * scale
+
+
+class Checked(torch.nn.Module):
+    """Input checks (on runtime values) right before code that only reads a constant flag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = Encoder()
+
+    def forward(self, x: torch.Tensor, use_scale: bool | None = None) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError("x must be [batch, seq, width]")
+        if use_scale:
+            state = {"scale": 2.0}
+        else:
+            state = None
+        return self.encoder(x, scale=state["scale"] if state is not None else None)
+
+
+@pytest.mark.parametrize("use_scale", [False, True])
+def test_opaque_statements_on_constants_are_folded_one_by_one(use_scale: bool) -> None:
+    # Consecutive opaque statements used to be one helper: the check on `x` made everything the group
+    # assigned (`state`) a value only known at run time, so the `is` test on it failed and the encoder call,
+    # with the layers inside, became opaque too.
+    model = Checked().eval()
+    sg = trace_subgraphs(
+        model, {"x": torch.randn(1, 5, 8), "use_scale": use_scale}, sequential_targets=["Layer"]
+    )
+    assert sg.targets == ["encoder.layers.0", "encoder.layers.1"]
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        want = model(x, use_scale=use_scale)
+    assert_same_outputs(sg.run(x=x, use_scale=use_scale), want)

@@ -127,6 +127,12 @@ class _BodyRewriter:
         for stmt in body:
             kind = self._classify(stmt)
             if kind == "opaque":
+                if pending and not _jumps(pending + [stmt]):
+                    # One helper per statement: one whose inputs are all constants is then folded at trace
+                    # time (``if use_cache: ...`` with use_cache=False), instead of making everything the
+                    # group assigns a value only known at run time.
+                    out += self._lift(pending, top=False)
+                    pending = []
                 pending.append(stmt)
                 continue
             if pending:
@@ -290,6 +296,11 @@ class _BodyRewriter:
             ast.copy_location(stmt, stmts[0])
         self.bound |= set(outputs)
         return out
+
+
+def _jumps(stmts: list[ast.stmt]) -> bool:
+    names = names_of(stmts)
+    return names.has_return or names.has_yield or names.has_scope_stmt or names.has_loose_jump
 
 
 def _bound_or_none(name: str, loaded: bool) -> ast.expr:
