@@ -6,8 +6,9 @@ transformers' top-level models are full of such code (mask creation, cache objec
 
 * a statement that reaches a target-holding submodule (``self.layers``, a loop variable bound to a layer,
   a method that calls them) is *essential*: it is traced, compound statements recurse into their bodies;
-* a compound statement that reaches none is *opaque*: consecutive opaque statements are lifted into a helper
-  function that becomes one ``call_function`` node and runs at execution time with real values;
+* a compound statement that reaches none is *opaque*: it is lifted into a helper function that becomes one
+  ``call_function`` node and runs at execution time with real values (or, when every input is a constant, is
+  folded at trace time); the loop's locals it reads are its arguments;
 * a simple statement that reaches none is tried first; if tracing it fails it is made opaque on a retrace.
 
 Every call in a traced statement goes through ``__seqcal_call`` and every ``is`` comparison through
