@@ -42,6 +42,8 @@ from seqcal.tracing.values import (
     SCOPE,
     OpaqueCall,
     contains_proxy,
+    held_containers,
+    is_plain_object,
     is_static,
     is_torch_callable,
 )
@@ -303,7 +305,7 @@ class SeqTracer(fx.Tracer):
                 and (name == "forward" or name in self.essential_methods(owner))
             ):
                 return self.call_rewritten(owner, f.__func__, args, kwargs)
-        if symbolic and (type(owner) in (list, dict) or (name in MUTATORS and _plain_object(owner))):
+        if symbolic and (type(owner) in (list, dict) or (name in MUTATORS and is_plain_object(owner))):
             return self._container_call(f, owner, args, kwargs)
         if not symbolic and name not in self.ignored:
             if is_torch_callable(f) and not isinstance(f, type):
@@ -326,21 +328,15 @@ class SeqTracer(fx.Tracer):
         """
         name = getattr(f, "__name__", "")
         if type(owner) in (list, dict):
-            persistent = id(owner) in self._persistent_containers()
+            if self._persistent is None:
+                self._persistent = held_containers(self.root)
+            persistent = id(owner) in self._persistent
             runtime_key = isinstance(owner, dict) and bool(args) and isinstance(args[0], Proxy)
             if not runtime_key and not (persistent and name in MUTATORS):
                 return f(*args, **kwargs)
         raise TraceError(
             f"{type(owner).__name__}.{name}() on an object tracing cannot follow, with a value only known at run time"
         )
-
-    def _persistent_containers(self) -> set[int]:
-        """Ids of the lists and dicts the model's modules hold: they outlive a forward, so must not hold proxies."""
-        if self._persistent is None:
-            self._persistent = {
-                id(v) for m in self.root.modules() for v in vars(m).values() if type(v) in (list, dict)
-            }
-        return self._persistent
 
     def path_of_module_safe(self, module: torch.nn.Module) -> str:
         try:
@@ -392,15 +388,6 @@ class SeqTracer(fx.Tracer):
 
 
 _FUTURE_ANNOTATIONS = __future__.annotations.compiler_flag
-
-
-def _plain_object(owner: Any) -> bool:
-    """A Python object a bound method belongs to, other than a module, a proxy or torch's own."""
-    return (
-        owner is not None
-        and not isinstance(owner, (Proxy, torch.nn.Module, types.ModuleType, type))
-        and not is_torch_callable(type(owner))
-    )
 
 
 def _defining_class(cls: type, func: Callable[..., Any]) -> type:
