@@ -19,7 +19,10 @@ REQUIRED = set(
 # Configs whose sliding window is shorter than the test sequences (9 and 12 tokens).
 SLIDING = "mistral qwen2 qwen3 gemma2 gemma3_text phi3 starcoder2 mixtral gpt_oss gemma3 modernbert".split()
 # Models that read the pad id itself, not only the attention mask.
-PAD_ID_SENSITIVE = {"roberta": "position ids count the ids that differ from pad_token_id"}
+PAD_ID_SENSITIVE = {
+    "roberta": "position ids count the ids that differ from pad_token_id",
+    "blt": "its hashed byte n-gram embeddings and entropy patches read the padding bytes",
+}
 CASES = ({"batch": 1, "seq_len": 12}, {"batch": 2, "seq_len": 9, "left_pad": 3})
 NAMES = sorted(ARCHS)
 

@@ -173,6 +173,12 @@ _LLAMA_TEXT = {"model_type": "llama", **_BASE}
 
 _GEMMA3_TEXT = {**_BASE, **_HD, **_SW, "query_pre_attn_scalar": 16,
                 "layer_types": ["sliding_attention"] * 2 + ["full_attention"]}  # fmt: skip
+_PLE = {**_BASE, **_HD, **_SW, "num_hidden_layers": 4, "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB,
+        "num_kv_shared_layers": 2}  # fmt: skip
+_BLT = {"vocab_size": VOCAB, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
+        "max_position_embeddings": 128}  # fmt: skip
+_LFM_TYPES = ["conv", "full_attention", "conv"]
 _SEQ2SEQ = {"vocab_size": VOCAB, "d_model": 64, "encoder_layers": 3, "decoder_layers": 3,
             "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128,
             "decoder_ffn_dim": 128, **_SPECIAL}  # fmt: skip
@@ -206,6 +212,24 @@ _SPECS = (
     _dense("mpt", "Mpt", {"vocab_size": VOCAB, "d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 128,
                           **_SPECIAL}, "MptBlock"),
     _dense("codegen", "CodeGen", {**_GPT, "n_positions": 128, "n_ctx": 128, "rotary_dim": 8}, "CodeGenBlock"),
+    # Gemma-3n and Gemma 4: per-layer input embeddings, the last 2 of 4 layers reuse the keys and values of
+    # earlier ones (shared through a dict the layers fill); Gemma-3n also mixes 2 AltUp streams.
+    _spec("gemma3n_text", "decoder", "Gemma3nForCausalLM", "Gemma3nTextConfig", "Gemma3nTextDecoderLayer",
+          {**_PLE, "laurel_rank": 8, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0], "altup_num_inputs": 2},
+          num=4),
+    _spec("gemma4_text", "decoder", "Gemma4ForCausalLM", "Gemma4TextConfig", "Gemma4TextDecoderLayer",
+          {**_PLE, "global_head_dim": 32}, num=4),
+    # BLT: an entropy patcher (2 layers), byte-level local encoder (1) and decoder (2) with cross-attention to
+    # the patches, around a global transformer (2). Its cache cannot be built from its config (no
+    # num_hidden_layers), so use_cache is off.
+    _spec("blt", "decoder", "BltForCausalLM", "BltConfig", "BltTransformerLayer",
+          {"vocab_size": VOCAB, "max_position_embeddings": 128, "local_attention_window_len": 8,
+           "encoder_hash_byte_group_size": [3, 4], "encoder_hash_byte_group_vocab": 64, "use_cache": False,
+           "patcher_config": {**_BLT, "num_hidden_layers": 2},
+           "encoder_config": {**_BLT, "num_hidden_layers": 1, "hidden_size_global": 64},
+           "decoder_config": {**_BLT, "num_hidden_layers": 2, "hidden_size_global": 64},
+           "global_config": {**_BLT, "hidden_size": 64, "num_hidden_layers": 2}},
+          num=7, other=("BltCrossAttention",)),
     # Mixture of experts: 4 small experts, top-2.
     _spec("mixtral", "moe", "MixtralForCausalLM", "MixtralConfig", "MixtralDecoderLayer",
           {**_BASE, **_HD, **_SW, "num_local_experts": 4, "num_experts_per_tok": 2}),
@@ -241,6 +265,11 @@ _SPECS = (
           {**_BASE, **_HD, **_MOE4, "num_experts": 4, "shared_expert_intermediate_size": 32,
            "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
            "linear_num_value_heads": 4, "layer_types": ["linear_attention"] * 2 + ["full_attention"]}),
+    # LFM2: short convolutions, attention, convolution; the MoE variant has a dense first layer.
+    _spec("lfm2", "hybrid", "Lfm2ForCausalLM", "Lfm2Config", "Lfm2DecoderLayer",
+          {**_BASE, "layer_types": _LFM_TYPES, "block_multiple_of": 16}),
+    _spec("lfm2_moe", "hybrid", "Lfm2MoeForCausalLM", "Lfm2MoeConfig", "Lfm2MoeDecoderLayer",
+          {**_BASE, **_MOE4, "layer_types": _LFM_TYPES, "num_dense_layers": 1, "num_experts": 4}),
     _spec("mamba", "hybrid", "MambaForCausalLM", "MambaConfig", "MambaBlock",
           {"vocab_size": VOCAB, "hidden_size": 64, "state_size": 8, "num_hidden_layers": 3,
            "time_step_rank": 8, **_SPECIAL}),
@@ -282,6 +311,13 @@ _SPECS = (
            "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
                              "out_hidden_size": 64, "patch_size": 2, "window_size": 4,
                              "fullatt_block_indexes": [1]}},
+          inputs=qwen_vl_inputs),
+    # Qwen3-VL: interleaved M-RoPE, vision features of block 0 added to the first text layer's input (deepstack).
+    _spec("qwen3_vl", "vlm", "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", "Qwen3VLTextDecoderLayer",
+          {**_QWEN_VL_IDS, "text_config": {**_BASE, **_HD, "rope_parameters": {**_MROPE, "mrope_interleaved": True}},
+           "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                             "out_hidden_size": 64, "patch_size": 2, "num_position_embeddings": 16,
+                             "deepstack_visual_indexes": [0]}},
           inputs=qwen_vl_inputs),
     _spec("gemma3", "vlm", "Gemma3ForConditionalGeneration", "Gemma3Config", "Gemma3DecoderLayer",
           {"image_token_index": IMAGE_TOKEN, "boi_token_index": BOI_TOKEN, "eoi_token_index": EOI_TOKEN,

@@ -6,8 +6,9 @@ transformers' top-level models are full of such code (mask creation, cache objec
 
 * a statement that reaches a target-holding submodule (``self.layers``, a loop variable bound to a layer,
   a method that calls them) is *essential*: it is traced, compound statements recurse into their bodies;
-* a compound statement that reaches none is *opaque*: consecutive opaque statements are lifted into a helper
-  function that becomes one ``call_function`` node and runs at execution time with real values;
+* a compound statement that reaches none is *opaque*: it is lifted into a helper function that becomes one
+  ``call_function`` node and runs at execution time with real values (or, when every input is a constant, is
+  folded at trace time); the loop's locals it reads are its arguments;
 * a simple statement that reaches none is tried first; if tracing it fails it is made opaque on a retrace.
 
 Every call in a traced statement goes through ``__seqcal_call`` and every ``is`` comparison through
@@ -110,6 +111,7 @@ class _BodyRewriter:
         self.result = Rewritten(factory_source="")
         self.module_names: set[str] = set()  # locals that may hold target-holding modules
         self.bound: set[str] = set(params)
+        self.maybe_unbound: set[str] = set()  # locals a loop body assigns: unbound before their first store
         self.params = params
 
     def is_essential(self, stmts: list[ast.stmt]) -> bool:
@@ -126,6 +128,12 @@ class _BodyRewriter:
         for stmt in body:
             kind = self._classify(stmt)
             if kind == "opaque":
+                if pending and not _jumps(pending + [stmt]):
+                    # One helper per statement: one whose inputs are all constants is then folded at trace
+                    # time (``if use_cache: ...`` with use_cache=False), instead of making everything the
+                    # group assigns a value only known at run time.
+                    out += self._lift(pending, top=False)
+                    pending = []
                 pending.append(stmt)
                 continue
             if pending:
@@ -181,6 +189,7 @@ class _BodyRewriter:
         return [ast.Try(body=[routed], handlers=[handler], orelse=[], finalbody=[])]
 
     def _compound(self, stmt: ast.stmt) -> ast.stmt:
+        self._bind_header(stmt)
         for attr in ("test", "iter", "subject"):
             if hasattr(stmt, attr):
                 setattr(stmt, attr, CallRouter().visit(getattr(stmt, attr)))
@@ -196,6 +205,26 @@ class _BodyRewriter:
             for case in stmt.cases:
                 case.body = self.rewrite(case.body, top=False)
         return stmt
+
+    def _bind_header(self, stmt: ast.stmt) -> None:
+        """Names the body of ``stmt`` may read as locals, bound before it runs: loop targets, ``with ... as``,
+        ``except ... as``, walrus targets, and what a loop body assigns (read by the next iteration).
+
+        A helper lifted from the body takes them as arguments; missed, the helper would look them up as
+        globals at run time.
+        """
+        header: list[ast.AST] = [
+            getattr(stmt, a) for a in ("target", "test", "iter", "subject") if hasattr(stmt, a)
+        ]
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):
+            header += [item for item in stmt.items]
+        self.bound |= names_of(header).stores
+        if isinstance(stmt, ast.Try):
+            self.bound |= {h.name for h in stmt.handlers if h.name}
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+            carried = names_of(stmt.body).stores - self.bound
+            self.maybe_unbound |= carried
+            self.bound |= carried
 
     def _lift(self, stmts: list[ast.stmt], top: bool) -> list[ast.stmt]:
         names = names_of(stmts)
@@ -249,7 +278,10 @@ class _BodyRewriter:
             ast.Constant(site_id),
             ast.Name(id=helper.name, ctx=ast.Load()),
             ast.Name(id="self", ctx=ast.Load()),
-            ast.Tuple(elts=[_bound_or_none(a, a in names.loads) for a in inputs], ctx=ast.Load()),
+            ast.Tuple(
+                elts=[_bound_or_none(a, a in names.loads and a not in self.maybe_unbound) for a in inputs],
+                ctx=ast.Load(),
+            ),
         )
         if top and names.has_return:
             out: list[ast.stmt] = [ast.Return(invoke)]
@@ -267,9 +299,15 @@ class _BodyRewriter:
         return out
 
 
+def _jumps(stmts: list[ast.stmt]) -> bool:
+    names = names_of(stmts)
+    return names.has_return or names.has_yield or names.has_scope_stmt or names.has_loose_jump
+
+
 def _bound_or_none(name: str, loaded: bool) -> ast.expr:
     """The value of local ``name``; one the statements only assign may be unbound here (assigned in a branch
-    not taken at trace time), so it is passed as ``locals().get(name)``."""
+    not taken at trace time, or later in a loop body on the first iteration), so it is passed as
+    ``locals().get(name)``."""
     if loaded:
         return ast.Name(id=name, ctx=ast.Load())
     get = ast.Attribute(value=call("locals"), attr="get", ctx=ast.Load())

@@ -38,9 +38,12 @@ from seqcal.tracing.rewrite import (
 )
 from seqcal.tracing.values import (
     _PLAIN_TYPES,
+    MUTATORS,
     SCOPE,
     OpaqueCall,
     contains_proxy,
+    held_containers,
+    is_plain_object,
     is_static,
     is_torch_callable,
 )
@@ -121,6 +124,7 @@ class SeqTracer(fx.Tracer):
         self.module_scope: list[str] = []  # modules whose forwards are being traced, innermost last
         self.entered: Counter[str] = Counter()  # how often each module was traced into
         self._essential_methods: dict[int, set[str]] = {}
+        self._persistent: set[int] | None = None
 
     # -- fx hooks -------------------------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -301,13 +305,38 @@ class SeqTracer(fx.Tracer):
                 and (name == "forward" or name in self.essential_methods(owner))
             ):
                 return self.call_rewritten(owner, f.__func__, args, kwargs)
+        if symbolic and (type(owner) in (list, dict) or (name in MUTATORS and is_plain_object(owner))):
+            return self._container_call(f, owner, args, kwargs)
         if not symbolic and name not in self.ignored:
             if is_torch_callable(f) and not isinstance(f, type):
                 return self.create_proxy("call_function", f, args, kwargs)  # tensors are made at run time
             result = f(*args, **kwargs)
-            if is_static(result):
+            # A result holding proxies (``outs.pop()``, ``named["x"]``) is already in graph terms; as a node it
+            # would hand the proxies themselves to the run.
+            if is_static(result) or contains_proxy(result):
                 return result
         return self.create_proxy("call_function", f, args, kwargs)
+
+    def _container_call(self, f: Any, owner: Any, args: tuple, kwargs: dict) -> Any:
+        """``outs.append(x)``, ``named.get(k, x)``: a method of a Python object, with a value only known at run time.
+
+        As a node it would run on the trace-time object at run time: a change it makes would be missed by every
+        read of the object at trace time (a list appended to in a loop, then stacked: the graph stacks what the
+        list held before the loop), and a read would see the proxies it holds. A list or dict the forward built
+        is used now, holding proxies as a literal would; a change to anything else (a model's own list, other
+        objects), or a dict key only known at run time, fails the statement, which then runs opaquely.
+        """
+        name = getattr(f, "__name__", "")
+        if type(owner) in (list, dict):
+            if self._persistent is None:
+                self._persistent = held_containers(self.root)
+            persistent = id(owner) in self._persistent
+            runtime_key = isinstance(owner, dict) and bool(args) and isinstance(args[0], Proxy)
+            if not runtime_key and not (persistent and name in MUTATORS):
+                return f(*args, **kwargs)
+        raise TraceError(
+            f"{type(owner).__name__}.{name}() on an object tracing cannot follow, with a value only known at run time"
+        )
 
     def path_of_module_safe(self, module: torch.nn.Module) -> str:
         try:

@@ -58,6 +58,12 @@ def contains_proxy(value: Any) -> bool:
     return False
 
 
+# Methods that change their object in place (list, dict, set, deque and look-alikes).
+MUTATORS = frozenset(
+    {"append", "extend", "insert", "appendleft", "extendleft", "update", "setdefault", "add", "pop", "popitem",
+     "remove", "discard", "clear", "sort", "reverse", "__setitem__", "__delitem__"}
+)  # fmt: skip
+
 _PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, enum.Enum, type)
 
 
@@ -86,3 +92,17 @@ def is_static(value: Any) -> bool:
 def is_torch_callable(f: Any) -> bool:
     module = getattr(f, "__module__", None) or ""
     return module == "torch" or module.startswith(("torch.", "torch._C")) or f in vars(torch).values()
+
+
+def is_plain_object(owner: Any) -> bool:
+    """Whether a bound method's object is a plain Python object: not a module, a proxy or torch's own."""
+    return (
+        owner is not None
+        and not isinstance(owner, (Proxy, torch.nn.Module, types.ModuleType, type))
+        and not is_torch_callable(type(owner))
+    )
+
+
+def held_containers(root: torch.nn.Module) -> set[int]:
+    """Ids of the lists and dicts the modules of ``root`` hold: they outlive a forward, so never hold proxies."""
+    return {id(v) for m in root.modules() for v in vars(m).values() if type(v) in (list, dict)}
