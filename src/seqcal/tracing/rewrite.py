@@ -123,8 +123,11 @@ class _BodyRewriter:
     def rewrite(self, body: list[ast.stmt], top: bool) -> list[ast.stmt]:
         out: list[ast.stmt] = []
         pending: list[ast.stmt] = []
-        for stmt in body:
+        for i, stmt in enumerate(body):
             kind = self._classify(stmt)
+            if kind != "opaque" and top and self._absorbs_tail(pending, body[i:]):
+                pending += body[i:]  # an early return that failed to trace: lift it with the rest
+                break
             if kind == "opaque":
                 pending.append(stmt)
                 continue
@@ -136,6 +139,25 @@ class _BodyRewriter:
         if pending:
             out += self._lift(pending, top=top)
         return out
+
+    def _forced(self, stmt: ast.stmt) -> bool:
+        return (self.src.filename, *_stmt_id(stmt)) in self.plan.force_opaque
+
+    def _absorbs_tail(self, pending: list[ast.stmt], tail: list[ast.stmt]) -> bool:
+        """Whether opaque statements holding a ``return`` take the rest of the function with them.
+
+        A ``return`` can only be lifted at the end of the function. When such a group failed to trace
+        (``if not return_dict: return tuple(...)`` after a statement made opaque), the statements after
+        it move into the group, as long as none of them reaches a target.
+        """
+        names = names_of(pending)
+        return (
+            names.has_return
+            and not (names.has_yield or names.has_scope_stmt or names.has_loose_jump)
+            and any(self._forced(s) for s in pending)
+            and not self.is_essential(tail)
+            and not names_of(tail).has_yield
+        )
 
     def _classify(self, stmt: ast.stmt) -> str:
         # A simple statement is always tried: if it fails it becomes opaque, and should it have called a
@@ -166,7 +188,7 @@ class _BodyRewriter:
             routed = self._compound(stmt)
         else:
             routed = CallRouter().visit(stmt)
-        if kind == "must":  # cannot be lifted (see _lift): traced, and a failure is reported as is
+        if kind == "must" and sid in self.plan.force_opaque:  # failed once already: reported as is
             return [routed]
         self.result.tried[sid] = ast.unparse(stmt).splitlines()[0]
         handler = ast.ExceptHandler(
@@ -186,6 +208,9 @@ class _BodyRewriter:
                 setattr(stmt, attr, CallRouter().visit(getattr(stmt, attr)))
         if isinstance(stmt, (ast.With, ast.AsyncWith)):
             stmt.items = [CallRouter().visit(item) for item in stmt.items]
+            self.bound |= names_of([i.optional_vars for i in stmt.items if i.optional_vars]).stores
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):  # the loop variables are locals an opaque body reads
+            self.bound |= names_of([stmt.target]).stores
         for attr in ("body", "orelse", "finalbody"):
             if getattr(stmt, attr, None):
                 setattr(stmt, attr, self.rewrite(getattr(stmt, attr), top=False))
