@@ -75,3 +75,22 @@ class LoopVariable(Stack):
 
 def test_opaque_statement_in_a_layer_loop_reads_the_loop_variable() -> None:
     _check(LoopVariable())
+
+
+def test_undeclared_layers_are_found_beside_large_embedding_tables() -> None:
+    """No ``_no_split_modules``, and embedding tables (RoCBert's shape and pronunciation ones) hold most of
+    the parameters: the stack is still the layers."""
+    from seqcal.tracing.targets import infer_candidates
+
+    class Tables(Stack):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes = nn.Embedding(4096, 64)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            h = self.embed(input_ids) + self.shapes(input_ids)[..., :8]
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    assert sorted(infer_candidates(Tables()).values()) == ["layers.0", "layers.1", "layers.2"]
