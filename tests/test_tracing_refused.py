@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
-from seqcal import trace_subgraphs
+from seqcal import TracingError, trace_subgraphs
 from test_trace_equivalence import assert_same_outputs
 
 
@@ -94,3 +95,126 @@ def test_undeclared_layers_are_found_beside_large_embedding_tables() -> None:
             return h
 
     assert sorted(infer_candidates(Tables()).values()) == ["layers.0", "layers.1", "layers.2"]
+
+
+# ---- guarded decisions: a branch that reaches a target tests a runtime value --------------------------------
+
+
+class Cross(Block):
+    """A second layer kind in the stack (as Mllama's cross-attention layers)."""
+
+
+def _cache_for(h: torch.Tensor) -> torch.Tensor | None:
+    """Stands for a cache lookup: a value only known at run time, None for short inputs."""
+    return None if h.shape[1] < 16 else h
+
+
+class SkipsALayer(Stack):
+    """``continue`` past layer 1 depending on a runtime value (Mllama skips cross-attention layers so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers[1] = Cross()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            if i == 1 and _cache_for(h) is None:
+                continue
+            h = layer(h)
+        return h
+
+
+def test_data_dependent_continue_is_decided_on_the_sample_and_guarded() -> None:
+    _check(SkipsALayer(), targets=2)
+
+
+def test_a_batch_that_takes_the_other_branch_is_refused_by_the_guard() -> None:
+    model = SkipsALayer()
+    ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(0))
+    subgraphs = trace_subgraphs(model, {"input_ids": ids}, sequential_targets=["Block"])
+    with pytest.raises(
+        Exception, match=r"traced with `if i == 1 and _cache_for\(h\) is None:` deciding True"
+    ):
+        subgraphs.run(input_ids=torch.zeros(1, 20, dtype=torch.long))  # long: the layer would run
+
+
+class Chunked(Stack):
+    """The layers run chunk by chunk for long inputs (xLSTM's max_inference_chunksize)."""
+
+    chunk = 64
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if self.chunk < h.shape[1]:
+            parts = []
+            for piece in h.split(self.chunk, dim=1):
+                for layer in self.layers:
+                    piece = layer(piece)
+                parts.append(piece)
+            h = torch.cat(parts, dim=1)
+        else:
+            for layer in self.layers:
+                h = layer(h)
+        return h
+
+
+def test_branch_on_a_runtime_size_that_calls_the_layers_is_decided() -> None:
+    _check(Chunked())
+
+
+class StateArgument(Stack):
+    """A layer call whose argument tests a runtime object (``state[i] if state is not None else None``)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        state = _cache_for(h)
+        for layer in self.layers:
+            h = layer(h, 0.5 if state is not None else None)
+        return h
+
+
+def test_is_test_inside_a_layer_call_is_decided() -> None:
+    _check(StateArgument())
+
+
+# ---- an autograd Function that runs the layers (Reformer's reversible stack) --------------------------------
+
+
+class _Reversible(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, layers: nn.ModuleList, extra: list) -> torch.Tensor:
+        a, b = torch.chunk(h, 2, dim=-1)
+        for layer in layers:
+            a, b = b, a + layer(b)
+            if len(extra) > 10:  # opaque code in the Function's forward reads ``ctx``'s locals
+                extra.append(a)
+        ctx.save_for_backward(a.detach(), b.detach())
+        ctx.layers = layers
+        return torch.cat([a, b], dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+
+class Reversible(Stack):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(4) for _ in range(3)])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        return _Reversible.apply(h, self.layers, [])
+
+
+def test_autograd_function_given_the_layers_is_traced_through() -> None:
+    _check(Reversible())
+
+
+def test_inferred_target_skipped_by_a_decided_branch_gets_a_fix_that_works() -> None:
+    model = SkipsALayer()
+    ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(TracingError, match=r"layers\.1.*not called for the trace sample's inputs") as err:
+        trace_subgraphs(model, {"input_ids": ids})
+    assert "sequential_targets=['Block']" in str(err.value)  # the fix: as in _check, which passes

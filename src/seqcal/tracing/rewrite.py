@@ -85,6 +85,11 @@ class RewritePlan:
     essential_methods: frozenset[str]
     ignored: frozenset[str] = frozenset()
     force_opaque: frozenset[StmtId] = frozenset()
+    decide: frozenset[StmtId] = frozenset()  # ``if`` tests decided on the trace sample, guarded (decide.py)
+    module_params: frozenset[str] = frozenset()  # parameters bound to target-holding modules (functions.py)
+    lift_tails: bool = (
+        True  # an early return that failed takes the rest along (off in modules trace_into opened)
+    )
 
 
 @dataclass
@@ -94,6 +99,7 @@ class Rewritten:
     factory_source: str
     sites: dict[str, OpaqueSite] = field(default_factory=dict)
     tried: dict[StmtId, str] = field(default_factory=dict)  # statement id -> first source line
+    decidable: set[StmtId] = field(default_factory=set)  # ``if`` statements that cannot be made opaque
 
 
 def _stmt_id(node: ast.stmt) -> tuple[int, int]:
@@ -108,9 +114,11 @@ class _BodyRewriter:
         self.src = src
         self.helpers: list[ast.FunctionDef] = []
         self.result = Rewritten(factory_source="")
-        self.module_names: set[str] = set()  # locals that may hold target-holding modules
+        self.module_names: set[str] = set(plan.module_params)  # locals that may hold target-holding modules
         self.bound: set[str] = set(params)
         self.params = params
+        positional = [*src.tree.args.posonlyargs, *src.tree.args.args]
+        self.first = positional[0].arg if positional else "self"  # ``ctx`` in an autograd Function's forward
 
     def is_essential(self, stmts: list[ast.stmt]) -> bool:
         names = names_of(stmts)
@@ -152,7 +160,8 @@ class _BodyRewriter:
         """
         names = names_of(pending)
         return (
-            names.has_return
+            self.plan.lift_tails
+            and names.has_return
             and not (names.has_yield or names.has_scope_stmt or names.has_loose_jump)
             and any(self._forced(s) for s in pending)
             and not self.is_essential(tail)
@@ -186,8 +195,18 @@ class _BodyRewriter:
         sid = (self.src.filename, *_stmt_id(stmt))
         if isinstance(stmt, _COMPOUND):
             routed = self._compound(stmt)
+            if isinstance(stmt, ast.If) and kind in ("essential", "must"):
+                self.result.decidable.add(sid)
+                if sid in self.plan.decide:  # evaluated inside a thunk, so that bool() of parts is seen
+                    thunk = ast.Lambda(args=_NO_ARGS, body=routed.test)
+                    routed.test = call(f"{_PREFIX}decide", ast.Constant(sid), thunk)
         else:
             routed = CallRouter().visit(stmt)
+            if self.is_essential([stmt]):  # calls a target: an ``is`` test in it is decided on the sample
+                self.result.decidable.add(sid)
+                if sid in self.plan.decide:
+                    decide = ast.withitem(context_expr=call(f"{_PREFIX}deciding", ast.Constant(sid)))
+                    routed = ast.copy_location(ast.With(items=[decide], body=[routed]), stmt)
         if kind == "must" and sid in self.plan.force_opaque:  # failed once already: reported as is
             return [routed]
         self.result.tried[sid] = ast.unparse(stmt).splitlines()[0]
@@ -273,8 +292,8 @@ class _BodyRewriter:
             f"{_PREFIX}opaque",
             ast.Constant(site_id),
             ast.Name(id=helper.name, ctx=ast.Load()),
-            ast.Name(id="self", ctx=ast.Load()),
-            ast.Tuple(elts=[_bound_or_none(a, a in names.loads) for a in inputs], ctx=ast.Load()),
+            ast.Name(id=self.first, ctx=ast.Load()),
+            ast.Tuple(elts=[_bound_or_none(a, a in self.params) for a in inputs], ctx=ast.Load()),
         )
         if top and names.has_return:
             out: list[ast.stmt] = [ast.Return(invoke)]
@@ -292,9 +311,12 @@ class _BodyRewriter:
         return out
 
 
+_NO_ARGS = ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[])
+
+
 def _bound_or_none(name: str, loaded: bool) -> ast.expr:
-    """The value of local ``name``; one the statements only assign may be unbound here (assigned in a branch
-    not taken at trace time), so it is passed as ``locals().get(name)``."""
+    """The value of local ``name``; a local other than a parameter may be unbound here (assigned in a branch
+    not taken at trace time, or only in another branch), so it is passed as ``locals().get(name)``."""
     if loaded:
         return ast.Name(id=name, ctx=ast.Load())
     get = ast.Attribute(value=call("locals"), attr="get", ctx=ast.Load())
