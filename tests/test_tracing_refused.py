@@ -218,3 +218,44 @@ def test_inferred_target_skipped_by_a_decided_branch_gets_a_fix_that_works() -> 
     with pytest.raises(TracingError, match=r"layers\.1.*not called for the trace sample's inputs") as err:
         trace_subgraphs(model, {"input_ids": ids})
     assert "sequential_targets=['Block']" in str(err.value)  # the fix: as in _check, which passes
+
+
+class DeletesALocal(Stack):
+    """Opaque code that deletes a local (Reformer's layers ``del prev_attn_output``)."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        tmp = h * 2
+        if bool(h.abs().sum() > 0):  # value-dependent: opaque
+            h = h + tmp
+            del tmp
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_opaque_code_that_deletes_a_local_does_not_return_it() -> None:
+    _check(DeletesALocal())
+
+
+def test_the_fix_named_for_a_skipped_target_works() -> None:
+    """Mllama without images: the error's sequential_targets gives a partition equal to eager."""
+    import re
+
+    from zoo import ARCHS
+
+    spec = ARCHS["mllama_text"]
+    model = spec.build()
+    with pytest.raises(TracingError) as err:
+        trace_subgraphs(model, spec.make_inputs(model, batch=1, seq_len=12))
+    classes = re.search(r"sequential_targets=\[([^\]]*)\]", str(err.value))
+    assert classes is not None
+    targets = [c.strip(" '") for c in classes.group(1).split(",")]
+    subgraphs = trace_subgraphs(
+        model, spec.make_inputs(model, batch=1, seq_len=12), sequential_targets=targets
+    )
+    assert len(subgraphs.targets) == spec.num_targets
+    inputs = spec.make_inputs(model, batch=2, seq_len=9, left_pad=3)
+    with torch.no_grad():
+        want = model(**inputs)
+    assert_same_outputs(subgraphs.run(**inputs), want)

@@ -250,7 +250,7 @@ class _BodyRewriter:
         site_id = f"{self.src.qualname.replace('.', '_')}_L{stmts[0].lineno}"
         inputs = sorted((names.loads | names.mutated | names.stores) & self.bound - {"self"})
         # A mutated name is returned only when it is a local: rebinding a global would make it local.
-        outputs = sorted((names.stores | (names.mutated & self.bound)) - {"self"})
+        outputs = sorted((names.stores | (names.mutated & self.bound)) - {"self"} - names.deleted)
         fresh = [o for o in outputs if o not in inputs]
         helper_body: list[ast.stmt] = [
             ast.Assign(targets=[ast.Name(id=o, ctx=ast.Store())], value=ast.Constant(None)) for o in fresh
