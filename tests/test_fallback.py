@@ -36,10 +36,12 @@ class Chain(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
-        for layer in self.layers:
-            if self.guard and bool(h.abs().max() > 1e6):  # whether a layer runs depends on values:
-                continue  # the loop cannot be traced
-            h = layer(h)
+        i = 0
+        # How many layers run depends on values at every step: the loop cannot be traced (an ``if`` could be
+        # decided on the sample and guarded, a ``while`` test is not).
+        while i < len(self.layers) and not (self.guard and bool(h.abs().max() > 1e6)):
+            h = self.layers[i](h)
+            i += 1
         return self.head(h)
 
 
@@ -75,8 +77,9 @@ class Skipping(Chain):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)
-        h1 = self.layers[0](h)
-        h2 = self.layers[1](h) + h1 if bool(h1.abs().max() < 1e6) else h1  # value-dependent: untraceable
+        h1 = h2 = self.layers[0](h)
+        while h2 is h1 and bool(h1.abs().max() < 1e6):  # value-dependent loop: untraceable
+            h2 = self.layers[1](h) + h1
         return self.head(self.layers[2](h2))
 
 

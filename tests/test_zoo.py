@@ -14,7 +14,7 @@ REQUIRED = set(
     "llama mistral qwen2 qwen3 gemma gemma2 gemma3_text phi phi3 gpt2 gpt_neox gptj falcon opt bloom "
     "starcoder2 olmo olmo2 cohere granite stablelm codegen mixtral qwen2_moe qwen3_moe deepseek_v3 olmoe "
     "granitemoe bert roberta modernbert t5 bart whisper llava qwen2_vl qwen2_5_vl gemma3 mllama "
-    "idefics3".split()
+    "idefics3 openai-gpt xlnet reformer xlstm roc_bert got_ocr2 phi4_multimodal mllama_text".split()
 )
 # Configs whose sliding window is shorter than the test sequences (9 and 12 tokens).
 SLIDING = "mistral qwen2 qwen3 gemma2 gemma3_text phi3 starcoder2 mixtral gpt_oss gemma3 modernbert".split()
@@ -22,6 +22,7 @@ SLIDING = "mistral qwen2 qwen3 gemma2 gemma3_text phi3 starcoder2 mixtral gpt_os
 PAD_ID_SENSITIVE = {
     "roberta": "position ids count the ids that differ from pad_token_id",
     "blt": "its hashed byte n-gram embeddings and entropy patches read the padding bytes",
+    "xlstm": "a recurrent model without an attention mask: the pad tokens run through its state",
 }
 CASES = ({"batch": 1, "seq_len": 12}, {"batch": 2, "seq_len": 9, "left_pad": 3})
 NAMES = sorted(ARCHS)
@@ -149,7 +150,9 @@ def test_non_text_inputs_reach_the_output(name: str) -> None:
     spec = ARCHS[name]
     model = spec.build()
     inputs = spec.make_inputs(model, batch=1, seq_len=12)
-    key = next(k for k in ("pixel_values", "input_features", "input_ids") if k in inputs)
+    key = next(
+        k for k in ("pixel_values", "image_pixel_values", "input_features", "input_ids") if k in inputs
+    )
     changed = dict(inputs)
     if key == "input_ids":
         changed[key] = TOKEN_LOW + (inputs[key] - TOKEN_LOW + 1) % (TOKEN_HIGH - TOKEN_LOW)  # shift every id

@@ -343,3 +343,7 @@ _SPECS = (
 # fmt: on
 
 ARCHS: dict[str, ArchSpec] = {spec.name: spec for spec in _SPECS}
+
+from zoo_more import MORE_SPECS  # noqa: E402 - the second table builds on the helpers above
+
+ARCHS.update({spec.name: spec for spec in MORE_SPECS})

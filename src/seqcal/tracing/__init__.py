@@ -9,13 +9,23 @@ from typing import Any
 import torch
 from torch import fx
 
+from seqcal.tracing.decide import Guard
 from seqcal.tracing.diagnostics import Problem, TracingError
 from seqcal.tracing.leaves import TraceInto, resolve_trace_into
 from seqcal.tracing.partition import target_ends
 from seqcal.tracing.rewrite import OpaqueSite
-from seqcal.tracing.targets import check_targets, holders_of, infer_candidates, match_targets, matches
+from seqcal.tracing.targets import (
+    called_targets,
+    check_targets,
+    holders_of,
+    infer_candidates,
+    match_targets,
+    matches,
+)
 from seqcal.tracing.tracer import LeafPolicy, trace_with_retries
 from seqcal.tracing.values import contains_proxy
+
+MAX_DECIDE_ROUNDS = 8  # traces with more runtime tests decided each time (one branch can uncover another)
 
 __all__ = ["TraceResult", "TracingError", "Problem", "trace", "split_inputs"]
 
@@ -128,12 +138,23 @@ def trace(
     holders = holders_of(model, targets)
     opened = resolve_trace_into(model, trace_into, holders, user_leaf, trace_depth)
     policy = LeafPolicy(targets=targets, holders=holders, user_leaf=user_leaf, opened=opened)
-    graph, tracer, state = trace_with_retries(model, tensors, constants, policy, frozenset(ignore or ()))
-    if inferred:
-        targets = _called_candidates(graph, model, targets, tracer.entered)
-    problems = check_targets(graph, model, targets, state.failures, tracer.entered)
+    ignored = frozenset(ignore or ())
+    # Branches that reach a target but test runtime values hide targets when made opaque: trace again with
+    # those tests decided on the sample and guarded at run time (decide.py), as long as that finds more of
+    # them; if it never succeeds, the first diagnosis is reported.
+    decide: frozenset[tuple[str, int, int]] = frozenset()
+    first: list[Problem] | None = None
+    for _ in range(MAX_DECIDE_ROUNDS):
+        graph, tracer, state = trace_with_retries(model, tensors, constants, policy, ignored, decide)
+        found, problems = _checked(graph, model, targets, inferred, tracer, state)
+        first = problems if first is None or any(" skip them" in p.what for p in problems) else first
+        more = decide | (state.decidable & set(state.failures))
+        if not problems or more == decide:
+            break
+        decide = frozenset(more)
     if problems:
-        raise TracingError(problems, type(model).__name__)
+        raise TracingError(first or problems, type(model).__name__)
+    targets = found
     order = list(target_ends(graph.nodes, list(targets.values())).values())
     holder_names = {n for n, m in model.named_modules() if id(m) in holders}
     return TraceResult(
@@ -146,6 +167,32 @@ def trace(
         traced_into=[n for n in tracer.entered if n not in holder_names],
         not_traced_into=list(state.refusals),
     )
+
+
+def _checked(
+    graph: fx.Graph, model: torch.nn.Module, targets: dict[int, str], inferred: bool, tracer: Any, state: Any
+) -> tuple[dict[int, str], list[Problem]]:
+    """The targets the trace called (inferred ones narrowed to the stacks called) and invariant-2 problems."""
+    if inferred:
+        targets = _called_candidates(graph, model, targets, tracer.entered)
+    guards = [n.target for n in graph.nodes if n.op == "call_function" and isinstance(n.target, Guard)]
+    counts = called_targets(graph, targets, tracer.entered)
+    skipped = sorted(name for name, count in counts.items() if count == 0)
+    if not guards or not skipped:
+        return targets, check_targets(graph, model, targets, state.failures, tracer.entered)
+    # Targets skipped by a branch decided on the sample: they get no input, so they cannot be calibrated.
+    kept = {i: n for i, n in targets.items() if n not in skipped}
+    called = sorted({type(model.get_submodule(n)).__name__ for n in kept.values()})
+    where = "; ".join(sorted({f"{g.where} (`{g.source}`)" for g in guards}))
+    problem = Problem(
+        where=guards[0].where,
+        what=(
+            f"{len(skipped)} target(s) ({', '.join(skipped[:3])}) are not called for the trace sample's inputs: "
+            f"the branches at {where} test runtime values and, decided on the sample, skip them"
+        ),
+        fix=f"target only the layers that run: sequential_targets={called}, or trace on inputs that use them",
+    )
+    return targets, [problem, *check_targets(graph, model, kept, state.failures, tracer.entered)]
 
 
 def _check_leaf_conflicts(model: torch.nn.Module, targets: dict[int, str], user_leaf: Any) -> None:

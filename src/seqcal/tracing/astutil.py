@@ -17,6 +17,7 @@ class _Names(ast.NodeVisitor):
     def __init__(self) -> None:
         self.loads: set[str] = set()
         self.stores: set[str] = set()
+        self.deleted: set[str] = set()
         self.mutated: set[str] = set()
         self.self_attrs: set[str] = set()
         self.calls: set[str] = set()
@@ -25,6 +26,10 @@ class _Names(ast.NodeVisitor):
         self.has_loose_jump = False
 
     def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Del):  # ``del x`` reads a bound name and leaves it unbound
+            self.loads.add(node.id)
+            self.deleted.add(node.id)
+            return
         (self.loads if isinstance(node.ctx, ast.Load) else self.stores).add(node.id)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:

@@ -86,6 +86,11 @@ class RewritePlan:
     essential_methods: frozenset[str]
     ignored: frozenset[str] = frozenset()
     force_opaque: frozenset[StmtId] = frozenset()
+    decide: frozenset[StmtId] = frozenset()  # ``if`` tests decided on the trace sample, guarded (decide.py)
+    module_params: frozenset[str] = frozenset()  # parameters bound to target-holding modules (functions.py)
+    lift_tails: bool = (
+        True  # an early return that failed takes the rest along (off in modules trace_into opened)
+    )
 
 
 @dataclass
@@ -95,6 +100,7 @@ class Rewritten:
     factory_source: str
     sites: dict[str, OpaqueSite] = field(default_factory=dict)
     tried: dict[StmtId, str] = field(default_factory=dict)  # statement id -> first source line
+    decidable: set[StmtId] = field(default_factory=set)  # ``if`` statements that cannot be made opaque
 
 
 def _stmt_id(node: ast.stmt) -> tuple[int, int]:
@@ -109,10 +115,12 @@ class _BodyRewriter:
         self.src = src
         self.helpers: list[ast.FunctionDef] = []
         self.result = Rewritten(factory_source="")
-        self.module_names: set[str] = set()  # locals that may hold target-holding modules
+        self.module_names: set[str] = set(plan.module_params)  # locals that may hold target-holding modules
         self.bound: set[str] = set(params)
         self.maybe_unbound: set[str] = set()  # locals a loop body assigns: unbound before their first store
         self.params = params
+        positional = [*src.tree.args.posonlyargs, *src.tree.args.args]
+        self.first = positional[0].arg if positional else "self"  # ``ctx`` in an autograd Function's forward
 
     def is_essential(self, stmts: list[ast.stmt]) -> bool:
         names = names_of(stmts)
@@ -125,8 +133,11 @@ class _BodyRewriter:
     def rewrite(self, body: list[ast.stmt], top: bool) -> list[ast.stmt]:
         out: list[ast.stmt] = []
         pending: list[ast.stmt] = []
-        for stmt in body:
+        for i, stmt in enumerate(body):
             kind = self._classify(stmt)
+            if kind != "opaque" and top and self._absorbs_tail(pending, body[i:]):
+                pending += body[i:]  # an early return that failed to trace: lift it with the rest
+                break
             if kind == "opaque":
                 if pending and not _jumps(pending + [stmt]):
                     # One helper per statement: one whose inputs are all constants is then folded at trace
@@ -144,6 +155,26 @@ class _BodyRewriter:
         if pending:
             out += self._lift(pending, top=top)
         return out
+
+    def _forced(self, stmt: ast.stmt) -> bool:
+        return (self.src.filename, *_stmt_id(stmt)) in self.plan.force_opaque
+
+    def _absorbs_tail(self, pending: list[ast.stmt], tail: list[ast.stmt]) -> bool:
+        """Whether opaque statements holding a ``return`` take the rest of the function with them.
+
+        A ``return`` can only be lifted at the end of the function. When such a group failed to trace
+        (``if not return_dict: return tuple(...)`` after a statement made opaque), the statements after
+        it move into the group, as long as none of them reaches a target.
+        """
+        names = names_of(pending)
+        return (
+            self.plan.lift_tails
+            and names.has_return
+            and not (names.has_yield or names.has_scope_stmt or names.has_loose_jump)
+            and any(self._forced(s) for s in pending)
+            and not self.is_essential(tail)
+            and not names_of(tail).has_yield
+        )
 
     def _classify(self, stmt: ast.stmt) -> str:
         # A simple statement is always tried: if it fails it becomes opaque, and should it have called a
@@ -172,9 +203,19 @@ class _BodyRewriter:
         sid = (self.src.filename, *_stmt_id(stmt))
         if isinstance(stmt, _COMPOUND):
             routed = self._compound(stmt)
+            if isinstance(stmt, ast.If) and kind in ("essential", "must"):
+                self.result.decidable.add(sid)
+                if sid in self.plan.decide:  # evaluated inside a thunk, so that bool() of parts is seen
+                    thunk = ast.Lambda(args=_NO_ARGS, body=routed.test)
+                    routed.test = call(f"{_PREFIX}decide", ast.Constant(sid), thunk)
         else:
             routed = CallRouter().visit(stmt)
-        if kind == "must":  # cannot be lifted (see _lift): traced, and a failure is reported as is
+            if self.is_essential([stmt]):  # calls a target: an ``is`` test in it is decided on the sample
+                self.result.decidable.add(sid)
+                if sid in self.plan.decide:
+                    decide = ast.withitem(context_expr=call(f"{_PREFIX}deciding", ast.Constant(sid)))
+                    routed = ast.copy_location(ast.With(items=[decide], body=[routed]), stmt)
+        if kind == "must" and sid in self.plan.force_opaque:  # failed once already: reported as is
             return [routed]
         self.result.tried[sid] = ast.unparse(stmt).splitlines()[0]
         handler = ast.ExceptHandler(
@@ -195,6 +236,9 @@ class _BodyRewriter:
                 setattr(stmt, attr, CallRouter().visit(getattr(stmt, attr)))
         if isinstance(stmt, (ast.With, ast.AsyncWith)):
             stmt.items = [CallRouter().visit(item) for item in stmt.items]
+            self.bound |= names_of([i.optional_vars for i in stmt.items if i.optional_vars]).stores
+        if isinstance(stmt, (ast.For, ast.AsyncFor)):  # the loop variables are locals an opaque body reads
+            self.bound |= names_of([stmt.target]).stores
         for attr in ("body", "orelse", "finalbody"):
             if getattr(stmt, attr, None):
                 setattr(stmt, attr, self.rewrite(getattr(stmt, attr), top=False))
@@ -235,7 +279,7 @@ class _BodyRewriter:
         site_id = f"{self.src.qualname.replace('.', '_')}_L{stmts[0].lineno}"
         inputs = sorted((names.loads | names.mutated | names.stores) & self.bound - {"self"})
         # A mutated name is returned only when it is a local: rebinding a global would make it local.
-        outputs = sorted((names.stores | (names.mutated & self.bound)) - {"self"})
+        outputs = sorted((names.stores | (names.mutated & self.bound)) - {"self"} - names.deleted)
         fresh = [o for o in outputs if o not in inputs]
         helper_body: list[ast.stmt] = [
             ast.Assign(targets=[ast.Name(id=o, ctx=ast.Store())], value=ast.Constant(None)) for o in fresh
@@ -277,11 +321,8 @@ class _BodyRewriter:
             f"{_PREFIX}opaque",
             ast.Constant(site_id),
             ast.Name(id=helper.name, ctx=ast.Load()),
-            ast.Name(id="self", ctx=ast.Load()),
-            ast.Tuple(
-                elts=[_bound_or_none(a, a in names.loads and a not in self.maybe_unbound) for a in inputs],
-                ctx=ast.Load(),
-            ),
+            ast.Name(id=self.first, ctx=ast.Load()),
+            ast.Tuple(elts=[_bound_or_none(a, a in self.params) for a in inputs], ctx=ast.Load()),
         )
         if top and names.has_return:
             out: list[ast.stmt] = [ast.Return(invoke)]
@@ -304,10 +345,12 @@ def _jumps(stmts: list[ast.stmt]) -> bool:
     return names.has_return or names.has_yield or names.has_scope_stmt or names.has_loose_jump
 
 
+_NO_ARGS = ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[])
+
+
 def _bound_or_none(name: str, loaded: bool) -> ast.expr:
-    """The value of local ``name``; one the statements only assign may be unbound here (assigned in a branch
-    not taken at trace time, or later in a loop body on the first iteration), so it is passed as
-    ``locals().get(name)``."""
+    """The value of local ``name``; a local other than a parameter may be unbound here (assigned in a branch
+    not taken at trace time, or only in another branch), so it is passed as ``locals().get(name)``."""
     if loaded:
         return ast.Name(id=name, ctx=ast.Load())
     get = ast.Attribute(value=call("locals"), attr="get", ctx=ast.Load())

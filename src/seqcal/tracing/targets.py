@@ -93,7 +93,7 @@ def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
     A model declares its layer classes in ``_no_split_modules`` (transformers' "keep this block on one
     device"); the members of module lists holding those classes are the candidates. Models that declare none
     (or none in a list) fall back to the outermost layers of stacks holding >= 10% of the parameters; that
-    share misses a small model with a large vocabulary, whose embedding outweighs its layers.
+    share is taken of the parameters outside embedding tables, so a large vocabulary does not hide the layers.
     For a multimodal model, only the text model's stacks (vision towers are left alone unless asked).
     The tracer then keeps the candidates that the forward actually calls (see ``check_targets``).
 
@@ -113,7 +113,10 @@ def infer_candidates(model: torch.nn.Module) -> dict[int, str]:
     found = {id(m): n for members in stacks if any(type(m).__name__ in declared for _, m in members)
              for n, m in members}  # fmt: skip
     if not found:
-        total = max(_param_count(model), 1)
+        # Embedding tables are left out of the total: a large vocabulary (or RoCBert's shape and
+        # pronunciation tables) would otherwise hide the layers of a small model.
+        embeddings = sum(_param_count(m) for m in model.modules() if isinstance(m, torch.nn.Embedding))
+        total = max(_param_count(model) - embeddings, 1)
         for members in stacks:
             if sum(_param_count(m) for _, m in members) >= MIN_STACK_SHARE * total:
                 found.update({id(m): n for n, m in members})

@@ -26,7 +26,9 @@ import torch
 from torch import fx
 from torch.fx.proxy import Proxy, TraceError
 
+from seqcal.tracing.decide import Concrete, DecidingTracer
 from seqcal.tracing.diagnostics import Problem, TracingError, locate, refusal
+from seqcal.tracing.functions import FunctionContext, autograd_forward, module_params
 from seqcal.tracing.rewrite import (
     OpaqueSite,
     RewritePlan,
@@ -106,9 +108,11 @@ class TraceState:
     refusals: list[Problem] = field(default_factory=list)  # opened modules kept as leaves, and why
     sources: dict[Any, SourceFunction] = field(default_factory=dict)  # parsed forwards (never edited)
     method_refs: dict[Any, set[str]] = field(default_factory=dict)  # method -> self attributes it reads
+    decidable: set[StmtId] = field(default_factory=set)  # ``if`` statements that cannot be made opaque
+    decide: set[StmtId] = field(default_factory=set)  # those decided on the sample, with a guard
 
 
-class SeqTracer(fx.Tracer):
+class SeqTracer(DecidingTracer):
     """fx tracer with seqcal's leaf policy and source rewriting (see module docstring)."""
 
     def __init__(self, policy: LeafPolicy, ignored: frozenset[str], state: TraceState) -> None:
@@ -125,6 +129,8 @@ class SeqTracer(fx.Tracer):
         self.entered: Counter[str] = Counter()  # how often each module was traced into
         self._essential_methods: dict[int, set[str]] = {}
         self._persistent: set[int] | None = None
+        self.concrete: Concrete | None = None  # the sample's values, for guarded decisions
+        self._deciding: list[tuple[str, int, int]] = []
 
     # -- fx hooks -------------------------------------------------------------------------------------------
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -174,6 +180,7 @@ class SeqTracer(fx.Tracer):
     ) -> fx.Graph:
         """Trace ``root(**tensors, **constants)``; tensor inputs become placeholders in that order."""
         names = list(tensors)
+        self.concrete = Concrete(root, tensors)
 
         def create_args_for_root(root_fn: Any, is_module: bool, concrete_args: Any = None) -> tuple:
             proxies = [self.create_proxy("placeholder", n, (), {}) for n in names]
@@ -190,9 +197,14 @@ class SeqTracer(fx.Tracer):
 
     # -- rewriting ------------------------------------------------------------------------------------------
     def call_rewritten(
-        self, module: torch.nn.Module, func: Callable[..., Any], args: tuple, kwargs: dict
+        self,
+        module: Any,
+        func: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        params: frozenset[str] = frozenset(),
     ) -> Any:
-        fn = self._rewritten(module, func)
+        fn = self._rewritten(module, func, params)
         return fn(module, *args, **kwargs)
 
     def _source(self, func: Callable[..., Any]) -> SourceFunction:
@@ -212,8 +224,8 @@ class SeqTracer(fx.Tracer):
                 ) from exc
         return self._sources[key]
 
-    def _rewritten(self, module: torch.nn.Module, func: Callable[..., Any]) -> Callable[..., Any]:
-        key = (func, id(module))
+    def _rewritten(self, module: Any, func: Callable[..., Any], params: frozenset[str]) -> Callable[..., Any]:
+        key = (func, id(module), params)
         if key in self._compiled:
             return self._compiled[key]
         src = self._source(func)
@@ -222,8 +234,13 @@ class SeqTracer(fx.Tracer):
             essential_methods=frozenset(self.essential_methods(module)),
             ignored=self.ignored,
             force_opaque=frozenset(self.state.force_opaque),
+            decide=frozenset(self.state.decide),
+            module_params=params,
+            # A module opened by trace_into whose forward fails stays one node (reported), as it always did.
+            lift_tails=not (isinstance(module, torch.nn.Module) and self.policy.is_opened(module)),
         )
         rewritten = rewrite_source(src, plan)
+        self.state.decidable |= rewritten.decidable
         self.sites.update(rewritten.sites)
         owner = _defining_class(type(module), src.func)
         fn, helpers = compile_rewritten(rewritten, src, owner, self._runtime(), flags=_FUTURE_ANNOTATIONS)
@@ -236,6 +253,8 @@ class SeqTracer(fx.Tracer):
         # Opened modules (trace_into) do not count: the forwards above them are rewritten exactly as without
         # trace_into, so a compound statement guarding a call to one stays opaque (and runs eagerly).
         reach = self.policy.holders | set(self.policy.targets)
+        if not isinstance(module, torch.nn.Module):  # an autograd ctx stand-in (functions.py)
+            return set()
         attrs = {name for name, child in module._modules.items() if child is not None and id(child) in reach}
         for name, value in vars(type(module)).items():
             if isinstance(value, property):
@@ -287,6 +306,8 @@ class SeqTracer(fx.Tracer):
             "__seqcal_is": self._is,
             "__seqcal_fail": self._fail,
             "__seqcal_opaque": self._opaque,
+            "__seqcal_decide": self._decide,
+            "__seqcal_deciding": self._deciding_in,
         }
 
     def _call(self, f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -307,6 +328,13 @@ class SeqTracer(fx.Tracer):
                 return self.call_rewritten(owner, f.__func__, args, kwargs)
         if symbolic and (type(owner) in (list, dict) or (name in MUTATORS and is_plain_object(owner))):
             return self._container_call(f, owner, args, kwargs)
+        forward = autograd_forward(f)
+        if forward is not None and name not in self.ignored:
+            params = module_params(forward, args, kwargs, self.policy.holders | set(self.policy.targets))
+            if params:  # its forward calls targets: traced (calibration runs without autograd)
+                return self.call_rewritten(FunctionContext(), forward, args, kwargs, params)
+        if isinstance(owner, FunctionContext):
+            return None  # ctx.save_for_backward(...) and the like: only the backward pass needs them
         if not symbolic and name not in self.ignored:
             if is_torch_callable(f) and not isinstance(f, type):
                 return self.create_proxy("call_function", f, args, kwargs)  # tensors are made at run time
@@ -347,6 +375,8 @@ class SeqTracer(fx.Tracer):
     def _is(self, a: Any, b: Any, negate: bool) -> bool:
         for value in (a, b):
             if isinstance(value, Proxy) and value.node.op not in ("placeholder", "get_attr"):
+                if self._deciding and not isinstance(b, Proxy):
+                    return self._decided(a, negate, b)
                 raise TraceError(f"`is` test on a value only known at run time ({value.node.format_node()})")
         return (a is not b) if negate else (a is b)
 
@@ -404,13 +434,16 @@ def trace_with_retries(
     constants: dict[str, Any],
     policy: LeafPolicy,
     ignored: frozenset[str],
+    decide: frozenset[StmtId] = frozenset(),
 ) -> tuple[fx.Graph, SeqTracer, TraceState]:
     """Trace, turning every simple statement that fails symbolically into an opaque node, until it passes.
+
+    ``decide``: statements whose runtime tests are decided on the sample, with guards (see ``decide.py``).
 
     Raises:
         TracingError: a statement that reaches a target failed; the error names file, line and fix.
     """
-    state = TraceState()
+    state = TraceState(decide=set(decide))
     for _ in range(MAX_RETRACES):
         tracer = SeqTracer(policy, ignored, state)
         try:
