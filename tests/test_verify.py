@@ -45,12 +45,19 @@ def _zero_after(x: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
-def _specialised_trace(*args: Any, **kwargs: Any) -> Any:
-    """``trace``, then the input of the second target goes through ``_zero_after`` (the trace sample's length)."""
+def _only_length(x: torch.Tensor, length: int) -> torch.Tensor:
+    """What opaque code holding a value of the trace sample does: fail on another length."""
+    if x.shape[1] != length:
+        raise RuntimeError(f"expected {length} positions, got {x.shape[1]}")
+    return x
+
+
+def _specialised_trace(*args: Any, edit: Any = _zero_after, **kwargs: Any) -> Any:
+    """``trace``, then the input of the second target goes through ``edit`` with the trace sample's length."""
     traced = trace(*args, **kwargs)
     second = next(n for n in traced.graph.nodes if n.op == "call_module" and n.target == traced.targets[1])
     with traced.graph.inserting_before(second):
-        cut = traced.graph.call_function(_zero_after, (second.args[0], TRACE_LEN))
+        cut = traced.graph.call_function(edit, (second.args[0], TRACE_LEN))
     second.update_arg(0, cut)
     return traced
 
@@ -102,6 +109,17 @@ def test_a_specialised_partition_is_refused_with_where_it_differs(monkeypatch: p
     assert "inputs of layers.1 that differ from the model's own forward" in text
     assert f"batch 2 x {TRACE_LEN + EXTRA_PAD} tokens, left padding" in text
     assert "(the values up to layers.0 match)" in text and "verify=False" in text
+
+
+def test_a_partition_that_fails_on_another_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        seqcal.tracing.subgraphs, "trace", lambda *a, **k: _specialised_trace(*a, edit=_only_length, **k)
+    )
+    with pytest.raises(TracingError) as err:
+        trace_subgraphs(Chain(guard=False), _sample())
+    text = str(err.value)
+    assert "fails on a second sample (batch 2 x 15 tokens, left padding) on which the model's own" in text
+    assert "RuntimeError" in text and "_only_length" in text
 
 
 def test_weights_on_meta_are_not_verified(caplog: pytest.LogCaptureFixture) -> None:

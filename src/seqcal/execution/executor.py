@@ -12,6 +12,7 @@ from torch import fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from tqdm.auto import tqdm
 
+from seqcal.errors import SeqcalError
 from seqcal.execution.cache.store import ActivationCache
 from seqcal.execution.weights import trim_host_memory
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
@@ -57,6 +58,8 @@ class GraphRunner:
                     result = args[0]
                     continue
                 env[node.name] = self._call(node, args, kwargs)
+            except SeqcalError:
+                raise  # says itself what is wrong and what to do (a guard of the trace, say)
             except Exception as exc:
                 raise SubgraphExecutionError(
                     f"subgraph {subgraph.index} failed at node {node.name!r} ({_describe(node)}): "

@@ -54,6 +54,7 @@ class Divergence:
         sample: the check sample ("batch 2 x 67 tokens, left padding").
         after: the last target whose inputs still matched, or None when none did (or none was checked).
         sites: the opaque statements between ``after`` and the differing value, as "file:line (source)".
+        failure: the error the partitioned run raised, when it failed where eager ran.
     """
 
     value: str
@@ -61,9 +62,12 @@ class Divergence:
     sample: str
     after: str | None = None
     sites: tuple[str, ...] = ()
+    failure: str | None = None
 
     def what(self) -> str:
         """One clause: which values differ, on what sample, by how much."""
+        if self.failure is not None:
+            return f"fails on a second sample ({self.sample}) on which the model's own forward runs: {self.failure}"
         span = f" (the values up to {self.after} match)" if self.after else ""
         return (
             f"gives {self.value} that differ from the model's own forward on a second sample ({self.sample}): "
@@ -190,8 +194,12 @@ def verify_partition(
         )
         with onloading():
             want = _eager(subgraphs.model, check)
-    with onloading():
-        got = _partitioned(subgraphs, check, device, on_subgraph)
+    try:
+        with onloading():
+            got = _partitioned(subgraphs, check, device, on_subgraph)
+    except Exception as exc:  # noqa: BLE001 - a partition that cannot run a batch eager runs is not used
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return Divergence("partitioned run", float("inf"), what, failure=f"{type(exc).__name__}: {message}")
     worst = _compare(got, want)
     if worst is None:
         return None
