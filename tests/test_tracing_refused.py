@@ -259,3 +259,23 @@ def test_the_fix_named_for_a_skipped_target_works() -> None:
     with torch.no_grad():
         want = model(**inputs)
     assert_same_outputs(subgraphs.run(**inputs), want)
+
+
+def test_decisions_onload_weights_left_on_meta_by_oneshot(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """From a directory the parameters stay on meta; deciding xLSTM's chunking branch onloads what it needs
+    (the trace succeeds: no layer-by-layer fallback)."""
+    import logging
+
+    from seqcal import GPTQModifier, oneshot
+    from zoo import ARCHS
+
+    ARCHS["xlstm"].build().save_pretrained(tmp_path / "model")
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(4, 240, (16,), generator=g).tolist()} for _ in range(2)]
+    recipe = GPTQModifier(scheme="W8A8", ignore=["re:.*lm_head", "re:.*embed.*"])
+    with caplog.at_level(logging.INFO, logger="seqcal"):
+        oneshot(model=str(tmp_path / "model"), dataset=data, recipe=recipe, output_dir=str(tmp_path / "out"))
+    assert "decided False on the trace sample" in caplog.text
+    assert "layer by layer" not in caplog.text

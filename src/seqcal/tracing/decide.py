@@ -13,6 +13,7 @@ Decisions are a last resort: statements that do not reach a target are made opaq
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import linecache
 import logging
@@ -68,6 +69,20 @@ def _untraced_modules() -> Iterator[None]:
         yield
     finally:
         torch.nn.Module.__call__, torch.nn.Module.__getattr__ = patched  # type: ignore[method-assign]
+
+
+def _statement_head(file: str, line: int) -> str:
+    """The statement starting at ``line`` up to its first body (``if (a\n and b):`` spans lines), on one line."""
+    text = ""
+    for number in range(line, line + 12):
+        text += linecache.getline(file, number).strip() + " "
+        for candidate in (text, text + "\n    pass"):
+            try:
+                ast.parse(candidate.strip())
+            except SyntaxError:
+                continue
+            return " ".join(text.split())
+    return linecache.getline(file, line).strip()
 
 
 class Concrete:
@@ -150,7 +165,7 @@ class DecidingTracer(fx.Tracer):
                 f"cannot evaluate {proxy.node.format_node()} on the sample to decide: {exc!r}"
             ) from exc
         file, line, _ = self._deciding[-1]
-        where, source = f"{file}:{line}", linecache.getline(file, line).strip()
+        where, source = f"{file}:{line}", _statement_head(file, line)
         if negate is None:
             result = bool(value)
             self.create_proxy("call_function", Guard(where, source, result), (proxy,), {})
