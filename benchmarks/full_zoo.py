@@ -167,6 +167,18 @@ def _merge(path: Path, fresh: Sequence[Check]) -> tuple[list[Check], float | Non
     return sorted(merged.values(), key=lambda r: r.model_type), data.get("wall_s")
 
 
+def _write(path: Path, results: Sequence[Check], wall: float | None, jobs: int) -> None:
+    """The run as JSON; ``wall_s`` is None until the run is complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(results, key=lambda r: r.model_type)
+    payload = {
+        "wall_s": None if wall is None else round(wall, 1),
+        "jobs": jobs,
+        "results": [asdict(r) for r in ordered],
+    }
+    path.write_text(json.dumps(payload, indent=1))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", nargs="*", help="model types (default: every candidate)")
@@ -206,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.class_name = result.class_name or archs[result.model_type].class_name
         result.family = result.family or archs[result.model_type].family
         results.append(result)
+        if args.json and not args.update:  # after every result, so an interrupted run keeps its rows
+            _write(args.json, results, None, args.jobs)
         print(f"[{len(results)}/{len(names)} {result.model_type}] {result.status} {result.error[:120]}",
               file=sys.stderr, flush=True)  # fmt: skip
     wall: float | None = time.perf_counter() - start
@@ -213,10 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results, wall = _merge(args.json, results)
     results.sort(key=lambda r: r.model_type)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"wall_s": None if wall is None else round(wall, 1), "jobs": args.jobs,
-                   "results": [asdict(r) for r in results]}  # fmt: skip
-        args.json.write_text(json.dumps(payload, indent=1))
+        _write(args.json, results, wall, args.jobs)
     print(known(results) if args.known else render(results, args.markdown, wall))
     return 0
 

@@ -46,7 +46,12 @@ MAPPINGS = (
 # Ids 241..255 are free for modality and other non-text tokens: text ids come from [4, 240).
 _FREE_IDS = tuple(range(241, 256))
 # Sizes some defaults leave unset although their model reads them (head_dim: hidden / heads).
-_UNSET = {"head_dim": HEAD_DIM, "num_experts_per_tok": 2, "num_key_value_heads": KV_HEADS, "sliding_window": 4}
+_UNSET = {
+    "head_dim": HEAD_DIM,
+    "num_experts_per_tok": 2,
+    "num_key_value_heads": KV_HEADS,
+    "sliding_window": 4,
+}
 _SPECIAL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
 
 
@@ -92,9 +97,15 @@ def candidates() -> dict[str, AutoArch]:
 
 
 def _is_layer_count(key: str) -> bool:
-    return key in ("depth", "n_layer", "n_layers", "num_layers", "num_blocks", "encoder_depth", "decoder_depth") or bool(
-        re.fullmatch(r"(num_)?(\w+_)?(hidden_|encoder_|decoder_)?layers", key) and "index" not in key
-    )
+    return key in (
+        "depth",
+        "n_layer",
+        "n_layers",
+        "num_layers",
+        "num_blocks",
+        "encoder_depth",
+        "decoder_depth",
+    ) or bool(re.fullmatch(r"(num_)?(\w+_)?(hidden_|encoder_|decoder_)?layers", key) and "index" not in key)
 
 
 def _token_id(key: str, value: int, pool: list[int]) -> int:
@@ -259,6 +270,10 @@ def _keep_relations(original: dict[str, Any], config: dict[str, Any]) -> None:
             and not isinstance(value, bool)
         ):
             config[key] = heads if value == old_heads else 1 if value == 1 else min(value, KV_HEADS)
+    hidden = original.get("hidden_size")
+    for key, value in original.items():  # widths named otherwise that must equal hidden_size
+        if isinstance(key, str) and key.endswith(("_dim", "_size")) and value == hidden and key in config:
+            config[key] = config["hidden_size"]
     rope_keys = [k for k in original if isinstance(k, str) and "rope_head_dim" in k]
     for key, value in original.items():
         if isinstance(key, str) and key.endswith("head_dim") and any(original[r] == value for r in rope_keys):
@@ -291,7 +306,8 @@ def _fit_rope(config: dict[str, Any]) -> None:
     """
     for sub in config.values():
         rope = sub.get("rope_parameters") if isinstance(sub, dict) else None
-        if isinstance(rope, dict) and "vision_config" in config and "mrope_section" not in rope:
+        flat = isinstance(rope, dict) and "rope_type" in rope  # not one dict per layer type
+        if flat and "vision_config" in config and "mrope_section" not in rope:
             rope["mrope_section"] = [1, 1, 1]  # rescaled below
             _fit_rope(sub)
     rope = config.get("rope_parameters") or config.get("rope_scaling")
@@ -313,6 +329,14 @@ OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
     # must hold every layer type: two rounds of the 4-sliding-1-full pattern, the second one sharing.
     "gemma3n_text": lambda c: _gemma3n(c),
     "gemma3n": lambda c: _gemma3n(c["text_config"]),
+    # Input, recurrent and output layers must add up to the layer count (their defaults: 16 + 40 + 16).
+    "dory": lambda c: c.update(
+        num_hidden_layers=6,
+        n_input_layers=2,
+        n_recurrent_layers=2,
+        n_output_layers=2,
+        layer_types=["sliding_attention", "mlp"] * 3,
+    ),
     # Axial position embeddings: a pair of widths that must sum to hidden_size.
     "reformer": lambda c: c.update(axial_pos_embds_dim=[HIDDEN // 2, HIDDEN // 2]),
 }

@@ -34,6 +34,8 @@ STATUSES = ("ok", "count-wrong", "mismatch", "runtime-error", "refused", "no-eag
 TOLERANCE = 1e-5
 SAMPLE = {"batch": 1, "seq_len": 12, "left_pad": 0}
 OTHER = {"batch": 2, "seq_len": 9, "left_pad": 3}
+# Attribute names of layer stacks in transformers (model.layers, encoder.layer, transformer.h, block ...).
+STACK_NAMES = ("layers", "layer", "h", "blocks", "block")
 
 
 @dataclass
@@ -125,13 +127,17 @@ def compare(got: Any, want: Any) -> tuple[float, str]:
     return worst, "" if worst <= TOLERANCE else f"{where}: max abs diff / scale {worst:.3g}"
 
 
-def expected_targets(model: torch.nn.Module, inputs: dict[str, Any]) -> list[str]:
+def expected_targets(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[list[str], Any]:
     """Target layers eager forward calls, found without seqcal: the oracle of the subgraph count.
 
     A target is a module whose class the model declares in ``_no_split_modules`` (its own or a
-    pretrained model's inside it), held directly in an ``nn.ModuleList``, outside the non-text towers
+    pretrained model's inside it; a model that declares none: any module of a list named as transformers
+    names its layer stacks, ``STACK_NAMES``), held directly in an ``nn.ModuleList``, outside the non-text towers
     (pretrained sub-models configured by a sub-config other than the text config: vision, audio), and
     called by ``model(**inputs)``; nested ones count once, by their outermost.
+
+    Returns:
+        The called targets' names in call order, and the output of that forward.
     """
     from transformers import PreTrainedModel
 
@@ -149,7 +155,7 @@ def expected_targets(model: torch.nn.Module, inputs: dict[str, Any]) -> list[str
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.ModuleList)
         for k, child in m.named_children()
-        if type(child).__name__ in declared
+        if (type(child).__name__ in declared if declared else n.rsplit(".", 1)[-1] in STACK_NAMES)
     }
     names = [n for n in listed if not any(n.startswith(t) for t in towers)]
     names = [n for n in names if not any(n.startswith(o + ".") for o in names)]
@@ -160,11 +166,11 @@ def expected_targets(model: torch.nn.Module, inputs: dict[str, Any]) -> list[str
     ]
     try:
         with torch.no_grad():
-            model(**inputs)
+            output = model(**inputs)
     finally:
         for handle in handles:
             handle.remove()
-    return called
+    return called, output
 
 
 def _fail(result: Check, status: str, exc: BaseException) -> Check:
@@ -197,8 +203,8 @@ def check(model_type: str, arch: AutoArch | None = None) -> Check:
             sample, other = make_inputs(model, **SAMPLE), make_inputs(model, **OTHER)
             with torch.no_grad():
                 model(**sample)
-                want, again = model(**other), model(**other)
-            targets = expected_targets(model, other)
+                want = model(**other)
+            targets, again = expected_targets(model, other)  # its forward also checks determinism
         except Exception as exc:  # noqa: BLE001
             return _fail(result, "no-eager", exc)
         diff, what = compare(again, want)

@@ -99,10 +99,19 @@ def test_expected_targets_counts_called_text_layers() -> None:
     """The oracle: declared layers in module lists, outside the vision tower, called once each."""
     model = build(CANDIDATES["llava"])
     inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
-    called = expected_targets(model, inputs)
+    called, output = expected_targets(model, inputs)
+    assert output.logits.shape == (1, 3, VOCAB)
     assert called == [
         f"model.language_model.layers.{i}" for i in range(model.config.text_config.num_hidden_layers)
     ]
+
+
+def test_expected_targets_without_declared_layers_uses_stack_names() -> None:
+    """BioGPT declares no ``_no_split_modules``: its ``layers`` list is the stack."""
+    model = build(CANDIDATES["biogpt"])
+    assert not model._no_split_modules
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    assert expected_targets(model, inputs)[0] == ["biogpt.layers.0", "biogpt.layers.1"]
 
 
 def test_compare_flags_differences_and_nan_places() -> None:
