@@ -159,12 +159,16 @@ def known(results: Sequence[Check]) -> str:
     return "\n".join(lines + ["}"])
 
 
-def _merge(path: Path, fresh: Sequence[Check]) -> tuple[list[Check], float | None]:
-    """The results of the JSON at ``path`` with ``fresh`` ones replacing theirs (an updated full run)."""
-    data = json.loads(path.read_text())
-    merged = {r["model_type"]: Check(**r) for r in data["results"]}
+def _merge(results: Sequence[Check], fresh: Sequence[Check]) -> list[Check]:
+    """``results`` with the rows of ``fresh`` replacing theirs (reruns of some architectures)."""
+    merged = {r.model_type: r for r in results}
     merged.update({r.model_type: r for r in fresh})
-    return sorted(merged.values(), key=lambda r: r.model_type), data.get("wall_s")
+    return sorted(merged.values(), key=lambda r: r.model_type)
+
+
+def _load(path: Path) -> tuple[list[Check], float | None]:
+    data = json.loads(path.read_text())
+    return [Check(**r) for r in data["results"]], data.get("wall_s")
 
 
 def _write(path: Path, results: Sequence[Check], wall: float | None, jobs: int) -> None:
@@ -191,6 +195,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--update", action="store_true", help="rerun --archs into --json, keep its other rows"
     )
+    parser.add_argument(
+        "--merge", nargs="*", type=Path, help="with --from-json: JSON files of reruns of some rows"
+    )
     return parser
 
 
@@ -199,9 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.from_json:
-        data = json.loads(args.from_json.read_text())
-        results = [Check(**r) for r in data["results"]]
-        print(known(results) if args.known else render(results, args.markdown, data.get("wall_s")))
+        results, wall = _load(args.from_json)
+        for extra in args.merge or ():  # reruns of some rows replace them
+            results = _merge(results, _load(extra)[0])
+        if args.json:
+            _write(args.json, results, wall, args.jobs)
+        print(known(results) if args.known else render(results, args.markdown, wall))
         return 0
     if args.update and not (args.json and args.json.is_file() and args.archs):
         parser.error("--update needs --archs and the --json file of an earlier full run")
@@ -224,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr, flush=True)  # fmt: skip
     wall: float | None = time.perf_counter() - start
     if args.update:
-        results, wall = _merge(args.json, results)
+        earlier, wall = _load(args.json)
+        results = _merge(earlier, results)
     results.sort(key=lambda r: r.model_type)
     if args.json:
         _write(args.json, results, wall, args.jobs)

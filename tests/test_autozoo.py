@@ -21,9 +21,12 @@ from zoo import ARCHS
 
 CANDIDATES = candidates()
 FULL = os.environ.get("SEQCAL_FULL_ZOO") == "1"
-# Every 8th model type not in the hand-written zoo (tests/zoo.py checks those), in name order: about 35
-# architectures of all families, a few seconds each.
+# Every 8th model type not in the hand-written zoo (tests/zoo.py checks those), in name order, leaving out
+# the ones whose tiny model does not build or run eagerly (they say nothing about seqcal, and some take
+# minutes): about 30 architectures of all families, a few seconds each. The full run checks them all.
+SETUP_FAILURES = ("no-tiny-build", "no-eager")
 SUBSET = [t for t in CANDIDATES if t not in ARCHS][::8]
+SUBSET = [t for t in SUBSET if KNOWN.get(t, ("ok",))[0] not in SETUP_FAILURES]
 
 
 def _param(model_type: str) -> object:
