@@ -68,7 +68,10 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     problems = getattr(exc, "problems", None)
     text = problems[0].what if problems else str(exc)
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    line = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    head = lines[0] if lines else ""
+    if head.endswith(":") and len(lines) > 1:  # a heading ("... validation error:"): the cause is next
+        head = f"{head} {lines[1]}"
+    line = f"{type(exc).__name__}: {head}"
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
