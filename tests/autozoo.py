@@ -272,7 +272,9 @@ def _keep_relations(original: dict[str, Any], config: dict[str, Any]) -> None:
             config[key] = heads if value == old_heads else 1 if value == 1 else min(value, KV_HEADS)
     hidden = original.get("hidden_size")
     for key, value in original.items():  # widths named otherwise that must equal hidden_size
-        if isinstance(key, str) and key.endswith(("_dim", "_size")) and value == hidden and key in config:
+        if not isinstance(hidden, int) or not isinstance(key, str) or type(value) is not int:
+            continue
+        if key.endswith(("_dim", "_size")) and value == hidden and key in config:
             config[key] = config["hidden_size"]
     rope_keys = [k for k in original if isinstance(k, str) and "rope_head_dim" in k]
     for key, value in original.items():

@@ -78,8 +78,9 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
 def location(exc: BaseException) -> str:
     """``file:line`` of the failure: a TracingError's first problem, else the innermost frame."""
     problems = getattr(exc, "problems", None)
-    if problems:
-        return problems[0].where.split(" in ")[0].replace(os.sep.join(["", "site-packages", ""]), "…/")
+    if problems:  # "file:line in Class.method", or a module's qualified name
+        where = problems[0].where.split(" in ")[0]
+        return os.path.basename(where) if os.sep in where else where
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return ""
@@ -160,6 +161,13 @@ def expected_targets(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[li
         for k, child in m.named_children()
         if (type(child).__name__ in declared if declared else n.rsplit(".", 1)[-1] in STACK_NAMES)
     }
+    if not listed:  # declared classes that sit in no list: fall back to the stack names too
+        listed = {
+            f"{n}.{k}": child
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.ModuleList) and n.rsplit(".", 1)[-1] in STACK_NAMES
+            for k, child in m.named_children()
+        }
     names = [n for n in listed if not any(n.startswith(t) for t in towers)]
     names = [n for n in names if not any(n.startswith(o + ".") for o in names)]
     called: list[str] = []

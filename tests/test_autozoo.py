@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from autozoo import HEAD_DIM, HIDDEN, VOCAB, build, candidates, shrink, tiny_config
-from autozoo_check import STATUSES, check, compare, expected_targets
+from autozoo_check import STATUSES, check, compare, expected_targets, first_line
 from autozoo_known import KNOWN
 from zoo import ARCHS
 
@@ -82,6 +82,9 @@ def test_shrink_keeps_size_relations() -> None:
     assert mla == {"head_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": HEAD_DIM}
     ssm = shrink({"hidden_size": 4096, "expand": 2, "num_heads": 128, "head_dim": 64, "n_groups": 8})
     assert ssm["num_heads"] * ssm["head_dim"] == 2 * ssm["hidden_size"] and ssm["n_groups"] == 1
+    assert shrink({"hidden_size": 4096, "adapter_in_dim": 4096, "out_size": 10}) == {
+        "hidden_size": HIDDEN, "adapter_in_dim": HIDDEN, "out_size": 10}  # fmt: skip
+    assert shrink({"projector_size": None, "d_model": 512}) == {"projector_size": None, "d_model": HIDDEN}
     vl = shrink(
         {"vision_config": {}, "text_config": {"head_dim": 128, "rope_parameters": {"rope_type": "x"}}}
     )
@@ -123,6 +126,16 @@ def test_compare_flags_differences_and_nan_places() -> None:
     assert "NaNs" in compare({"logits": torch.tensor([[float("nan"), 1.0]])}, ref)[1]
     assert "max abs diff" in compare({"logits": torch.tensor([[1.1, float("nan")]])}, ref)[1]
     assert "structure" in compare({"x": torch.zeros(1)}, ref)[1]
+
+
+def test_first_line_keeps_the_cause_after_a_heading() -> None:
+    exc = ValueError(
+        "Class validation error for 'validate_architecture':\n    ValueError: heads must divide 64"
+    )
+    assert first_line(exc) == (
+        "ValueError: Class validation error for 'validate_architecture': ValueError: heads must divide 64"
+    )
+    assert first_line(RuntimeError("shape mismatch\nmore")) == "RuntimeError: shape mismatch"
 
 
 def test_known_failures_are_classified() -> None:
