@@ -1,15 +1,18 @@
 """The full architecture zoo: seqcal's trace equivalence over every model type of transformers' auto mappings.
 
 Each architecture of ``tests/autozoo.py`` runs ``tests/autozoo_check.check`` in its own process (forked
-from this one after the imports; one torch thread, a timeout each, ``--jobs`` at a time): tiny build, eager forward, trace on batch 1 / 12
-tokens, partitioned run on batch 2 / 9 tokens with left padding compared with eager, and the subgraph
-count against the target layers eager calls. Prints a table (``--markdown`` for benchmarks/RESULTS.md),
-the totals per status and the wall time, and writes every result as JSON.
+from this one after the imports; one torch thread, a timeout each, ``--jobs`` at a time): tiny build,
+eager forward, trace on batch 1 / 12 tokens, partitioned run on batch 2 / 9 tokens with left padding
+compared with eager, and the subgraph count against the target layers eager calls. Prints a table
+(``--markdown`` for benchmarks/RESULTS.md), the totals per status and the wall time, and writes every
+result as JSON (after each architecture, so an interrupted run keeps its rows).
 
 Example:
     $ .venv/bin/python benchmarks/full_zoo.py --jobs 2 --markdown --json out/full_zoo.json
     $ .venv/bin/python benchmarks/full_zoo.py --archs llama t5 gemma3n     # a few, plain table
     $ .venv/bin/python benchmarks/full_zoo.py --from-json out/full_zoo.json --markdown  # re-render only
+    $ .venv/bin/python benchmarks/full_zoo.py --archs xlnet --update --json out/full_zoo.json  # rerun rows
+    $ .venv/bin/python benchmarks/full_zoo.py --from-json out/full_zoo.json --known  # tests/autozoo_known.py
 """
 
 from __future__ import annotations
@@ -30,9 +33,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-# One thread per architecture process, set before torch is imported: --jobs of them share the cores.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from autozoo_check import STATUSES, Check  # noqa: E402
 
@@ -42,8 +42,11 @@ RAN_EAGERLY = ("ok", "count-wrong", "mismatch", "runtime-error", "refused")
 
 def _child(model_type: str, conn: Connection) -> None:
     """Body of the forked process of one architecture: send its ``Check`` as a dict."""
+    import torch
+
     from autozoo_check import check
 
+    torch.set_num_threads(1)  # one thread per architecture process: --jobs of them share the cores
     try:
         conn.send(asdict(check(model_type)))
     finally:
@@ -59,7 +62,6 @@ def run_all(names: Sequence[str], jobs: int, timeout: float) -> Iterator[Check]:
     The parent imports torch, transformers and seqcal once, so a child starts in milliseconds instead of
     re-importing them; a child that crashes or outlives ``timeout`` becomes a ``runtime-error`` result.
     """
-    import torch
     import transformers
     from transformers.models.auto import modeling_auto  # noqa: F401
 
@@ -69,7 +71,6 @@ def run_all(names: Sequence[str], jobs: int, timeout: float) -> Iterator[Check]:
 
     transformers.PreTrainedModel  # noqa: B018 - resolves the lazy module once, here
 
-    torch.set_num_threads(1)
     context = multiprocessing.get_context("fork")
     pending, running = list(names), {}
     try:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from autozoo import HEAD_DIM, HIDDEN, VOCAB, build, candidates, shrink, tiny_config
-from autozoo_check import STATUSES, check, compare, expected_targets, first_line
+from autozoo_check import STATUSES, Check, check, compare, expected_targets, first_line
 from autozoo_known import KNOWN
 from zoo import ARCHS
 
@@ -150,3 +150,46 @@ def test_partitioned_equals_eager(model_type: str) -> None:
     result = check(model_type)
     where = f" ({result.where})" if result.where else ""
     assert result.status == "ok", f"{model_type}: {result.status}: {result.error}{where}"
+
+
+# ------------------------------------------------------------------------ benchmarks/full_zoo.py
+
+
+def _full_zoo() -> object:
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    return importlib.import_module("full_zoo")
+
+
+def test_full_zoo_totals_known_and_merge() -> None:
+    full_zoo = _full_zoo()
+    rows = [
+        Check("a", status="ok", count=3, expected=3, seconds=1.0),
+        Check("b", status="count-wrong", count=5, expected=3, seconds=2.0),
+        Check("c", status="mismatch", count=3, expected=3, error="out.logits: diff", seconds=3.0),
+        Check("d", status="no-eager", error="E: x", where="m.py:1", seconds=4.0),
+    ]
+    sums = full_zoo.totals(rows, 10.0)
+    assert sums["run eagerly"] == 3 and sums["silent mismatches"] == 1
+    assert sums["outputs equal eager"] == "2/3 (66.7%)" and sums["subgraph count right"] == "2/3 (66.7%)"
+    namespace: dict[str, object] = {}
+    exec(full_zoo.known(rows), namespace)  # the text pasted into tests/autozoo_known.py
+    assert namespace["KNOWN"] == {
+        "b": ("count-wrong", ""),
+        "c": ("mismatch", "out.logits: diff"),
+        "d": ("no-eager", "E: x (m.py:1)"),
+    }
+    merged = full_zoo._merge(rows, [Check("c", status="ok"), Check("e", status="ok")])
+    assert [(r.model_type, r.status) for r in merged][2:] == [("c", "ok"), ("d", "no-eager"), ("e", "ok")]
+    assert "| d | " in full_zoo.render(rows, markdown=True, wall=10.0)
+
+
+def test_full_zoo_runs_each_arch_in_its_own_process() -> None:
+    full_zoo = _full_zoo()
+    (done,) = full_zoo.run_all(["llama"], jobs=1, timeout=300)
+    assert (done.model_type, done.status, done.count, done.expected) == ("llama", "ok", 3, 3)
+    (late,) = full_zoo.run_all(["llama"], jobs=1, timeout=0.0)
+    assert late.status == "runtime-error" and late.error.startswith("timeout")
