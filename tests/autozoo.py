@@ -110,6 +110,9 @@ OVERRIDES: dict[str, Callable[[dict[str, Any]], None]] = {
         n_output_layers=2,
         layer_types=["sliding_attention", "mlp"] * 3,
     ),
+    # xLSTM's native kernels size the recurrent state with the value head dim for the keys too, so the
+    # default qk_dim_factor 0.5 fails eagerly ("matC_old has wrong shape").
+    "xlstm": lambda c: c.update(qk_dim_factor=1.0),
     # Axial position embeddings: a pair of widths that must sum to hidden_size.
     "reformer": lambda c: c.update(axial_pos_embds_dim=[HIDDEN // 2, HIDDEN // 2]),
 }
