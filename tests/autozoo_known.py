@@ -1,0 +1,277 @@
+"""Model types of the full zoo that fail today, with the failure class and the error's first line.
+
+Generated from a full run: ``benchmarks/full_zoo.py --from-json out/full_zoo.json --known``. The tests of
+these model types are ``xfail(strict=True)``: a fix makes them pass, and the entry must then go.
+"""
+
+KNOWN: dict[str, tuple[str, str]] = {
+    "albert": (
+        "refused",
+        "TracingError: target albert.encoder.albert_layer_groups.0 (AlbertLayerGroup) is called 2 times (shared/tied layer) (albert.encoder.albert_layer_groups.0)",
+    ),
+    "apertus1p5": (
+        "no-tiny-build",
+        "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: The audio token range ends at 266440, beyond the vocabulary (`text_config.vocab_size` ... (dataclasses.py:253)",
+    ),
+    "bailing_hybrid": (
+        "no-eager",
+        "RuntimeError: shape '[-1, 8, 0]' is invalid for input of size 48 (modeling_bailing_hybrid.py:808)",
+    ),
+    "blip": (
+        "no-eager",
+        "TypeError: BlipForConditionalGeneration.forward() missing 1 required positional argument: 'pixel_values' (generic.py:1036)",
+    ),
+    "blip-2": (
+        "no-eager",
+        "TypeError: Blip2ForConditionalGeneration.forward() missing 1 required positional argument: 'pixel_values' (generic.py:1036)",
+    ),
+    "blt": (
+        "no-eager",
+        "AttributeError: 'BltConfig' object has no attribute 'num_hidden_layers' (configuration_utils.py:312)",
+    ),
+    "chameleon": (
+        "no-tiny-build",
+        "AttributeError: 'NoneType' object has no attribute 'get' (modeling_chameleon.py:721)",
+    ),
+    "cohere_compass": ("no-tiny-build", "KeyError: 'full_attention' (modeling_cohere_compass.py:80)"),
+    "cohere_compass_text": ("no-tiny-build", "KeyError: 'full_attention' (modeling_cohere_compass.py:80)"),
+    "dbrx": (
+        "no-tiny-build",
+        "AttributeError: 'DbrxAttentionConfig' object has no attribute 'rope_theta' (configuration_utils.py:312)",
+    ),
+    "deepseek_ocr2": (
+        "no-tiny-build",
+        "TypeError: 'NoneType' object is not subscriptable (modeling_deepseek_ocr2.py:1221)",
+    ),
+    "diffusion_gemma": (
+        "no-tiny-build",
+        "TypeError: empty(): argument 'size' (position 1) must be tuple of ints, but found element of type NoneType at pos 0 (linear.py:109)",
+    ),
+    "dory": (
+        "refused",
+        "TracingError: target model.layers.1 (DoryDecoderLayer) is called 2 times (shared/tied layer) (model.layers.1)",
+    ),
+    "dots1": (
+        "no-tiny-build",
+        "TypeError: empty() takes 1 positional argument but 3 were given (modeling_dots1.py:322)",
+    ),
+    "dots3_note": (
+        "no-tiny-build",
+        "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: vision adapter output width must match the text hidden size (dataclasses.py:253)",
+    ),
+    "emu3": (
+        "no-tiny-build",
+        "AttributeError: 'NoneType' object has no attribute 'get' (modeling_emu3.py:1061)",
+    ),
+    "ernie4_5_vl_moe": (
+        "no-eager",
+        "RuntimeError: stack expects each tensor to be equal size, but got [1, 12, 2] at entry 0 and [1, 12, 3] at entry 1 (modeling_ernie4_5_vl_moe.py:129)",
+    ),
+    "esm": (
+        "no-tiny-build",
+        "TypeError: empty(): argument 'size' (position 1) must be tuple of ints, but found element of type NoneType at pos 0 (sparse.py:166)",
+    ),
+    "fast_vlm": (
+        "no-tiny-build",
+        "ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may need to restart your runt... (import_utils.py:2532)",
+    ),
+    "flaubert": (
+        "count-wrong",
+        "5 subgraphs, want 1: seqcal targets 2x MultiHeadAttention, 2x TransformerFFN, eager calls none",
+    ),
+    "funnel": (
+        "runtime-error",
+        "SubgraphExecutionError: subgraph 0 failed at node 'opaque_funnel_encoder_forward_l560' (opaque code of FunnelEncoder.forward at /work/main/.venv/lib/python3.11/site-packages/transformers/models/fun... (executor.py:61)",
+    ),
+    "gemma3n": (
+        "no-tiny-build",
+        "ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may need to restart your runt... (import_utils.py:2532)",
+    ),
+    "gemma3n_text": ("mismatch", "out.logits: max abs diff / scale 0.905"),
+    "gemma4": (
+        "runtime-error",
+        "SubgraphExecutionError: subgraph 0 failed at node 'opaque_gemma4text_model_forward_l1684' (opaque code of Gemma4TextModel.forward at /work/main/.venv/lib/python3.11/site-packages/transformers/model... (executor.py:61)",
+    ),
+    "gemma4_assistant": (
+        "no-tiny-build",
+        "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: hidden_size_per_layer_input must be 0, got 256 (dataclasses.py:253)",
+    ),
+    "gemma4_text": (
+        "runtime-error",
+        "SubgraphExecutionError: subgraph 0 failed at node 'opaque_gemma4text_model_forward_l1684' (opaque code of Gemma4TextModel.forward at /work/main/.venv/lib/python3.11/site-packages/transformers/model... (executor.py:61)",
+    ),
+    "gemma4_unified_assistant": (
+        "no-eager",
+        "ValueError: inputs_embeds and shared_kv_states cannot be None. (modeling_gemma4_unified_assistant.py:173)",
+    ),
+    "granite4_vision": (
+        "no-tiny-build",
+        "TypeError: object of type 'NoneType' has no len() (modeling_granite4_vision.py:767)",
+    ),
+    "hrm_text": (
+        "refused",
+        "TracingError: target model.H_module.layers.0 (HrmTextDecoderLayer) is called 2 times (shared/tied layer) (model.H_module.layers.0)",
+    ),
+    "idefics": (
+        "no-eager",
+        "ValueError: Exactly 1 of pixel_values, image_encoder_embeddings or perceiver_embeddings has to be not-None. (modeling_idefics.py:956)",
+    ),
+    "inkling_mm_model": (
+        "no-tiny-build",
+        "ModuleNotFoundError: No module named 'scipy' (modeling_inkling.py:960)",
+    ),
+    "instructblip": (
+        "no-eager",
+        "TypeError: InstructBlipForConditionalGeneration.forward() missing 2 required positional arguments: 'pixel_values' and 'qformer_input_ids' (generic.py:1036)",
+    ),
+    "instructblipvideo": (
+        "no-eager",
+        "TypeError: InstructBlipVideoForConditionalGeneration.forward() missing 2 required positional arguments: 'pixel_values' and 'qformer_input_ids' (generic.py:1036)",
+    ),
+    "kosmos-2": (
+        "no-eager",
+        "ValueError: You have to specify either `pixel_values` or `image_embeds`. (modeling_kosmos2.py:1612)",
+    ),
+    "led": (
+        "refused",
+        "TracingError: found no stack of layers to use as targets (LEDForConditionalGeneration)",
+    ),
+    "lfm2_moe": (
+        "no-tiny-build",
+        "TypeError: 'NoneType' object is not subscriptable (modeling_lfm2_moe.py:474)",
+    ),
+    "lfm3": (
+        "runtime-error",
+        "SubgraphExecutionError: subgraph 2 failed at node 'model_layers_2' (call_module model.layers.2): TraceError: symbolically traced variables cannot be used as inputs to control flow (executor.py:61)",
+    ),
+    "lfm3_vl": (
+        "runtime-error",
+        "SubgraphExecutionError: subgraph 2 failed at node 'model_language_model_layers_2' (call_module model.language_model.layers.2): TraceError: symbolically traced variables cannot be used as inputs to ... (executor.py:61)",
+    ),
+    "llama4": (
+        "no-eager",
+        "AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs' (modeling_llama4.py:1318)",
+    ),
+    "luke": (
+        "refused",
+        "TracingError: TraceError: `is` test on a value only known at run time (%getattr_8 : [num_users=0] = call_function[target=builtins.getattr](args = (%base_luke_model_output_with_pooling, entity_last_... (modeling_luke.py:1118)",
+    ),
+    "mllama": (
+        "refused",
+        "TracingError: 2 targets (model.language_model.layers.0, ...) (MllamaSelfAttentionDecoderLayer) is not called by traced code; it runs inside opaque code: `for idx, decoder_layer in enumerate(self.la... (modeling_mllama.py:1131)",
+    ),
+    "mobilebert": (
+        "no-eager",
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (12x128 and 64x64) (linear.py:134)",
+    ),
+    "molmo2": (
+        "no-tiny-build",
+        "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `adapter_config.vision_feature_layer` [24, 18] must index the 2 layers of `vision_conf... (dataclasses.py:253)",
+    ),
+    "musicgen": (
+        "no-tiny-build",
+        "AttributeError: 'MusicgenConfig' object has no attribute 'dropout' (configuration_utils.py:312)",
+    ),
+    "musicgen_melody": (
+        "no-tiny-build",
+        "AttributeError: 'MusicgenMelodyConfig' object has no attribute 'dropout' (configuration_utils.py:312)",
+    ),
+    "nemo_speechlm": (
+        "no-eager",
+        "RuntimeError: repeat_interleave: Invalid output_size, expected 0 but got 4 (modeling_nemotron_h.py:299)",
+    ),
+    "nemotron_h": (
+        "no-eager",
+        "RuntimeError: repeat_interleave: Invalid output_size, expected 0 but got 4 (modeling_nemotron_h.py:299)",
+    ),
+    "nemotron_h_omni": (
+        "no-tiny-build",
+        "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.video_temporal_patch_size` (None) and `video_temporal_patch_size` (2) m... (dataclasses.py:253)",
+    ),
+    "openai-gpt": (
+        "refused",
+        "TracingError: 2 targets (transformer.h.0, ...) (Block) is not called by traced code; it runs inside opaque code: `transformer_outputs = self.transformer(input_ids, attention_mask=attention_mask, to... (modeling_openai.py:446)",
+    ),
+    "paligemma": (
+        "no-eager",
+        "RuntimeError: The size of tensor a (4) must match the size of tensor b (16) at non-singleton dimension 1 (sdpa_attention.py:182)",
+    ),
+    "perceiver": ("count-wrong", "27 subgraphs, want 1: seqcal targets 26x PerceiverLayer, eager calls none"),
+    "perception_lm": (
+        "no-tiny-build",
+        "ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may need to restart your runt... (import_utils.py:2532)",
+    ),
+    "pi0": (
+        "no-eager",
+        "TypeError: PI0ForConditionalGeneration.forward() missing 1 required positional argument: 'state' (deprecation.py:173)",
+    ),
+    "pix2struct": (
+        "no-eager",
+        "ValueError: You have to specify flattened_patches (modeling_pix2struct.py:462)",
+    ),
+    "pp_formulanet": (
+        "no-eager",
+        "ValueError: You must specify exactly one of encoder_outputs or pixel_values (modeling_pp_formulanet.py:995)",
+    ),
+    "qwen2_5_omni_thinker": (
+        "no-eager",
+        "AttributeError: 'Qwen2_5OmniThinkerConfig' object has no attribute 'vision_start_token_id' (configuration_utils.py:312)",
+    ),
+    "qwen3_omni_moe_thinker": (
+        "no-eager",
+        "AttributeError: 'Qwen3OmniMoeThinkerConfig' object has no attribute 'vision_start_token_id' (configuration_utils.py:312)",
+    ),
+    "qwen4_exp": (
+        "no-tiny-build",
+        "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType' (modeling_qwen4_exp.py:699)",
+    ),
+    "qwen4_exp_text": (
+        "no-tiny-build",
+        "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType' (modeling_qwen4_exp.py:699)",
+    ),
+    "reformer": (
+        "refused",
+        "TracingError: 2 targets (reformer.encoder.layers.1, ...) (ReformerLayer) is not called by traced code; it runs inside opaque code: `if input_ids is not None and inputs_embeds is not None:` (modeling_reformer.py:1996)",
+    ),
+    "rembert": ("refused", "TracingError: found no stack of layers to use as targets (RemBertForMaskedLM)"),
+    "squeezebert": (
+        "refused",
+        "TracingError: 2 targets (transformer.encoder.layers.1, ...) (SqueezeBertModule) is not called by traced code; it runs inside opaque code: `if input_ids is not None and inputs_embeds is not None:` (modeling_squeezebert.py:453)",
+    ),
+    "udop": (
+        "no-eager",
+        "ValueError: Bbox is required for horizontal relative position bias (modeling_udop.py:991)",
+    ),
+    "vision-encoder-decoder": (
+        "no-eager",
+        "ValueError: You have to specify pixel_values (modeling_vision_encoder_decoder.py:387)",
+    ),
+    "voxtral_realtime": (
+        "no-eager",
+        "ValueError: You must specify exactly one of input_features or encoder_inputs_embeds (modeling_voxtral_realtime.py:956)",
+    ),
+    "xlm": (
+        "count-wrong",
+        "5 subgraphs, want 1: seqcal targets 2x MultiHeadAttention, 2x TransformerFFN, eager calls none",
+    ),
+    "xlnet": (
+        "refused",
+        "TracingError: 2 targets (transformer.layer.1, ...) (XLNetLayer) is not called by traced code; it runs inside opaque code: `transformer_outputs = self.transformer(input_ids, attention_mask=attention... (modeling_xlnet.py:1418)",
+    ),
+    "xlstm": (
+        "refused",
+        "TracingError: 2 targets (backbone.blocks.1, ...) (xLSTMBlock) is not called by traced code; it runs inside opaque code: `if not self.training and self.config.max_inference_chunksize < hidden_states... (modeling_xlstm.py:1446)",
+    ),
+    "xmod": (
+        "no-eager",
+        "ValueError: Input language unknown. Please call `XmodPreTrainedModel.set_default_language()` (modeling_xmod.py:734)",
+    ),
+    "zamba": (
+        "no-tiny-build",
+        "ValueError: There is an issue with your definition of `tie_weights_keys` for ^layers.2.shared_transf:^layers.(?!2\\.)\\d+.shared_transf. We found ['layers.2.shared_transf.feed_forward.down_proj.weigh... (modeling_utils.py:2521)",
+    ),
+    "zamba2": (
+        "no-eager",
+        "RuntimeError: The size of tensor a (64) must match the size of tensor b (128) at non-singleton dimension 2 (modeling_zamba2.py:86)",
+    ),
+}
