@@ -134,11 +134,16 @@ def compare(got: Any, want: Any) -> tuple[float, str]:
 def expected_targets(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[list[str], Any]:
     """Target layers eager forward calls, found without seqcal: the oracle of the subgraph count.
 
-    A target is a module whose class the model declares in ``_no_split_modules`` (its own or a
-    pretrained model's inside it; a model that declares none: any module of a list named as transformers
-    names its layer stacks, ``STACK_NAMES``), held directly in an ``nn.ModuleList``, outside the non-text towers
-    (pretrained sub-models configured by a sub-config other than the text config: vision, audio), and
-    called by ``model(**inputs)``; nested ones count once, by their outermost.
+    A target is a module held directly in an ``nn.ModuleList``, outside the non-text towers (pretrained
+    sub-models configured by a sub-config other than the text config: vision, audio), whose forward
+    ``model(**inputs)`` runs (counted on the forward itself, so ``layer.forward(x)`` counts too); nested ones
+    count once, by their outermost. Which lists hold targets, first rule that finds some:
+    1. members whose class the model declares in ``_no_split_modules`` (its own or a pretrained model's
+       inside it);
+    2. members of a list named as transformers names its layer stacks (``STACK_NAMES``), or of a list inside
+       one (blocks of layers: ``encoder.blocks.0.1``);
+    3. the repeated blocks of a model that has no per-layer module (XLM's ``attentions`` and ``ffns``): every
+       list of at least two members of one class with parameters that is not one of torch.nn's own.
 
     Returns:
         The called targets' names in call order, and the output of that forward.
@@ -154,33 +159,62 @@ def expected_targets(model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[li
         for n, m in model.named_modules()
         if n and isinstance(m, PreTrainedModel) and any(m.config is c for c in others)
     ]
-    listed = {
-        f"{n}.{k}": child
-        for n, m in model.named_modules()
-        if isinstance(m, torch.nn.ModuleList)
-        for k, child in m.named_children()
-        if (type(child).__name__ in declared if declared else n.rsplit(".", 1)[-1] in STACK_NAMES)
-    }
-    if not listed:  # declared classes that sit in no list: fall back to the stack names too
+    lists = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)}
+
+    def stack_named(n: str) -> bool:
+        leaf, parent = n.rsplit(".", 1)[-1], n.rsplit(".", 1)[0] if "." in n else ""
+        return leaf in STACK_NAMES or (parent in lists and parent.rsplit(".", 1)[-1] in STACK_NAMES)
+
+    def repeated(m: torch.nn.ModuleList) -> bool:
+        kinds = {type(c) for c in m.children()}
+        kind = next(iter(kinds), None)
+        return (
+            len(m) >= 2 and len(kinds) == 1 and not kind.__module__.startswith("torch.nn")
+            and any(True for _ in m.parameters())
+        )  # fmt: skip
+
+    rules = [
+        lambda n, m, child: type(child).__name__ in declared,
+        lambda n, m, child: stack_named(n) and not isinstance(child, torch.nn.ModuleList),
+        lambda n, m, child: repeated(m),
+    ]
+    for rule in rules:
         listed = {
             f"{n}.{k}": child
-            for n, m in model.named_modules()
-            if isinstance(m, torch.nn.ModuleList) and n.rsplit(".", 1)[-1] in STACK_NAMES
+            for n, m in lists.items()
             for k, child in m.named_children()
+            if rule(n, m, child)
         }
-    names = [n for n in listed if not any(n.startswith(t) for t in towers)]
-    names = [n for n in names if not any(n.startswith(o + ".") for o in names)]
+        names = [n for n in listed if not any(n.startswith(t) for t in towers)]
+        names = [n for n in names if not any(n.startswith(o + ".") for o in names)]
+        called, output = _called(model, inputs, {n: listed[n] for n in names})
+        if called:
+            return called, output
+    return called, output
+
+
+def _called(
+    model: torch.nn.Module, inputs: dict[str, Any], modules: dict[str, torch.nn.Module]
+) -> tuple[list[str], Any]:
+    """Run ``model(**inputs)``; the ``modules`` whose forward ran, in call order, and the output."""
     called: list[str] = []
-    handles = [
-        listed[n].register_forward_pre_hook(lambda _m, _a, n=n: called.append(n) if n not in called else None)
-        for n in names
-    ]
+
+    def counting(name: str, forward: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if name not in called:
+                called.append(name)
+            return forward(*args, **kwargs)
+
+        return wrapped
+
+    for name, module in modules.items():
+        module.forward = counting(name, module.forward)  # an instance attribute: ``del`` restores the class's
     try:
         with torch.no_grad():
             output = model(**inputs)
     finally:
-        for handle in handles:
-            handle.remove()
+        for module in modules.values():
+            del module.forward
     return called, output
 
 

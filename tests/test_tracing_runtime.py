@@ -146,3 +146,37 @@ def test_opaque_statements_on_constants_are_folded_one_by_one(use_scale: bool) -
     with torch.no_grad():
         want = model(x, use_scale=use_scale)
     assert_same_outputs(sg.run(x=x, use_scale=use_scale), want)
+
+
+class DirectForward(torch.nn.Module):
+    """Layers called through ``layer.forward(x)``, not ``layer(x)`` (SqueezeBERT's encoder does this)."""
+
+    def __init__(self, width: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Layer(width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer.forward(x) + x
+        return x
+
+
+def test_a_target_called_through_its_forward_method_is_a_node() -> None:
+    model = DirectForward().eval()
+    subgraphs = trace_subgraphs(model, {"x": torch.randn(1, 5, 8)})
+    assert subgraphs.targets == ["layers.0", "layers.1", "layers.2"] and len(subgraphs) == 4
+    nodes = [n.target for n in subgraphs.traced.graph.nodes if n.op == "call_module"]
+    assert nodes == ["layers.0", "layers.1", "layers.2"]
+    other = torch.randn(3, 7, 8)
+    with torch.no_grad():
+        assert_same_outputs(subgraphs.run(x=other), model(x=other))
+    seen: list[str] = []  # at run time the layers are called as modules: calibration hooks see them
+    handles = [
+        m.register_forward_pre_hook(lambda _m, _a, n=n: seen.append(n))
+        for n, m in model.layers.named_children()
+    ]
+    subgraphs.run(x=other)
+    for handle in handles:
+        handle.remove()
+    assert seen == ["0", "1", "2"]

@@ -326,6 +326,10 @@ class SeqTracer(DecidingTracer):
                 and (name == "forward" or name in self.essential_methods(owner))
             ):
                 return self.call_rewritten(owner, f.__func__, args, kwargs)
+            if not holder and name == "forward":
+                # ``layer.forward(x)`` (SqueezeBERT's encoder): called as ``layer(x)``, so a leaf or target is a
+                # call_module node, and the modifiers' hooks see it at run time
+                return owner(*args, **kwargs)
         if symbolic and (type(owner) in (list, dict) or (name in MUTATORS and is_plain_object(owner))):
             return self._container_call(f, owner, args, kwargs)
         forward = autograd_forward(f)
