@@ -75,30 +75,13 @@ KNOWN: dict[str, tuple[str, str]] = {
         "no-tiny-build",
         "ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may need to restart your runt... (import_utils.py:2532)",
     ),
-    "flaubert": (
-        "count-wrong",
-        "5 subgraphs, want 1: seqcal targets 2x MultiHeadAttention, 2x TransformerFFN, eager calls none",
-    ),
-    "funnel": (
-        "runtime-error",
-        "SubgraphExecutionError: subgraph 0 failed at node 'opaque_funnel_encoder_forward_l560' (opaque code of FunnelEncoder.forward at /work/main/.venv/lib/python3.11/site-packages/transformers/models/fun... (executor.py:61)",
-    ),
     "gemma3n": (
         "no-tiny-build",
         "ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may need to restart your runt... (import_utils.py:2532)",
     ),
-    "gemma3n_text": ("mismatch", "out.logits: max abs diff / scale 0.905"),
-    "gemma4": (
-        "runtime-error",
-        "SubgraphExecutionError: subgraph 0 failed at node 'opaque_gemma4text_model_forward_l1684' (opaque code of Gemma4TextModel.forward at /work/main/.venv/lib/python3.11/site-packages/transformers/model... (executor.py:61)",
-    ),
     "gemma4_assistant": (
         "no-tiny-build",
         "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: hidden_size_per_layer_input must be 0, got 256 (dataclasses.py:253)",
-    ),
-    "gemma4_text": (
-        "runtime-error",
-        "SubgraphExecutionError: subgraph 0 failed at node 'opaque_gemma4text_model_forward_l1684' (opaque code of Gemma4TextModel.forward at /work/main/.venv/lib/python3.11/site-packages/transformers/model... (executor.py:61)",
     ),
     "gemma4_unified_assistant": (
         "no-eager",
@@ -110,7 +93,7 @@ KNOWN: dict[str, tuple[str, str]] = {
     ),
     "hrm_text": (
         "refused",
-        "TracingError: target model.H_module.layers.0 (HrmTextDecoderLayer) is called 2 times (shared/tied layer) (model.H_module.layers.0)",
+        "TracingError: target model.H_module.layers.1 (HrmTextDecoderLayer) is called 2 times (shared/tied layer) (model.H_module.layers.1)",
     ),
     "idefics": (
         "no-eager",
@@ -132,33 +115,17 @@ KNOWN: dict[str, tuple[str, str]] = {
         "no-eager",
         "ValueError: You have to specify either `pixel_values` or `image_embeds`. (modeling_kosmos2.py:1612)",
     ),
-    "led": (
-        "refused",
-        "TracingError: found no stack of layers to use as targets (LEDForConditionalGeneration)",
-    ),
     "lfm2_moe": (
         "no-tiny-build",
         "TypeError: 'NoneType' object is not subscriptable (modeling_lfm2_moe.py:474)",
-    ),
-    "lfm3": (
-        "runtime-error",
-        "SubgraphExecutionError: subgraph 2 failed at node 'model_layers_2' (call_module model.layers.2): TraceError: symbolically traced variables cannot be used as inputs to control flow (executor.py:61)",
-    ),
-    "lfm3_vl": (
-        "runtime-error",
-        "SubgraphExecutionError: subgraph 2 failed at node 'model_language_model_layers_2' (call_module model.language_model.layers.2): TraceError: symbolically traced variables cannot be used as inputs to ... (executor.py:61)",
     ),
     "llama4": (
         "no-eager",
         "AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs' (modeling_llama4.py:1318)",
     ),
-    "luke": (
-        "refused",
-        "TracingError: TraceError: `is` test on a value only known at run time (%getattr_8 : [num_users=0] = call_function[target=builtins.getattr](args = (%base_luke_model_output_with_pooling, entity_last_... (modeling_luke.py:1118)",
-    ),
     "mllama": (
         "refused",
-        "TracingError: 2 targets (model.language_model.layers.0, ...) (MllamaSelfAttentionDecoderLayer) is not called by traced code; it runs inside opaque code: `for idx, decoder_layer in enumerate(self.la... (modeling_mllama.py:1131)",
+        "TracingError: 1 target(s) (model.language_model.layers.1) are not called for the trace sample's inputs: the branches at /work/main/.venv/lib/python3.11/site-packages/transformers/models/mllama/mode... (modeling_mllama.py:1136)",
     ),
     "mobilebert": (
         "no-eager",
@@ -188,15 +155,10 @@ KNOWN: dict[str, tuple[str, str]] = {
         "no-tiny-build",
         "StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture': ValueError: `vision_config.video_temporal_patch_size` (None) and `video_temporal_patch_size` (2) m... (dataclasses.py:253)",
     ),
-    "openai-gpt": (
-        "refused",
-        "TracingError: 2 targets (transformer.h.0, ...) (Block) is not called by traced code; it runs inside opaque code: `transformer_outputs = self.transformer(input_ids, attention_mask=attention_mask, to... (modeling_openai.py:446)",
-    ),
     "paligemma": (
         "no-eager",
         "RuntimeError: The size of tensor a (4) must match the size of tensor b (16) at non-singleton dimension 1 (sdpa_attention.py:182)",
     ),
-    "perceiver": ("count-wrong", "27 subgraphs, want 1: seqcal targets 26x PerceiverLayer, eager calls none"),
     "perception_lm": (
         "no-tiny-build",
         "ImportError: TimmWrapperModel requires the timm library but it was not found in your environment. You can install it with pip: `pip install timm`. Please note that you may need to restart your runt... (import_utils.py:2532)",
@@ -229,15 +191,6 @@ KNOWN: dict[str, tuple[str, str]] = {
         "no-tiny-build",
         "TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType' (modeling_qwen4_exp.py:699)",
     ),
-    "reformer": (
-        "refused",
-        "TracingError: 2 targets (reformer.encoder.layers.1, ...) (ReformerLayer) is not called by traced code; it runs inside opaque code: `if input_ids is not None and inputs_embeds is not None:` (modeling_reformer.py:1996)",
-    ),
-    "rembert": ("refused", "TracingError: found no stack of layers to use as targets (RemBertForMaskedLM)"),
-    "squeezebert": (
-        "refused",
-        "TracingError: 2 targets (transformer.encoder.layers.1, ...) (SqueezeBertModule) is not called by traced code; it runs inside opaque code: `if input_ids is not None and inputs_embeds is not None:` (modeling_squeezebert.py:453)",
-    ),
     "udop": (
         "no-eager",
         "ValueError: Bbox is required for horizontal relative position bias (modeling_udop.py:991)",
@@ -249,18 +202,6 @@ KNOWN: dict[str, tuple[str, str]] = {
     "voxtral_realtime": (
         "no-eager",
         "ValueError: You must specify exactly one of input_features or encoder_inputs_embeds (modeling_voxtral_realtime.py:956)",
-    ),
-    "xlm": (
-        "count-wrong",
-        "5 subgraphs, want 1: seqcal targets 2x MultiHeadAttention, 2x TransformerFFN, eager calls none",
-    ),
-    "xlnet": (
-        "refused",
-        "TracingError: 2 targets (transformer.layer.1, ...) (XLNetLayer) is not called by traced code; it runs inside opaque code: `transformer_outputs = self.transformer(input_ids, attention_mask=attention... (modeling_xlnet.py:1418)",
-    ),
-    "xlstm": (
-        "refused",
-        "TracingError: 2 targets (backbone.blocks.1, ...) (xLSTMBlock) is not called by traced code; it runs inside opaque code: `if not self.training and self.config.max_inference_chunksize < hidden_states... (modeling_xlstm.py:1446)",
     ),
     "xmod": (
         "no-eager",
