@@ -1,0 +1,154 @@
+"""Mixture-of-experts models: fused experts taken apart into per-expert Linears for a run, and put back.
+
+    handle = linearize_experts(model)          # model.layers.3.mlp.experts.17.down_proj is a Linear now
+    ... resolve targets, calibrate, quantize, save (per-expert checkpoint names) ...
+    handle.restore()                           # the fused parameters again, with the quantized values
+
+``linearize_experts`` works on a model in RAM and on a model skeleton on meta (``load_offloaded``); for the
+latter ``map_offloaded`` tells the weight store where each expert's tensors are in the checkpoint (per expert
+under its original name, or a slice of a fused tensor).
+
+Example:
+    >>> handle = linearize_experts(model, calibrate_all=True)  # doctest: +SKIP
+    >>> handle.count                                          # doctest: +SKIP
+    48
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from seqcal.experts.layout import ExpertsLayout, checkpoint_names, experts_layout, fused_modules
+from seqcal.experts.modules import ExpertMLP, LinearExperts
+
+__all__ = [
+    "ExpertsLayout",
+    "LinearExperts",
+    "Linearized",
+    "expert_token_counts",
+    "fused_modules",
+    "linearize_experts",
+]
+
+
+@dataclass
+class Linearized:
+    """The experts modules ``linearize_experts`` replaced: qualified name -> the LinearExperts in its place."""
+
+    model: nn.Module
+    replaced: dict[str, LinearExperts] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        """Number of expert projections now exposed as Linear modules."""
+        return sum(m.layout.num_experts * (3 if m.layout.has_gate else 2) for m in self.replaced.values())
+
+    def restore(self) -> None:
+        """Put the fused modules back, their 3-D parameters rebuilt from the (possibly quantized) Linears."""
+        for name, linear in self.replaced.items():
+            fused = linear.fused
+            for pname, value in _fuse(linear).items():
+                fused.register_parameter(pname, nn.Parameter(value, requires_grad=False))
+            _set_module(self.model, name, fused)
+        self.replaced.clear()
+
+
+def linearize_experts(model: nn.Module, calibrate_all: bool = True) -> Linearized:
+    """Replace every fused experts module of ``model`` by per-expert Linears (see ``LinearExperts``).
+
+    Parameters on meta stay on meta (an offloaded model); others are copied per expert and the fused
+    tensors released, one module at a time, so memory does not grow. Modules already linearized keep their
+    Linears and only take the new ``calibrate_all``.
+
+    Args:
+        model: a transformers model (or any module holding experts built by ``use_experts_implementation``).
+        calibrate_all: every expert sees every token during calibration (routing still gives the output).
+
+    Returns:
+        The handle that restores the fused modules.
+
+    Example:
+        >>> linearize_experts(model).count  # doctest: +SKIP
+        48
+    """
+    handle = Linearized(model)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LinearExperts):
+            module.calibrate_all = calibrate_all
+            handle.replaced[name] = module
+            continue
+        layout = experts_layout(module)
+        if layout is None:
+            continue
+        layout = experts_layout(module, checkpoint_names(model, name, layout.has_gate))
+        linear = _linearize(module, layout, calibrate_all)  # type: ignore[arg-type]
+        _set_module(model, name, linear)
+        handle.replaced[name] = linear
+    return handle
+
+
+def _linearize(fused: nn.Module, layout: ExpertsLayout, calibrate_all: bool) -> LinearExperts:
+    params = {n: fused.get_parameter(n) for n in layout.fused_parameters()}
+    linear = LinearExperts(fused, layout, calibrate_all)
+    ref = params["down_proj"]
+    for e in range(layout.num_experts):
+        views = layout.expert_weights(params, e)
+        shapes = {leaf: tuple(v["weight"].shape) for leaf, v in views.items()}
+        expert = ExpertMLP(layout, shapes, device=torch.device("meta"), dtype=ref.dtype)  # type: ignore[arg-type]
+        for leaf, tensors in views.items():
+            for kind, value in tensors.items():
+                data = (
+                    value.detach()
+                    if value.is_meta
+                    else value.detach().clone(memory_format=torch.contiguous_format)
+                )
+                getattr(expert, leaf)._parameters[kind] = nn.Parameter(data, requires_grad=False)
+        linear.add_module(str(e), expert)
+    for pname in params:
+        del fused._parameters[pname]  # released here; restore() rebuilds them from the Linears
+    return linear
+
+
+def _fuse(linear: LinearExperts) -> dict[str, torch.Tensor]:
+    """The fused parameters of ``linear.fused`` from the per-expert Linears (meta when they are on meta)."""
+    layout = linear.layout
+    gate, up, down = layout.names
+    leaves = [gate, up] if layout.has_gate else [up]
+    experts = linear.experts
+
+    def stack(parts: list[torch.Tensor], transpose: bool) -> torch.Tensor:
+        if any(p.is_meta for p in parts):
+            shape = (len(parts), *(parts[0].shape[::-1] if transpose else parts[0].shape))
+            return torch.empty(shape, dtype=parts[0].dtype, device="meta")
+        return torch.stack([p.transpose(-1, -2) if transpose else p for p in parts]).contiguous()
+
+    tr = layout.is_transposed
+    out = {
+        layout.first: stack([_joined(layout, e, leaves, "weight") for e in experts], tr),
+        "down_proj": stack([getattr(e, down).weight.detach() for e in experts], tr),
+    }
+    if layout.has_bias:
+        out[f"{layout.first}_bias"] = stack([_joined(layout, e, leaves, "bias") for e in experts], False)
+        out["down_proj_bias"] = stack([getattr(e, down).bias.detach() for e in experts], False)
+    return out
+
+
+def _joined(layout: ExpertsLayout, expert: nn.Module, leaves: list[str], kind: str) -> torch.Tensor:
+    parts = [getattr(getattr(expert, leaf), kind).detach() for leaf in leaves]
+    if any(p.is_meta for p in parts):
+        shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+        return torch.empty(shape, dtype=parts[0].dtype, device="meta")
+    return layout.join_first(parts)
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, module)
+
+
+def expert_token_counts(model: nn.Module) -> dict[str, list[int]]:
+    """Tokens the router sent to each expert during the run, per experts module (for the report)."""
+    return {n: m.routed_tokens.tolist() for n, m in model.named_modules() if isinstance(m, LinearExperts)}
