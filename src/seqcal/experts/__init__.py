@@ -16,12 +16,19 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from seqcal.experts.layout import ExpertsLayout, checkpoint_names, experts_layout, fused_modules
+from seqcal.experts.layout import (
+    ExpertsLayout,
+    checkpoint_names,
+    experts_layout,
+    fused_modules,
+    weight_conversions,
+)
 from seqcal.experts.modules import ExpertMLP, LinearExperts
 
 __all__ = [
@@ -31,6 +38,7 @@ __all__ = [
     "expert_token_counts",
     "fused_modules",
     "linearize_experts",
+    "routed_experts",
 ]
 
 
@@ -75,6 +83,7 @@ def linearize_experts(model: nn.Module, calibrate_all: bool = True) -> Linearize
         48
     """
     handle = Linearized(model)
+    conversions = None  # transformers' weight conversions, read once (they walk every module)
     for name, module in list(model.named_modules()):
         if isinstance(module, LinearExperts):
             module.calibrate_all = calibrate_all
@@ -83,7 +92,8 @@ def linearize_experts(model: nn.Module, calibrate_all: bool = True) -> Linearize
         layout = experts_layout(module)
         if layout is None:
             continue
-        layout = experts_layout(module, checkpoint_names(model, name, layout.has_gate))
+        conversions = weight_conversions(model) if conversions is None else conversions
+        layout = experts_layout(module, checkpoint_names(conversions, name, layout.has_gate))
         linear = _linearize(module, layout, calibrate_all)  # type: ignore[arg-type]
         _set_module(model, name, linear)
         handle.replaced[name] = linear
@@ -93,23 +103,18 @@ def linearize_experts(model: nn.Module, calibrate_all: bool = True) -> Linearize
 def _linearize(fused: nn.Module, layout: ExpertsLayout, calibrate_all: bool) -> LinearExperts:
     params = {n: fused.get_parameter(n) for n in layout.fused_parameters()}
     linear = LinearExperts(fused, layout, calibrate_all)
-    ref = params["down_proj"]
     for e in range(layout.num_experts):
         views = layout.expert_weights(params, e)
-        shapes = {leaf: tuple(v["weight"].shape) for leaf, v in views.items()}
-        expert = ExpertMLP(layout, shapes, device=torch.device("meta"), dtype=ref.dtype)  # type: ignore[arg-type]
-        for leaf, tensors in views.items():
-            for kind, value in tensors.items():
-                data = (
-                    value.detach()
-                    if value.is_meta
-                    else value.detach().clone(memory_format=torch.contiguous_format)
-                )
-                getattr(expert, leaf)._parameters[kind] = nn.Parameter(data, requires_grad=False)
-        linear.add_module(str(e), expert)
+        copies = {leaf: {kind: _own(v) for kind, v in tensors.items()} for leaf, tensors in views.items()}
+        linear.add_module(str(e), ExpertMLP(copies))
     for pname in params:
         del fused._parameters[pname]  # released here; restore() rebuilds them from the Linears
     return linear
+
+
+def _own(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of one expert's slice (a meta tensor stays a meta view: nothing to copy)."""
+    return view.detach() if view.is_meta else view.detach().clone(memory_format=torch.contiguous_format)
 
 
 def _fuse(linear: LinearExperts) -> dict[str, torch.Tensor]:
@@ -147,6 +152,12 @@ def _joined(layout: ExpertsLayout, expert: nn.Module, leaves: list[str], kind: s
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(owner) if owner else model, leaf, module)
+
+
+def routed_experts(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """The modules among ``names`` that are projections of a ``LinearExperts`` (run in a routing loop)."""
+    prefixes = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, LinearExperts))
+    return [n for n in names if n.startswith(prefixes)] if prefixes else []
 
 
 def expert_token_counts(model: nn.Module) -> dict[str, list[int]]:

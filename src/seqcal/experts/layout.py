@@ -131,24 +131,34 @@ def experts_layout(
     return layout
 
 
-def checkpoint_names(model: torch.nn.Module, module_name: str, has_gate: bool) -> tuple[str, str, str]:
-    """Leaf names of an expert's (gate, up, down) in the original checkpoint, from transformers' conversions.
-
-    The conversion that fuses ``{module_name}.gate_up_proj`` lists its sources in order, gate first
-    (``.experts.*.w1.weight``, ``.experts.*.w3.weight`` for Mixtral); the one for ``down_proj`` names down.
-    """
-    names = list(DEFAULT_NAMES)
+def weight_conversions(model: torch.nn.Module) -> list:
+    """transformers' weight converters of ``model`` (the rules that fuse per-expert checkpoint tensors)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter
     except ImportError:  # older transformers: no conversions, the default names
-        return DEFAULT_NAMES
+        return []
     if not hasattr(model, "config"):
-        return DEFAULT_NAMES
+        return []
+    return [
+        c for c in get_model_conversion_mapping(model, add_legacy=False) if isinstance(c, WeightConverter)
+    ]
+
+
+def checkpoint_names(conversions: list, module_name: str, has_gate: bool) -> tuple[str, str, str]:
+    """Leaf names of an expert's (gate, up, down) in the original checkpoint, from transformers' conversions.
+
+    The converter that fuses ``{module_name}.gate_up_proj`` lists its sources in order, gate first
+    (``.experts.*.w1.weight``, ``.experts.*.w3.weight`` for Mixtral); the one for ``down_proj`` names down.
+
+    Args:
+        conversions: ``weight_conversions(model)``.
+        module_name: qualified name of the experts module.
+        has_gate: whether it has gate and up projections (else up only).
+    """
+    names = list(DEFAULT_NAMES)
     first = "gate_up_proj" if has_gate else "up_proj"
-    for conv in get_model_conversion_mapping(model, add_legacy=False):
-        if not isinstance(conv, WeightConverter):
-            continue
+    for conv in conversions:
         targets = [t.lstrip(".^") for t in conv.target_patterns]
         leaves = [m.group(1) for s in conv.source_patterns if (m := re.search(r"\*\.(\w+)\.weight", s))]
         if len(leaves) != len(conv.source_patterns):

@@ -21,14 +21,27 @@ from seqcal.experts.layout import ExpertsLayout
 
 
 class ExpertMLP(nn.Module):
-    """One expert: its projections as ``nn.Linear`` modules named as in the original checkpoint."""
+    """One expert: its projections as ``nn.Linear`` modules named as in the original checkpoint.
 
-    def __init__(self, layout: ExpertsLayout, shapes: dict[str, tuple[int, int]], device: torch.device,
-                 dtype: torch.dtype) -> None:  # fmt: skip
+    Args:
+        weights: leaf name -> {"weight": [out, in], "bias": [out] when the experts have biases}.
+    """
+
+    def __init__(self, weights: dict[str, dict[str, torch.Tensor]]) -> None:
         super().__init__()
-        for leaf, (out_features, in_features) in shapes.items():
-            self.add_module(leaf, nn.Linear(in_features, out_features, bias=layout.has_bias, device=device,
-                                            dtype=dtype))  # fmt: skip
+        for leaf, tensors in weights.items():
+            self.add_module(leaf, _linear(tensors["weight"], tensors.get("bias")))
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight`` and ``bias`` as they are, without Linear's random init: a layer
+    with 384 experts builds thousands of them, and the init would cost more than the whole trace."""
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.out_features, linear.in_features = weight.shape
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=False))
+    return linear
 
 
 class LinearExperts(nn.Module):
