@@ -232,3 +232,43 @@ def test_moe_calibrate_all_experts_on_the_command_line(tmp_path: Path) -> None:
     assert starved and all(".mlp.experts." in name for name in starved)
     tokens = [e["tokens"] for n, e in report["modules"].items() if ".experts." in n and "tokens" in e]
     assert tokens and max(tokens) < 16
+
+
+def test_experts_sharing_a_hessian_are_solved_in_chunks_with_the_same_result(monkeypatch) -> None:
+    """A small solve budget splits a layer's gate/up projections (one Hessian in all-experts mode) into
+    several solves; rows are independent given H, so the quantized weights are the same."""
+    import seqcal.modifiers.gptq as gptq
+
+    samples = data(2, 16)
+    whole, _ = _calibrate(True, samples)
+    solves: list[int] = []
+    solve = gptq.GPTQModifier._solve
+
+    def counting(self, names, model, H, state):  # noqa: ANN001, ANN202
+        solves.append(len(names))
+        return solve(self, names, model, H, state)
+
+    monkeypatch.setattr(gptq.GPTQModifier, "_solve", counting)
+    monkeypatch.setattr(gptq, "SOLVE_MAX_BYTES", 3 * gptq.SOLVE_COPIES * 128 * 128 * 4)  # three experts' rows
+    chunked, _ = _calibrate(True, samples)
+    assert max(solves) == 3 and len(solves) > 2 * 2 + 2 * 8  # gate/up of 8 experts in chunks of 3, per layer
+    for (name, a), (_, b) in zip(whole.named_parameters(), chunked.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_plan_counts_one_gate_up_hessian_per_layer_with_all_experts() -> None:
+    """``seqcal plan`` / dry_run: all-experts calibration holds one gate/up Hessian per MoE layer, not E."""
+    from seqcal.plan import make_plan
+
+    hessians = {}
+    for mode in (True, False):
+        model = tiny_qwen3_moe()
+        linearize_experts(model, calibrate_all=mode)
+        modifier = GPTQModifier(scheme="W8A16", ignore=["lm_head"])
+        modifier.validate(model)
+        plan = make_plan(model, [modifier], num_samples=4, seq_len=16, batch_size=1, sequential_targets=None,
+                         tracing_ignore=[])  # fmt: skip
+        hessians[mode] = max(row.hessians for row in plan.rows)
+    one = 128 * 128 * 4  # every quantized module here reads 128 features
+    # per layer: q/k/v, o, gate/up (shared by the 8 experts or one per expert), 8 down projections
+    assert hessians == {True: (2 + 1 + 8) * one, False: (2 + 8 + 8) * one}

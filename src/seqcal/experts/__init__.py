@@ -35,10 +35,10 @@ __all__ = [
     "ExpertsLayout",
     "LinearExperts",
     "Linearized",
-    "expert_token_counts",
     "fused_modules",
     "linearize_experts",
     "routed_experts",
+    "shared_expert_inputs",
 ]
 
 
@@ -160,6 +160,22 @@ def routed_experts(model: nn.Module, names: Iterable[str]) -> list[str]:
     return [n for n in names if n.startswith(prefixes)] if prefixes else []
 
 
-def expert_token_counts(model: nn.Module) -> dict[str, list[int]]:
-    """Tokens the router sent to each expert during the run, per experts module (for the report)."""
-    return {n: m.routed_tokens.tolist() for n, m in model.named_modules() if isinstance(m, LinearExperts)}
+def shared_expert_inputs(model: nn.Module) -> dict[str, str]:
+    """Expert projections reading the layer's tokens in all-experts mode -> their experts module.
+
+    With ``calibrate_all`` every expert's gate and up projections read the same input, so they share one
+    Hessian (and one stacked solve); down projections read each expert's own activations.
+
+    Example:
+        >>> shared_expert_inputs(model)["model.layers.0.mlp.experts.3.gate_proj"]  # doctest: +SKIP
+        'model.layers.0.mlp.experts'
+    """
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LinearExperts) and module.calibrate_all:
+            gate, up, _ = module.layout.names
+            leaves = (gate, up) if module.layout.has_gate else (up,)
+            out.update(
+                {f"{name}.{e}.{leaf}": name for e in range(module.layout.num_experts) for leaf in leaves}
+            )
+    return out

@@ -59,7 +59,6 @@ class LinearExperts(nn.Module):
         object.__setattr__(self, "fused", fused)  # not a child: its parameters are the Linears below now
         self.layout = layout
         self.calibrate_all = calibrate_all
-        self.routed_tokens = torch.zeros(layout.num_experts, dtype=torch.long)  # tokens routed to each expert
         if layout.has_post_expert_norm:
             self.post_expert_norm = fused.post_expert_norm
 
@@ -84,7 +83,6 @@ class LinearExperts(nn.Module):
         out = torch.zeros_like(hidden_states)
         for e in range(self.layout.num_experts):
             token_idx, top_k_pos = torch.where(top_k_index == e)
-            self.routed_tokens[e] += token_idx.numel()
             if self.calibrate_all:
                 y = self._run_expert(self.get_submodule(str(e)), hidden_states)[token_idx]
             elif token_idx.numel():

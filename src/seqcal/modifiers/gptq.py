@@ -25,7 +25,7 @@ from seqcal.tracing.partition import Subgraph
 ACTORDERS = (None, "static", "weight")
 # Modules sharing a Hessian are solved stacked, at most this many bytes of float32 working copies at once
 # (SOLVE_COPIES of the stacked [rows, in] weight: W, Q, codes, errors), so the device holds one chunk.
-SOLVE_MAX_BYTES = 1 << 30
+SOLVE_MAX_BYTES = 256 << 20
 SOLVE_COPIES = 4
 
 
