@@ -22,10 +22,10 @@ MOE = [name for name, spec in ARCHS.items() if name in
 RECIPE = "GPTQModifier: {scheme: W8A16, ignore: [lm_head]}"
 
 
-def tiny_qwen3_moe(experts: int = 8) -> Qwen3MoeForCausalLM:
+def tiny_qwen3_moe(experts: int = 8, intermediate: int = 128) -> Qwen3MoeForCausalLM:
     """2 layers, 8 experts top-2; widths that W8A16's group of 128 divides."""
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=intermediate,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                             num_experts=experts, num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
     return Qwen3MoeForCausalLM(config).eval()
@@ -168,6 +168,15 @@ def test_recipes_reach_experts_by_pattern() -> None:
                                               for i in range(2) for e in range(4))  # fmt: skip
     with pytest.raises(ValueError, match="matches no module"):
         QuantizationModifier(scheme="W8A16", targets=["re:.*experts.*donw_proj"]).validate(model)
+    narrow = tiny_qwen3_moe(experts=4)
+    narrow.model.layers[1].mlp.experts.down_proj.data = narrow.model.layers[1].mlp.experts.down_proj.data[
+        ..., :96
+    ]
+    linearize_experts(narrow)  # a scheme that does not fit an expert's shape: refused before calibration
+    with pytest.raises(
+        ValueError, match=r"group_size 128 .* model.layers.1.mlp.experts.0.down_proj \(96 inputs\)"
+    ):
+        QuantizationModifier(scheme="W8A16").validate(narrow)
 
 
 def _calibrate(calibrate_all: bool, samples: list[dict[str, list[int]]]) -> tuple[torch.nn.Module, RunState]:
@@ -262,13 +271,14 @@ def test_plan_counts_one_gate_up_hessian_per_layer_with_all_experts() -> None:
 
     hessians = {}
     for mode in (True, False):
-        model = tiny_qwen3_moe()
+        model = tiny_qwen3_moe(intermediate=256)  # gate/up read 128 features, down 256
         linearize_experts(model, calibrate_all=mode)
         modifier = GPTQModifier(scheme="W8A16", ignore=["lm_head"])
         modifier.validate(model)
         plan = make_plan(model, [modifier], num_samples=4, seq_len=16, batch_size=1, sequential_targets=None,
                          tracing_ignore=[])  # fmt: skip
         hessians[mode] = max(row.hessians for row in plan.rows)
-    one = 128 * 128 * 4  # every quantized module here reads 128 features
-    # per layer: q/k/v, o, gate/up (shared by the 8 experts or one per expert), 8 down projections
-    assert hessians == {True: (2 + 1 + 8) * one, False: (2 + 8 + 8) * one}
+    # per layer: the attention's (the plan keys them by parent and width: one), gate/up's (shared by the 8
+    # experts, or one per expert) and 8 down projections'
+    one, down = 128 * 128 * 4, 8 * 256 * 256 * 4
+    assert hessians == {True: 1 * one + one + down, False: 1 * one + 8 * one + down}
