@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -64,10 +65,13 @@ def test_linearized_experts_compute_what_fused_ones_do(arch: str) -> None:
     assert not any(isinstance(m, LinearExperts) for m in model.modules())
 
 
-def test_expert_names_follow_the_original_checkpoint() -> None:
-    """Mixtral's checkpoints call the projections w1/w3/w2 (transformers' conversions say so)."""
+def test_expert_names_follow_the_original_checkpoint(caplog: pytest.LogCaptureFixture) -> None:
+    """Mixtral's checkpoints call the projections w1/w3/w2 (transformers' conversions say so); GPT-OSS stores
+    its experts fused, so a per-expert quantized checkpoint is one transformers cannot load: said loudly."""
+    caplog.set_level(logging.WARNING, logger="seqcal")
     mixtral = ARCHS["mixtral"].build()
     linearize_experts(mixtral)
+    assert "fused in its own checkpoints" not in caplog.text
     names = {n for n, m in mixtral.named_modules() if isinstance(m, torch.nn.Linear)}
     assert {"model.layers.0.mlp.experts.3.w1", "model.layers.0.mlp.experts.3.w3",
             "model.layers.0.mlp.experts.3.w2"} <= names  # fmt: skip
@@ -75,6 +79,7 @@ def test_expert_names_follow_the_original_checkpoint() -> None:
     expert = gpt_oss.model.layers[0].mlp.experts
     gate_up, bias = expert.gate_up_proj[2].detach().clone(), expert.gate_up_proj_bias[2].detach().clone()
     linearize_experts(gpt_oss)
+    assert "GptOssForCausalLM stores its experts fused in its own checkpoints" in caplog.text
     linear = gpt_oss.model.layers[0].mlp.experts.get_submodule("2")
     # GPT-OSS stores [H, 2I] transposed with gate and up interleaved by column
     assert torch.equal(linear.gate_proj.weight, gate_up[:, 0::2].T) and torch.equal(

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -27,9 +28,12 @@ from seqcal.experts.layout import (
     checkpoint_names,
     experts_layout,
     fused_modules,
+    per_expert_on_disk,
     weight_conversions,
 )
 from seqcal.experts.modules import ExpertMLP, LinearExperts
+
+logger = logging.getLogger("seqcal")
 
 __all__ = [
     "ExpertsLayout",
@@ -84,6 +88,7 @@ def linearize_experts(model: nn.Module, calibrate_all: bool = True) -> Linearize
     """
     handle = Linearized(model)
     conversions = None  # transformers' weight conversions, read once (they walk every module)
+    fused_on_disk = []
     for name, module in list(model.named_modules()):
         if isinstance(module, LinearExperts):
             module.calibrate_all = calibrate_all
@@ -93,10 +98,19 @@ def linearize_experts(model: nn.Module, calibrate_all: bool = True) -> Linearize
         if layout is None:
             continue
         conversions = weight_conversions(model) if conversions is None else conversions
+        if not per_expert_on_disk(conversions, name, layout.first):
+            fused_on_disk.append(name)
         layout = experts_layout(module, checkpoint_names(conversions, name, layout.has_gate))
         linear = _linearize(module, layout, calibrate_all)  # type: ignore[arg-type]
         _set_module(model, name, linear)
         handle.replaced[name] = linear
+    if fused_on_disk:
+        first = f"{fused_on_disk[0]}.{{i}}.{handle.replaced[fused_on_disk[0]].layout.names[0]}"
+        logger.warning(
+            "seqcal: %s stores its experts fused in its own checkpoints; the quantized checkpoint stores them per "
+            "expert (%s, ...), which transformers cannot load into this architecture's fused experts",
+            type(model).__name__, first,
+        )  # fmt: skip
     return handle
 
 

@@ -171,6 +171,16 @@ def checkpoint_names(conversions: list, module_name: str, has_gate: bool) -> tup
     return names[0], names[1], names[2]
 
 
+def per_expert_on_disk(conversions: list, module_name: str, first: str) -> bool:
+    """Whether transformers fuses ``{module_name}.{first}`` from per-expert checkpoint tensors when loading
+    (then it also reads a per-expert quantized checkpoint back); False: its checkpoints store it fused."""
+    return any(
+        f"{module_name}.{first}".endswith(t.lstrip(".^"))
+        for conv in conversions
+        for t in conv.target_patterns
+    )
+
+
 def fused_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """Modules holding stacked projection weights ([E, out, in]) that are not torch's own (convolutions).
 
