@@ -63,6 +63,7 @@ def test_linearized_experts_compute_what_fused_ones_do(arch: str) -> None:
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert not any(isinstance(m, LinearExperts) for m in model.modules())
+    assert all(p.requires_grad for p in model.parameters())  # as transformers built them
 
 
 def test_expert_names_follow_the_original_checkpoint(caplog: pytest.LogCaptureFixture) -> None:
@@ -221,7 +222,7 @@ def test_all_experts_calibration_is_not_worse_than_routed() -> None:
         with torch.no_grad():
             got, want = model(input_ids=held_out).logits, reference(input_ids=held_out).logits
         errors[mode] = ((got - want).norm() / want.norm()).item()
-    assert errors[True] <= errors[False] * 1.001, errors
+    assert errors[True] <= errors[False], errors
 
 
 def test_moe_calibrate_all_experts_on_the_command_line(tmp_path: Path) -> None:

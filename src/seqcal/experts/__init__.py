@@ -63,7 +63,7 @@ class Linearized:
         for name, linear in self.replaced.items():
             fused = linear.fused
             for pname, value in _fuse(linear).items():
-                fused.register_parameter(pname, nn.Parameter(value, requires_grad=False))
+                fused.register_parameter(pname, nn.Parameter(value, requires_grad=linear.requires_grad))
             _set_module(self.model, name, fused)
         self.replaced.clear()
 
@@ -117,6 +117,7 @@ def linearize_experts(model: nn.Module, calibrate_all: bool = True) -> Linearize
 def _linearize(fused: nn.Module, layout: ExpertsLayout, calibrate_all: bool) -> LinearExperts:
     params = {n: fused.get_parameter(n) for n in layout.fused_parameters()}
     linear = LinearExperts(fused, layout, calibrate_all)
+    linear.requires_grad = params[layout.first].requires_grad  # given back by restore()
     for e in range(layout.num_experts):
         views = layout.expert_weights(params, e)
         copies = {leaf: {kind: _own(v) for kind, v in tensors.items()} for leaf, tensors in views.items()}
