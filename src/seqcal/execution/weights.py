@@ -6,6 +6,9 @@ safetensors files (memory-mapped reads: only what is asked for is paged in). The
 subgraph's parameters to the execution device, runs it, and releases them again. Weights a modifier changed
 are kept in the store's overrides until they are written to the output checkpoint.
 
+Fused MoE experts become per-expert Linears on meta first (``seqcal.experts``): the store then reads each
+expert's tensors under its checkpoint name, or one expert's slice of a tensor the checkpoint stores fused.
+
 A per-module safety hook onloads, for the duration of one call, any parameter still on meta when a module
 runs (e.g. from code run opaquely that the partitioner could not attribute to a subgraph), so a missed
 attribution costs time, never correctness.
