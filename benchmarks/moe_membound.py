@@ -1,4 +1,4 @@
-"""Memory bound for MoE: GPTQ W4A16 of a synthetic ~1.1B-parameter Qwen3-MoE (64 experts) read from disk.
+"""Memory bound for MoE: GPTQ W4A16 of a synthetic ~1.1B-parameter Qwen3-MoE read from disk.
 
 Writes a random bf16 checkpoint shard by shard in transformers' own per-expert layout
 (``mlp.experts.{i}.gate_proj.weight``, never the whole model in RAM), then runs ``oneshot`` on the directory
@@ -6,7 +6,7 @@ Writes a random bf16 checkpoint shard by shard in transformers' own per-expert l
 the size on disk (the bound for dense models: at most one third), and how many expert weights came out
 quantized.
 
-Usage: .venv/bin/python benchmarks/moe_membound.py [--layers 10] [--samples 4] [--seq 128]
+Usage: .venv/bin/python benchmarks/moe_membound.py [--layers 10] [--experts 64] [--samples 4] [--seq 128]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ print(f"seconds {time.perf_counter() - start:.1f}")
 """
 
 
-def write_checkpoint(path: Path, layers: int) -> int:
+def write_checkpoint(path: Path, layers: int, experts: int) -> int:
     """A random bf16 Qwen3-MoE checkpoint, per-expert tensors, ~512 MB shards; returns its size in bytes."""
-    config = Qwen3MoeConfig(hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048, num_experts=64,
+    config = Qwen3MoeConfig(hidden_size=1024, moe_intermediate_size=512, intermediate_size=2048, num_experts=experts,
                             num_experts_per_tok=4, num_hidden_layers=layers, num_attention_heads=8,
                             num_key_value_heads=4, head_dim=128, vocab_size=32000, torch_dtype="bfloat16")  # fmt: skip
     with torch.device("meta"):
@@ -76,15 +76,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     args = parser.parse_args()
-    model, out = WORK / f"synthetic-qwen3moe-{args.layers}L", WORK / f"out-qwen3moe-{args.layers}L"
+    tag = f"{args.layers}L-{args.experts}E"
+    model, out = WORK / f"synthetic-qwen3moe-{tag}", WORK / f"out-qwen3moe-{tag}"
     start = time.perf_counter()
     if (model / "model.safetensors.index.json").exists():
         size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     else:
-        size = write_checkpoint(model, args.layers)
+        size = write_checkpoint(model, args.layers, args.experts)
     print(f"checkpoint: {size / 2 / 1e9:.2f}B params, {size / 1e9:.2f} GB bf16 on disk "
           f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
     cmd = [
@@ -110,7 +112,7 @@ def main() -> None:
     for file in out.glob("*.safetensors"):
         with safe_open(str(file), framework="pt") as f:
             packed += [k for k in f.keys() if ".experts." in k and k.endswith("weight_packed")]
-    print(f"quantized expert weights: {len(packed)} of {args.layers * 64 * 3}")
+    print(f"quantized expert weights: {len(packed)} of {args.layers * args.experts * 3}")
 
 
 if __name__ == "__main__":
