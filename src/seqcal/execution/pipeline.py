@@ -231,7 +231,7 @@ def one_pass_subgraphs(
         return None
     # Only modules inside the layer stacks that the layer cut would trace around (the text decoder's
     # layers): the code between them is what the zoo checks; a vision tower traced module by module is not.
-    routed = routed_experts(model, wanted)  # called in a loop over the tokens each expert is routed
+    routed = routed_experts(model, sorted(wanted))  # called in a loop over the tokens each expert is routed
     if routed:
         logger.info("seqcal: cutting at layers, not before each module (MoE experts such as %s run in a "
                     "data-dependent loop; their layer is calibrated whole)", routed[0])  # fmt: skip
