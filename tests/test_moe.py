@@ -288,3 +288,17 @@ def test_plan_counts_one_gate_up_hessian_per_layer_with_all_experts() -> None:
     # experts, or one per expert) and 8 down projections'
     one, down = 128 * 128 * 4, 8 * 256 * 256 * 4
     assert hessians == {True: 1 * one + one + down, False: 1 * one + 8 * one + down}
+
+
+def test_one_pass_cut_declines_for_routed_experts(caplog: pytest.LogCaptureFixture) -> None:
+    """Experts run in a loop over their routed tokens: the pipeline cuts at layers, and says why."""
+    from seqcal.execution.pipeline import one_pass_subgraphs
+
+    caplog.set_level(logging.INFO, logger="seqcal")
+    model = tiny_qwen3_moe(experts=4)
+    linearize_experts(model)
+    modifier = GPTQModifier(scheme="W8A16", ignore=["lm_head"])
+    modifier.validate(model)
+    sample = {"input_ids": torch.tensor([data(1, 8)[0]["input_ids"]]), "use_cache": False}
+    assert one_pass_subgraphs(model, sample, [modifier], PipelineArgs()) is None
+    assert "model.layers.0.mlp.experts.0.down_proj run in a data-dependent loop" in caplog.text
