@@ -239,6 +239,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
         one_pass=not args.layer_cut, trace_into=args.trace_into, verify=not args.no_verify, text_column=args.text_column, splits=args.splits,
         dataset_config_name=args.dataset_config_name, shuffle_calibration_samples=args.shuffle,
+        moe_calibrate_all_experts=args.moe_calibrate_all_experts,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir:
@@ -319,6 +320,9 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--layer-cut", action="store_true",
                      help="cut after each layer (a calibration and a propagation pass per layer) instead of "
                           "before each group of quantized modules (one pass)")  # fmt: skip
+    one.add_argument("--moe-calibrate-all-experts", action=argparse.BooleanOptionalAction, default=True,
+                     help="MoE models: every expert sees every token during calibration (routing still gives "
+                          "the layer output); --no-moe-calibrate-all-experts: only the tokens routed to it")  # fmt: skip
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     one.add_argument("--profile", default=None, metavar="TRACE.json",
                      help="write a Chrome trace of time and memory per stage (open in ui.perfetto.dev)")  # fmt: skip

@@ -15,6 +15,7 @@ from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
+from seqcal.experts import linearize_experts
 from seqcal.input_checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
 from seqcal.llmc_compat import needs_translation as needs_llmc_translation
 from seqcal.llmc_compat import translate as translate_llmc_kwargs
@@ -139,6 +140,7 @@ def oneshot(
     model_revision: str | None = None,
     trace_into: str | list[str] | None = None,
     verify: bool = True,
+    moe_calibrate_all_experts: bool = True,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -194,6 +196,10 @@ def oneshot(
             unlike the calibration batch (another size and length, left padding) and compare their outputs.
             A one-pass cut that differs falls back to the layer cut, a layer cut that differs to layer-by-layer
             capture when the layers form a chain, else the run stops with where they differ. False skips it.
+        moe_calibrate_all_experts: mixture-of-experts models: during calibration every routed expert sees
+            every token of its layer (its Hessian is not starved by the router), while the layer's output
+            keeps the real routing. False: each expert sees only the tokens routed to it; one that gets none
+            is quantized round-to-nearest (the log and report list it).
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left); for a directory with ``output_dir``,
@@ -217,6 +223,9 @@ def oneshot(
     check_output_dir(out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume)
     loaded, tok, store = load_model(model_args, offload_weights=_offload_weights(model_args, pipe_args,
                                                                                  output_dir, dry_run))  # fmt: skip
+    # Fused MoE experts become per-expert Linears for the run (recipes reach them by their checkpoint names);
+    # the returned model has its fused experts back. After an error it keeps the Linears (same outputs).
+    experts = linearize_experts(loaded, calibrate_all=moe_calibrate_all_experts)
     parsed.validate(loaded)
     if dry_run or max_device_memory is not None:
         plan = make_plan(
@@ -226,6 +235,7 @@ def oneshot(
             max_device_memory=parse_bytes(max_device_memory), one_pass=pipe_args.one_pass,
         )  # fmt: skip
         if dry_run:
+            experts.restore()
             return plan
         for note in plan.notes:
             logger.warning("seqcal: %s", note)
@@ -259,6 +269,7 @@ def oneshot(
                     save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
                                     overwrite=out_args.overwrite)  # fmt: skip
             write_error_report(state.report, out_args.output_dir)
+    experts.restore()
     return loaded
 
 

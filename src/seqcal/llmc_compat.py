@@ -52,6 +52,8 @@ ALIASES: dict[str, str] = {
     "processor": "tokenizer",  # a tokenizer/processor object, or a directory or Hub id to load it from
     "precision": "dtype",  # "auto", "float32", "bfloat16", "float16"
     "dataset_path": "dataset",  # a local json/csv/... file; seqcal's dataset takes paths too
+    # earlier releases: True replaced MoE blocks by ones that send every token to every expert
+    "calibrate_moe_context": "moe_calibrate_all_experts",
 }
 
 # keyword -> {llm-compressor value: seqcal value}
@@ -131,16 +133,6 @@ RULES: dict[str, Rule] = {
     ),
     "min_tokens_per_module": Rule(
         None, "in llm-compressor it only sets when to warn about rarely routed MoE experts"
-    ),
-    "moe_calibrate_all_experts": Rule(
-        None,
-        "seqcal calibrates each MoE expert on the tokens its router sends it; "
-        "on a model without experts the setting does nothing",
-    ),
-    "calibrate_moe_context": Rule(
-        None,
-        "seqcal calibrates each MoE expert on the tokens its router sends it; "
-        "on a model without experts the setting does nothing",
     ),
     # ---- pipeline arguments (DatasetArguments in llm-compressor)
     "sequential_offload_device": Rule(

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from seqcal.execution.weights import params_under
+from seqcal.experts import shared_expert_inputs
+from seqcal.modifiers.gptq import SOLVE_COPIES, SOLVE_MAX_BYTES
 from seqcal.tracing.partition import Subgraph
 
 # Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
@@ -100,11 +102,12 @@ def _solve_groups(
     """
     groups: dict[tuple[str, int], list[int]] = {}
     prefixes = tuple(m + "." for m in sg.modules)
+    shared = shared_expert_inputs(model)
     for name, module in model.named_modules():
         if name not in quantized:
             continue
         if name in sg.targets if sg.target_inputs else (name in sg.modules or name.startswith(prefixes)):
-            key = (name.rpartition(".")[0], module.in_features)
+            key = (shared.get(name, name.rpartition(".")[0]), module.in_features)
             groups.setdefault(key, []).append(module.out_features)
     return groups
 
@@ -118,7 +121,8 @@ def _solve_bytes(groups: dict[tuple[str, int], list[int]], dtype_bytes: int) -> 
     """Temporaries of the largest GPTQ solve of ``_solve_groups`` beyond its Hessian and weights."""
     peak = 0
     for (_, n_in), outs in groups.items():
-        n_out = sum(outs)  # modules sharing a Hessian are stacked into one solve
+        # modules sharing a Hessian are stacked into one solve, in chunks of at most SOLVE_MAX_BYTES
+        n_out = min(sum(outs), max(max(outs), SOLVE_MAX_BYTES // (SOLVE_COPIES * n_in * 4)))
         inverse = 2 * n_in**2 * 4  # dampened copy / Cholesky factor / triangular solve: two beside H
         # H^-1 factor + W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype
         # (the relative output error that follows works on row chunks: less than this)

@@ -24,6 +24,7 @@ from seqcal.execution.weights import (
     safety_hooks,
     stage_in_memory,
 )
+from seqcal.experts import routed_experts
 from seqcal.modifiers import RunState
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
@@ -247,6 +248,11 @@ def one_pass_subgraphs(
         return None
     # Only modules inside the layer stacks that the layer cut would trace around (the text decoder's
     # layers): the code between them is what the zoo checks; a vision tower traced module by module is not.
+    routed = routed_experts(model, sorted(wanted))  # called in a loop over the tokens each expert is routed
+    if routed:
+        logger.info("seqcal: cutting at layers, not before each module (MoE experts such as %s run in a "
+                    "data-dependent loop; their layer is calibrated whole)", routed[0])  # fmt: skip
+        return None
     layers = tuple(f"{layer}." for layer in infer_candidates(model).values())
     outside = sorted(n for n in wanted if not n.startswith(layers))
     if not layers or outside:

@@ -6,6 +6,9 @@ safetensors files (memory-mapped reads: only what is asked for is paged in). The
 subgraph's parameters to the execution device, runs it, and releases them again. Weights a modifier changed
 are kept in the store's overrides until they are written to the output checkpoint.
 
+Fused MoE experts become per-expert Linears on meta first (``seqcal.experts``): the store then reads each
+expert's tensors under its checkpoint name, or one expert's slice of a tensor the checkpoint stores fused.
+
 A per-module safety hook onloads, for the duration of one call, any parameter still on meta when a module
 runs (e.g. from code run opaquely that the partitioner could not attribute to a subgraph), so a missed
 attribution costs time, never correctness.
@@ -17,7 +20,7 @@ import contextlib
 import ctypes
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,8 @@ class WeightStore:
     aliases: dict[str, str] = field(default_factory=dict)  # tied parameter -> the name stored on disk
     overrides: dict[str, torch.Tensor] = field(default_factory=dict)
     dtype: torch.dtype | None = None
+    # parameter -> (stored key, reader of its part): one expert of a tensor the checkpoint stores fused
+    views: dict[str, tuple[str, Callable[[Any], torch.Tensor]]] = field(default_factory=dict)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype | None = None) -> WeightStore:
@@ -55,7 +60,7 @@ class WeightStore:
         return cls(files=files, dtype=dtype)
 
     def has(self, name: str) -> bool:
-        return name in self.overrides or self.aliases.get(name, name) in self.files
+        return name in self.overrides or name in self.views or self.aliases.get(name, name) in self.files
 
     def read(self, name: str) -> torch.Tensor:
         """The current value of parameter ``name`` on cpu (an override, else read from its file)."""
@@ -63,10 +68,15 @@ class WeightStore:
         for key in (name, stored):
             if key in self.overrides:
                 return self.overrides[key]
-        if stored not in self.files:
+        if name in self.views:
+            stored, part = self.views[name]
+            with safe_open(self.files[stored], framework="pt") as f:
+                tensor = part(f.get_slice(stored))
+        elif stored not in self.files:
             raise KeyError(f"parameter {name!r} is not in the checkpoint (looked for {stored!r})")
-        with safe_open(self.files[stored], framework="pt") as f:
-            tensor = f.get_tensor(stored)
+        else:
+            with safe_open(self.files[stored], framework="pt") as f:
+                tensor = f.get_tensor(stored)
         return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
 
 
@@ -95,6 +105,7 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # tied parameters become one object, found below under the name on disk
     store = WeightStore.from_checkpoint(path, dtype=dtype)
+    _map_experts(model, store)
     params = dict(model.named_parameters(remove_duplicate=False))
     # tied parameters share one object; a name absent from the files reads it under the stored name
     store.aliases.update({n: first for n, first in _tied_names(model).items() if not store.has(n)})
@@ -104,6 +115,17 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
             f"{path}: checkpoint lacks parameters {missing[:5]}; is it the model's own checkpoint?"
         )
     return model.eval(), store
+
+
+def _map_experts(model: torch.nn.Module, store: WeightStore) -> None:
+    """Fused experts become per-expert Linears on meta, read per expert (seqcal.experts.store)."""
+    from seqcal.experts import linearize_experts
+    from seqcal.experts.store import map_experts
+
+    if linearize_experts(model).replaced:
+        aliases, views = map_experts(model, lambda key: key in store.files)
+        store.aliases.update(aliases)
+        store.views.update(views)
 
 
 def stage_in_memory(model: torch.nn.Module) -> WeightStore:

@@ -23,6 +23,10 @@ from seqcal.tracing.partition import Subgraph
 
 # "group"/"dynamic" ordering (g_idx in the checkpoint) was removed from compressed-tensors and vLLM.
 ACTORDERS = (None, "static", "weight")
+# Modules sharing a Hessian are solved stacked, at most this many bytes of float32 working copies at once
+# (SOLVE_COPIES of the stacked [rows, in] weight: W, Q, codes, errors), so the device holds one chunk.
+SOLVE_MAX_BYTES = 256 << 20
+SOLVE_COPIES = 4
 
 
 @dataclass
@@ -139,6 +143,8 @@ class GPTQModifier(QuantizationModifier):
         mask = state.token_mask
         if mask is not None and X.dim() == 3 and tuple(mask.shape) == tuple(X.shape[:2]):
             X = X[mask.to(X.device, torch.bool)]  # padding tokens carry no signal
+        elif mask is not None and X.dim() == 2 and X.shape[0] == mask.numel():
+            X = X[mask.reshape(-1).to(X.device, torch.bool)]  # flattened tokens (MoE experts fed every token)
         if acc.H is None:  # the CPU's matmul is compute-bound: update only the upper triangle's blocks
             acc.upper = X.device.type == "cpu"
         acc.H, acc.n = accumulate_hessian(
@@ -159,17 +165,20 @@ class GPTQModifier(QuantizationModifier):
             per_row = quant_kwargs(self.modules[name])["strategy"] != "tensor"
             key = (id(acc), repr(self.modules[name])) if per_row else (id(acc), name)
             solved.setdefault(key, []).append(name)
+            state.module_errors.setdefault(name, {})["tokens"] = acc.n
             if acc.upper:
                 acc.upper = False
                 symmetrize_upper(acc.H)
             self._hessians[key] = acc.H
         for key, group in solved.items():
-            start = time.perf_counter()
-            with _one_intra_op_thread():
-                self._solve(group, model, self._hessians.pop(key), state)
-            seconds = (time.perf_counter() - start) / len(group)
-            for name in group:
-                state.module_errors.setdefault(name, {})["gptq_seconds"] = seconds
+            H = self._hessians.pop(key)
+            for chunk in _chunks(group, model, SOLVE_MAX_BYTES):
+                start = time.perf_counter()
+                with _one_intra_op_thread():
+                    self._solve(chunk, model, H, state)
+                seconds = (time.perf_counter() - start) / len(chunk)
+                for name in chunk:
+                    state.module_errors.setdefault(name, {})["gptq_seconds"] = seconds
         return bool(names)
 
     def _solve(self, names: list[str], model: torch.nn.Module, H: torch.Tensor, state: RunState) -> None:
@@ -223,6 +232,23 @@ def _one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _chunks(names: list[str], model: torch.nn.Module, max_bytes: int) -> list[list[str]]:
+    """Split modules solved with one Hessian (the experts of a layer fed every token share it) into chunks
+    whose stacked solve stays under ``max_bytes``: W, Q, the codes and the error rows are each [rows, in]
+    float32, so a layer with hundreds of experts is not stacked on the device at once."""
+    chunks: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        rows, cols = model.get_submodule(name).weight.shape
+        need = SOLVE_COPIES * rows * cols * 4
+        if chunks[-1] and used + need > max_bytes:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(name)
+        used += need
+    return chunks
 
 
 def _splitter(rows: list[int]) -> Any:

@@ -165,7 +165,35 @@ def resolve_modules(
             if matches_target(module, name, group.targets):
                 found[name] = group
                 break
+    _refuse_fused(model, [t for g in groups.values() for t in g.targets], ignore, where)
     return found
+
+
+def _refuse_fused(model: torch.nn.Module, targets: list[str], ignore: Sequence[str], where: str) -> None:
+    """DESIGN invariant 9: weights of 3+ dimensions the targets reach (fused experts seqcal could not take
+    apart into Linears) would be saved in full precision; refuse before any work instead of saying nothing.
+
+    The targets reach such a module when they select every Linear (its weights play that part), or when a
+    class or ``re:`` pattern matches the module or one of its parameters.
+    """
+    from seqcal.experts import fused_modules  # the experts package imports nothing from here
+
+    reached = []
+    for name, module in fused_modules(model):
+        if matches_target(module, name, ignore):
+            continue
+        params = [f"{name}.{p}" for p, t in module.named_parameters(recurse=False) if t.dim() >= 3]
+        if "Linear" in targets or any(matches_target(module, n, targets) for n in [name, *params]):
+            reached.append((name, module, params))
+    if reached:
+        name, module, params = reached[0]
+        shapes = ", ".join(f"{p.rsplit('.', 1)[-1]} {list(model.get_parameter(p).shape)}" for p in params)
+        pattern = re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(name))
+        raise ValueError(
+            f"{where}: {len(reached)} module(s) hold fused weights of 3+ dimensions that seqcal cannot quantize, "
+            f"e.g. {name} ({type(module).__name__}: {shapes}); the recipe's targets {targets} reach them and "
+            f"they would be saved in full precision; to keep them so knowingly, add 're:{pattern}$' to ignore"
+        )
 
 
 def _check_patterns(
