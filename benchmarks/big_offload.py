@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -45,20 +46,22 @@ def write_checkpoint(path: Path, layers: int, vocab_size: int = 32000) -> int:
                          num_key_value_heads=4, vocab_size=vocab_size, torch_dtype="bfloat16")  # fmt: skip
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)
+    return write_random_checkpoint(path, config, {n: p.shape for n, p in skeleton.named_parameters()})
+
+
+def write_random_checkpoint(path: Path, config: Any, shapes: dict[str, torch.Size]) -> int:
+    """``config`` and random bf16 tensors of ``shapes`` (norms 1, the rest N(0, 0.02)) in ~512 MB safetensors
+    shards with their index, under the checkpoint names ``shapes`` gives; returns the bytes written."""
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
     g = torch.Generator().manual_seed(0)
     shard: dict[str, torch.Tensor] = {}
     weight_map, shards, size, total = {}, 0, 0, 0
-    names = [n for n, _ in skeleton.named_parameters()]
-    for i, name in enumerate(names):
-        p = skeleton.get_parameter(name)
-        value = (
-            torch.ones(p.shape) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02
-        )
+    for i, (name, shape) in enumerate(shapes.items()):
+        value = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=g) * 0.02
         shard[name] = value.to(torch.bfloat16)
         size += shard[name].numel() * 2
-        if size > 512 * 1024**2 or i == len(names) - 1:
+        if size > 512 * 1024**2 or i == len(shapes) - 1:
             file = f"model-{shards:05d}.safetensors"
             save_file(shard, str(path / file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))

@@ -12,15 +12,14 @@ Usage: .venv/bin/python benchmarks/moe_membound.py [--layers 10] [--experts 64] 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from big_offload import write_random_checkpoint
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,24 +50,7 @@ def write_checkpoint(path: Path, layers: int, experts: int) -> int:
     linearize_experts(skeleton)  # per-expert parameters, under the names transformers' save gives them
     params = dict(skeleton.named_parameters())
     keys = checkpoint_keys(skeleton, list(params))
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    shard: dict[str, torch.Tensor] = {}
-    weight_map, shards, size, total = {}, 0, 0, 0
-    for i, (name, p) in enumerate(params.items()):
-        norm = name.endswith("norm.weight")
-        value = torch.ones(p.shape) if norm else torch.randn(p.shape, generator=g) * 0.02
-        shard[keys[name]] = value.to(torch.bfloat16)
-        size += p.numel() * 2
-        if size > 512 * 1024**2 or i == len(params) - 1:
-            file = f"model-{shards:05d}.safetensors"
-            save_file(shard, str(path / file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-            shards, total, shard, size = shards + 1, total + size, {}, 0
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    return total
+    return write_random_checkpoint(path, config, {keys[name]: p.shape for name, p in params.items()})
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from autozoo import AutoArch, build, candidates, family, make_inputs
+from seqcal.tracing.verify import output_tensors
 
 STATUSES = ("ok", "count-wrong", "mismatch", "runtime-error", "refused", "no-eager", "no-tiny-build")
 TOLERANCE = 1e-5
@@ -88,25 +89,9 @@ def location(exc: BaseException) -> str:
     return f"{os.path.basename(frame.filename)}:{frame.lineno}"
 
 
-def _tensors(value: Any, prefix: str = "out") -> dict[str, torch.Tensor]:
-    """The tensors of a model output (ModelOutput, tuple, dict) by path; caches and None are skipped."""
-    if isinstance(value, torch.Tensor):
-        return {prefix: value}
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (tuple, list)):
-        items = enumerate(value)
-    else:
-        return {}
-    found: dict[str, torch.Tensor] = {}
-    for key, item in items:
-        found.update(_tensors(item, f"{prefix}.{key}"))
-    return found
-
-
 def compare(got: Any, want: Any) -> tuple[float, str]:
     """(worst diff / scale, '' or what differs) over every output tensor; NaNs must sit in the same places."""
-    got_t, want_t = _tensors(got), _tensors(want)
+    got_t, want_t = output_tensors(got), output_tensors(want)
     if got_t.keys() != want_t.keys():
         return float("inf"), f"output structure differs: {sorted(got_t)} vs {sorted(want_t)}"
     if not want_t:

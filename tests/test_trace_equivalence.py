@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from seqcal import TracingError, trace_subgraphs
+from seqcal.tracing.verify import output_tensors
 from zoo import ARCHS, ArchSpec
 
 # Architectures seqcal cannot partition yet. Each must fail loudly, naming the model source line.
@@ -23,24 +24,8 @@ SUPPORTED = sorted(set(ARCHS) - set(UNSUPPORTED))
 TRACES = {"layers": None, "full": "all"}  # id -> trace_into
 
 
-def _tensors(value: Any, prefix: str = "out") -> dict[str, torch.Tensor]:
-    """Flatten the tensors of a model output (ModelOutput, tuple, dict); caches and None are skipped."""
-    if isinstance(value, torch.Tensor):
-        return {prefix: value}
-    if isinstance(value, dict):  # ModelOutput is an OrderedDict
-        items = value.items()
-    elif isinstance(value, (tuple, list)):
-        items = enumerate(value)
-    else:
-        return {}
-    found: dict[str, torch.Tensor] = {}
-    for key, item in items:
-        found.update(_tensors(item, f"{prefix}.{key}"))
-    return found
-
-
 def assert_same_outputs(got: Any, want: Any) -> None:
-    got_t, want_t = _tensors(got), _tensors(want)
+    got_t, want_t = output_tensors(got), output_tensors(want)
     assert got_t.keys() == want_t.keys(), f"output structure differs: {got_t.keys()} vs {want_t.keys()}"
     assert want_t, "the model output holds no tensor to compare"
     for key, ref in want_t.items():

@@ -177,7 +177,11 @@ def verify_partition(
     made = check_sample(sample, _pad_id(subgraphs.model))
     check, what = made if made is not None else (dict(sample), "the trace sample itself")
     device = device or _device(subgraphs.model)
-    check = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in check.items()}
+
+    def on_device(inputs: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    check = on_device(check)
     onloading = onloading or contextlib.nullcontext
     try:
         with onloading():
@@ -188,10 +192,7 @@ def verify_partition(
         logger.info(
             "seqcal: the model's forward rejects the check sample (%s): checking on the trace sample", exc
         )
-        check, what = (
-            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample.items()},
-            "the trace sample",
-        )
+        check, what = on_device(sample), "the trace sample"
         with onloading():
             want = _eager(subgraphs.model, check)
     try:
@@ -258,23 +259,32 @@ def _partitioned(
     return result
 
 
-def _leaves(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """(path, leaf) pairs of a model output: ModelOutput fields, tuples, lists, dicts."""
+def output_tensors(value: Any, path: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of a model output (ModelOutput fields, tuples, lists, dicts) by path; caches and None skipped.
+
+    Example:
+        >>> sorted(output_tensors({"logits": torch.zeros(1), "past": (torch.zeros(1), None)}))
+        ['logits', 'past[0]']
+    """
+    if isinstance(value, torch.Tensor):
+        return {path or "output": value}
     if isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _leaves(item, f"{path}.{key}" if path else str(key))
+        items = [(f"{path}.{key}" if path else str(key), item) for key, item in value.items()]
     elif isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            yield from _leaves(item, f"{path}[{i}]")
-    elif isinstance(value, torch.Tensor):
-        yield path or "output", value
+        items = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+    else:
+        return {}
+    found: dict[str, torch.Tensor] = {}
+    for key, item in items:
+        found.update(output_tensors(item, key))
+    return found
 
 
 def _compare(got: Any, want: Any) -> tuple[str, float] | None:
     """The output leaf that differs most (over the tolerance), or None; a missing leaf counts as differing."""
-    mine = dict(_leaves(got))
+    mine = output_tensors(got)
     worst: tuple[str, float] | None = None
-    for path, ref in _leaves(want):
+    for path, ref in output_tensors(want).items():
         if not ref.is_floating_point():
             same = path in mine and mine[path].shape == ref.shape and torch.equal(mine[path].cpu(), ref.cpu())
             error = 0.0 if same else float("inf")
@@ -303,7 +313,7 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def _first(value: Any) -> torch.Tensor | None:
-    return next((leaf for _, leaf in _leaves(value) if leaf.is_floating_point()), None)
+    return next((leaf for leaf in output_tensors(value).values() if leaf.is_floating_point()), None)
 
 
 @contextlib.contextmanager
