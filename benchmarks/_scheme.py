@@ -1,6 +1,9 @@
 """The quantization scheme both benchmark runners use (they run in different venvs, so no seqcal import)."""
 
-# W4A16 symmetric, group size 64 (SmolLM2's hidden size 576 is not a multiple of 128), as compressed-tensors
-# config_groups.
+import os
+
+# W4A16 symmetric, group size 64 by default (SmolLM2's hidden size 576 is not a multiple of 128), as
+# compressed-tensors config_groups. SEQCAL_BENCH_GROUP_SIZE changes the group size for both runners at once.
+GROUP_SIZE = int(os.environ.get("SEQCAL_BENCH_GROUP_SIZE", "64"))
 SCHEME = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                         "strategy": "group", "group_size": 64}}}  # fmt: skip
+                                                         "strategy": "group", "group_size": GROUP_SIZE}}}  # fmt: skip

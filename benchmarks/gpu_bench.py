@@ -9,6 +9,9 @@ Each tool runs in its own process; the table gives wall time, the tool's own tim
 Usage (benchmarks/gpu_check.sh runs it on the device machine):
     python benchmarks/gpu_bench.py --config-dir DIR --out results.json \\
         [--seqcal-python PY --seqcal-path P] [--peer-python PY --peer-path P] [--runs a,b] [--samples N]
+        [--seq N] [--group-size G] [--reuse]
+
+benchmarks/gpu_1b.sh runs it on a Llama-architecture model of about 1B parameters (GPTQ W4A16 g128, 256 x 2048).
 """
 
 from __future__ import annotations
@@ -35,15 +38,26 @@ RUNS = {
 }
 
 
+# Shapes other than the carried config's: "1b" is Llama 3.2 1B's (16 layers of 2048 -> 8192, 32 heads, 8 KV heads),
+# keeping SmolLM2's vocabulary so that its carried tokenizer fits: 1.07B parameters.
+SHAPES = {
+    "config": {},
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 64, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+}  # fmt: skip
+
+
 def build_model(
-    config_dir: Path, work: Path, layers: int | None, samples: int, seq: int
+    config_dir: Path, work: Path, layers: int | None, samples: int, seq: int, shape: str = "config"
 ) -> tuple[Path, Path]:
-    """Random-weight bf16 model of ``config_dir``'s architecture, plus random calibration tokens."""
+    """Random-weight bf16 model of ``config_dir``'s architecture (resized to ``shape``), plus random tokens."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_dir)
+    for key, value in SHAPES[shape].items():
+        setattr(config, key, value)
     if layers is not None:
         config.num_hidden_layers = layers
     torch.manual_seed(0)
@@ -92,9 +106,20 @@ def main() -> None:
     parser.add_argument("--peer-python", default=sys.executable)
     parser.add_argument("--peer-path", default="")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per run")
+    parser.add_argument("--shape", choices=list(SHAPES), default="config", help="resize the carried config")
+    parser.add_argument("--group-size", type=int, default=64, help="W4A16 group size of both tools")
+    parser.add_argument("--reuse", action="store_true", help="keep a model and tokens built by an earlier call")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    model, tokens = build_model(args.config_dir, args.work, args.layers, args.samples, args.seq)
+    os.environ["SEQCAL_BENCH_GROUP_SIZE"] = str(args.group_size)  # read by benchmarks/_scheme.py in each child
+    built = args.work / "built.json"
+    wanted = {"config": str(args.config_dir.resolve()), "layers": args.layers, "samples": args.samples,
+              "seq": args.seq, "shape": args.shape}  # fmt: skip
+    if args.reuse and built.is_file() and json.loads(built.read_text()) == wanted:
+        model, tokens = args.work / "model", args.work / "tokens.safetensors"
+    else:
+        model, tokens = build_model(args.config_dir, args.work, args.layers, args.samples, args.seq, args.shape)
+        built.write_text(json.dumps(wanted))
     rows = []
     for name in args.runs.split(","):
         peer = name.startswith("llmc")

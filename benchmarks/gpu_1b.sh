@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# seqcal vs llm-compressor 0.14 on a GPU at the size users calibrate: a Llama-architecture model of 1.07B
+# parameters (random bf16 weights), GPTQ W4A16 g128, 256 x 2048 random tokens, both tools at their defaults.
+# One tool per call, so each call fits a device command's time limit; the second call reuses the model and
+# tokens the first one built when the machine is still the same:
+#   bash benchmarks/gpu_1b.sh seqcal-profile [--cuda-tests]     then     bash benchmarks/gpu_1b.sh llmc
+# Wheels and the carried SmolLM2 config/tokenizer come from benchmarks/gpu_prepare.sh (.whl/, .gpu/).
+set -u
+RUNS=${1:?which runs: seqcal, seqcal-profile, llmc, ... (benchmarks/gpu_bench.py RUNS)}
+OUT=${OUT:-/tmp/seqcal-gpu-out}
+mkdir -p "$OUT"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$OUT/env.txt"
+install() {  # as in gpu_check.sh; skipped where an earlier call on this machine installed it
+  local target=$1; shift
+  [ -d "$target" ] && return
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$target" "$@" \
+    >>"$OUT/install.log" 2>&1 || echo "install into $target failed (see install.log)"
+}
+install /tmp/seqcal-site .whl/common/*.whl .whl/seqcal/*.whl .whl/peer/datasets-*.whl .whl/peer/dill-*.whl \
+  .whl/peer/multiprocess-*.whl
+install /tmp/peer-site .whl/common/*.whl .whl/peer/*.whl
+SEQ=/tmp/seqcal-site:$PWD/src
+if [ "${2:-}" = "--cuda-tests" ]; then
+  echo "== tests/test_cuda.py"
+  PYTHONPATH=$SEQ timeout ${CUDA_TEST_SECONDS:-90} $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+    | tee "$OUT/test_cuda.log" | tail -8
+fi
+echo "== $RUNS on the 1B model"
+PYTHONPATH=$SEQ $PY benchmarks/gpu_bench.py --config-dir .gpu/tok --shape 1b --samples 256 --seq 2048 \
+  --group-size 128 --reuse --work /tmp/seqcal-gpu-1b --out "$OUT/gpu_1b_${RUNS//,/_}.json" --runs "$RUNS" \
+  --seqcal-path "$SEQ" --peer-path /tmp/peer-site --timeout ${RUN_SECONDS:-240} 2>&1 | tee "$OUT/bench_1b.log" | tail -4
+cp /tmp/seqcal-gpu-1b/*.log "$OUT/" 2>/dev/null
+cp /tmp/seqcal-gpu-1b/seqcal.trace.json "$OUT/seqcal-1b.trace.json" 2>/dev/null
+exit 0
