@@ -155,3 +155,48 @@ def test_model_in_ram_runs_on_cuda_and_comes_back(tmp_path: Path) -> None:
     with torch.no_grad():  # the weights in the returned model are the checkpoint's
         want = reload(tmp_path / "ram", dequantize=True)(input_ids=ids).logits
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_hessian_on_tensor_cores_is_the_float32_one(dtype: torch.dtype) -> None:
+    """bf16/fp16 inputs take the tensor-core path (exact products, float32 accumulation), in place in H, and
+    give the float64 reference's Hessian up to float32 summation order, over batches of different sizes."""
+    from seqcal.algorithms.hessian import _half_tensor_cores, accumulate_hessian
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batches = [torch.randn(n, 512, device="cuda", generator=g).to(dtype) for n in (300, 1000, 77)]
+    probe = torch.zeros(512, 512, device="cuda")
+    assert _half_tensor_cores(probe, batches[0], 0.0, 1.0), "the torch on this machine lacks addmm out_dtype"
+    H, n = accumulate_hessian(None, batches[0], 0)
+    first = H
+    for X in batches[1:]:
+        H, n = accumulate_hessian(H, X, n)
+    assert first is H and H.dtype == torch.float32  # updated in place, never reallocated
+    X64 = torch.cat(batches).double()
+    ref = 2 / n * X64.T @ X64
+    assert (H.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    H32, _ = accumulate_hessian(None, torch.cat(batches).float(), 0)  # the float32 CUDA-core path
+    assert (H.double() - H32.double()).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("kind", ["symmetric", "asymmetric", "fp8"])
+def test_gptq_column_loop_as_cuda_graph_equals_the_eager_loop(kind: str, monkeypatch) -> None:
+    """Full blocks replayed as one CUDA graph each give the eager loop's codes, weights and loss bit for bit
+    (same kernels on the same values), with a remainder block and group scales crossing blocks."""
+    import seqcal.algorithms.columns as columns
+    from seqcal.algorithms.gptq import gptq_quantize
+    from seqcal.algorithms.hessian import accumulate_hessian
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    X = torch.randn(2048, 3 * 128 + 64, device="cuda", generator=g)
+    H, _ = accumulate_hessian(None, X, 0)
+    W = torch.randn(300, X.shape[1], device="cuda", generator=g)
+    kw = {"symmetric": dict(group_size=64), "asymmetric": dict(group_size=64, symmetric=False),
+          "fp8": dict(num_bits=8, type="float", strategy="channel", group_size=None)}[kind]  # fmt: skip
+    results = {}
+    for graphs in (False, True):
+        monkeypatch.setattr(columns, "CUDA_GRAPHS", graphs)
+        results[graphs] = gptq_quantize(W, H, block_size=128, **kw)
+    eager, graphed = results[False], results[True]
+    assert torch.equal(eager.q.float(), graphed.q.float()) and torch.equal(eager.Q, graphed.Q)
+    assert eager.loss == graphed.loss and torch.equal(eager.scale, graphed.scale)

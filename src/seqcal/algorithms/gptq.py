@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from seqcal.algorithms.columns import quantize_columns
 from seqcal.algorithms.quant import (
     STRATEGIES,
     QuantType,
@@ -195,57 +196,6 @@ def _weight_and_qparams(
     return W32.T.contiguous(), scale, zero_point, col_group, g_idx
 
 
-# Columns updated eagerly (rank-1) inside a block; the rest of the block gets one matmul per sub-block.
-# Same algebra as GPTQ's lazy batch update applied one level down: the rank-1 updates touch 16 columns
-# instead of up to block_size, which is what bounded the loop by memory bandwidth on CPU.
-SUB_BLOCK = 16
-
-
-def _quantize_columns(
-    WT: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The GPTQ column loop (paper Alg. 1) on ``WT = W^T`` [in, out] float32, which it overwrites.
-
-    ``scale``/``zero`` are float32 ``[out or 1, G]``; ``qrange = (qmin, qmax, is_fp8)``.
-    Works on ``W^T`` so that a column of W is a contiguous row, and blocks twice (``block_size``, then
-    ``SUB_BLOCK``) so that rank-1 updates stay small; everything else is a matmul.
-    Returns ``(QT, codes, row_loss)`` in processing order: QT ``[in, out]`` float32 (in ``WT``'s memory),
-    codes ``[out, in]`` int8 or fp8, row_loss ``[out]`` (the objective summed over columns, per output row).
-    """
-    qmin, qmax, is_fp8 = qrange
-    n_in, n_out = WT.shape
-    CT = torch.empty_like(WT)  # [in, out] codes, as floats until the end
-    groups = col_group.tolist()  # plain ints: cheap indexing in the per-column loop
-    scaleT, zeroT = scale.T.contiguous(), zero.T.contiguous()  # [G, out or 1]
-    losses = torch.zeros(n_out, dtype=torch.float32, device=WT.device)
-    for i1 in range(0, n_in, block_size):
-        i2 = min(i1 + block_size, n_in)
-        W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
-        Err1 = torch.empty_like(W1)  # [B, out]: scaled errors
-        Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
-        for j1 in range(0, i2 - i1, SUB_BLOCK):
-            j2 = min(j1 + SUB_BLOCK, i2 - i1)
-            for i in range(j1, j2):
-                w, g = W1[i], groups[i1 + i]
-                s, z = scaleT[g], zeroT[g]  # [out] or [1]
-                c = torch.clamp(w / s + z, qmin, qmax)  # same op order as quant.fake_quantize
-                c = c.to(torch.float8_e4m3fn).float() if is_fp8 else c.round_()
-                CT[i1 + i] = c
-                err = w - (c - z) * s  # [out]
-                err.div_(Hinv1[i, i])
-                W1[i:j2].addr_(Hinv1[i, i:j2], err, alpha=-1)  # OBS update inside the sub-block
-                Err1[i] = err
-            W1[j2:].addmm_(Hinv1[j1:j2, j2:].T, Err1[j1:j2], alpha=-1)  # rest of the block, at once
-        losses += (Err1 * Err1).sum(0)
-        WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks
-    codes = CT.T.to(torch.float8_e4m3fn if is_fp8 else torch.int8)
-    cols = col_group.to(WT.device)
-    for i1 in range(0, n_in, block_size):  # WT is spent: dequantize into it, a block of rows at a time
-        i2, g = min(i1 + block_size, n_in), cols[i1 : i1 + block_size]
-        torch.sub(CT[i1:i2], zeroT[g], out=WT[i1:i2]).mul_(scaleT[g])  # exactly the per-column dequantization
-    return WT, codes, losses / 2
-
-
 def gptq_quantize(
     W: Tensor,
     H: Tensor,
@@ -318,7 +268,7 @@ def gptq_quantize(
     scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
     zero32 = zero_point.float().reshape(scale32.shape)
     qrange = (*quant_range(num_bits, type), type == "float")
-    QT, codes, row_loss = _quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange)
+    QT, codes, row_loss = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange)
     del WT, Hinv
     Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
     del QT

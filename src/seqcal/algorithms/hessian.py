@@ -34,7 +34,8 @@ def accumulate_hessian(
         X: layer inputs ``[..., in]``; any leading dims are tokens.
         n_seen: tokens already averaged into ``H``.
         product_dtype: dtype of this batch's ``X^T X`` matmul. float32 (default) is exact up to float32
-            rounding; bfloat16 (for bf16 activations, whose products are exact) uses the bf16 matmul units
+            rounding (on CUDA, bf16/fp16 inputs run on the half-precision tensor cores with float32
+            accumulation, which is the same: their products are exact); bfloat16 (for bf16 activations, whose products are exact) uses the bf16 matmul units
             with float32 accumulation inside and rounds only the batch's partial sum, which ``H`` then
             accumulates in float32.
         upper: update only the block rows' parts on and right of the diagonal (``k`` blocks of
@@ -62,6 +63,8 @@ def accumulate_hessian(
     if m == 0:
         return H, n_seen
     n = n_seen + m
+    if product_dtype == torch.float32 and not upper and _half_tensor_cores(H, X, n_seen / n, 2 / n):
+        return H, n
     H.mul_(n_seen / n)
     d = X.shape[1]
     blocks = [(i, min(i + UPPER_BLOCK, d)) for i in range(0, d, UPPER_BLOCK)] if upper else [(0, d)]
@@ -75,6 +78,24 @@ def accumulate_hessian(
     for i0, i1 in blocks:
         H[i0:i1, i0:].addmm_(Xs[:, i0:i1].T, Xs[:, i0:])  # [i1 - i0, in - i0], in place in H's rows
     return H, n
+
+
+def _half_tensor_cores(H: Tensor, X: Tensor, beta: float, alpha: float) -> bool:
+    """``H = beta H + alpha X^T X`` on the half-precision tensor cores of a CUDA device, exactly; False if not.
+
+    The products of two bf16 (or two fp16) values are exact in float32, so a half-precision matmul that
+    accumulates and writes float32 (aten::addmm.dtype_out, CUDA only) equals the float32 matmul up to summation
+    order, at 8-16x the rate of float32 CUDA cores (on an H100, 1.65 s -> a fraction for one down_proj Hessian
+    of 524k tokens). It writes into ``H`` in place: no [in, in] temporary. Anything else (CPU, float32 inputs,
+    a torch without the op) returns False and the caller takes the float32 path.
+    """
+    if X.device.type != "cuda" or H.device != X.device or X.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        torch.addmm(H, X.T, X, out_dtype=torch.float32, beta=beta, alpha=alpha, out=H)
+    except (TypeError, NotImplementedError, RuntimeError):  # torch before out_dtype, or a device without it
+        return False
+    return True
 
 
 def symmetrize_upper(H: Tensor) -> Tensor:

@@ -1,0 +1,167 @@
+"""GPTQ's column loop (paper Alg. 1, with lazy batch updates, Sec. 3.4) on the transposed weight.
+
+Kept apart from ``gptq.py`` because it is the hot loop: thousands of tiny tensor ops per module. On a CPU
+their cost is Python and dispatch; on a GPU it is kernel launches (the GPU idles between them), so there a
+full block's loop is captured once as a CUDA graph and replayed for every block (:class:`BlockGraph`): the
+same kernels on the same values, hence the same result, one launch per block instead of ~7 per column.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Columns updated eagerly (rank-1) inside a block; the rest of the block gets one matmul per sub-block.
+# Same algebra as GPTQ's lazy batch update applied one level down: the rank-1 updates touch 16 columns
+# instead of up to block_size, which is what bounded the loop by memory bandwidth on CPU.
+SUB_BLOCK = 16
+
+# Replay full blocks as CUDA graphs on CUDA devices (the tests compare both paths; set False to compare).
+CUDA_GRAPHS = True
+
+
+def quantize_columns(
+    WT: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The GPTQ column loop on ``WT = W^T`` [in, out] float32, which it overwrites.
+
+    Works on ``W^T`` so that a column of W is a contiguous row, and blocks twice (``block_size``, then
+    ``SUB_BLOCK``) so that rank-1 updates stay small; everything else is a matmul.
+
+    Args:
+        WT: the weight transposed, in processing order, float32 ``[in, out]`` (overwritten).
+        Hinv: upper Cholesky factor of the inverse Hessian in processing order ``[in, in]``.
+        scale, zero: float32 qparams ``[out or 1, G]``.
+        col_group: ``[in]`` the qparam column of each processed column.
+        block_size: columns per lazy-update block.
+        qrange: ``(qmin, qmax, is_fp8)``.
+
+    Returns:
+        ``(QT, codes, row_loss)`` in processing order: QT ``[in, out]`` float32 (in ``WT``'s memory), codes
+        ``[out, in]`` int8 or fp8, row_loss ``[out]`` (the objective summed over columns, per output row).
+
+    Example:
+        >>> WT, Hinv = torch.randn(8, 4), torch.eye(8)
+        >>> s, z = torch.full((4, 1), 0.5), torch.zeros(4, 1)
+        >>> QT, codes, loss = quantize_columns(WT, Hinv, s, z, torch.zeros(8, dtype=torch.long), 4, (-8, 7, False))
+        >>> codes.shape, codes.dtype
+        (torch.Size([4, 8]), torch.int8)
+    """
+    n_in, n_out = WT.shape
+    is_fp8 = qrange[2]
+    CT = torch.empty_like(WT)  # [in, out] codes, as floats until the end
+    groups = col_group.tolist()  # plain ints: cheap indexing in the per-column loop
+    scaleT, zeroT = scale.T.contiguous(), zero.T.contiguous()  # [G, out or 1]
+    symmetric = not bool(zeroT.any())  # then the zero point adds and subtracts nothing: skip those kernels
+    gidx = col_group.to(WT.device)
+    graph = None
+    if CUDA_GRAPHS and WT.is_cuda and n_in >= 2 * block_size:
+        graph = BlockGraph(block_size, n_out, scaleT.shape[1], WT.device, qrange, symmetric)
+    losses = torch.zeros(n_out, dtype=torch.float32, device=WT.device)
+    for i1 in range(0, n_in, block_size):
+        i2 = min(i1 + block_size, n_in)
+        Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
+        if graph is not None and i2 - i1 == block_size:
+            C1, Err1 = graph.run(WT[i1:i2], Hinv1, scaleT[gidx[i1:i2]], zeroT[gidx[i1:i2]])
+            CT[i1:i2] = C1
+        else:
+            W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
+            Err1 = torch.empty_like(W1)  # [B, out]: scaled errors
+            rows = [(scaleT[g], zeroT[g]) for g in groups[i1:i2]]
+            column_block(W1, CT[i1:i2], Err1, Hinv1, rows, qrange, symmetric)
+        losses += (Err1 * Err1).sum(0)
+        WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks
+    codes = CT.T.to(torch.float8_e4m3fn if is_fp8 else torch.int8)
+    for i1 in range(0, n_in, block_size):  # WT is spent: dequantize into it, a block of rows at a time
+        i2, g = min(i1 + block_size, n_in), gidx[i1 : i1 + block_size]
+        torch.sub(CT[i1:i2], zeroT[g], out=WT[i1:i2]).mul_(scaleT[g])  # exactly the per-column dequantization
+    return WT, codes, losses / 2
+
+
+def column_block(
+    W1: Tensor, C1: Tensor, Err1: Tensor, Hinv1: Tensor, qparams: list, qrange: tuple, symmetric: bool
+) -> None:
+    """Quantize one block's columns in order, spreading each one's error over the block's later columns.
+
+    ``W1`` [B, out] the block (updated in place), ``C1`` / ``Err1`` [B, out] receive the codes (as floats) and
+    the scaled errors, ``Hinv1`` [B, B] the block's part of the inverse factor, ``qparams`` one ``(scale,
+    zero)`` pair of [out] or [1] rows per column. Each column costs 7 small kernels (9 with a zero point, one
+    more for fp8), all writing into preallocated rows: no allocation, so the loop can be captured as a graph.
+    """
+    qmin, qmax, is_fp8 = qrange
+    w_rows, c_rows, e_rows = W1.unbind(0), C1.unbind(0), Err1.unbind(0)
+    B = W1.shape[0]
+    for j1 in range(0, B, SUB_BLOCK):
+        j2 = min(j1 + SUB_BLOCK, B)
+        for i in range(j1, j2):
+            w, c, err = w_rows[i], c_rows[i], e_rows[i]
+            s, z = qparams[i]
+            # same op order as quant.fake_quantize: c = round(clamp(w / s + z)); err = w - (c - z) * s
+            if symmetric:
+                torch.div(w, s, out=c)
+            else:
+                torch.addcdiv(z, w, s, out=c)  # z + 1 * (w / s): the product by 1 is exact
+            c.clamp_(qmin, qmax)
+            if is_fp8:
+                c.copy_(c.to(torch.float8_e4m3fn))
+            else:
+                c.round_()
+            if symmetric:
+                torch.mul(c, s, out=err)
+            else:
+                torch.sub(c, z, out=err).mul_(s)
+            torch.sub(w, err, out=err)
+            err.div_(Hinv1[i, i])
+            W1[i:j2].addr_(Hinv1[i, i:j2], err, alpha=-1)  # OBS update inside the sub-block
+        W1[j2:].addmm_(Hinv1[j1:j2, j2:].T, Err1[j1:j2], alpha=-1)  # rest of the block, at once
+
+
+class BlockGraph:
+    """:func:`column_block` for full blocks of one shape, captured once as a CUDA graph, replayed per block.
+
+    Inputs are copied into fixed buffers before each replay and the outputs read from fixed buffers after it
+    (a graph replays the same addresses). The first call runs the loop eagerly on a side stream (warm-up, as
+    CUDA graph capture requires; its result is that block's result) and then captures it.
+    """
+
+    def __init__(
+        self, rows: int, cols: int, qcols: int, device: torch.device, qrange: tuple, symmetric: bool
+    ):
+        def buf(*shape: int) -> Tensor:
+            return torch.empty(*shape, dtype=torch.float32, device=device)
+
+        self.W1, self.C1, self.Err1, self.Hinv1 = (
+            buf(rows, cols),
+            buf(rows, cols),
+            buf(rows, cols),
+            buf(rows, rows),
+        )
+        self.S, self.Z = buf(rows, qcols), buf(rows, qcols)  # the qparam row of each column of the block
+        self.qrange, self.symmetric, self.device = qrange, symmetric, device
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _loop(self) -> None:
+        qparams = list(zip(self.S.unbind(0), self.Z.unbind(0)))
+        column_block(self.W1, self.C1, self.Err1, self.Hinv1, qparams, self.qrange, self.symmetric)
+
+    def run(self, W1: Tensor, Hinv1: Tensor, S: Tensor, Z: Tensor) -> tuple[Tensor, Tensor]:
+        """One block: ``W1`` [B, out], ``Hinv1`` [B, B], ``S``/``Z`` [B, out or 1] -> (codes, errors) buffers,
+        valid until the next call."""
+        self.W1.copy_(W1)
+        self.Hinv1.copy_(Hinv1)
+        self.S.copy_(S)
+        self.Z.copy_(Z)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.C1, self.Err1
+        stream = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            self._loop()  # warm-up: this block's real result
+        stream.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # records the kernels without running them: the buffers keep the result
+            self._loop()
+        self.graph = graph
+        return self.C1, self.Err1
