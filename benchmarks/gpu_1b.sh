@@ -3,7 +3,7 @@
 # parameters (random bf16 weights), GPTQ W4A16 g128, 256 x 2048 random tokens, both tools at their defaults.
 # One tool per call, so each call fits a device command's time limit; the second call reuses the model and
 # tokens the first one built when the machine is still the same:
-#   bash benchmarks/gpu_1b.sh seqcal-profile [--cuda-tests]     then     bash benchmarks/gpu_1b.sh llmc
+#   bash benchmarks/gpu_1b.sh seqcal-profile [--cuda-tests | --solve]     then     bash benchmarks/gpu_1b.sh llmc
 # Wheels and the carried SmolLM2 config/tokenizer come from benchmarks/gpu_prepare.sh (.whl/, .gpu/).
 set -u
 RUNS=${1:?which runs: seqcal, seqcal-profile, llmc, ... (benchmarks/gpu_bench.py RUNS)}
@@ -22,6 +22,9 @@ install /tmp/seqcal-site .whl/common/*.whl .whl/seqcal/*.whl .whl/peer/datasets-
   .whl/peer/multiprocess-*.whl
 install /tmp/peer-site .whl/common/*.whl .whl/peer/*.whl
 SEQ=/tmp/seqcal-site:$PWD/src
+if [ "${2:-}" = "--solve" ]; then  # the Hessian and GPTQ-solve kernels alone, old and new (seconds)
+  PYTHONPATH=$SEQ timeout ${SOLVE_SECONDS:-90} $PY benchmarks/gpu_solve.py 2>&1 | tee "$OUT/gpu_solve.txt"
+fi
 if [ "${2:-}" = "--cuda-tests" ]; then
   echo "== tests/test_cuda.py"
   PYTHONPATH=$SEQ timeout ${CUDA_TEST_SECONDS:-90} $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \

@@ -108,17 +108,23 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=240, help="seconds per run")
     parser.add_argument("--shape", choices=list(SHAPES), default="config", help="resize the carried config")
     parser.add_argument("--group-size", type=int, default=64, help="W4A16 group size of both tools")
-    parser.add_argument("--reuse", action="store_true", help="keep a model and tokens built by an earlier call")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep a model and tokens built by an earlier call"
+    )
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    os.environ["SEQCAL_BENCH_GROUP_SIZE"] = str(args.group_size)  # read by benchmarks/_scheme.py in each child
+    os.environ["SEQCAL_BENCH_GROUP_SIZE"] = str(
+        args.group_size
+    )  # read by benchmarks/_scheme.py in each child
     built = args.work / "built.json"
     wanted = {"config": str(args.config_dir.resolve()), "layers": args.layers, "samples": args.samples,
               "seq": args.seq, "shape": args.shape}  # fmt: skip
     if args.reuse and built.is_file() and json.loads(built.read_text()) == wanted:
         model, tokens = args.work / "model", args.work / "tokens.safetensors"
     else:
-        model, tokens = build_model(args.config_dir, args.work, args.layers, args.samples, args.seq, args.shape)
+        model, tokens = build_model(
+            args.config_dir, args.work, args.layers, args.samples, args.seq, args.shape
+        )
         built.write_text(json.dumps(wanted))
     rows = []
     for name in args.runs.split(","):

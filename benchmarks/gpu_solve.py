@@ -6,6 +6,7 @@
    replayed as one CUDA graph per block; peak device memory of each solve.
 
 Usage: python benchmarks/gpu_solve.py [--device cuda]   (on a CPU it runs, but both rows time the CPU paths)
+On a GPU machine: ``bash benchmarks/gpu_1b.sh seqcal --solve`` runs it with the carried wheels first.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def time_solves(device: torch.device) -> None:
         print(f"solve {label}: eager {times[False]:.3f} s, graphs {times[True]:.3f} s "
               f"({times[False] / times[True]:.1f}x), codes equal {same}, solve peak MiB {peaks[False]:.0f} / "
               f"{peaks[True]:.0f}")  # fmt: skip
-    columns.CUDA_GRAPHS = True
+    columns.CUDA_GRAPHS = False
 
 
 def main() -> None:

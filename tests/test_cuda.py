@@ -194,7 +194,7 @@ def test_gptq_column_loop_as_cuda_graph_equals_the_eager_loop(kind: str, monkeyp
     kw = {"symmetric": dict(group_size=64), "asymmetric": dict(group_size=64, symmetric=False),
           "fp8": dict(num_bits=8, type="float", strategy="channel", group_size=None)}[kind]  # fmt: skip
     results = {}
-    for graphs in (False, True):
+    for graphs in (False, True):  # the graphed path is opt-in: compare it explicitly
         monkeypatch.setattr(columns, "CUDA_GRAPHS", graphs)
         results[graphs] = gptq_quantize(W, H, block_size=128, **kw)
     eager, graphed = results[False], results[True]

@@ -1,9 +1,10 @@
 """GPTQ's column loop (paper Alg. 1, with lazy batch updates, Sec. 3.4) on the transposed weight.
 
 Kept apart from ``gptq.py`` because it is the hot loop: thousands of tiny tensor ops per module. On a CPU
-their cost is Python and dispatch; on a GPU it is kernel launches (the GPU idles between them), so there a
-full block's loop is captured once as a CUDA graph and replayed for every block (:class:`BlockGraph`): the
-same kernels on the same values, hence the same result, one launch per block instead of ~7 per column.
+their cost is Python and dispatch; on a GPU it is kernel launches (the GPU idles between them). Each column
+is 7 kernels writing in place (11 before). :class:`BlockGraph` captures a full block's loop as a CUDA graph
+and replays it for every block (same kernels on the same values, hence the same result, one launch per
+block); it is off by default (see ``CUDA_GRAPHS``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from torch import Tensor
 # instead of up to block_size, which is what bounded the loop by memory bandwidth on CPU.
 SUB_BLOCK = 16
 
-# Replay full blocks as CUDA graphs on CUDA devices (the tests compare both paths; set False to compare).
-CUDA_GRAPHS = True
+# Replay full blocks as CUDA graphs on CUDA devices: off by default. On an H100 the graphed loop gave the eager
+# loop's codes bit for bit (tests/test_cuda.py), but a whole run with it was slower, not faster (a 1B model's
+# GPTQ did not finish in 150 s, against 100 s eager): each capture through torch.cuda.graph synchronizes, runs
+# gc.collect() and empties the allocator's cache, and every solve captured anew; each warm-up stream also got
+# its own cuBLAS workspace (device memory grew by 0.78 GB on a tiny model). Set True to measure
+# (benchmarks/gpu_solve.py); capturing once per shape without those side effects is the next step.
+CUDA_GRAPHS = False
 
 
 def quantize_columns(
