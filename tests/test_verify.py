@@ -201,3 +201,10 @@ def test_cli_no_verify(tokenized_llama_dir: Path) -> None:
     help_text = subprocess.run([sys.executable, "-m", "seqcal.cli", "oneshot", "--help"], capture_output=True,
                                text=True, timeout=120).stdout  # fmt: skip
     assert "--no-verify" in help_text
+
+
+@pytest.mark.parametrize("name", ["verify", "one_pass"])
+def test_switches_must_be_booleans(name: str) -> None:
+    """A string such as "false" is truthy: it would silently mean True, so it is refused before any work."""
+    with pytest.raises(ValueError, match=f"{name}='false' must be True or False"):
+        oneshot(model=Chain(guard=False), dataset=data(), recipe=RECIPE, **{name: "false"})

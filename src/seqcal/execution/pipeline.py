@@ -74,6 +74,9 @@ class PipelineArgs:
 
     def __post_init__(self) -> None:
         normalize_trace_into(self.trace_into)  # a ValueError that lists what is valid
+        for name in ("one_pass", "verify"):  # a string such as "false" would be truthy and silently mean True
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.pipeline not in PIPELINES:
             raise ValueError(f"pipeline={self.pipeline!r} is not one of {PIPELINES}")
         if self.compute_dtype not in (None, "bfloat16", "float16"):
