@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -10,6 +11,7 @@ import time
 import tracemalloc
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -283,16 +285,22 @@ def test_disabled_profiler_is_a_shared_noop(tmp_path: Path) -> None:
 
 
 def test_disabled_profiler_overhead_is_negligible() -> None:
+    """A disabled span costs about what an empty ``with`` block does (no clock read, no record). Measured against
+    that block in the same process, interleaved, so a busy machine slows both alike (an absolute bound flaked)."""
     prof, n = Profiler(None), 20_000
 
-    def timed() -> float:
+    def timed(make: Any) -> float:
         start = time.perf_counter()
         for _ in range(n):
-            with prof.span("cache", "fetch", subgraph=1):
+            with make():
                 pass
         return (time.perf_counter() - start) / n
 
-    assert min(timed() for _ in range(5)) < 2e-6  # seconds per span: well under one cache fetch
+    span, empty = [], []
+    for _ in range(5):
+        span.append(timed(lambda: prof.span("cache", "fetch", subgraph=1)))
+        empty.append(timed(contextlib.nullcontext))
+    assert min(span) < 3 * min(empty), (min(span), min(empty))
 
 
 # -- error plot ----------------------------------------------------------------------------------------------
