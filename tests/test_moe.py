@@ -143,6 +143,25 @@ def test_offloaded_store_reads_each_expert(arch: str, tmp_path: Path) -> None:
         assert torch.equal(store.read(name), want[name].detach()), name
 
 
+def test_offloaded_jamba_checks_its_partition(tmp_path: Path) -> None:
+    """Jamba's Mamba mixer reads ``dt_proj.bias`` without calling ``dt_proj``: the check of the partition
+    against the model's own forward, on offloaded weights, onloads a whole layer around its call."""
+    ARCHS["jamba"].build().save_pretrained(tmp_path / "src")
+    recipe = """
+GPTQModifier:
+  ignore: [lm_head]
+  config_groups:
+    group_0:
+      targets: [Linear]
+      weights: {num_bits: 4, type: int, symmetric: true, strategy: channel}
+"""
+    oneshot(model=str(tmp_path / "src"), dataset=data(2, 16), recipe=recipe, output_dir=str(tmp_path / "out"))
+    packed = [
+        k for k in checkpoint_tensors(tmp_path / "out") if ".experts." in k and k.endswith("weight_packed")
+    ]
+    assert len(packed) == 4 * 3  # the one MoE layer's 4 experts
+
+
 class StackedExperts(torch.nn.Module):
     """Experts stacked in a 3-D parameter by a class transformers' experts decorator did not build."""
 
