@@ -112,7 +112,8 @@ def test_oneshot_quantizes_every_expert_in_memory_and_offloaded(tmp_path: Path) 
         and changed.norm() / reference["model.layers.1.mlp.experts.down_proj"].norm() < 0.02
     )
     config = json.loads((tmp_path / "a" / "config.json").read_text())["quantization_config"]
-    assert config["ignore"] == ["lm_head"]
+    # the routers are Linear layers in vLLM, which would quantize them unless ignored
+    assert config["ignore"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate", "lm_head"]
 
 
 def test_reload_gives_the_fake_quantized_logits(tmp_path: Path) -> None:
@@ -140,6 +141,25 @@ def test_offloaded_store_reads_each_expert(arch: str, tmp_path: Path) -> None:
     assert names == list(want) and any(".experts.3." in n for n in names)
     for name in names:
         assert torch.equal(store.read(name), want[name].detach()), name
+
+
+def test_offloaded_jamba_checks_its_partition(tmp_path: Path) -> None:
+    """Jamba's Mamba mixer reads ``dt_proj.bias`` without calling ``dt_proj``: the check of the partition
+    against the model's own forward, on offloaded weights, onloads a whole layer around its call."""
+    ARCHS["jamba"].build().save_pretrained(tmp_path / "src")
+    recipe = """
+GPTQModifier:
+  ignore: [lm_head]
+  config_groups:
+    group_0:
+      targets: [Linear]
+      weights: {num_bits: 4, type: int, symmetric: true, strategy: channel}
+"""
+    oneshot(model=str(tmp_path / "src"), dataset=data(2, 16), recipe=recipe, output_dir=str(tmp_path / "out"))
+    packed = [
+        k for k in checkpoint_tensors(tmp_path / "out") if ".experts." in k and k.endswith("weight_packed")
+    ]
+    assert len(packed) == 4 * 3  # the one MoE layer's 4 experts
 
 
 class StackedExperts(torch.nn.Module):

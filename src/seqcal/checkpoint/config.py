@@ -23,6 +23,7 @@ import compressed_tensors
 import torch
 from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, QuantizationStatus
+from compressed_tensors.quantization.quant_config import get_vllm_module_type
 from compressed_tensors.utils.match import is_match, match_named_modules, match_targets
 from torch import Tensor
 
@@ -226,6 +227,15 @@ def _assignment(model: torch.nn.Module, block: dict) -> dict[str, str]:
     }
 
 
+def _loaded_as_linear(module: torch.nn.Module) -> bool:
+    """Whether vLLM builds ``module`` as a Linear layer though transformers does not: a MoE router or gate
+    (``Qwen3MoeTopKRouter``, ``DeepseekV3TopkRouter``: its class name says router, gating or gate). vLLM's
+    compressed-tensors loader quantizes every Linear that ``Linear`` targets and the ignore list does not
+    name, so an unquantized router is listed, as compressed-tensors' ``QuantizationConfig.from_pretrained``
+    (what llm-compressor writes) lists it."""
+    return not isinstance(module, torch.nn.Linear) and get_vllm_module_type(type(module).__name__) == "Linear"
+
+
 def _checked_block(model: torch.nn.Module, state: RunState, layout: ModelLayout) -> dict:
     """The quantization_config whose targets and ignore give exactly ``state.quantized`` on load."""
     modules = dict(model.named_modules())
@@ -240,6 +250,7 @@ def _checked_block(model: torch.nn.Module, state: RunState, layout: ModelLayout)
         if name not in state.quantized
         and (
             isinstance(module, torch.nn.Linear)
+            or _loaded_as_linear(module)
             or (isinstance(module, torch.nn.Embedding) and is_match(name, module, targets))
         )
     ]

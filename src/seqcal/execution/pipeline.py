@@ -23,6 +23,7 @@ from seqcal.execution.weights import (
     restore_in_memory,
     safety_hooks,
     stage_in_memory,
+    targets_onloaded,
 )
 from seqcal.experts import routed_experts
 from seqcal.modifiers import RunState
@@ -310,7 +311,8 @@ def verify_run(
 
         @contextlib.contextmanager
         def onloading() -> Any:
-            with safety_hooks(subgraphs.model, store, device), buffers_on(subgraphs.model, device):
+            with safety_hooks(subgraphs.model, store, device), buffers_on(subgraphs.model, device), \
+                    targets_onloaded(subgraphs.model, store, subgraphs.targets, device):  # fmt: skip
                 yield
 
         @contextlib.contextmanager

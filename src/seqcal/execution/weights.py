@@ -245,6 +245,44 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
 
 
 @contextlib.contextmanager
+def targets_onloaded(
+    model: torch.nn.Module, store: WeightStore, targets: Iterable[str], device: torch.device
+) -> Iterator[None]:
+    """Onload, for one call, every parameter of each target module (a decoder layer) while it runs.
+
+    ``safety_hooks`` onloads a module's own parameters when it runs; a forward that reads a child's
+    parameter without calling the child (Mamba's mixer passes ``dt_proj.bias`` to its scan) would see it on
+    meta. Onloading the whole target around its call covers those, one layer at a time as calibration does.
+
+    Example:
+        >>> with targets_onloaded(model, store, ["model.layers.0"], torch.device("cpu")):  # doctest: +SKIP
+        ...     model(**batch)
+    """
+    onloaded: dict[int, list[str]] = {}
+
+    def pre(prefix: str) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            names = [f"{prefix}.{n}" for n, p in module.named_parameters() if p.device.type == "meta"]
+            onloaded[id(module)] = names
+            onload(model, store, names, device)
+
+        return hook
+
+    def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        offload(model, onloaded.pop(id(module), []))
+
+    handles = []
+    try:
+        for name in targets:
+            module = model.get_submodule(name)
+            handles += [module.register_forward_pre_hook(pre(name)), module.register_forward_hook(post)]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
 def buffers_on(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
     """Move the model's materialised buffers (rotary tables, position ids) to ``device`` for the run.
 
