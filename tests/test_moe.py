@@ -14,7 +14,7 @@ from save_helpers import checkpoint_tensors
 from seqcal.entrypoint import oneshot
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.execution.weights import load_offloaded
-from seqcal.experts import LinearExperts, linearize_experts
+from seqcal.experts import LinearExperts, every_token, linearize_experts
 from seqcal.modifiers import GPTQModifier, QuantizationModifier, RunState
 from zoo import ARCHS
 
@@ -47,7 +47,11 @@ def test_linearized_experts_compute_what_fused_ones_do(arch: str) -> None:
     with torch.no_grad():
         reference = model(**inputs).logits
         handle = linearize_experts(model, calibrate_all=True)
-        every = model(**inputs).logits
+        projections = [
+            n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".experts." in n
+        ]
+        with every_token(model, projections):  # every expert on every token, as while calibrating
+            every = model(**inputs).logits
         for module in handle.replaced.values():
             module.calibrate_all = False
         routed = model(**inputs).logits
@@ -267,28 +271,6 @@ def test_moe_calibrate_all_experts_on_the_command_line(tmp_path: Path) -> None:
     assert starved and all(".mlp.experts." in name for name in starved)
     tokens = [e["tokens"] for n, e in report["modules"].items() if ".experts." in n and "tokens" in e]
     assert tokens and max(tokens) < 16
-
-
-def test_experts_sharing_a_hessian_are_solved_in_chunks_with_the_same_result(monkeypatch) -> None:
-    """A small solve budget splits a layer's gate/up projections (one Hessian in all-experts mode) into
-    several solves; rows are independent given H, so the quantized weights are the same."""
-    import seqcal.modifiers.gptq as gptq
-
-    samples = data(2, 16)
-    whole, _ = _calibrate(True, samples)
-    solves: list[int] = []
-    solve = gptq.GPTQModifier._solve
-
-    def counting(self, names, model, H, state):  # noqa: ANN001, ANN202
-        solves.append(len(names))
-        return solve(self, names, model, H, state)
-
-    monkeypatch.setattr(gptq.GPTQModifier, "_solve", counting)
-    monkeypatch.setattr(gptq, "SOLVE_MAX_BYTES", 3 * gptq.SOLVE_COPIES * 128 * 128 * 4)  # three experts' rows
-    chunked, _ = _calibrate(True, samples)
-    assert max(solves) == 3 and len(solves) > 2 * 2 + 2 * 8  # gate/up of 8 experts in chunks of 3, per layer
-    for (name, a), (_, b) in zip(whole.named_parameters(), chunked.named_parameters()):
-        assert torch.equal(a, b), name
 
 
 def test_plan_counts_one_gate_up_hessian_per_layer_with_all_experts() -> None:

@@ -173,7 +173,8 @@ def oneshot(
         resume: continue an interrupted run in output_dir (same arguments); finished subgraphs are
             replayed from their saved weights, and the checkpoint equals an uninterrupted run's.
         dry_run: read no weight and calibrate nothing: return the MemoryPlan (device/host/disk per subgraph).
-        max_device_memory: bytes or "8GB": picks the cut from the memory plan, limits nothing at run time.
+        max_device_memory: bytes or "8GB": picks the cut from the memory plan and sizes GPTQ's stacked solves
+            (modules sharing a Hessian, such as a layer's experts, solved in chunks that fit; same result).
             A layer whose subgraph would not fit is cut at its children (attention, MLP; logged); the
             one-pass cut is already per module group, so there a subgraph that would not fit is only
             reported in a warning with the fix (smaller batch_size or max_seq_length).
@@ -216,7 +217,7 @@ def oneshot(
         pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
         offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
         cache_max_memory=parse_bytes(cache_max_memory, "cache_max_memory"), cache_dtype=cache_dtype,
-        trace_into=trace_into, verify=verify,
+        trace_into=trace_into, verify=verify, max_device_memory=parse_bytes(max_device_memory),
     )  # fmt: skip
     out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)

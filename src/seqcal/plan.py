@@ -6,7 +6,9 @@ The model is built on the meta device and traced (no weights needed), then per s
               + the larger of: one batch's activations (the values it reads and writes, its widest
               intermediate twice, the fp32 copy of a target's input the Hessian update makes) and the GPTQ
               solve's temporaries (algorithms.gptq: two more [in, in] fp32 matrices, or the inverse factor
-              plus two fp32 copies of the stacked weight, its codes and the modifier's stacked copy)
+              plus two fp32 copies of the stacked weight, its codes and the modifier's stacked copy; modules
+              sharing a Hessian, such as a layer's experts, are stacked in chunks sized from
+              ``max_device_memory``: column ``chunks``, see modifiers.solve_chunks)
     host    = process baseline + activation cache (values alive during the subgraph, for every batch)
               + the save after it (the modules it finished, as written, and a copy of their int8 codes for
               resuming; the checkpoint writer streams tensors to disk and holds none)
@@ -35,7 +37,7 @@ import torch
 
 from seqcal.execution.weights import params_under
 from seqcal.experts import shared_expert_inputs
-from seqcal.modifiers.gptq import SOLVE_COPIES, SOLVE_MAX_BYTES
+from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
 
 # Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
@@ -57,6 +59,8 @@ class SubgraphPlan:
     host_cache: int
     solve: int = 0
     host: int = 0
+    chunks: int = 1  # stacked solves of its largest group of modules sharing a Hessian (solve_chunks)
+    chunk_bytes: int = 0  # the most working bytes one of them may take
 
     @property
     def device_peak(self) -> int:
@@ -80,11 +84,13 @@ class MemoryPlan:
     def table(self) -> str:
         gb = 1024**3
         cols = ("weights", "hessians", "activ.", "solve", "device", "cache", "host")
-        lines = [f"{'#':>3}  {'target':<28} " + " ".join(f"{c:>9}" for c in cols)]
+        lines = [f"{'#':>3}  {'target':<28} " + " ".join(f"{c:>9}" for c in cols) + f" {'chunks':>11}"]
         for r in self.rows:
             target = (r.targets[0] if r.targets else "-")[:28]
             values = (r.weights, r.hessians, r.activations, r.solve, r.device_peak, r.host_cache, r.host)
-            lines.append(f"{r.index:>3}  {target:<28} " + " ".join(f"{v / gb:>8.3f}G" for v in values))
+            chunks = f"{r.chunks}x{r.chunk_bytes / 2**20:.0f}M" if r.chunks > 1 else "1"
+            lines.append(f"{r.index:>3}  {target:<28} " + " ".join(f"{v / gb:>8.3f}G" for v in values)
+                         + f" {chunks:>11}")  # fmt: skip
         lines.append(
             f"peak: device {self.device_peak / gb:.3f} GB, host {self.host_peak / gb:.3f} GB, "
             f"disk {self.disk / gb:.3f} GB"
@@ -117,18 +123,20 @@ def _hessian_bytes(groups: dict[tuple[str, int], list[int]]) -> int:
     return sum(n_in**2 * 4 for _, n_in in groups)
 
 
-def _solve_bytes(groups: dict[tuple[str, int], list[int]], dtype_bytes: int) -> int:
-    """Temporaries of the largest GPTQ solve of ``_solve_groups`` beyond its Hessian and weights."""
-    peak = 0
+def _solve_bytes(groups: dict[tuple[str, int], list[int]], dtype_bytes: int, limit: int) -> tuple[int, int]:
+    """Temporaries of the largest GPTQ solve of ``_solve_groups`` beyond its Hessian and weights, and the
+    most chunks one group is solved in (modules sharing a Hessian are stacked, ``limit`` bytes at most)."""
+    peak, most = 0, 1
     for (_, n_in), outs in groups.items():
-        # modules sharing a Hessian are stacked into one solve, in chunks of at most SOLVE_MAX_BYTES
-        n_out = min(sum(outs), max(max(outs), SOLVE_MAX_BYTES // (SOLVE_COPIES * n_in * 4)))
+        chunks = split_rows(outs, n_in, limit)
+        most = max(most, len(chunks))
+        n_out = max(sum(outs[i] for i in chunk) for chunk in chunks)
         inverse = 2 * n_in**2 * 4  # dampened copy / Cholesky factor / triangular solve: two beside H
         # H^-1 factor + W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype
         # (the relative output error that follows works on row chunks: less than this)
         columns = n_in**2 * 4 + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
         peak = max(peak, inverse, columns)
-    return peak
+    return peak, most
 
 
 @contextlib.contextmanager
@@ -228,6 +236,7 @@ def plan_memory(
     widest: Mapping[int, int] | None = None,
     device_on_host: bool = True,
     resident_weights: int = 0,
+    device_budget: int | None = None,
 ) -> MemoryPlan:
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
@@ -235,6 +244,7 @@ def plan_memory(
         value_bytes / widest: from ``measure_values``; None sizes values from the config instead.
         device_on_host: the execution device is the cpu, so the device's share is resident memory too.
         resident_weights: bytes of weights that stay in RAM all along (a model loaded in RAM, not offloaded).
+        device_budget: max_device_memory; GPTQ's stacked solves are sized from it (``solve_chunks``).
     """
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
@@ -249,6 +259,7 @@ def plan_memory(
     written = _owned_bytes(model, subgraphs, quantized, dtype_bytes, quant_bits)
     inputs = {n for sg in subgraphs for n in sg.inputs} - {n for sg in subgraphs for n in sg.outputs}
     rows, alive = [], sum(size(n) for n in inputs)  # model inputs are cached from the start
+    dense = dense_solve_bytes(model, quantized)
     cache_peak = 0  # bytes of cached activations at most, wherever the cache keeps them
     for sg in subgraphs:
         weights = sum(model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, sg.modules))
@@ -258,12 +269,15 @@ def plan_memory(
         widest_in = max((n_in for _, n_in in groups), default=0)
         # one batch's inputs and outputs, the widest intermediate and its operand, the fp32 Hessian input
         activations = read + made + 2 * wide + tokens * widest_in * 4
-        solve = _solve_bytes(groups, dtype_bytes)
+        hessians = _hessian_bytes(groups)
+        inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)  # the solve's inverse Hessian factor
+        limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
+        solve, chunks = _solve_bytes(groups, dtype_bytes, limit)
         during = 0 if disk_cache else (alive + made) * batches  # outputs are stored before frees are dropped
         alive += made - sum(size(n) for n in sg.frees)
         cache_peak = max(cache_peak, alive * batches)
-        row = SubgraphPlan(sg.index, sg.targets, weights, _hessian_bytes(groups), activations,
-                           0 if disk_cache else alive * batches, solve)  # fmt: skip
+        row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
+                           0 if disk_cache else alive * batches, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
         codes = sum(n_in * sum(outs) for (_, n_in), outs in groups.items())
         save = 2 * written.get(sg.index, 0) + 2 * codes  # tensors as written + the resume file's int8 codes
         row.host = (
@@ -285,8 +299,11 @@ def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str
     if not names:
         return None
     layer = model.get_submodule(names[0])
-    children = sorted({type(c).__name__ for c in layer.children() if any(True for _ in c.parameters())})
-    return children or None
+    children = [c for c in layer.children() if any(True for _ in c.parameters())]
+    # a class also found inside another child (Qwen3's RMSNorm: the layer's norms and the attention's q/k
+    # norms) would give nested targets: it runs between the targets instead
+    nested = {type(m).__name__ for c in children for m in c.modules() if m is not c}
+    return sorted({type(c).__name__ for c in children} - nested) or None
 
 
 def _over_budget(plan: MemoryPlan, max_device_memory: int, why: str) -> str:
@@ -357,7 +374,7 @@ def make_plan(
         plan = plan_memory(model, list(subgraphs), quantized, num_samples=num_samples, seq_len=seq_len,
                            batch_size=batch_size, dtype_bytes=dtype_bytes, quant_bits=bits,
                            disk_cache=disk_cache, value_bytes=values, widest=widest, device_on_host=on_host,
-                           resident_weights=resident)  # fmt: skip
+                           resident_weights=resident, device_budget=max_device_memory)  # fmt: skip
         plan.targets = targets
         if max_device_memory is None or plan.device_peak <= max_device_memory:
             break

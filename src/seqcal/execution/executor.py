@@ -300,6 +300,7 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
             for m in modifiers:
                 stack.enter_context(m.calibrate(sg, runner.model, state))
             _pass(runner, sg, batches, cache, state, full, prof, "calibration")
+        trim_host_memory()  # as in _run_from_inputs: the solve's temporaries on a trimmed heap
         with prof.span("compress", label, subgraph=sg.index):
             changed = [m.compress(sg, runner.model, state) for m in modifiers]
         if not any(changed):

@@ -72,6 +72,9 @@ class PipelineArgs:
     # Check the partition against the model's own forward on a second, differently shaped batch before
     # calibrating (seqcal.tracing.verify). A check, not a setting of the result: left out of the fingerprint.
     verify: bool = field(default=True, repr=False)
+    # Device memory (bytes) the run may use; GPTQ sizes its stacked solves from it. The results do not depend
+    # on it (solves are split by rows), so it is left out of the fingerprint.
+    max_device_memory: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         normalize_trace_into(self.trace_into)  # a ValueError that lists what is valid
@@ -151,7 +154,8 @@ def _run(
     profiler = profiler if profiler is not None else NullProfiler()
     device = _execution_device(model, store)
     state = RunState(
-        device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None
+        device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
+        device_budget=args.max_device_memory,
     )
     for modifier in modifiers:
         modifier.initialize(model, state)

@@ -16,8 +16,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "ExpertsLayout",
     "LinearExperts",
     "Linearized",
+    "every_token",
     "fused_modules",
     "linearize_experts",
     "routed_experts",
@@ -194,3 +196,37 @@ def shared_expert_inputs(model: nn.Module) -> dict[str, str]:
                 {f"{name}.{e}.{leaf}": name for e in range(module.layout.num_experts) for leaf in leaves}
             )
     return out
+
+
+@contextlib.contextmanager
+def every_token(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
+    """All-experts calibration for the block: the ``LinearExperts`` (with ``calibrate_all``) whose expert
+    projections are among ``names`` run every expert on every token, as a modifier accumulating those
+    projections' inputs needs; outside it they run each expert on its routed tokens only (same output).
+
+    Why: the propagation pass after the solve only needs the layer's output, and running every expert on
+    every token costs ``num_experts / top_k`` times the routed compute and its activations.
+
+    Example:
+        >>> with every_token(model, ["model.layers.0.mlp.experts.3.gate_proj"]):  # doctest: +SKIP
+        ...     model(**batch)  # expert 3 (and the others of layer 0) see every token
+    """
+    switched = []
+    for owner in {n.rsplit(".", 2)[0] for n in names if n.count(".") >= 2}:
+        module = model.get_submodule(owner) if _has_module(model, owner) else None
+        if isinstance(module, LinearExperts) and module.calibrate_all and not module.observed:
+            module.observed = True
+            switched.append(module)
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.observed = False
+
+
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True

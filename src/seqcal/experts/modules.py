@@ -8,8 +8,10 @@ expert. Its forward is transformers' eager experts loop on those Linears, with t
 (``_apply_gate``) and activation of the module it replaced, so outputs equal the fused module's.
 
 With ``calibrate_all`` every expert runs on every token of the layer (its modules' inputs then cover all
-tokens), while the layer's output still sums only the routed experts, weighted by the router: what flows
-downstream is unchanged.
+tokens) while a modifier accumulates their inputs (``observed``, set by ``seqcal.experts.every_token``
+for the calibration pass only: the propagation pass and plain forwards run the routed tokens alone), and
+the layer's output still sums only the routed experts, weighted by the router: what flows downstream is
+unchanged.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class LinearExperts(nn.Module):
         fused: the experts module it replaces (kept, without its 3-D parameters, for its gating function,
             activation and config; ``restore`` puts it back).
         layout: how ``fused`` stored the experts.
-        calibrate_all: run every expert on every token (routing still decides the output).
+        calibrate_all: run every expert on every token while ``observed`` (routing still decides the output).
     """
 
     def __init__(self, fused: nn.Module, layout: ExpertsLayout, calibrate_all: bool = True) -> None:
@@ -59,6 +61,7 @@ class LinearExperts(nn.Module):
         object.__setattr__(self, "fused", fused)  # not a child: its parameters are the Linears below now
         self.layout = layout
         self.calibrate_all = calibrate_all
+        self.observed = False  # a modifier is accumulating its experts' inputs (seqcal.experts.every_token)
         if layout.has_post_expert_norm:
             self.post_expert_norm = fused.post_expert_norm
 
@@ -81,9 +84,10 @@ class LinearExperts(nn.Module):
                 *args: object, **kwargs: object) -> torch.Tensor:  # fmt: skip
         """transformers' experts signature: tokens [T, H], chosen experts [T, K], their weights [T, K]."""
         out = torch.zeros_like(hidden_states)
+        every = self.calibrate_all and self.observed
         for e in range(self.layout.num_experts):
             token_idx, top_k_pos = torch.where(top_k_index == e)
-            if self.calibrate_all:
+            if every:
                 y = self._run_expert(self.get_submodule(str(e)), hidden_states)[token_idx]
             elif token_idx.numel():
                 y = self._run_expert(self.get_submodule(str(e)), hidden_states[token_idx])

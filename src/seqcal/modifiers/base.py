@@ -60,6 +60,9 @@ class RunState:
     compute_dtype: torch.dtype | None = (
         None  # autocast dtype of the forward passes (None: the weights' dtype)  # [batch, seq] bool of the batch being run (False = padding)
     )
+    # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
+    # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
+    device_budget: int | None = None
 
 
 class Modifier:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,16 +18,16 @@ from seqcal.algorithms import (
     relative_output_error,
     symmetrize_upper,
 )
+from seqcal.experts import every_token
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
+from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
+
+logger = logging.getLogger("seqcal")
 
 # "group"/"dynamic" ordering (g_idx in the checkpoint) was removed from compressed-tensors and vLLM.
 ACTORDERS = (None, "static", "weight")
-# Modules sharing a Hessian are solved stacked, at most this many bytes of float32 working copies at once
-# (SOLVE_COPIES of the stacked [rows, in] weight: W, Q, codes, errors), so the device holds one chunk.
-SOLVE_MAX_BYTES = 256 << 20
-SOLVE_COPIES = 4
 
 
 @dataclass
@@ -95,6 +96,11 @@ class GPTQModifier(QuantizationModifier):
                 raise ValueError(f"{self.name}: weights.actorder={order!r} is not one of {ACTORDERS}")
         self._acc: dict[str, _Accumulator] = {}
         self._hessians: dict[tuple[int, str], torch.Tensor] = {}
+        self._dense_solve = 0  # bytes of the model's largest solve outside routed experts (solve_chunks)
+
+    def initialize(self, model: torch.nn.Module, state: RunState) -> None:
+        super().initialize(model, state)
+        self._dense_solve = dense_solve_bytes(model, self.modules)
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
@@ -106,7 +112,8 @@ class GPTQModifier(QuantizationModifier):
                 handles.append(
                     model.get_submodule(name).register_forward_pre_hook(self._hook(name, shared, state))
                 )
-            yield
+            with every_token(model, names):  # experts calibrated on all tokens: only while H accumulates
+                yield
         finally:
             for handle in handles:
                 handle.remove()
@@ -170,16 +177,33 @@ class GPTQModifier(QuantizationModifier):
                 acc.upper = False
                 symmetrize_upper(acc.H)
             self._hessians[key] = acc.H
+        limit = self._chunk_limit(subgraph, model, state)
         for key, group in solved.items():
             H = self._hessians.pop(key)
-            for chunk in _chunks(group, model, SOLVE_MAX_BYTES):
+            chunks = _chunks(group, model, limit)
+            if len(chunks) > 1:
+                logger.info("seqcal: %d modules sharing one Hessian (%s, ...) solved in %d chunks of at most "
+                            "%.0f MiB", len(group), group[0], len(chunks), limit / 2**20)  # fmt: skip
+            for chunk in chunks:
                 start = time.perf_counter()
                 with _one_intra_op_thread():
                     self._solve(chunk, model, H, state)
                 seconds = (time.perf_counter() - start) / len(chunk)
                 for name in chunk:
-                    state.module_errors.setdefault(name, {})["gptq_seconds"] = seconds
+                    errors = state.module_errors.setdefault(name, {})
+                    errors["gptq_seconds"], errors["solve_chunks"] = seconds, len(chunks)
         return bool(names)
+
+    def _chunk_limit(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> int:
+        """Bytes one stacked solve of ``subgraph`` may take: from the device budget when the run has one,
+        less the subgraph's weights and this modifier's Hessians (on the device while it solves)."""
+        resident = 0
+        if state.device_budget is not None:
+            params = {id(p): p for m in subgraph.modules for p in model.get_submodule(m).parameters()}
+            resident = sum(p.nbytes for p in params.values() if p.device.type != "meta")
+            hessians = [H.nbytes for H in self._hessians.values()]
+            resident += sum(hessians) + max(hessians, default=0)  # and the solve's inverse factor
+        return chunk_bytes(self._dense_solve, state.device_budget, resident)
 
     def _solve(self, names: list[str], model: torch.nn.Module, H: torch.Tensor, state: RunState) -> None:
         scheme = self.modules[names[0]]
@@ -236,19 +260,11 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 def _chunks(names: list[str], model: torch.nn.Module, max_bytes: int) -> list[list[str]]:
     """Split modules solved with one Hessian (the experts of a layer fed every token share it) into chunks
-    whose stacked solve stays under ``max_bytes``: W, Q, the codes and the error rows are each [rows, in]
-    float32, so a layer with hundreds of experts is not stacked on the device at once."""
-    chunks: list[list[str]] = [[]]
-    used = 0
-    for name in names:
-        rows, cols = model.get_submodule(name).weight.shape
-        need = SOLVE_COPIES * rows * cols * 4
-        if chunks[-1] and used + need > max_bytes:
-            chunks.append([])
-            used = 0
-        chunks[-1].append(name)
-        used += need
-    return chunks
+    whose stacked solve stays under ``max_bytes`` (``solve_chunks``), so that a layer with hundreds of
+    experts is not stacked on the device at once."""
+    weights = [model.get_submodule(n).weight for n in names]
+    n_in = weights[0].shape[1]
+    return [[names[i] for i in chunk] for chunk in split_rows([w.shape[0] for w in weights], n_in, max_bytes)]
 
 
 def _splitter(rows: list[int]) -> Any:

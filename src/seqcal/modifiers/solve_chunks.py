@@ -1,0 +1,103 @@
+"""How many modules sharing one Hessian go into one stacked GPTQ solve: chunks sized from the memory budget.
+
+Rows of a weight are solved independently given H, so the modules reading one input (q/k/v, gate/up, and in
+all-experts calibration the gate/up projections of every expert of a layer) are stacked into one solve. The
+solve holds ``SOLVE_COPIES`` float32 copies of the stacked ``[rows, in]`` weight; a layer of 128-384
+experts stacked at once would hold gigabytes. The stack is therefore cut into chunks of at most
+``chunk_bytes`` (the result is the same: rows are independent):
+
+- with a device budget (``max_device_memory``): what the subgraph leaves of it while it solves (its
+  weights and Hessians stay on the device meanwhile);
+- without one: the largest stacked solve of the model's modules outside routed experts (its attention's
+  q/k/v, a dense MLP's gate/up), so that the experts add nothing to the peak the dense parts set already;
+
+both kept within ``[SOLVE_MIN_BYTES, SOLVE_MAX_BYTES]``. A single module larger than the chunk is solved
+alone. ``seqcal plan`` shows the chunks of each subgraph; the run logs them and reports them per module.
+
+Example:
+    >>> chunk_bytes(dense=32 << 20)  # a model whose q/k/v solve takes 32 MiB
+    33554432
+    >>> chunk_bytes(dense=32 << 20, budget=8 << 30, resident=7 << 30)  # 1 GiB left of an 8 GiB device
+    268435456
+    >>> chunk_bytes(dense=32 << 20, budget=8 << 30, resident=(8 << 30) - (64 << 20))  # 64 MiB left
+    50331648
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+# float32 copies of the stacked [rows, in] weight during a solve (algorithms.gptq): W, Q, codes, errors
+SOLVE_COPIES = 4
+# A floor, so that a tight budget still stacks a few experts (each chunk repeats the Hessian's Cholesky and
+# pays the column loop's per-column overhead), and a ceiling: past it stacking gains no speed.
+SOLVE_MIN_BYTES = 16 << 20
+SOLVE_MAX_BYTES = 256 << 20
+
+
+def stacked_bytes(rows: int, n_in: int) -> int:
+    """Working bytes of a solve of ``rows`` stacked rows reading ``n_in`` features."""
+    return SOLVE_COPIES * rows * n_in * 4
+
+
+def chunk_bytes(dense: int, budget: int | None = None, resident: int = 0) -> int:
+    """The most working bytes one stacked solve may take (see the module docstring).
+
+    Args:
+        dense: ``dense_solve_bytes`` of the model (used when there is no budget).
+        budget: the device budget in bytes (``max_device_memory``), or None.
+        resident: bytes on the device during the solve besides it (the subgraph's weights and Hessians, and
+            the inverse Hessian factor the solve makes).
+
+    Returns:
+        Bytes, within ``[SOLVE_MIN_BYTES, SOLVE_MAX_BYTES]``.
+    """
+    # a quarter of what is left goes to the solve's other temporaries (codes, the result in the weight's dtype)
+    wanted = dense if budget is None else (budget - resident) * 3 // 4
+    return max(SOLVE_MIN_BYTES, min(SOLVE_MAX_BYTES, wanted))
+
+
+def dense_solve_bytes(model: torch.nn.Module, names: Iterable[str]) -> int:
+    """The largest stacked solve among the quantized Linears ``names`` outside routed experts.
+
+    Modules are grouped as they share a Hessian: by parent module and input width (q/k/v, gate/up).
+
+    Example:
+        >>> dense_solve_bytes(model, modifier.modules)  # doctest: +SKIP
+        33554432
+    """
+    from seqcal.experts import routed_experts
+
+    names = list(names)
+    experts = set(routed_experts(model, names))
+    rows: dict[tuple[str, int], int] = {}
+    for name in names:
+        if name in experts:
+            continue
+        weight = model.get_submodule(name).weight
+        if weight.dim() != 2:
+            continue
+        key = (name.rpartition(".")[0], weight.shape[1])
+        rows[key] = rows.get(key, 0) + weight.shape[0]
+    return max((stacked_bytes(r, n_in) for (_, n_in), r in rows.items()), default=0)
+
+
+def split_rows(rows: Sequence[int], n_in: int, max_bytes: int) -> list[list[int]]:
+    """Indices of modules with ``rows`` output rows each (``n_in`` inputs), in chunks of at most ``max_bytes``.
+
+    Example:
+        >>> split_rows([512] * 4, 1024, 16 << 20)
+        [[0, 1], [2, 3]]
+    """
+    chunks: list[list[int]] = [[]]
+    used = 0
+    for i, r in enumerate(rows):
+        need = stacked_bytes(r, n_in)
+        if chunks[-1] and used + need > max_bytes:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(i)
+        used += need
+    return chunks
