@@ -20,6 +20,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from seqcal.algorithms import formats
+from seqcal.algorithms.formats import WeightFormat, round_grid, to_codes
 from seqcal.algorithms.quant import (
     STRATEGIES,
     QuantType,
@@ -195,6 +197,33 @@ def _weight_and_qparams(
     return W32.T.contiguous(), scale, zero_point, col_group, g_idx
 
 
+def _format_qparams(
+    W: Tensor,
+    dead: Tensor,
+    perm: Tensor | None,
+    actorder: str | None,
+    fmt: WeightFormat,
+    global_scale: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, None]:
+    """:func:`_weight_and_qparams` for a ``seqcal.algorithms.formats`` format (contiguous groups / blocks only)."""
+    if actorder == "group":
+        raise ValueError("gptq_quantize: actorder='group' is not supported for block, NVFP4 or MX formats")
+    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
+    W32[:, dead] = 0
+    scale, zero_point = formats.qparams(W32, fmt, global_scale)
+    WT = W32.T.contiguous() if perm is None else W32.T.index_select(0, perm)
+    return WT, scale, zero_point, torch.empty(0), None
+
+
+def _format_columns(
+    scale: Tensor, zero_point: Tensor | None, fmt: WeightFormat, shape: torch.Size, global_scale: Tensor | None,
+    perm: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Effective float32 qparams per row and the qparam column of each processed column."""
+    scale32, zero32, col_group = formats.column_qparams(scale, zero_point, fmt, tuple(shape), global_scale)
+    return scale32, zero32, col_group if perm is None else col_group[perm]
+
+
 # Columns updated eagerly (rank-1) inside a block; the rest of the block gets one matmul per sub-block.
 # Same algebra as GPTQ's lazy batch update applied one level down: the rank-1 updates touch 16 columns
 # instead of up to block_size, which is what bounded the loop by memory bandwidth on CPU.
@@ -206,13 +235,14 @@ def _quantize_columns(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The GPTQ column loop (paper Alg. 1) on ``WT = W^T`` [in, out] float32, which it overwrites.
 
-    ``scale``/``zero`` are float32 ``[out or 1, G]``; ``qrange = (qmin, qmax, is_fp8)``.
+    ``scale``/``zero`` are float32 ``[out or 1, G]``; ``qrange = (qmin, qmax, grid)`` with ``grid`` one of
+    ``WeightFormat.grid``'s values ("int", "fp8", "fp6", "fp4").
     Works on ``W^T`` so that a column of W is a contiguous row, and blocks twice (``block_size``, then
     ``SUB_BLOCK``) so that rank-1 updates stay small; everything else is a matmul.
     Returns ``(QT, codes, row_loss)`` in processing order: QT ``[in, out]`` float32 (in ``WT``'s memory),
     codes ``[out, in]`` int8 or fp8, row_loss ``[out]`` (the objective summed over columns, per output row).
     """
-    qmin, qmax, is_fp8 = qrange
+    qmin, qmax, grid = qrange
     n_in, n_out = WT.shape
     CT = torch.empty_like(WT)  # [in, out] codes, as floats until the end
     groups = col_group.tolist()  # plain ints: cheap indexing in the per-column loop
@@ -229,7 +259,7 @@ def _quantize_columns(
                 w, g = W1[i], groups[i1 + i]
                 s, z = scaleT[g], zeroT[g]  # [out] or [1]
                 c = torch.clamp(w / s + z, qmin, qmax)  # same op order as quant.fake_quantize
-                c = c.to(torch.float8_e4m3fn).float() if is_fp8 else c.round_()
+                c = c.round_() if grid == "int" else round_grid(c, grid)
                 CT[i1 + i] = c
                 err = w - (c - z) * s  # [out]
                 err.div_(Hinv1[i, i])
@@ -238,7 +268,7 @@ def _quantize_columns(
             W1[j2:].addmm_(Hinv1[j1:j2, j2:].T, Err1[j1:j2], alpha=-1)  # rest of the block, at once
         losses += (Err1 * Err1).sum(0)
         WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks
-    codes = CT.T.to(torch.float8_e4m3fn if is_fp8 else torch.int8)
+    codes = to_codes(CT.T, grid)
     cols = col_group.to(WT.device)
     for i1 in range(0, n_in, block_size):  # WT is spent: dequantize into it, a block of rows at a time
         i2, g = min(i1 + block_size, n_in), cols[i1 : i1 + block_size]
@@ -262,6 +292,8 @@ def gptq_quantize(
     max_retries: int = 3,
     damp_growth: float = 10.0,
     scale_dtype: torch.dtype | None = None,
+    fmt: WeightFormat | None = None,
+    global_scale: Tensor | None = None,
 ) -> GPTQResult:
     """Quantize ``W`` with GPTQ given the Hessian ``H`` of its inputs.
 
@@ -284,6 +316,11 @@ def gptq_quantize(
         observer: ``"minmax"`` or ``"mse"``.
         max_retries, damp_growth: dampening retry policy.
         scale_dtype: dtype of the stored scale; default W's dtype (float16 if W is not a float).
+        fmt: a block fp8 / NVFP4 / MX format (``seqcal.algorithms.formats``); overrides num_bits, symmetric,
+            strategy, group_size and type. Its qparams are computed once from the masked weight, before the
+            column loop, like the others.
+        global_scale: NVFP4's float32 global scale, ``[1]`` or one per row ``[out, 1]`` (modules solved
+            stacked keep their own); fixed before the solve (from the unquantized weights).
 
     Returns:
         :class:`GPTQResult`.
@@ -295,7 +332,7 @@ def gptq_quantize(
         >>> r.Q.shape, r.scale.shape, r.g_idx is None
         (torch.Size([32, 64]), torch.Size([32, 2]), True)
     """
-    _check_inputs(W, H, strategy, group_size, block_size)
+    _check_inputs(W, H, strategy if fmt is None else "tensor", group_size, block_size)  # fmt checks its own
     if actorder is not None and actorder not in ACTORDER:
         raise ValueError(f"gptq_quantize: unknown actorder {actorder!r}; valid: None, {sorted(ACTORDER)}")
     if scale_dtype is None:
@@ -311,13 +348,19 @@ def gptq_quantize(
     # the inverse first: its [in, in] temporaries are gone before the weight-sized ones appear
     Hinv, frac, retries = _inverse_hessian_factor(H32, perm, dead, dampening_frac, max_retries, damp_growth)
     del H32
-    WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W, dead, perm, order, group_size, qkw)
-    # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
-    scale = scale.to(scale_dtype)
-    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-    scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
-    zero32 = zero_point.float().reshape(scale32.shape)
-    qrange = (*quant_range(num_bits, type), type == "float")
+    if fmt is not None:
+        WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)
+        scale = scale.to(scale_dtype)  # exact: fp8 values, powers of two, or block scales rounded first
+        scale32, zero32, col_group = _format_columns(scale, zero_point, fmt, W.shape, global_scale, perm)
+        qrange = (*formats.grid_range(fmt), fmt.grid)
+    else:
+        WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W, dead, perm, order, group_size, qkw)
+        # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
+        scale = scale.to(scale_dtype)
+        scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+        scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
+        zero32 = zero_point.float().reshape(scale32.shape)
+        qrange = (*quant_range(num_bits, type), "fp8" if type == "float" else "int")
     QT, codes, row_loss = _quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange)
     del WT, Hinv
     Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
@@ -325,6 +368,8 @@ def gptq_quantize(
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
+    if fmt is not None and zero_point is None:
+        zero_point = torch.zeros_like(scale, dtype=fmt.code_dtype)
     return GPTQResult(
         Q=Q,
         q=codes,

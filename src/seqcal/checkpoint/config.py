@@ -28,7 +28,16 @@ from torch import Tensor
 
 from seqcal.modifiers.base import RunState
 
-WRITABLE_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+WRITABLE_FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp6-pack-quantized",
+    "mxfp8-quantized",
+)
 Revert = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
