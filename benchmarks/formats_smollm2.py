@@ -7,7 +7,7 @@ size 576 is not a multiple of 128: its activation groups of 128 do not divide it
 64 x 64 blocks with dynamic fp8 activation groups of 64.
 
 Usage (from the repo root, PYTHONPATH=src):
-    python benchmarks/formats_smollm2.py [--runs nvfp4a16-rtn,...] [--eval-windows 20]
+    python benchmarks/formats_smollm2.py [--runs nvfp4a16-rtn,...] [--eval-windows 20] [--data ../shared/data]
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--eval-windows", type=int, default=20)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--data", type=Path, default=WIKI, help="folder with wiki.valid.raw and wiki.test.raw")
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 
@@ -85,8 +86,8 @@ def main() -> None:
     tokens = WORK / "calib_128x512.safetensors"
     if not tokens.exists():
         subprocess.run([sys.executable, "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
-                        str(WIKI / "wiki.valid.raw"), "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
-    test = str(WIKI / "wiki.test.raw")
+                        str(args.data / "wiki.valid.raw"), "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    test = str(args.data / "wiki.test.raw")
     results = {}
     if not args.no_baseline:
         results["fp32"] = {"ppl": float(_python(EVAL, str(model), test, str(args.eval_windows)).split()[0])}
