@@ -77,7 +77,9 @@ def main() -> None:
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--eval-windows", type=int, default=20)
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--data", type=Path, default=WIKI, help="folder with wiki.valid.raw and wiki.test.raw")
+    parser.add_argument(
+        "--data", type=Path, default=WIKI, help="folder with wiki.valid.raw and wiki.test.raw"
+    )
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 

@@ -91,7 +91,7 @@ def round_minifloat(x: Tensor, num_bits: int) -> Tensor:
 
 
 def encode_minifloat(values: Tensor, num_bits: int) -> Tensor:
-    """Grid values (from :func:`round_minifloat`) -> uint8 codes, sign in bit ``num_bits - 1``.
+    """Grid values (from :func:`round_minifloat`) -> uint8 codes, sign in bit ``num_bits - 1`` (zeros positive).
 
     Example:
         >>> encode_minifloat(torch.tensor([0.5, -6.0]), 4)
@@ -99,7 +99,9 @@ def encode_minifloat(values: Tensor, num_bits: int) -> Tensor:
     """
     table = torch.tensor(E2M1 if num_bits == 4 else E2M3, device=values.device)
     codes = torch.searchsorted(table, values.abs().float().contiguous()).to(torch.uint8)
-    return codes | (torch.signbit(values).to(torch.uint8) << (num_bits - 1))
+    # a negative zero is stored as +0, as compressed-tensors stores a fake-quantized weight's zeros
+    negative = values < 0
+    return codes | (negative.to(torch.uint8) << (num_bits - 1))
 
 
 def decode_minifloat(codes: Tensor, num_bits: int, dtype: torch.dtype = torch.float32) -> Tensor:
