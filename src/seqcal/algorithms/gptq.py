@@ -20,7 +20,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from seqcal.algorithms import formats
 from seqcal.algorithms.columns import quantize_columns
+from seqcal.algorithms.formats import WeightFormat
 from seqcal.algorithms.quant import (
     STRATEGIES,
     QuantType,
@@ -196,6 +198,33 @@ def _weight_and_qparams(
     return W32.T.contiguous(), scale, zero_point, col_group, g_idx
 
 
+def _format_qparams(
+    W: Tensor,
+    dead: Tensor,
+    perm: Tensor | None,
+    actorder: str | None,
+    fmt: WeightFormat,
+    global_scale: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor, None]:
+    """:func:`_weight_and_qparams` for a ``seqcal.algorithms.formats`` format (contiguous groups / blocks only)."""
+    if actorder == "group":
+        raise ValueError("gptq_quantize: actorder='group' is not supported for block, NVFP4 or MX formats")
+    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
+    W32[:, dead] = 0
+    scale, zero_point = formats.qparams(W32, fmt, global_scale)
+    WT = W32.T.contiguous() if perm is None else W32.T.index_select(0, perm)
+    return WT, scale, zero_point, torch.empty(0), None
+
+
+def _format_columns(
+    scale: Tensor, zero_point: Tensor | None, fmt: WeightFormat, shape: torch.Size, global_scale: Tensor | None,
+    perm: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Effective float32 qparams per row and the qparam column of each processed column."""
+    scale32, zero32, col_group = formats.column_qparams(scale, zero_point, fmt, tuple(shape), global_scale)
+    return scale32, zero32, col_group if perm is None else col_group[perm]
+
+
 def gptq_quantize(
     W: Tensor,
     H: Tensor,
@@ -212,6 +241,8 @@ def gptq_quantize(
     max_retries: int = 3,
     damp_growth: float = 10.0,
     scale_dtype: torch.dtype | None = None,
+    fmt: WeightFormat | None = None,
+    global_scale: Tensor | None = None,
 ) -> GPTQResult:
     """Quantize ``W`` with GPTQ given the Hessian ``H`` of its inputs.
 
@@ -234,6 +265,11 @@ def gptq_quantize(
         observer: ``"minmax"`` or ``"mse"``.
         max_retries, damp_growth: dampening retry policy.
         scale_dtype: dtype of the stored scale; default W's dtype (float16 if W is not a float).
+        fmt: a block fp8 / NVFP4 / MX format (``seqcal.algorithms.formats``); overrides num_bits, symmetric,
+            strategy, group_size and type. Its qparams are computed once from the masked weight, before the
+            column loop, like the others.
+        global_scale: NVFP4's float32 global scale, ``[1]`` or one per row ``[out, 1]`` (modules solved
+            stacked keep their own); fixed before the solve (from the unquantized weights).
 
     Returns:
         :class:`GPTQResult`.
@@ -245,7 +281,7 @@ def gptq_quantize(
         >>> r.Q.shape, r.scale.shape, r.g_idx is None
         (torch.Size([32, 64]), torch.Size([32, 2]), True)
     """
-    _check_inputs(W, H, strategy, group_size, block_size)
+    _check_inputs(W, H, strategy if fmt is None else "tensor", group_size, block_size)  # fmt checks its own
     if actorder is not None and actorder not in ACTORDER:
         raise ValueError(f"gptq_quantize: unknown actorder {actorder!r}; valid: None, {sorted(ACTORDER)}")
     if scale_dtype is None:
@@ -261,13 +297,19 @@ def gptq_quantize(
     # the inverse first: its [in, in] temporaries are gone before the weight-sized ones appear
     Hinv, frac, retries = _inverse_hessian_factor(H32, perm, dead, dampening_frac, max_retries, damp_growth)
     del H32
-    WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W, dead, perm, order, group_size, qkw)
-    # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
-    scale = scale.to(scale_dtype)
-    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-    scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
-    zero32 = zero_point.float().reshape(scale32.shape)
-    qrange = (*quant_range(num_bits, type), type == "float")
+    if fmt is not None:
+        WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)
+        scale = scale.to(scale_dtype)  # exact: fp8 values, powers of two, or block scales rounded first
+        scale32, zero32, col_group = _format_columns(scale, zero_point, fmt, W.shape, global_scale, perm)
+        qrange = (*formats.grid_range(fmt), fmt.grid)
+    else:
+        WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W, dead, perm, order, group_size, qkw)
+        # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
+        scale = scale.to(scale_dtype)
+        scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+        scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
+        zero32 = zero_point.float().reshape(scale32.shape)
+        qrange = (*quant_range(num_bits, type), "fp8" if type == "float" else "int")
     QT, codes, row_loss = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange)
     del WT, Hinv
     Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
@@ -275,6 +317,8 @@ def gptq_quantize(
     if perm is not None:
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
+    if fmt is not None and zero_point is None:
+        zero_point = torch.zeros_like(scale, dtype=fmt.code_dtype)
     return GPTQResult(
         Q=Q,
         q=codes,

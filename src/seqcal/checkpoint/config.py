@@ -29,7 +29,23 @@ from torch import Tensor
 
 from seqcal.modifiers.base import RunState
 
-WRITABLE_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+WRITABLE_FORMATS = (
+    "pack-quantized",
+    "int-quantized",
+    "float-quantized",
+    "naive-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp6-pack-quantized",
+    "mxfp8-quantized",
+)
+# formats whose weights compressed-tensors 0.20 decompresses to bfloat16 whatever the model's dtype
+MINIFLOAT_FORMATS = (
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
+    "mxfp6-pack-quantized",
+    "mxfp8-quantized",
+)
 Revert = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
@@ -183,7 +199,7 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
 
 
 def needs_dequantize_load(block: dict) -> bool:
-    """Whether transformers must load this checkpoint with ``dequantize=True`` (asymmetric packed weights).
+    """Whether transformers must load this checkpoint with ``dequantize=True`` (asymmetric packed or minifloat weights).
 
     compressed-tensors stores the zero points of asymmetric channel/group ``pack-quantized`` weights packed
     along the output dimension (int32 ``[ceil(out * b / 32), groups]``); its decompressor and vLLM read
@@ -193,6 +209,8 @@ def needs_dequantize_load(block: dict) -> bool:
     shapes) the packed tensor is refused as a size mismatch. Its ``dequantize=True`` path decompresses the
     stored tensors directly and loads them. ``quantization_config`` therefore carries ``dequantize: true``
     for such checkpoints (vLLM and compressed-tensors ignore the key), so a plain ``from_pretrained`` works.
+    The same holds for NVFP4 and MX weights: compressed-tensors 0.20 decompresses them to bfloat16 on the fly,
+    which a float32 model cannot multiply (the compressed path only runs in bfloat16).
     Only when no group quantizes activations: ``dequantize`` loads a dense model without activation
     quantization, which would not be the calibrated model.
 
@@ -200,7 +218,8 @@ def needs_dequantize_load(block: dict) -> bool:
         block: a ``quantization_config`` dict (as in ``config.json``).
 
     Returns:
-        True when some group is asymmetric channel/group pack-quantized and none quantizes activations.
+        True when some group is asymmetric channel/group pack-quantized or an NVFP4 / MX format, and none
+        quantizes activations.
 
     Example:
         >>> needs_dequantize_load(json.load(open("out/config.json"))["quantization_config"])  # doctest: +SKIP
@@ -213,8 +232,9 @@ def needs_dequantize_load(block: dict) -> bool:
         and (g.get("weights") or {}).get("strategy") in ("channel", "group")
         for g in groups
     )
+    minifloat = any((g.get("format") or block.get("format")) in MINIFLOAT_FORMATS for g in groups)
     activations = any(g.get("input_activations") or g.get("output_activations") for g in groups)
-    return packed_asym and not activations
+    return (packed_asym or minifloat) and not activations
 
 
 def _assignment(model: torch.nn.Module, block: dict) -> dict[str, str]:

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqcal.algorithms import code_dtype, dequantize, pack_int32, quant_range
+from seqcal.algorithms import code_dtype, dequantize, formats, pack_int32, quant_range
 from seqcal.checkpoint.config import _format
+from seqcal.checkpoint.minifloat import format_tensors
 from seqcal.modifiers.base import QuantizedWeight
+from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
 
 
@@ -33,13 +35,17 @@ def _check_quantized(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> 
             f"{where}: static or output activation quantization needs calibrated activation scales, which "
             "seqcal does not produce; use a dynamic scheme (W8A8, FP8_DYNAMIC) or a weight-only one (W4A16)"
         )
-    if tuple(qw.q.shape) != shape or qw.q.dtype != code_dtype(w.type):
+    fmt = weight_format(scheme)
+    expected = code_dtype(w.type) if fmt is None else fmt.code_dtype
+    if tuple(qw.q.shape) != shape or qw.q.dtype != expected:
         raise ValueError(
-            f"{where}: codes are {qw.q.dtype} {list(qw.q.shape)}, expected {code_dtype(w.type)} {list(shape)} "
+            f"{where}: codes are {qw.q.dtype} {list(qw.q.shape)}, expected {expected} {list(shape)} "
             "(the module's weight shape); the quantized state does not belong to this model"
         )
     if (qw.zero_point is None) != w.symmetric:
         raise ValueError(f"{where}: zero_point must be None exactly when the scheme is symmetric")
+    if (qw.global_scale is None) != (fmt is None or not fmt.needs_global_scale):
+        raise ValueError(f"{where}: a global scale must be given exactly for NVFP4 (tensor_group) weights")
     if qw.g_idx is not None and not torch.equal(
         qw.g_idx.cpu().long(), torch.arange(shape[1]) // (w.group_size or shape[1])
     ):
@@ -58,6 +64,9 @@ def _compressed(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[
     """The tensors compressed-tensors stores for one quantized weight (local names, module docstring)."""
     _check_quantized(name, qw, shape)
     w = qw.scheme.weights
+    fmt = weight_format(qw.scheme)
+    if fmt is not None:  # block fp8, NVFP4, MX
+        return format_tensors(_format(qw.scheme), fmt, qw.q, qw.scale, qw.zero_point, qw.global_scale)
     out = {"weight_scale": qw.scale}
     zp = qw.zero_point
     if _format(qw.scheme) == "pack-quantized":
@@ -75,9 +84,12 @@ def _compressed(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[
 
 def _check_fake_quantized(name: str, weight: Tensor, qw: QuantizedWeight) -> None:
     """The weight in memory must be exactly what the checkpoint dequantizes to."""
-    w = qw.scheme.weights
+    w, fmt = qw.scheme.weights, weight_format(qw.scheme)
     group_size = w.group_size if strategy_of(w) == "group" else None
-    expected = dequantize(qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype)
+    if fmt is not None:
+        expected = formats.dequantize(qw.q, qw.scale, qw.zero_point, fmt, qw.global_scale, dtype=weight.dtype)
+    else:
+        expected = dequantize(qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype)
     if not torch.equal(expected, weight.to(expected.device)):
         diff = (expected.float() - weight.to(expected.device).float()).abs().max().item()
         raise ValueError(

@@ -37,6 +37,8 @@ class QuantizedWeight:
         g_idx: group index of each input column ([in], int32) for activation ordering "group", else None.
         scheme: the compressed-tensors QuantizationScheme the weight follows (weights and activations).
         loss: the solver's objective (GPTQ loss), None for round-to-nearest.
+        global_scale: float32 [1] NVFP4 global scale (``tensor_group`` schemes; scale is then fp8-valued and
+            the effective scale is ``scale / global_scale``), else None.
     """
 
     q: torch.Tensor
@@ -45,6 +47,7 @@ class QuantizedWeight:
     g_idx: torch.Tensor | None
     scheme: Any  # compressed_tensors.quantization.QuantizationScheme
     loss: float | None = None
+    global_scale: torch.Tensor | None = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ from seqcal.algorithms import (
 )
 from seqcal.experts import every_token
 from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
@@ -165,11 +166,15 @@ class GPTQModifier(QuantizationModifier):
             acc = self._acc.pop(name, None)
             if acc is None or acc.H is None:
                 state.log.append(f"{name}: never called during calibration; quantized round-to-nearest")
-                state.quantized[name] = rtn_quantize_module(model.get_submodule(name), self.modules[name])
+                self.prepare_global_scales(model, [name])
+                state.quantized[name] = rtn_quantize_module(
+                    model.get_submodule(name), self.modules[name], self._global_scales.get(name)
+                )
                 continue
             # Rows of a weight are solved independently given H: modules reading the same input (q/k/v,
             # gate/up) are stacked into one solve, one Cholesky and one column loop instead of several.
-            per_row = quant_kwargs(self.modules[name])["strategy"] != "tensor"
+            # (not blocks: a block of rows would straddle two stacked modules)
+            per_row = quant_kwargs(self.modules[name])["strategy"] in ("channel", "group", "tensor_group")
             key = (id(acc), repr(self.modules[name])) if per_row else (id(acc), name)
             solved.setdefault(key, []).append(name)
             state.module_errors.setdefault(name, {})["tokens"] = acc.n
@@ -178,6 +183,7 @@ class GPTQModifier(QuantizationModifier):
                 symmetrize_upper(acc.H)
             self._hessians[key] = acc.H
         limit = self._chunk_limit(subgraph, model, state)
+        self.prepare_global_scales(model, [n for group in solved.values() for n in group])
         for key, group in solved.items():
             H = self._hessians.pop(key)
             chunks = _chunks(group, model, limit)
@@ -212,15 +218,21 @@ class GPTQModifier(QuantizationModifier):
         rows = [m.weight.shape[0] for m in modules]
         W = torch.cat([m.weight.data for m in modules]) if len(modules) > 1 else modules[0].weight.data
         order = getattr(scheme.weights.actorder, "value", scheme.weights.actorder) or self.actorder
+        fmt, globals_ = weight_format(scheme), [self._global_scales.get(n) for n in names]
+        per_row_global = None  # NVFP4: each stacked module keeps its own (fused group's) global scale
+        if fmt is not None and fmt.needs_global_scale:
+            per_row_global = (
+                torch.cat([g.expand(r) for g, r in zip(globals_, rows)]).reshape(-1, 1).to(W.device)
+            )
         try:
             result = gptq_quantize(
                 W, H, block_size=self.block_size, dampening_frac=float(self.dampening_frac),
-                actorder=order, **kw,
+                actorder=order, fmt=fmt, global_scale=per_row_global, **kw,
             )  # fmt: skip
         except GPTQNumericalError as exc:
-            for name, module in zip(names, modules):
+            for name, module, g in zip(names, modules, globals_):
                 state.log.append(f"{name}: GPTQ failed ({exc}); fell back to round-to-nearest")
-                state.quantized[name] = rtn_quantize_module(module, scheme)
+                state.quantized[name] = rtn_quantize_module(module, scheme, g)
             return
         if result.retries:
             state.log.append(f"{', '.join(names)}: Cholesky needed {result.retries} retries "
@@ -237,7 +249,7 @@ class GPTQModifier(QuantizationModifier):
             state.quantized[name] = QuantizedWeight(
                 q=q.contiguous(), scale=scale.contiguous(),
                 zero_point=None if kw["symmetric"] else zp.contiguous(),
-                g_idx=result.g_idx, scheme=scheme, loss=loss.sum().item(),
+                g_idx=result.g_idx, scheme=scheme, loss=loss.sum().item(), global_scale=self._global_scales.get(name),
             )  # fmt: skip
 
 

@@ -8,8 +8,9 @@ from typing import Any, ClassVar
 import torch
 from compressed_tensors.quantization import QuantizationScheme
 
-from seqcal.algorithms import fake_quantize, quantize, weight_qparams
+from seqcal.algorithms import fake_quantize, formats, quantize, weight_qparams
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
+from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
 from seqcal.modifiers.schemes import resolve_modules, resolve_schemes, strategy_of
 from seqcal.tracing.partition import Subgraph
 
@@ -44,6 +45,12 @@ class QuantizationModifier(Modifier):
             raise ValueError(f"{self.name}: kv_cache_scheme is not supported yet; remove it from the recipe")
         self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
         self.modules: dict[str, QuantizationScheme] = {}
+        self._fused: list[
+            tuple[str, ...]
+        ] = []  # modules vLLM merges into one weight (shared NVFP4 global scale)
+        self._global_scales: dict[
+            str, torch.Tensor
+        ] = {}  # module -> NVFP4 global scale, set before quantizing
 
     def validate(self, model: torch.nn.Module) -> None:
         self.modules = resolve_modules(model, self.groups, self.ignore, self.name)
@@ -52,19 +59,10 @@ class QuantizationModifier(Modifier):
                 f"{self.name}: no Linear layer matches targets {self.targets!r} (ignore={self.ignore!r}); "
                 "targets are class names such as 'Linear' or 're:' patterns on module names"
             )
-        # Before any calibration: a group that does not divide a module's inputs would stop the run later,
-        # at that module's solve, after every subgraph before it was calibrated.
-        ragged = []  # (module, inputs, group size)
-        for name, scheme in self.modules.items():
-            kw, features = quant_kwargs(scheme), model.get_submodule(name).weight.shape[-1]
-            if kw["strategy"] == "group" and features % kw["group_size"]:
-                ragged.append((name, features, kw["group_size"]))
-        if ragged:
-            listed = ", ".join(f"{name} ({features} inputs)" for name, features, _ in ragged[:5])
-            raise ValueError(
-                f"{self.name}: group_size {ragged[0][2]} does not divide the inputs of {len(ragged)} module(s): "
-                f"{listed}; choose a group_size that divides them (e.g. 32 or 64), or add them to ignore"
-            )
+        # Before any calibration: a width the format cannot hold would stop the run later, at that module's
+        # solve, after every subgraph before it was calibrated.
+        check_widths(model, self.modules, self.name)
+        self._fused = fused_groups(model, self.modules)
 
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self.modules:
@@ -81,10 +79,18 @@ class QuantizationModifier(Modifier):
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        self.prepare_global_scales(model, names)
         for name in names:
             module = model.get_submodule(name)
-            state.quantized[name] = rtn_quantize_module(module, self.modules[name])
+            state.quantized[name] = rtn_quantize_module(
+                module, self.modules[name], self._global_scales.get(name)
+            )
         return bool(names)
+
+    def prepare_global_scales(self, model: torch.nn.Module, names: list[str]) -> None:
+        """NVFP4: fix the global scale of ``names`` (shared across each fused group) before any is quantized."""
+        nvfp4 = [n for n in names if strategy_of(self.modules[n].weights) == "tensor_group"]
+        shared_global_scales(model, nvfp4, self._fused, self._global_scales)
 
 
 def quant_kwargs(scheme: QuantizationScheme) -> dict[str, Any]:
@@ -99,10 +105,28 @@ def quant_kwargs(scheme: QuantizationScheme) -> dict[str, Any]:
     }
 
 
-def rtn_quantize_module(module: torch.nn.Module, scheme: QuantizationScheme) -> QuantizedWeight:
-    """Round-to-nearest quantize ``module.weight`` in place (fake-quantized) and return its compressed form."""
-    kw = quant_kwargs(scheme)
+def rtn_quantize_module(
+    module: torch.nn.Module, scheme: QuantizationScheme, global_scale: torch.Tensor | None = None
+) -> QuantizedWeight:
+    """Round-to-nearest quantize ``module.weight`` in place (fake-quantized) and return its compressed form.
+
+    Args:
+        module: the Linear.
+        scheme: its scheme.
+        global_scale: NVFP4's float32 [1] global scale (shared by a fused group); computed from this weight
+            alone when None.
+    """
+    fmt = weight_format(scheme)
     W = module.weight.data  # [out, in]
+    if fmt is not None:  # block fp8, NVFP4, MX: seqcal.algorithms.formats
+        if fmt.needs_global_scale and global_scale is None:
+            global_scale = formats.global_scale_of(W)
+        scale, zero_point = formats.qparams(W, fmt, global_scale)
+        q = formats.quantize(W, scale, zero_point, fmt, global_scale)
+        module.weight.data = formats.dequantize(q, scale, zero_point, fmt, global_scale, dtype=W.dtype)
+        return QuantizedWeight(q=q, scale=scale, zero_point=zero_point, g_idx=None, scheme=scheme,
+                               global_scale=global_scale if fmt.needs_global_scale else None)  # fmt: skip
+    kw = quant_kwargs(scheme)
     observer = scheme.weights.observer or "minmax"
     scale, zero_point = weight_qparams(
         W, num_bits=kw["num_bits"], symmetric=kw["symmetric"], strategy=kw["strategy"],

@@ -21,8 +21,10 @@ logger = logging.getLogger("seqcal")
 # "q_prj" ~ "q_proj" (0.91); "lm_head" ~ "head" (0.73) is another architecture's name, not a typo.
 _TYPO = 0.8
 
-# Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights, dynamic activations.
-# FP8 (static activation scales) is not among them: it needs activation observers seqcal does not have yet.
+# Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights (also block-wise), fp4
+# NVFP4 and MX (fp4/fp6/fp8 with e8m0 group scales) weights, dynamic activations (declared in the checkpoint,
+# computed at inference). FP8 and NVFP4 (static activation scales) are not among them: they need activation
+# observers seqcal does not have yet.
 SUPPORTED_PRESETS = (
     "W4A16",
     "W4A16_ASYM",
@@ -34,6 +36,15 @@ SUPPORTED_PRESETS = (
     "W5A16",
     "W6A16",
     "W7A16",
+    "FP8_BLOCK",
+    "NVFP4A16",
+    "MXFP4A16",
+    "MXFP4",
+    "MXFP4XFP8",
+    "MXFP6A16",
+    "MXFP6A8",
+    "MXFP8A16",
+    "MXFP8",
 )
 
 
@@ -99,18 +110,62 @@ def check_supported(scheme: QuantizationScheme, where: str) -> None:
     weights = scheme.weights
     if weights is None:
         raise ValueError(f"{where}: no weight quantization; seqcal quantizes weights (W*A16, W8A8, FP8)")
-    strategy = str(weights.strategy.value if hasattr(weights.strategy, "value") else weights.strategy)
-    if strategy not in ("tensor", "channel", "group"):
+    strategy = strategy_of(weights)
+    if strategy not in ("tensor", "channel", "group", "block", "tensor_group"):
         raise ValueError(
-            f"{where}: weight strategy {strategy!r} is not supported; use tensor, channel or group"
+            f"{where}: weight strategy {strategy!r} is not supported; use tensor, channel, group, block or "
+            "tensor_group"
         )
-    if weights.type == "float" and weights.num_bits != 8:
-        raise ValueError(f"{where}: float weights must be 8-bit (fp8 e4m3)")
+    _check_weight_format(weights, strategy, where)
     if scheme.output_activations is not None:
         raise ValueError(f"{where}: output activation quantization is not supported")
     acts = scheme.input_activations
-    if acts is not None and not acts.dynamic:
+    if acts is not None and acts.dynamic is not True:
+        if str(getattr(acts.dynamic, "value", acts.dynamic)) == "local":
+            raise ValueError(
+                f"{where}: fp4 activations (NVFP4, W4A4) need a calibrated activation global scale, which seqcal "
+                "does not compute yet (not supported yet); use NVFP4A16 for fp4 weights with 16-bit activations"
+            )
         raise ValueError(f"{where}: static input activation quantization is not supported; use dynamic")
+
+
+def _check_weight_format(weights: QuantizationArgs, strategy: str, where: str) -> None:
+    """Weight formats compressed-tensors can write: fp8 (plain, block or MX), NVFP4, MXFP4, MXFP6, int."""
+    kind, bits, group, scale_dtype = str(getattr(weights.type, "value", weights.type)), weights.num_bits, \
+        weights.group_size, weights.scale_dtype  # fmt: skip
+    mx = strategy == "group" and group == 32 and scale_dtype == torch.uint8
+    if kind == "float" and bits == 4:
+        nvfp4 = strategy == "tensor_group" and group == 16 and scale_dtype in (None, torch.float8_e4m3fn)
+        if not (nvfp4 or mx):
+            raise ValueError(
+                f"{where}: fp4 weights are NVFP4 (strategy tensor_group, group_size 16, fp8 scales) or MXFP4 "
+                f"(strategy group, group_size 32, scale_dtype uint8), got strategy {strategy!r}, group_size "
+                f"{group}; use the NVFP4A16 or MXFP4A16 preset"
+            )
+    elif kind == "float" and bits == 6:
+        if not mx:
+            raise ValueError(
+                f"{where}: fp6 weights are MXFP6 (group, group_size 32, scale_dtype uint8); use MXFP6A16"
+            )
+    elif kind == "float" and bits != 8:
+        raise ValueError(f"{where}: float weights must be 4-, 6- or 8-bit (fp4 e2m1, fp6 e2m3, fp8 e4m3)")
+    elif scale_dtype is not None and not (mx or (kind == "float" and strategy == "tensor_group")):
+        raise ValueError(
+            f"{where}: scale_dtype {scale_dtype} is only supported by MX (uint8) and NVFP4 (fp8) formats"
+        )
+    if strategy == "tensor_group" and not (kind == "float" and bits == 4):
+        raise ValueError(f"{where}: strategy tensor_group (a global scale) is for fp4 weights (NVFP4) only")
+    if strategy == "block" and not (kind == "float" and bits == 8):
+        raise ValueError(
+            f"{where}: the block strategy is for fp8 weights (FP8_BLOCK); use group for int weights"
+        )
+    new_format = (
+        strategy in ("block", "tensor_group") or scale_dtype is not None or bits in (4, 6) and kind == "float"
+    )
+    if new_format and weights.observer not in (None, "minmax", "memoryless_minmax", "static_minmax"):
+        raise ValueError(
+            f"{where}: observer {weights.observer!r} is not supported for this format; use minmax"
+        )
 
 
 def strategy_of(args: QuantizationArgs) -> str:

@@ -1,0 +1,231 @@
+"""Minifloat weights (fp4 e2m1, fp6 e2m3) and their scales, in the compressed-tensors convention (pure math).
+
+Codes are stored one per byte (uint8) until they are packed: bit 3 (fp4) or bit 5 (fp6) is the sign, the
+low bits index the magnitude in ``E2M1`` / ``E2M3``. Packing follows compressed-tensors 0.20 exactly:
+two fp4 codes per byte, low nibble first (``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``); four fp6
+codes in three little-endian bytes (``mxfp6-pack-quantized``).
+
+Scales:
+    NVFP4 (``tensor_group``): a float32 global scale ``448 * 6 / amax(W)`` per tensor (shared by the modules
+    vLLM fuses) and fp8 e4m3 group scales ``fp8(global * amax_group / 6)``; a group's effective scale is
+    ``scale / global``.
+    MX (e8m0): each group's scale is a power of two, ``2 ** (floor(log2(round_pow2(amax_group))) - emax)``
+    with ``emax = floor(log2(max of the element type))``, stored as the biased exponent (uint8, bias 127).
+
+Example:
+    >>> round_fp4(torch.tensor([0.2, 0.3, 2.6, 5.5, -7.0]))
+    tensor([ 0.0000,  0.5000,  3.0000,  6.0000, -6.0000])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # fp4 magnitudes in code order
+E2M3 = tuple(m / 8 for m in range(8)) + tuple((1 + m / 8) * 2**e for e in range(3) for m in range(8))
+MINIFLOAT_MAX = {4: 6.0, 6: 7.5}
+FP8_MAX = 448.0
+# mantissa bits at which _round_pow2 rounds a group maximum up: e2m3's for fp6, e2m1's otherwise (fp8 too,
+# as compressed-tensors 0.20 does)
+_MANTISSA = {4: 1, 6: 3, 8: 1}
+_FLOAT_LAYOUT = {torch.float32: (torch.int32, 23, 8), torch.bfloat16: (torch.int16, 7, 8), torch.float16: (torch.int16, 10, 5)}  # fmt: skip
+
+
+def round_fp4(x: Tensor) -> Tensor:
+    """Round to the nearest fp4 e2m1 value (ties as compressed-tensors: 0.25 -> 0, 0.75 -> 1, 2.5 -> 2, ...).
+
+    Args:
+        x: values already divided by their scale, any float dtype.
+
+    Returns:
+        ``x`` on the e2m1 grid, saturated at +-6, same dtype.
+
+    Example:
+        >>> round_fp4(torch.tensor([0.75, 1.25, 3.5]))
+        tensor([1., 1., 4.])
+    """
+    a = x.abs()
+    # boundaries (inclusive side as in compressed-tensors' cast_to_fp4): <=0.25 | <0.75 | <=1.25 | <1.75 | <=2.5 | <3.5 | <=5
+    out = torch.full_like(a, 6.0)
+    for bound, value, inclusive in ((5.0, 4.0, True), (3.5, 3.0, False), (2.5, 2.0, True), (1.75, 1.5, False),
+                                    (1.25, 1.0, True), (0.75, 0.5, False), (0.25, 0.0, True)):  # fmt: skip
+        below = a <= bound if inclusive else a < bound
+        out = torch.where(below, torch.tensor(value, dtype=a.dtype, device=a.device), out)
+    return out * torch.sign(x)
+
+
+def round_fp6(x: Tensor) -> Tensor:
+    """Round to the nearest fp6 e2m3 value, ties to even, saturating at +-7.5 (compressed-tensors' cast_to_fp6).
+
+    Args:
+        x: values already divided by their scale.
+
+    Returns:
+        ``x`` on the e2m3 grid, same dtype.
+
+    Example:
+        >>> round_fp6(torch.tensor([0.06, 2.1, 9.0]))
+        tensor([0.0000, 2.0000, 7.5000])
+    """
+    a = x.abs().float()
+    exp = (((a.view(torch.int32) >> 23) & 0xFF) - 127).clamp_(min=0)  # step 2^(e-3): 0.125 below 2, ...
+    step = torch.exp2(exp - 3.0)
+    rounded = torch.round(a / step).mul_(step).clamp_(max=7.5)
+    return torch.copysign(rounded, x.float()).to(x.dtype)
+
+
+def round_minifloat(x: Tensor, num_bits: int) -> Tensor:
+    """Clamp to the element type's range and round: fp4 (4 bits), fp6 (6) or fp8 e4m3 (8); keeps x's dtype."""
+    if num_bits == 8:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+    if num_bits not in MINIFLOAT_MAX:
+        raise ValueError(
+            f"float weights must have 4, 6 or 8 bits (fp4 e2m1, fp6 e2m3, fp8 e4m3), got {num_bits}"
+        )
+    top = MINIFLOAT_MAX[num_bits]
+    x = x.clamp(-top, top)
+    return round_fp4(x) if num_bits == 4 else round_fp6(x)
+
+
+def encode_minifloat(values: Tensor, num_bits: int) -> Tensor:
+    """Grid values (from :func:`round_minifloat`) -> uint8 codes, sign in bit ``num_bits - 1`` (zeros positive).
+
+    Example:
+        >>> encode_minifloat(torch.tensor([0.5, -6.0]), 4)
+        tensor([ 1, 15], dtype=torch.uint8)
+    """
+    table = torch.tensor(E2M1 if num_bits == 4 else E2M3, device=values.device)
+    codes = torch.searchsorted(table, values.abs().float().contiguous()).to(torch.uint8)
+    # a negative zero is stored as +0, as compressed-tensors stores a fake-quantized weight's zeros
+    negative = values < 0
+    return codes | (negative.to(torch.uint8) << (num_bits - 1))
+
+
+def decode_minifloat(codes: Tensor, num_bits: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """uint8 codes -> their values in ``dtype``.
+
+    Example:
+        >>> decode_minifloat(torch.tensor([1, 15], dtype=torch.uint8), 4)
+        tensor([ 0.5000, -6.0000])
+    """
+    table = torch.tensor(E2M1 if num_bits == 4 else E2M3, dtype=torch.float32, device=codes.device)
+    sign_bit = 1 << (num_bits - 1)
+    values = table[(codes & (sign_bit - 1)).long()]
+    return torch.where((codes & sign_bit) != 0, -values, values).to(dtype)
+
+
+def pack_fp4(codes: Tensor) -> Tensor:
+    """Two fp4 codes per byte, the even column in the low nibble: ``[out, in]`` -> ``[out, in // 2]`` uint8.
+
+    Example:
+        >>> pack_fp4(torch.tensor([[1, 15]], dtype=torch.uint8))
+        tensor([[241]], dtype=torch.uint8)
+    """
+    if codes.shape[-1] % 2:
+        raise ValueError(f"fp4 packing needs an even number of columns, got {codes.shape[-1]}")
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_fp4(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_fp4`."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def pack_fp6(codes: Tensor) -> Tensor:
+    """Four fp6 codes in three little-endian bytes: ``[out, in]`` -> ``[out, 3 * in // 4]`` uint8.
+
+    Example:
+        >>> pack_fp6(torch.zeros(2, 8, dtype=torch.uint8)).shape
+        torch.Size([2, 6])
+    """
+    if codes.shape[-1] % 4:
+        raise ValueError(f"fp6 packing needs a multiple of 4 columns, got {codes.shape[-1]}")
+    c = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 4)
+    word = c[..., 0] | c[..., 1] << 6 | c[..., 2] << 12 | c[..., 3] << 18
+    packed = torch.stack((word, word >> 8, word >> 16), dim=-1) & 0xFF
+    return packed.to(torch.uint8).flatten(-2)
+
+
+def unpack_fp6(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_fp6`."""
+    b = packed.to(torch.int32).reshape(*packed.shape[:-1], -1, 3)
+    word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16
+    return torch.stack([(word >> s) & 0x3F for s in (0, 6, 12, 18)], dim=-1).flatten(-2).to(torch.uint8)
+
+
+def nvfp4_global_scale(amax: Tensor) -> Tensor:
+    """The NVFP4 global scale of a tensor whose largest magnitude is ``amax``: ``448 * 6 / amax`` (float32 [1]).
+
+    Computed in ``amax``'s dtype and then cast, as compressed-tensors' ``generate_gparam`` does; an all-zero
+    tensor gets 1 (no global scaling).
+
+    Example:
+        >>> nvfp4_global_scale(torch.tensor(2.0))
+        tensor([1344.])
+    """
+    amax = torch.clamp(amax.abs(), min=torch.finfo(amax.dtype).tiny)
+    scale = FP8_MAX * MINIFLOAT_MAX[4] / amax
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape(1)
+
+
+def nvfp4_group_scales(amax: Tensor, global_scale: Tensor) -> Tensor:
+    """fp8-representable group scales ``fp8(global * amax / 6)`` (zeros become 0.125), in float32.
+
+    Args:
+        amax: per-group largest magnitude ``[out, G]`` (W's dtype).
+        global_scale: float32 ``[1]`` from :func:`nvfp4_global_scale` (shared by fused modules).
+
+    Returns:
+        ``[out, G]`` float32; the effective scale of a group is this divided by ``global_scale``.
+    """
+    scale = global_scale * (amax / (2 * MINIFLOAT_MAX[4] / 2))
+    scale = scale.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(scale.dtype)
+    return torch.where(scale == 0, torch.tensor(0.125, dtype=scale.dtype, device=scale.device), scale)
+
+
+def _round_pow2(x: Tensor, elem_mantissa: int) -> Tensor:
+    """The power of two nearest below ``x`` unless x's mantissa rounds up at ``elem_mantissa`` bits."""
+    int_dtype, mantissa, exponent = _FLOAT_LAYOUT[x.dtype]
+    bits = x.view(int_dtype).to(torch.int64) & ((1 << (mantissa + exponent + 1)) - 1)  # as unsigned
+    add = 1 << (mantissa - elem_mantissa - 1)
+    mask = ((1 << (exponent + 1)) - 1) << mantissa
+    kept = (bits + add) & mask
+    if int_dtype == torch.int16:
+        kept = torch.where(kept >= 1 << 15, kept - (1 << 16), kept)
+    return kept.to(int_dtype).view(x.dtype)
+
+
+def mx_scales(amax: Tensor, num_bits: int) -> Tensor:
+    """E8M0 group scales (powers of two) for MX formats, in ``amax``'s dtype (compressed-tensors' rule).
+
+    Args:
+        amax: per-group largest magnitude ``[out, G]``, float32 / bfloat16 / float16.
+        num_bits: element bits: 4 (MXFP4), 6 (MXFP6) or 8 (MXFP8).
+
+    Returns:
+        ``2 ** e`` with ``e`` in ``[-127, 128]``; an all-zero group gets ``2 ** -127`` (1 if that underflows).
+
+    Example:
+        >>> mx_scales(torch.tensor([6.0, 1.0]), 4)
+        tensor([2.0000, 0.2500])
+    """
+    top = {4: MINIFLOAT_MAX[4], 6: MINIFLOAT_MAX[6], 8: FP8_MAX}[num_bits]
+    offset = int(math.floor(math.log2(top)))
+    exp = 127 + torch.floor(torch.log2(_round_pow2(amax, _MANTISSA[num_bits]))) - offset
+    exp = torch.round(exp.clamp(0, 255)).to(torch.uint8)  # the uint8 scale dtype's rounding
+    scale = (2.0 ** (exp.to(torch.int32) - 127).to(torch.float)).to(amax.dtype)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def e8m0_encode(scale: Tensor) -> Tensor:
+    """Power-of-two scales -> biased exponents (uint8), as compressed-tensors' ``compress_mx_scale``."""
+    return (127 + torch.floor(torch.log2(scale)).to(torch.int32)).to(torch.uint8)
+
+
+def e8m0_decode(exp: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Biased exponents (uint8) -> ``2 ** (exp - 127)`` in ``dtype``."""
+    return (2.0 ** (exp.to(torch.int32) - 127).to(torch.float)).to(dtype)
