@@ -20,7 +20,7 @@ tiny config), with random weights:
 Usage:
     PYTHONPATH=src .venv/bin/python benchmarks/moe_peer_layout.py [--archs mixtral gpt_oss ...] [--zoo-only]
         [--json rows.json]
-    .venv/bin/python benchmarks/moe_peer_layout.py --from-json rows.json       # re-render only
+    .venv/bin/python benchmarks/moe_peer_layout.py --from-json a.json b.json   # re-render (merged) only
 """
 
 from __future__ import annotations
@@ -76,9 +76,17 @@ def recipe_for(model: torch.nn.Module) -> str:
 
 
 SAMPLES, SEQ_LEN = 4, 24
-# projection leaf -> role; "wgate": llm-compressor's name for DeepSeek-V4's gate projection
-ROLES = {"gate_proj": "gate", "w1": "gate", "wgate": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
-         "w2": "down"}  # fmt: skip
+# projection leaf -> role ("wgate": llm-compressor's DeepSeek-V4 gate; "linear_gate": HY-V4's checkpoint name)
+ROLES = {"gate_proj": "gate", "w1": "gate", "wgate": "gate", "linear_gate": "gate",
+         "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}  # fmt: skip
+
+
+EXPERT_PACKED = re.compile(r"experts\.\d+\.\w+\.weight_packed$")  # a quantized per-expert projection
+
+
+def quantized(d: dict) -> int | str:
+    """Quantized per-expert tensors of a measured checkpoint, counted on its header."""
+    return sum(bool(EXPERT_PACKED.search(k)) for k in d["header"]) if "header" in d else "-"
 
 
 @dataclass
@@ -131,9 +139,7 @@ def measure(path: Path, reference: dict, roles: dict[str, str]) -> dict:
     tensors = {}
     for file in sorted(path.glob("*.safetensors")):
         tensors.update(load_file(file))
-    packed = [
-        k for k in tensors if k.endswith("weight_packed") and re.search(r"experts\.\d+\.\w+\.weight", k)
-    ]
+    packed = [k for k in tensors if EXPERT_PACKED.search(k)]
     worst = 0.0
     for key in [k for k in packed if expert_key(k, roles)]:
         name = key.removesuffix(".weight_packed")
@@ -263,7 +269,7 @@ def render(rows: list[Row]) -> list[str]:
             why = r.note or "; ".join(
                 f"{t}: {d['failed']}" for t, d in (("seqcal", s), ("peer", p)) if "failed" in d
             )
-            q = lambda d: str(d.get("quantized", "-"))  # noqa: E731
+            q = lambda d: str(quantized(d))  # noqa: E731
             err = lambda d: f"{d['error']:.4f}" if "error" in d else "-"  # noqa: E731
             lines.append(f"{r.arch:16s} {r.want or '-':>4} {q(s):>8s} {q(p):>6s} {'-':>7s} {'-':>6s} {'-':>6s} "
                          f"{'-':>6s} {'-':>6s} {'-':>6s} {'-':>8s} {err(s):>10s} {err(p):>8s}  {why}")  # fmt: skip
@@ -273,7 +279,7 @@ def render(rows: list[Row]) -> list[str]:
             f"+{len(c['ignore_only_seqcal'])}/-{len(c['ignore_only_peer'])}")  # fmt: skip
         loads = "; ".join(f"peer load {k}: {len(v)}" for k, v in p.get("load_problems", {}).items())
         lines.append(
-            f"{r.arch:16s} {r.want:4d} {s['quantized']:8d} {p['quantized']:6d} {len(s['header']):7d} "
+            f"{r.arch:16s} {r.want:4d} {quantized(s):8d} {quantized(p):6d} {len(s['header']):7d} "
             f"{len(c['only_seqcal']):6d} {len(c['only_peer']):6d} {len(c['shape_dtype']):6d} "
             f"{'=' if c['format'][0] == c['format'][1] else 'DIFF':>6s} {'=' if not c['groups'] else 'DIFF':>6s} "
             f"{ign:>8s} {s['error']:10.4f} {p['error']:8.4f}  {loads}"
@@ -293,10 +299,12 @@ def main() -> None:
     parser.add_argument("--archs", nargs="*", help="only these (zoo names or model types)")
     parser.add_argument("--zoo-only", action="store_true", help="only the zoo's hand-written MoE entries")
     parser.add_argument("--json", type=Path, help="write every row here as well")
-    parser.add_argument("--from-json", type=Path, help="render the rows a --json run wrote, run nothing")
+    parser.add_argument("--from-json", type=Path, nargs="+", help="render the rows --json runs wrote (a later "
+                        "file's row of an architecture replaces an earlier one), run nothing")  # fmt: skip
     args = parser.parse_args()
     if args.from_json:
-        print("\n".join(render([Row(**r) for r in json.loads(args.from_json.read_text())])))
+        rows_by_arch = {r["arch"]: Row(**r) for f in args.from_json for r in json.loads(f.read_text())}
+        print("\n".join(render(list(rows_by_arch.values()))))
         return
     logging.disable(logging.WARNING)
     torch.manual_seed(0)
