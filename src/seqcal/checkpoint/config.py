@@ -287,9 +287,9 @@ def _checked_block(model: torch.nn.Module, state: RunState, layout: ModelLayout)
 def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayout | None = None) -> dict:
     """``config.json`` content: the model's config as save_pretrained writes it, plus ``quantization_config``.
 
-    The ignore list holds every unquantized Linear; when the schemes' own targets would resolve to other
-    schemes than ``state.quantized`` in compressed-tensors (overlapping targets), the groups target the
-    quantized modules by name instead.
+    The ignore list holds every unquantized Linear and MoE router (vLLM loads routers as Linears); when the
+    schemes' own targets would resolve to other schemes than ``state.quantized`` in compressed-tensors
+    (overlapping targets), the groups target the quantized modules by name instead.
 
     Args:
         model: the transformers model (only names, classes and its config are read).
