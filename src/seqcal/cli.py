@@ -330,7 +330,7 @@ def _add_oneshot(sub: Any) -> None:
                      help=f"where to draw per-layer error and GPTQ loss per module (default: {ERRORS_PNG} in "
                           "--output-dir when matplotlib is installed; 'none': no plot)")  # fmt: skip
     one.add_argument("--resume", action="store_true", help="continue an interrupted run in --output-dir")
-    one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets and size GPTQ's stacked solves to fit")
+    one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")
     one.add_argument("--cache-max-memory", default=None,
                      help="e.g. 4GB: RAM budget of the activation cache; the rest spills to disk")  # fmt: skip
     one.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float16"],
@@ -378,7 +378,7 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--batch-size", type=int, default=1)
     plan.add_argument("--offload", default="cpu", choices=["cpu", "disk"])
     plan.add_argument("--sequential-targets", nargs="+", default=None)
-    plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: pick finer targets and size GPTQ's stacked solves to fit")
+    plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")
     plan.set_defaults(func=cmd_plan)
 
 

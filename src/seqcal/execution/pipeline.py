@@ -156,7 +156,7 @@ def _run(
     state = RunState(
         device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
         device_budget=args.max_device_memory,
-    )
+    )  # fmt: skip
     for modifier in modifiers:
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:

@@ -212,8 +212,11 @@ def every_token(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
         ...     model(**batch)  # expert 3 (and the others of layer 0) see every token
     """
     switched = []
-    for owner in {n.rsplit(".", 2)[0] for n in names if n.count(".") >= 2}:
-        module = model.get_submodule(owner) if _has_module(model, owner) else None
+    for owner in {n.rsplit(".", 2)[0] for n in names if n.count(".") >= 2}:  # experts.{e}.{projection}
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:  # a name not that deep in the model
+            continue
         if isinstance(module, LinearExperts) and module.calibrate_all and not module.observed:
             module.observed = True
             switched.append(module)
@@ -222,11 +225,3 @@ def every_token(model: nn.Module, names: Iterable[str]) -> Iterator[None]:
     finally:
         for module in switched:
             module.observed = False
-
-
-def _has_module(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True

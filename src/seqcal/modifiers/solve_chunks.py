@@ -8,8 +8,9 @@ experts stacked at once would hold gigabytes. The stack is therefore cut into ch
 
 - with a device budget (``max_device_memory``): what the subgraph leaves of it while it solves (its
   weights and Hessians stay on the device meanwhile);
-- without one: the largest stacked solve of the model's modules outside routed experts (its attention's
-  q/k/v, a dense MLP's gate/up), so that the experts add nothing to the peak the dense parts set already;
+- without one: the largest stacked solve of the model's modules outside routed experts (its attention
+  projections, a dense MLP's gate/up; grouped by parent and input width as the plan groups Hessians, which
+  may count o_proj with q/k/v), so that the experts add nothing to the peak the dense parts set already;
 
 both kept within ``[SOLVE_MIN_BYTES, SOLVE_MAX_BYTES]``. A single module larger than the chunk is solved
 alone. ``seqcal plan`` shows the chunks of each subgraph; the run logs them and reports them per module.
