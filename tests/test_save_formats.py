@@ -115,26 +115,37 @@ def test_nvfp4_global_scales_are_shared_by_the_modules_vllm_fuses(tmp_path: Path
     assert not torch.equal(gs("mlp.gate_proj"), gs("mlp.down_proj"))  # not one scale for everything
 
 
-def test_experts_share_gate_and_up_global_scales_per_expert() -> None:
+def test_experts_share_gate_and_up_global_scales_per_expert(tmp_path: Path) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from seqcal.experts import linearize_experts
 
+    torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                             num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
     model = Qwen3MoeForCausalLM(config).eval()
-    linearize_experts(model)
+    handle = linearize_experts(model)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     groups = fused_groups(model, names)
+    handle.restore()
     experts = [g for g in groups if ".experts." in g[0]]
-    assert len(experts) == 4 and all(len({n.rsplit(".", 2)[-2] for n in g}) == 1 for g in experts)
+    assert len(experts) == 4
     assert experts[0] == ("model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.up_proj")
-    assert (
-        "model.layers.0.self_attn.q_proj",
-        "model.layers.0.self_attn.k_proj",
-        "model.layers.0.self_attn.v_proj",
-    ) in groups
+    attention = tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
+    assert attention in groups
+    data = [{"input_ids": row.tolist()} for row in torch.randint(4, VOCAB, (4, 24))]
+    recipe = "GPTQModifier:\n  scheme: NVFP4A16\n  ignore: [lm_head, 're:.*mlp.gate$']"
+    oneshot(model=model, dataset=data, recipe=recipe, output_dir=str(tmp_path), num_calibration_samples=4,
+            max_seq_length=24)  # fmt: skip
+    saved = checkpoint_tensors(tmp_path)
+    scales = [
+        saved[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight_global_scale"]
+        for e in range(4)
+        for p in ("gate", "up")
+    ]
+    assert all(torch.equal(scales[2 * e], scales[2 * e + 1]) for e in range(4))  # gate = up, per expert
+    assert len({s.item() for s in scales}) == 4  # and one scale per expert, not one for all
 
 
 @pytest.mark.parametrize("algo", ["QuantizationModifier", "GPTQModifier"])
