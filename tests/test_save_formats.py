@@ -237,3 +237,29 @@ def test_bad_widths_are_one_sentence_on_the_command_line(case: str, model_dirs, 
     assert "Traceback" not in result.stderr and "calibrating" not in result.stderr, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("seqcal: error:")]
     assert len(lines) == 1 and all(f in lines[0] for f in fragments), result.stderr[-2000:]
+
+
+INT_DYNAMIC = ["INT8", "W2A4", "W2A8", "W3A4", "W3A8", "W4A4", "W4A8", "W4AFP8", "W5A8", "W6A8", "W7A8"]
+
+
+@pytest.mark.parametrize("preset", INT_DYNAMIC)
+def test_int_weight_presets_with_dynamic_activations_reload_exactly(preset: str, tmp_path: Path) -> None:
+    from seqcal.modifiers.base import QuantizedWeight
+
+    data = [{"input_ids": row.tolist()} for row in torch.randint(4, VOCAB, (4, 24))]
+    recipe = f"GPTQModifier:\n  scheme: {preset}\n  ignore: [lm_head]"
+    model = oneshot(model=tiny(torch.float32), dataset=data, recipe=recipe, output_dir=str(tmp_path),
+                    num_calibration_samples=4)  # fmt: skip
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    state = RunState()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            state.quantized[name] = QuantizedWeight(torch.empty(0), torch.empty(0), None, None, scheme)
+    with torch.no_grad(), dynamic_activations(model, state):
+        ref = model(IDS).logits
+    assert (
+        json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
+    )
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path).eval()(IDS).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
