@@ -34,7 +34,7 @@ seqcal.checkpoint.streaming.CHECKPOINT_BYTES = 1  # record progress after every 
 g = torch.Generator().manual_seed(1)
 data = [{"input_ids": (torch.randint(-3, 4, (64,), generator=g).cumsum(0) % 256).tolist()} for _ in range(24)]
 oneshot(model=sys.argv[1], dataset=data, output_dir=sys.argv[2], resume=sys.argv[3] == "1", max_seq_length=64,
-        recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head], block_size: 32}")
+        recipe="GPTQModifier: {scheme: %s, ignore: [lm_head], block_size: 32}" % sys.argv[4])
 """
 
 
@@ -48,12 +48,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _run(model_dir: Path, out: Path, resume: bool) -> subprocess.Popen:
+def _run(model_dir: Path, out: Path, resume: bool, scheme: str = "W4A16") -> subprocess.Popen:
     path = os.pathsep.join(
         p for p in (str(Path(__file__).parent.parent / "src"), os.environ.get("PYTHONPATH")) if p
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_dir), str(out), "1" if resume else "0"],
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(model_dir), str(out), "1" if resume else "0", scheme],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
 
 
@@ -64,9 +64,13 @@ def _finished(out: Path) -> int:
         return -1
 
 
-def test_sigkill_midway_then_resume_equals_uninterrupted(model_dir: Path, tmp_path: Path) -> None:
+# NVFP4A16: the resumed subgraphs' weights come back with their global scales (fp4 codes, fp8 scales)
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
+def test_sigkill_midway_then_resume_equals_uninterrupted(
+    model_dir: Path, tmp_path: Path, scheme: str
+) -> None:
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    proc = _run(model_dir, killed, resume=False)
+    proc = _run(model_dir, killed, resume=False, scheme=scheme)
     deadline = time.time() + 300
     while _finished(killed) < 3 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -80,9 +84,9 @@ def test_sigkill_midway_then_resume_equals_uninterrupted(model_dir: Path, tmp_pa
     with pytest.raises(FileExistsError, match="resume=True"):  # never silently overwritten or restarted
         oneshot(model=str(model_dir), dataset=[{"input_ids": [1, 2, 3]}], output_dir=str(killed),
                 recipe="GPTQModifier: {scheme: W4A16}")  # fmt: skip
-    resumed = _run(model_dir, killed, resume=True)
+    resumed = _run(model_dir, killed, resume=True, scheme=scheme)
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read().decode()[-3000:]
-    uninterrupted = _run(model_dir, clean, resume=False)
+    uninterrupted = _run(model_dir, clean, resume=False, scheme=scheme)
     assert uninterrupted.wait(timeout=600) == 0, uninterrupted.stderr.read().decode()[-3000:]
 
     a, b = checkpoint_tensors(killed), checkpoint_tensors(clean)

@@ -115,26 +115,37 @@ def test_nvfp4_global_scales_are_shared_by_the_modules_vllm_fuses(tmp_path: Path
     assert not torch.equal(gs("mlp.gate_proj"), gs("mlp.down_proj"))  # not one scale for everything
 
 
-def test_experts_share_gate_and_up_global_scales_per_expert() -> None:
+def test_experts_share_gate_and_up_global_scales_per_expert(tmp_path: Path) -> None:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from seqcal.experts import linearize_experts
 
+    torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
                             num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
     model = Qwen3MoeForCausalLM(config).eval()
-    linearize_experts(model)
+    handle = linearize_experts(model)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     groups = fused_groups(model, names)
+    handle.restore()
     experts = [g for g in groups if ".experts." in g[0]]
-    assert len(experts) == 4 and all(len({n.rsplit(".", 2)[-2] for n in g}) == 1 for g in experts)
+    assert len(experts) == 4
     assert experts[0] == ("model.layers.0.mlp.experts.0.gate_proj", "model.layers.0.mlp.experts.0.up_proj")
-    assert (
-        "model.layers.0.self_attn.q_proj",
-        "model.layers.0.self_attn.k_proj",
-        "model.layers.0.self_attn.v_proj",
-    ) in groups
+    attention = tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkv")
+    assert attention in groups
+    data = [{"input_ids": row.tolist()} for row in torch.randint(4, VOCAB, (4, 24))]
+    recipe = "GPTQModifier:\n  scheme: NVFP4A16\n  ignore: [lm_head, 're:.*mlp.gate$']"
+    oneshot(model=model, dataset=data, recipe=recipe, output_dir=str(tmp_path), num_calibration_samples=4,
+            max_seq_length=24)  # fmt: skip
+    saved = checkpoint_tensors(tmp_path)
+    scales = [
+        saved[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight_global_scale"]
+        for e in range(4)
+        for p in ("gate", "up")
+    ]
+    assert all(torch.equal(scales[2 * e], scales[2 * e + 1]) for e in range(4))  # gate = up, per expert
+    assert len({s.item() for s in scales}) == 4  # and one scale per expert, not one for all
 
 
 @pytest.mark.parametrize("algo", ["QuantizationModifier", "GPTQModifier"])
@@ -226,3 +237,29 @@ def test_bad_widths_are_one_sentence_on_the_command_line(case: str, model_dirs, 
     assert "Traceback" not in result.stderr and "calibrating" not in result.stderr, result.stderr[-2000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("seqcal: error:")]
     assert len(lines) == 1 and all(f in lines[0] for f in fragments), result.stderr[-2000:]
+
+
+INT_DYNAMIC = ["INT8", "W2A4", "W2A8", "W3A4", "W3A8", "W4A4", "W4A8", "W4AFP8", "W5A8", "W6A8", "W7A8"]
+
+
+@pytest.mark.parametrize("preset", INT_DYNAMIC)
+def test_int_weight_presets_with_dynamic_activations_reload_exactly(preset: str, tmp_path: Path) -> None:
+    from seqcal.modifiers.base import QuantizedWeight
+
+    data = [{"input_ids": row.tolist()} for row in torch.randint(4, VOCAB, (4, 24))]
+    recipe = f"GPTQModifier:\n  scheme: {preset}\n  ignore: [lm_head]"
+    model = oneshot(model=tiny(torch.float32), dataset=data, recipe=recipe, output_dir=str(tmp_path),
+                    num_calibration_samples=4)  # fmt: skip
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    state = RunState()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            state.quantized[name] = QuantizedWeight(torch.empty(0), torch.empty(0), None, None, scheme)
+    with torch.no_grad(), dynamic_activations(model, state):
+        ref = model(IDS).logits
+    assert (
+        json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
+    )
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(tmp_path).eval()(IDS).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)

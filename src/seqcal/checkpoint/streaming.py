@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from seqcal.algorithms import dequantize
+from seqcal.algorithms import dequantize, formats
 from seqcal.checkpoint.identity import data_fingerprint, differences
 from seqcal.checkpoint.writer import (
     CONFIG_NAME,
@@ -40,6 +40,7 @@ from seqcal.checkpoint.writer import (
 )
 from seqcal.errors import SeqcalError
 from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
 from seqcal.tracing.partition import Subgraph
 
@@ -147,6 +148,8 @@ class StreamingCheckpoint:
             tensors.update({f"{name}:q": qw.q, f"{name}:scale": qw.scale})
             if qw.zero_point is not None:
                 tensors[f"{name}:zero_point"] = qw.zero_point
+            if qw.global_scale is not None:
+                tensors[f"{name}:global_scale"] = qw.global_scale
         folder = self.path / RESUME_DIR
         folder.mkdir(exist_ok=True)
         if tensors:
@@ -191,11 +194,17 @@ class StreamingCheckpoint:
             scheme = schemes[name]
             group_size = scheme.weights.group_size if strategy_of(scheme.weights) == "group" else None
             qw = QuantizedWeight(q=tensors[f"{name}:q"], scale=tensors[f"{name}:scale"],
-                                 zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme)  # fmt: skip
+                                 zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme,
+                                 global_scale=tensors.get(f"{name}:global_scale"))  # fmt: skip
             weight = self.model.get_submodule(name).weight
-            weight.data = dequantize(
-                qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype
-            ).to(weight.device)
+            fmt = weight_format(scheme)  # block fp8, NVFP4, MX
+            if fmt is not None:
+                values = formats.dequantize(
+                    qw.q, qw.scale, qw.zero_point, fmt, qw.global_scale, dtype=weight.dtype
+                )
+            else:
+                values = dequantize(qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype)
+            weight.data = values.to(weight.device)
             self.state.quantized[name] = qw
         self._trim({k.split(":")[0] for k in tensors})
 

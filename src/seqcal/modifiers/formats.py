@@ -113,7 +113,7 @@ def shared_global_scales(
                 "loaded together; they are in different subgraphs of this run"
             )
         scale = torch.stack([global_scale_of(w.detach()) for w in weights]).amin().reshape(1)
-        done.update(dict.fromkeys(members, scale))
+        done.update({m: scale.clone() for m in members})  # own tensors: safetensors refuses shared memory
 
 
 def check_widths(model: torch.nn.Module, modules: dict[str, QuantizationScheme], where: str) -> None:

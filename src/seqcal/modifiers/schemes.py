@@ -45,6 +45,17 @@ SUPPORTED_PRESETS = (
     "MXFP6A8",
     "MXFP8A16",
     "MXFP8",
+    "INT8",
+    "W2A4",
+    "W2A8",
+    "W3A4",
+    "W3A8",
+    "W4A4",
+    "W4A8",
+    "W4AFP8",
+    "W5A8",
+    "W6A8",
+    "W7A8",
 )
 
 
