@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,9 @@ class StreamingCheckpoint:
             tensors.update({f"{name}:q": qw.q, f"{name}:scale": qw.scale})
             if qw.zero_point is not None:
                 tensors[f"{name}:zero_point"] = qw.zero_point
+            for key in ("input_scale", "input_zero_point"):  # static activations: a replay quantizes with them
+                if getattr(qw, key) is not None:
+                    tensors[f"{name}:{key}"] = getattr(qw, key)
         folder = self.path / RESUME_DIR
         folder.mkdir(exist_ok=True)
         if tensors:
@@ -166,7 +170,8 @@ class StreamingCheckpoint:
         empty = torch.empty(0)
         for name in names:
             qw = self.state.quantized[name]
-            self.state.quantized[name] = QuantizedWeight(empty, empty, None, None, qw.scheme, qw.loss)
+            # the input qparams stay (a few bytes): a replayed pass still fake-quantizes the module's inputs
+            self.state.quantized[name] = replace(qw, q=empty, scale=empty, zero_point=None, g_idx=None)
 
     def _in(self, name: str, sg: Subgraph) -> bool:
         return any(name == m or name.startswith(m + ".") or not m for m in sg.modules)
@@ -191,7 +196,9 @@ class StreamingCheckpoint:
             scheme = schemes[name]
             group_size = scheme.weights.group_size if strategy_of(scheme.weights) == "group" else None
             qw = QuantizedWeight(q=tensors[f"{name}:q"], scale=tensors[f"{name}:scale"],
-                                 zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme)  # fmt: skip
+                                 zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme,
+                                 input_scale=tensors.get(f"{name}:input_scale"),
+                                 input_zero_point=tensors.get(f"{name}:input_zero_point"))  # fmt: skip
             weight = self.model.get_submodule(name).weight
             weight.data = dequantize(
                 qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype

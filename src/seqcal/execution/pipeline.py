@@ -26,6 +26,7 @@ from seqcal.execution.weights import (
 )
 from seqcal.experts import routed_experts
 from seqcal.modifiers import RunState
+from seqcal.modifiers.activations import quantized_inputs
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
 from seqcal.tracing.leaves import normalize_trace_into
@@ -212,6 +213,7 @@ def _run(
                 return weights.release(sg, changed)  # bytes copied back to the host
 
             with contextlib.ExitStack() as stack:
+                stack.enter_context(quantized_inputs(model, state, schemes))  # downstream sees runtime inputs
                 if store is not None:  # weights off the model: onloaded per subgraph; its buffers go once
                     stack.enter_context(safety_hooks(model, store, device))
                     stack.enter_context(buffers_on(model, device))

@@ -37,6 +37,9 @@ class QuantizedWeight:
         g_idx: group index of each input column ([in], int32) for activation ordering "group", else None.
         scheme: the compressed-tensors QuantizationScheme the weight follows (weights and activations).
         loss: the solver's objective (GPTQ loss), None for round-to-nearest.
+        input_scale: calibrated static input scale ([1] per tensor, [in // group_size] per group) for schemes
+            with static input activations, else None.
+        input_zero_point: its zero point (int8 codes) when those activations are asymmetric, else None.
     """
 
     q: torch.Tensor
@@ -45,6 +48,8 @@ class QuantizedWeight:
     g_idx: torch.Tensor | None
     scheme: Any  # compressed_tensors.quantization.QuantizationScheme
     loss: float | None = None
+    input_scale: torch.Tensor | None = None
+    input_zero_point: torch.Tensor | None = None
 
 
 @dataclass

@@ -106,7 +106,8 @@ class GPTQModifier(QuantizationModifier):
                 handles.append(
                     model.get_submodule(name).register_forward_pre_hook(self._hook(name, shared, state))
                 )
-            yield
+            with self.inputs.hooks(names, model, state):  # static input scales, from the same inputs
+                yield
         finally:
             for handle in handles:
                 handle.remove()
@@ -131,6 +132,7 @@ class GPTQModifier(QuantizationModifier):
         mine = [n for n in names if n in self.modules and n not in state.quantized]
         if not mine:
             return
+        self.inputs.observe(mine, x, state)
         acc = self._acc.get(mine[0])
         if acc is None:  # first batch: the modules reading x share one accumulator
             acc = _Accumulator()
@@ -179,6 +181,7 @@ class GPTQModifier(QuantizationModifier):
                 seconds = (time.perf_counter() - start) / len(chunk)
                 for name in chunk:
                     state.module_errors.setdefault(name, {})["gptq_seconds"] = seconds
+        self.inputs.finish(names, model, state)
         return bool(names)
 
     def _solve(self, names: list[str], model: torch.nn.Module, H: torch.Tensor, state: RunState) -> None:

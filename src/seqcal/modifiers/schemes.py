@@ -16,19 +16,22 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
+from seqcal.modifiers.activations import check_activations
+
 logger = logging.getLogger("seqcal")
 # difflib ratio from which a name that matches nothing is taken for a typo: "lm_haed" ~ "lm_head" (0.86),
 # "q_prj" ~ "q_proj" (0.91); "lm_head" ~ "head" (0.73) is another architecture's name, not a typo.
 _TYPO = 0.8
 
-# Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights, dynamic activations.
-# FP8 (static activation scales) is not among them: it needs activation observers seqcal does not have yet.
+# Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights, dynamic activations,
+# static activations calibrated by observers (FP8: per-tensor fp8 inputs, seqcal.modifiers.activations).
 SUPPORTED_PRESETS = (
     "W4A16",
     "W4A16_ASYM",
     "W8A16",
     "W8A8",
     "FP8_DYNAMIC",
+    "FP8",
     "W2A16",
     "W3A16",
     "W5A16",
@@ -106,11 +109,7 @@ def check_supported(scheme: QuantizationScheme, where: str) -> None:
         )
     if weights.type == "float" and weights.num_bits != 8:
         raise ValueError(f"{where}: float weights must be 8-bit (fp8 e4m3)")
-    if scheme.output_activations is not None:
-        raise ValueError(f"{where}: output activation quantization is not supported")
-    acts = scheme.input_activations
-    if acts is not None and not acts.dynamic:
-        raise ValueError(f"{where}: static input activation quantization is not supported; use dynamic")
+    check_activations(scheme, where)  # observers and strategies of the activations
 
 
 def strategy_of(args: QuantizationArgs) -> str:
