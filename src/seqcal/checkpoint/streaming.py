@@ -148,7 +148,8 @@ class StreamingCheckpoint:
             tensors.update({f"{name}:q": qw.q, f"{name}:scale": qw.scale})
             if qw.zero_point is not None:
                 tensors[f"{name}:zero_point"] = qw.zero_point
-            for key in ("input_scale", "input_zero_point"):  # static activations: a replay quantizes with them
+            # static activations: a replay fake-quantizes the module's inputs with them
+            for key in ("input_scale", "input_zero_point"):
                 if getattr(qw, key) is not None:
                     tensors[f"{name}:{key}"] = getattr(qw, key)
         folder = self.path / RESUME_DIR
