@@ -43,3 +43,28 @@ def test_an_activation_group_that_does_not_divide_a_module_is_refused(tiny_dir: 
         "choose a group_size that divides them",
     )  # fmt: skip
     assert "cutting" not in result.stderr and not (tmp_path / "out" / "config.json").exists()
+
+
+FP8 = str(Path(__file__).resolve().parents[1] / "recipes" / "rtn_fp8_static.yaml")
+
+
+def test_eval_of_an_activation_recipe_without_output_dir_is_refused(tiny_dir: Path) -> None:  # noqa: F811
+    # the returned model runs its inputs unquantized: only the checkpoint is the quantized model
+    result = seqcal("oneshot", "--model", str(tiny_dir), "--recipe", FP8, "--eval", *SMALL)
+    assert_user_error(result, "--eval of a recipe that quantizes activations", "add --output-dir")
+    assert "cutting" not in result.stderr
+
+
+def test_eval_of_an_activation_recipe_measures_the_checkpoint(tiny_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    text = tmp_path / "eval.txt"
+    text.write_text(" The river runs past the old town and under its bridge. " * 40)
+    window = ["--eval-seq-length", "32", "--eval-windows", "2"]
+    out = tmp_path / "out"
+    run = seqcal("oneshot", "--model", str(tiny_dir), "--recipe", FP8, "--output-dir", str(out), "--eval",
+                 "--eval-dataset", str(text), "--dataset", str(text), "--plot", "none", *window, *SMALL, "-q")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    after = run.stdout.split("-> after ")[1].split()[0]
+    saved = seqcal("eval", "ppl", "--model", str(out), "--dataset", str(text), "--seq-len", "32",
+                   "--eval-windows", "2", "-q")  # fmt: skip
+    assert saved.returncode == 0, saved.stderr
+    assert f"{float(saved.stdout.split(': ')[-1]):.2f}" == after

@@ -230,3 +230,14 @@ def quantized_inputs(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def quantizes_activations(modifiers: list[Any]) -> bool:
+    """Whether some modifier's scheme quantizes input activations (the runtime then quantizes inputs, which
+    the model ``oneshot`` returns does not: measure such a model from its checkpoint).
+
+    Example:
+        >>> quantizes_activations(parse_recipe("recipes/rtn_fp8_static.yaml").modifiers)  # doctest: +SKIP
+        True
+    """
+    return any(g.input_activations is not None for m in modifiers for g in getattr(m, "groups", {}).values())
