@@ -26,7 +26,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from torch import Tensor
 
-from seqcal.algorithms import compute_qparams, fake_quantize
+from seqcal.algorithms import FP8_DTYPE, compute_qparams, quant_range
 from seqcal.observers import ActivationObserver, check_static_input, make_observer
 
 
@@ -70,6 +70,8 @@ def check_activations(scheme: QuantizationScheme, where: str) -> None:
 
 def _tokens(x: Tensor, mask: Tensor | None) -> Tensor:
     """``x [..., in]`` as ``[tokens, in]`` without the padding tokens (they carry no signal)."""
+    if mask is not None and bool(mask.all()):
+        mask = None  # nothing to drop: skip the copy a boolean index makes
     if mask is not None and x.dim() == 3 and tuple(mask.shape) == tuple(x.shape[:2]):
         x = x[mask.to(x.device, torch.bool)]
     elif mask is not None and x.dim() == 2 and x.shape[0] == mask.numel():
@@ -150,6 +152,29 @@ class InputCalibration:
             qw.input_zero_point = None if observer.args.symmetric else zero_point
 
 
+def qdq(x: Tensor, scale: Tensor, zero: Tensor | None, args: QuantizationArgs) -> Tensor:
+    """Quantize-dequantize in one pass, as compressed-tensors' fused ``_quantize_dequantize``: the codes stay
+    in x's dtype (no int8 / fp8 tensor in between), the result is in the scale's dtype.
+
+    Args:
+        x: activations; ``scale`` / ``zero`` broadcast against it.
+        args: the activation format (num_bits, type).
+
+    Returns:
+        ``(round(clamp(x / scale + zero)) - zero) * scale``.
+    """
+    qmin, qmax = quant_range(args.num_bits, _value(args.type))
+    scaled = x / scale
+    if zero is not None:
+        scaled = scaled + zero.to(x.dtype)
+    scaled = scaled.clamp(qmin, qmax)
+    codes = scaled.to(FP8_DTYPE).to(scaled.dtype) if _value(args.type) == "float" else torch.round(scaled)
+    codes = codes.to(scale.dtype)
+    if zero is not None:
+        codes = codes - zero.to(scale.dtype)
+    return codes * scale
+
+
 def dynamic_fake_quantize(x: Tensor, args: QuantizationArgs) -> Tensor:
     """Fake-quantize ``x`` with qparams computed from it, as compressed-tensors' dynamic forward does.
 
@@ -166,14 +191,12 @@ def dynamic_fake_quantize(x: Tensor, args: QuantizationArgs) -> Tensor:
         grouped = x.unflatten(-1, (x.shape[-1] // args.group_size, args.group_size))
         lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [..., groups]
         scale, zero = compute_qparams(lo, hi, num_bits=args.num_bits, symmetric=args.symmetric, type=kind)
-        zero = None if args.symmetric else zero
-        y = fake_quantize(grouped, scale.unsqueeze(-1), None if zero is None else zero.unsqueeze(-1),
-                          num_bits=args.num_bits, type=kind)  # fmt: skip
-        return y.flatten(-2)
+        zero = None if args.symmetric else zero.unsqueeze(-1)
+        return qdq(grouped, scale.unsqueeze(-1), zero, args).flatten(-2).to(x.dtype)
     else:
         lo, hi = x.amin(), x.amax()
     scale, zero = compute_qparams(lo, hi, num_bits=args.num_bits, symmetric=args.symmetric, type=kind)
-    return fake_quantize(x, scale, None if args.symmetric else zero, num_bits=args.num_bits, type=kind)
+    return qdq(x, scale, None if args.symmetric else zero, args)
 
 
 def input_fake_quantize(x: Tensor, qw: Any) -> Tensor:
@@ -190,9 +213,12 @@ def input_fake_quantize(x: Tensor, qw: Any) -> Tensor:
         return x
     scale = qw.input_scale.to(x.device)
     zero = None if qw.input_zero_point is None else qw.input_zero_point.to(x.device)
-    group = args.group_size if _value(args.strategy) == "group" else None
+    if _value(args.strategy) == "group":  # [..., groups, group_size] against [groups, 1]
+        grouped = x.unflatten(-1, (scale.shape[-1], args.group_size))
+        zero = None if zero is None else zero.unsqueeze(-1)
+        return qdq(grouped, scale.unsqueeze(-1), zero, args).flatten(-2).to(x.dtype)
     # x / scale in the promoted dtype, dequantized in the scale's dtype, as compressed-tensors' forward
-    return fake_quantize(x, scale, zero, num_bits=args.num_bits, type=_value(args.type), group_size=group)
+    return qdq(x, scale, zero, args)
 
 
 @contextlib.contextmanager
