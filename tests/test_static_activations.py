@@ -396,3 +396,38 @@ def test_fp8_preset_is_supported() -> None:
     assert scheme.input_activations.dynamic is False
     assert QuantizationModifier(scheme="FP8").needs_calibration
     assert not QuantizationModifier(scheme="FP8_DYNAMIC").needs_calibration
+
+
+# --- resume -------------------------------------------------------------------------------------------------
+
+
+def test_an_interrupted_static_run_resumes_to_the_same_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    # Replayed subgraphs must fake-quantize their inputs with the saved input scales, or every scale after
+    # them would be calibrated on other inputs than in the uninterrupted run.
+    import seqcal.checkpoint.streaming as streaming
+    from seqcal.entrypoint import oneshot
+
+    model_dir = tmp_path / "model"
+    tiny_llama().save_pretrained(model_dir)
+    data = [{"input_ids": b["input_ids"][0].tolist()} for b in batches()]
+    run = dict(
+        dataset=data, recipe="QuantizationModifier: {scheme: FP8, ignore: [lm_head]}", max_seq_length=16
+    )
+    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # record progress after every subgraph
+    done = streaming.StreamingCheckpoint.done
+
+    def stop_midway(self, sg) -> None:
+        done(self, sg)
+        if sg.index == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", stop_midway)
+    with pytest.raises(KeyboardInterrupt):
+        oneshot(model=str(model_dir), output_dir=str(tmp_path / "killed"), **run)
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", done)
+    oneshot(model=str(model_dir), output_dir=str(tmp_path / "killed"), resume=True, **run)
+    oneshot(model=str(model_dir), output_dir=str(tmp_path / "clean"), **run)
+    a, b = checkpoint_tensors(tmp_path / "killed"), checkpoint_tensors(tmp_path / "clean")
+    assert a.keys() == b.keys() and any(k.endswith("input_scale") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
