@@ -262,7 +262,8 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         _plot_timeline(Path(args.profile))
     print(f"\noneshot took {elapsed:.1f} s" + (f"; checkpoint: {args.output_dir}" if args.output_dir else ""))
     if args.eval:
-        dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")  # the model measured before
+        # the checkpoint in the dtype the model was measured in before
+        dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
         measured = _load(args.output_dir, dtype)[0] if from_checkpoint else model
         after = _ppl(measured, tokenizer, text, args)
         print(f"perplexity on {text_name} ({args.eval_windows or 'all'} windows of {args.eval_seq_length} tokens): "
