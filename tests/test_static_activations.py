@@ -431,3 +431,14 @@ def test_an_interrupted_static_run_resumes_to_the_same_checkpoint(tmp_path: Path
     assert a.keys() == b.keys() and any(k.endswith("input_scale") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_datafree_pipeline_refuses_static_activations_naming_the_modifier() -> None:
+    from seqcal.entrypoint import oneshot
+
+    with pytest.raises(ValueError, match=r"need calibration data \(QuantizationModifier: .*static input"):
+        oneshot(
+            model=tiny_llama(),
+            recipe=QuantizationModifier(scheme="FP8", ignore=["lm_head"]),
+            pipeline="datafree",
+        )

@@ -153,9 +153,10 @@ def _run(
     for modifier in modifiers:
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:
-        if any(m.needs_calibration for m in modifiers):
+        if needing := [type(m).__name__ for m in modifiers if m.needs_calibration]:
             raise ValueError(
-                "pipeline='datafree' cannot run modifiers that need calibration data (GPTQModifier)"
+                f"pipeline='datafree' cannot run modifiers that need calibration data ({', '.join(needing)}: "
+                "GPTQ, or static input activations); give a dataset, or use a weight-only or dynamic scheme"
             )
         batches = []
     else:
