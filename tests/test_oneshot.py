@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from compressed_tensors.quantization import QuantizationScheme
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig, LlamaForCausalLM
 
-from seqcal.algorithms import fake_quantize_per_token
+from save_helpers import checkpoint_tensors
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
+from seqcal.modifiers.activations import quantized_inputs
+from seqcal.modifiers.base import QuantizedWeight, RunState
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 VOCAB = 256
@@ -43,21 +47,22 @@ def probe() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-class DynamicActivations:
-    """Per-token activation fake-quant on the quantized Linears, as the loaded checkpoint does at run time."""
-
-    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
-        self.handles = [
-            model.get_submodule(n).register_forward_pre_hook(
-                lambda m, args: (fake_quantize_per_token(args[0], num_bits=8, type=self.kind),)
-            )
-            for n in names
-        ]
-        self.kind = "int"
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+def runtime_activations(model: torch.nn.Module, out: Path, block: dict) -> contextlib.AbstractContextManager:
+    """Input fake-quant of the quantized Linears as the loaded checkpoint runs them: per token (dynamic) or
+    with the checkpoint's calibrated input_scale / input_zero_point (static)."""
+    group = block["config_groups"]["group_0"]
+    if not group.get("input_activations"):
+        return contextlib.nullcontext()
+    scheme = QuantizationScheme.model_validate(group)
+    tensors = checkpoint_tensors(out)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    empty = torch.empty(0)
+    state = RunState(quantized={
+        n: QuantizedWeight(empty, empty, None, None, scheme, input_scale=tensors.get(f"{n}.input_scale"),
+                           input_zero_point=tensors.get(f"{n}.input_zero_point"))
+        for n in names
+    })  # fmt: skip
+    return quantized_inputs(model, state, dict.fromkeys(names, scheme))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
@@ -70,26 +75,23 @@ def test_every_shipped_recipe_round_trips(recipe: Path, tmp_path: Path) -> None:
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors"
     assert "lm_head" in config["ignore"]
-    asym = "asym" in recipe.stem
+    asym = config.get("dequantize", False)  # packed asymmetric zero points (the config asks for it)
     # Asymmetric packed zero points need dequantize=True in transformers 5.24 (upstream bug, see test_save).
     extra = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if asym else {}
     loaded = AutoModelForCausalLM.from_pretrained(out, **extra).eval()
     inputs = probe()
-    acts = None
-    if "w8a8" in recipe.stem or "fp8_dynamic" in recipe.stem:
-        names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-        acts = DynamicActivations(model, names)
-        acts.kind = "float" if "fp8" in recipe.stem else "int"
     if "fp8_block" in recipe.stem:  # dynamic fp8 activations in groups of 128, compressed-tensors' own
         names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
-        acts = DynamicActivations(model, [])
-        acts.handles = [model.get_submodule(n).register_forward_pre_hook(_fp8_groups) for n in names]
-    try:
-        with torch.no_grad():
+        handles = [model.get_submodule(n).register_forward_pre_hook(_fp8_groups) for n in names]
+        try:
+            with torch.no_grad():
+                want = model(**inputs).logits
+        finally:
+            for handle in handles:
+                handle.remove()
+    else:
+        with torch.no_grad(), runtime_activations(model, out, config):
             want = model(**inputs).logits
-    finally:
-        if acts:
-            acts.close()
     with torch.no_grad():
         got = loaded(**inputs).logits
     if (

@@ -25,6 +25,10 @@ EXPECTED_RECIPES = {
     "rtn_w8a8.yaml",
     "rtn_fp8_dynamic.yaml",
     "gptq_w4a16_asym_actorder.yaml",
+    "rtn_fp8_static.yaml",
+    "gptq_w8a8_static.yaml",
+    "gptq_w8a8_static_asym.yaml",
+    "rtn_w8a8_static_tensor.yaml",
 }
 
 

@@ -13,17 +13,6 @@ from seqcal.recipe.parse import Recipe, RecipeError, parse_recipe
 # --- llm-compressor's recipe files seqcal cannot run (Apache-2.0, vllm-project/llm-compressor) -----------
 
 LLMC_UNSUPPORTED = {
-    "TinyLlama-1.1B-Chat-v1.0-fp8/recipe.yaml (saved by llm-compressor; FP8 = static activations)": (
-        """
-DEFAULT_stage:
-  DEFAULT_modifiers:
-    QuantizationModifier:
-      ignore: [lm_head]
-      targets: Linear
-      scheme: FP8
-""",
-        ["<string>:4:", "static input activation quantization is not supported; use dynamic"],
-    ),
     "tests/e2e/vLLM/recipes/actorder/recipe_w4a16_actorder_group.yaml (group actorder left compressed-tensors)": (
         """
 quant_stage:
@@ -75,6 +64,22 @@ quant_stage:
 """,
         ["<string>:4:", "SmoothQuantModifier", "not supported by seqcal yet", "GPTQModifier"],
     ),
+    "tests/e2e/vLLM/recipes/INT8/recipe_int8_channel_weight_static_per_tensor_act.yaml (SmoothQuant stage)": (
+        """
+quant_stage:
+  quant_modifiers:
+    SmoothQuantModifier:
+      smoothing_strength: 0.8
+    GPTQModifier:
+      ignore: [lm_head]
+      config_groups:
+        group_0:
+          weights: {num_bits: 8, type: int, symmetric: true, strategy: channel}
+          input_activations: {num_bits: 8, type: int, symmetric: true, strategy: tensor}
+          targets: [Linear]
+""",
+        ["<string>:4:", "SmoothQuantModifier", "not supported by seqcal yet", "Remove it from the recipe"],
+    ),
     "tests/e2e/vLLM/recipes/non_uniform/recipe_gptq_awq.yaml": (
         """
 quant_stage:
@@ -119,29 +124,6 @@ quant_stage:
       kv_cache_scheme:
         {num_bits: 8, type: float, symmetric: true, strategy: tensor}""",
         ["<string>:16:", "GPTQModifier: kv_cache_scheme is not supported"],
-    ),
-    "tests/llmcompressor/transformers/compression/recipes/new_quant_full.yaml": (
-        """
-test_stage:
-    quant_modifiers:
-        GPTQModifier:
-            block_size: 128
-            ignore: ["lm_head", "model.layers.0.mlp.down_proj"]
-            config_groups:
-                group_0:
-                    weights:
-                        num_bits: 8
-                        type: "int"
-                        symmetric: false
-                        strategy: "channel"
-                    input_activations:
-                        num_bits: 8
-                        type: "int"
-                        symmetric: false
-                        strategy: "tensor"
-                    output_activations: null
-                    targets: ["Linear"]""",
-        ["<string>:4:", "static input activation quantization is not supported; use dynamic"],
     ),
     "examples/llama_1.1b/example_quant_recipe.yaml (sparseml-era scheme_overrides)": (
         """

@@ -2,7 +2,8 @@
 
 Each recipe in recipes/ quantizes a tiny Llama through ``oneshot``; the checkpoint must load with a plain
 ``AutoModelForCausalLM.from_pretrained``, reproduce the in-memory fake-quantized model's logits (with
-dynamic per-token activation fake-quant where the scheme asks for it), and load in ``seqcal eval ppl``.
+input activation fake-quant where the scheme asks for it: per token, or with the calibrated static scale),
+and load in ``seqcal eval ppl``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from save_helpers import assert_logits_equal, dynamic_activations
+from save_helpers import assert_logits_equal, checkpoint_tensors
 from seqcal.entrypoint import oneshot
+from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.recipe.parse import parse_recipe
 from tokenizer_helpers import word_level
@@ -45,14 +47,19 @@ def _text(n_words: int, seed: int) -> str:
     return " ".join(WORDS[i] for i in picks)
 
 
-def _schemes(recipe: Path, model: torch.nn.Module) -> RunState:
-    """The recipe's scheme per quantized module, as dynamic_activations reads it."""
-    state = RunState()
+def _schemes(recipe: Path, model: torch.nn.Module, out: Path) -> tuple[RunState, dict]:
+    """The recipe's scheme per quantized module with the checkpoint's static input scales, as
+    quantized_inputs reads them (input activations fake-quantized as the loaded checkpoint runs them)."""
+    state, schemes, tensors = RunState(), {}, checkpoint_tensors(out)
     for modifier in parse_recipe(str(recipe)).modifiers:
         modifier.validate(model)
         for name, scheme in modifier.modules.items():
-            state.quantized[name] = QuantizedWeight(torch.empty(0), torch.empty(0), None, None, scheme)
-    return state
+            state.quantized[name] = QuantizedWeight(
+                torch.empty(0), torch.empty(0), None, None, scheme, input_scale=tensors.get(f"{name}.input_scale"),
+                input_zero_point=tensors.get(f"{name}.input_zero_point"),
+            )  # fmt: skip
+            schemes[name] = scheme
+    return state, schemes
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -62,7 +69,7 @@ def test_recipe_checkpoint_loads_everywhere(recipe: Path, tokenizer, tmp_path: P
     model = oneshot(model=_tiny_llama(len(tokenizer)), tokenizer=tokenizer, dataset=data, recipe=str(recipe),
                     output_dir=str(out), max_seq_length=48, num_calibration_samples=8)  # fmt: skip
     ids = torch.tensor([tokenizer(_text(20, 99))["input_ids"]])
-    with torch.no_grad(), dynamic_activations(model, _schemes(recipe, model)):
+    with torch.no_grad(), quantized_inputs(model, *_schemes(recipe, model, out)):
         ref = model(ids).logits
 
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()  # (a) plain transformers load

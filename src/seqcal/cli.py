@@ -218,8 +218,9 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
             "measured); add --output-dir DIR to save the checkpoint, or --eval to only measure it"
         )
 
+    from_checkpoint = False  # activation quantization lives in the checkpoint (run by compressed-tensors)
     if args.eval:  # refused before --eval measures the model for minutes (oneshot checks them itself)
-        parse_recipe(args.recipe)
+        from_checkpoint = _eval_from_checkpoint(parse_recipe(args.recipe), args)
         check_output_dir(args.output_dir, overwrite=args.overwrite, resume=args.resume)
     # Without --eval the directory is passed on, so oneshot keeps the weights offloaded (memory bound);
     # --eval needs the model in memory to measure it before and after.
@@ -261,10 +262,28 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         _plot_timeline(Path(args.profile))
     print(f"\noneshot took {elapsed:.1f} s" + (f"; checkpoint: {args.output_dir}" if args.output_dir else ""))
     if args.eval:
-        after = _ppl(model, tokenizer, text, args)
+        # the checkpoint in the dtype the model was measured in before
+        dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
+        measured = _load(args.output_dir, dtype)[0] if from_checkpoint else model
+        after = _ppl(measured, tokenizer, text, args)
         print(f"perplexity on {text_name} ({args.eval_windows or 'all'} windows of {args.eval_seq_length} tokens): "
               f"before {before:.2f} -> after {after:.2f}")  # fmt: skip
     return 0
+
+
+def _eval_from_checkpoint(recipe: Any, args: argparse.Namespace) -> bool:
+    """--eval of a recipe that quantizes activations measures the saved checkpoint (the returned model runs
+    its inputs unquantized); without --output-dir there is none: refused before any work."""
+    from seqcal.modifiers.activations import quantizes_activations
+
+    if not quantizes_activations(recipe.modifiers):
+        return False
+    if not args.output_dir:
+        raise UsageError(
+            "oneshot: --eval of a recipe that quantizes activations measures the saved checkpoint (it runs "
+            "the activation quantization); add --output-dir DIR"
+        )
+    return True
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,10 @@ class StreamingCheckpoint:
                 tensors[f"{name}:zero_point"] = qw.zero_point
             if qw.global_scale is not None:
                 tensors[f"{name}:global_scale"] = qw.global_scale
+            # static activations: a replay fake-quantizes the module's inputs with them
+            for key in ("input_scale", "input_zero_point"):
+                if getattr(qw, key) is not None:
+                    tensors[f"{name}:{key}"] = getattr(qw, key)
         folder = self.path / RESUME_DIR
         folder.mkdir(exist_ok=True)
         if tensors:
@@ -169,7 +174,8 @@ class StreamingCheckpoint:
         empty = torch.empty(0)
         for name in names:
             qw = self.state.quantized[name]
-            self.state.quantized[name] = QuantizedWeight(empty, empty, None, None, qw.scheme, qw.loss)
+            # the input qparams stay (a few bytes): a replayed pass still fake-quantizes the module's inputs
+            self.state.quantized[name] = replace(qw, q=empty, scale=empty, zero_point=None, g_idx=None)
 
     def _in(self, name: str, sg: Subgraph) -> bool:
         return any(name == m or name.startswith(m + ".") or not m for m in sg.modules)
@@ -195,7 +201,9 @@ class StreamingCheckpoint:
             group_size = scheme.weights.group_size if strategy_of(scheme.weights) == "group" else None
             qw = QuantizedWeight(q=tensors[f"{name}:q"], scale=tensors[f"{name}:scale"],
                                  zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme,
-                                 global_scale=tensors.get(f"{name}:global_scale"))  # fmt: skip
+                                 global_scale=tensors.get(f"{name}:global_scale"),
+                                 input_scale=tensors.get(f"{name}:input_scale"),
+                                 input_zero_point=tensors.get(f"{name}:input_zero_point"))  # fmt: skip
             weight = self.model.get_submodule(name).weight
             fmt = weight_format(scheme)  # block fp8, NVFP4, MX
             if fmt is not None:

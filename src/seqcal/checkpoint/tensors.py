@@ -2,7 +2,8 @@
 
 ``_module_tensors`` gives a module's own state-dict entries with its quantized weight replaced by the
 tensors of its format (``weight_packed``/``weight``, ``weight_scale``, ``weight_zero_point``,
-``weight_shape``; see ``seqcal.checkpoint.writer``); the codes are checked first and the in-memory weight must equal
+``weight_shape``, and for static activations ``input_scale`` / ``input_zero_point``; see
+``seqcal.checkpoint.writer``); the codes are checked first and the in-memory weight must equal
 their dequantization exactly. ``seqcal.checkpoint.writer.CheckpointWriter`` writes what it returns.
 
 Example:
@@ -27,15 +28,10 @@ from seqcal.modifiers.schemes import strategy_of
 
 def _check_quantized(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> None:
     """Reject what would load as a different model than the one in memory."""
-    scheme, w = qw.scheme, qw.scheme.weights
+    w = qw.scheme.weights
     where = f"save: module {name!r}"
-    inputs = scheme.input_activations
-    if scheme.output_activations is not None or (inputs is not None and not inputs.dynamic):
-        raise ValueError(
-            f"{where}: static or output activation quantization needs calibrated activation scales, which "
-            "seqcal does not produce; use a dynamic scheme (W8A8, FP8_DYNAMIC) or a weight-only one (W4A16)"
-        )
-    fmt = weight_format(scheme)
+    _check_input_qparams(where, qw)
+    fmt = weight_format(qw.scheme)
     expected = code_dtype(w.type) if fmt is None else fmt.code_dtype
     if tuple(qw.q.shape) != shape or qw.q.dtype != expected:
         raise ValueError(
@@ -60,6 +56,27 @@ def _check_quantized(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> 
             raise ValueError(f"{where}: codes leave the {w.num_bits}-bit range [{qmin:g}, {qmax:g}]")
 
 
+def _check_input_qparams(where: str, qw: QuantizedWeight) -> None:
+    """Static input activations need their calibrated scale (and zero point exactly when asymmetric)."""
+    inputs, outputs = qw.scheme.input_activations, qw.scheme.output_activations
+    if outputs is not None:
+        raise ValueError(
+            f"{where}: output activation quantization is not supported; remove output_activations"
+        )
+    static = inputs is not None and inputs.dynamic is False
+    if static and qw.input_scale is None:
+        raise ValueError(
+            f"{where}: the scheme has static input activations but no calibrated input_scale; quantize it "
+            "with a modifier given calibration data (QuantizationModifier or GPTQModifier with a dataset)"
+        )
+    if not static and (qw.input_scale is not None or qw.input_zero_point is not None):
+        raise ValueError(f"{where}: input_scale is set but the scheme's input activations are not static")
+    if static and (qw.input_zero_point is None) != inputs.symmetric:
+        raise ValueError(
+            f"{where}: input_zero_point must be None exactly when the input activations are symmetric"
+        )
+
+
 def _compressed(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[str, Tensor]:
     """The tensors compressed-tensors stores for one quantized weight (local names, module docstring)."""
     _check_quantized(name, qw, shape)
@@ -79,6 +96,10 @@ def _compressed(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[
         out["weight"] = qw.q
         if zp is not None:
             out["weight_zero_point"] = zp
+    if qw.input_scale is not None:  # static activations: compressed-tensors' input_scale [1] / [groups]
+        out["input_scale"] = qw.input_scale
+        if qw.input_zero_point is not None:
+            out["input_zero_point"] = qw.input_zero_point
     return out
 
 

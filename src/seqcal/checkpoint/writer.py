@@ -6,8 +6,10 @@ scheme (the same tensors its compressors write, so transformers and vLLM load it
     pack-quantized   int weights without activation quant (W4A16, W8A16, any 1..8 bits):
                      weight_packed int32 [out, ceil(in * b / 32)], weight_scale, weight_shape int64 [2],
                      weight_zero_point (asymmetric; packed along dim 0 for channel/group)
-    int-quantized    int weights with dynamic activations (W8A8): weight int8 [out, in], weight_scale
-    float-quantized  fp8 weights with dynamic activations (FP8_DYNAMIC): weight float8_e4m3fn, weight_scale
+    int-quantized    int weights with 8-bit activations (W8A8): weight int8 [out, in], weight_scale
+    float-quantized  fp8 weights with fp8 activations (FP8_DYNAMIC, FP8): weight float8_e4m3fn, weight_scale
+                     (either: static activations add input_scale [1] in the weight's dtype, and
+                     input_zero_point when asymmetric)
     naive-quantized  anything else compressed-tensors would store unpacked (fp8 weight-only)
 
 Everything else of ``model.state_dict()`` is written as it is; tied weights are written once, and keys

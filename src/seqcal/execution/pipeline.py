@@ -27,6 +27,7 @@ from seqcal.execution.weights import (
 )
 from seqcal.experts import routed_experts
 from seqcal.modifiers import RunState
+from seqcal.modifiers.activations import quantized_inputs
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
 from seqcal.tracing.leaves import normalize_trace_into
@@ -160,9 +161,10 @@ def _run(
     for modifier in modifiers:
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:
-        if any(m.needs_calibration for m in modifiers):
+        if needing := [type(m).__name__ for m in modifiers if m.needs_calibration]:
             raise ValueError(
-                "pipeline='datafree' cannot run modifiers that need calibration data (GPTQModifier)"
+                f"pipeline='datafree' cannot run modifiers that need calibration data ({', '.join(needing)}: "
+                "GPTQ, or static input activations); give a dataset, or use a weight-only or dynamic scheme"
             )
         batches = []
     else:
@@ -220,6 +222,7 @@ def _run(
                 return weights.release(sg, changed)  # bytes copied back to the host
 
             with contextlib.ExitStack() as stack:
+                stack.enter_context(quantized_inputs(model, state, schemes))  # downstream sees runtime inputs
                 if store is not None:  # weights off the model: onloaded per subgraph; its buffers go once
                     stack.enter_context(safety_hooks(model, store, device))
                     stack.enter_context(buffers_on(model, device))

@@ -39,6 +39,9 @@ class QuantizedWeight:
         loss: the solver's objective (GPTQ loss), None for round-to-nearest.
         global_scale: float32 [1] NVFP4 global scale (``tensor_group`` schemes; scale is then fp8-valued and
             the effective scale is ``scale / global_scale``), else None.
+        input_scale: calibrated static input scale ([1] per tensor, [in // group_size] per group) for schemes
+            with static input activations, else None.
+        input_zero_point: its zero point (int8 codes) when those activations are asymmetric, else None.
     """
 
     q: torch.Tensor
@@ -48,6 +51,8 @@ class QuantizedWeight:
     scheme: Any  # compressed_tensors.quantization.QuantizationScheme
     loss: float | None = None
     global_scale: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None
+    input_zero_point: torch.Tensor | None = None
 
 
 @dataclass

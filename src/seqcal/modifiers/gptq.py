@@ -113,7 +113,8 @@ class GPTQModifier(QuantizationModifier):
                 handles.append(
                     model.get_submodule(name).register_forward_pre_hook(self._hook(name, shared, state))
                 )
-            with every_token(model, names):  # experts calibrated on all tokens: only while H accumulates
+            # experts calibrated on all tokens only while H accumulates; static input scales from the same inputs
+            with every_token(model, names), self.inputs.hooks(names, model, state):
                 yield
         finally:
             for handle in handles:
@@ -139,6 +140,7 @@ class GPTQModifier(QuantizationModifier):
         mine = [n for n in names if n in self.modules and n not in state.quantized]
         if not mine:
             return
+        self.inputs.observe(mine, x, state)
         acc = self._acc.get(mine[0])
         if acc is None:  # first batch: the modules reading x share one accumulator
             acc = _Accumulator()
@@ -198,6 +200,7 @@ class GPTQModifier(QuantizationModifier):
                 for name in chunk:
                     errors = state.module_errors.setdefault(name, {})
                     errors["gptq_seconds"], errors["solve_chunks"] = seconds, len(chunks)
+        self.inputs.finish(names, model, state)
         return bool(names)
 
     def _chunk_limit(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -9,6 +11,7 @@ import torch
 from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms import fake_quantize, formats, quantize, weight_qparams
+from seqcal.modifiers.activations import InputCalibration, static_inputs
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
 from seqcal.modifiers.schemes import resolve_modules, resolve_schemes, strategy_of
@@ -21,7 +24,8 @@ class QuantizationModifier(Modifier):
 
     Args:
         targets: module class names or ``re:`` patterns the ``scheme`` applies to (default all Linear).
-        scheme: a compressed-tensors preset ("W4A16", "W8A8", "FP8_DYNAMIC", ...) or {preset: targets}.
+        scheme: a compressed-tensors preset ("W4A16", "W8A8", "FP8_DYNAMIC", "FP8", ...) or {preset: targets};
+            static input activations (FP8, or config_groups with ``dynamic: false``) are calibrated on data.
         config_groups: explicit compressed-tensors config groups (instead of ``scheme``).
         ignore: modules left in full precision (class names or ``re:`` patterns), e.g. ["lm_head"].
         kv_cache_scheme: not supported; must stay None.
@@ -31,7 +35,8 @@ class QuantizationModifier(Modifier):
     """
 
     name: ClassVar[str] = "QuantizationModifier"
-    input_only: ClassVar[bool] = True  # needs no data at all (activations are quantized dynamically)
+    # needs no data at all, or (static input activations) only its modules' inputs
+    input_only: ClassVar[bool] = True
     targets: str | list[str] = "Linear"
     scheme: str | dict[str, Any] | None = None
     config_groups: dict[str, Any] | None = None
@@ -45,15 +50,16 @@ class QuantizationModifier(Modifier):
             raise ValueError(f"{self.name}: kv_cache_scheme is not supported yet; remove it from the recipe")
         self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
         self.modules: dict[str, QuantizationScheme] = {}
-        self._fused: list[
-            tuple[str, ...]
-        ] = []  # modules vLLM merges into one weight (shared NVFP4 global scale)
-        self._global_scales: dict[
-            str, torch.Tensor
-        ] = {}  # module -> NVFP4 global scale, set before quantizing
+        # modules vLLM merges into one weight (shared NVFP4 global scale); module -> NVFP4 global scale
+        self._fused: list[tuple[str, ...]] = []
+        self._global_scales: dict[str, torch.Tensor] = {}
+        self.inputs = InputCalibration({})
+        if any(static_inputs(g) for g in self.groups.values()):
+            self.needs_calibration = True  # static input scales are calibrated on data
 
     def validate(self, model: torch.nn.Module) -> None:
         self.modules = resolve_modules(model, self.groups, self.ignore, self.name)
+        self.inputs = InputCalibration(self.modules)
         if not self.modules:
             raise ValueError(
                 f"{self.name}: no Linear layer matches targets {self.targets!r} (ignore={self.ignore!r}); "
@@ -77,6 +83,15 @@ class QuantizationModifier(Modifier):
         prefixes = tuple(subgraph.modules)
         return [n for n in self.modules if n in prefixes or n.startswith(tuple(p + "." for p in prefixes))]
 
+    @contextlib.contextmanager
+    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        with self.inputs.hooks(names, model, state):  # static input scales; nothing else needs data
+            yield
+
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
+        self.inputs.observe([n for n in names if n in self.modules], x, state)
+
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
         self.prepare_global_scales(model, names)
@@ -85,6 +100,7 @@ class QuantizationModifier(Modifier):
             state.quantized[name] = rtn_quantize_module(
                 module, self.modules[name], self._global_scales.get(name)
             )
+        self.inputs.finish(names, model, state)
         return bool(names)
 
     def prepare_global_scales(self, model: torch.nn.Module, names: list[str]) -> None:

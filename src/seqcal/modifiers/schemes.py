@@ -16,6 +16,8 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
+from seqcal.modifiers.activations import check_activations
+
 logger = logging.getLogger("seqcal")
 # difflib ratio from which a name that matches nothing is taken for a typo: "lm_haed" ~ "lm_head" (0.86),
 # "q_prj" ~ "q_proj" (0.91); "lm_head" ~ "head" (0.73) is another architecture's name, not a typo.
@@ -23,14 +25,15 @@ _TYPO = 0.8
 
 # Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights (also block-wise), fp4
 # NVFP4 and MX (fp4/fp6/fp8 with e8m0 group scales) weights, dynamic activations (declared in the checkpoint,
-# computed at inference). FP8 and NVFP4 (static activation scales) are not among them: they need activation
-# observers seqcal does not have yet.
+# computed at inference), static activations calibrated by observers (FP8: per-tensor fp8 inputs,
+# seqcal.modifiers.activations). NVFP4 (fp4 activations with a calibrated global scale) is not among them yet.
 SUPPORTED_PRESETS = (
     "W4A16",
     "W4A16_ASYM",
     "W8A16",
     "W8A8",
     "FP8_DYNAMIC",
+    "FP8",
     "W2A16",
     "W3A16",
     "W5A16",
@@ -128,16 +131,13 @@ def check_supported(scheme: QuantizationScheme, where: str) -> None:
             "tensor_group"
         )
     _check_weight_format(weights, strategy, where)
-    if scheme.output_activations is not None:
-        raise ValueError(f"{where}: output activation quantization is not supported")
     acts = scheme.input_activations
-    if acts is not None and acts.dynamic is not True:
-        if str(getattr(acts.dynamic, "value", acts.dynamic)) == "local":
-            raise ValueError(
-                f"{where}: fp4 activations (NVFP4, W4A4) need a calibrated activation global scale, which seqcal "
-                "does not compute yet (not supported yet); use NVFP4A16 for fp4 weights with 16-bit activations"
-            )
-        raise ValueError(f"{where}: static input activation quantization is not supported; use dynamic")
+    if acts is not None and str(getattr(acts.dynamic, "value", acts.dynamic)) == "local":
+        raise ValueError(
+            f"{where}: fp4 activations (NVFP4, W4A4) need a calibrated activation global scale, which seqcal "
+            "does not compute yet (not supported yet); use NVFP4A16 for fp4 weights with 16-bit activations"
+        )
+    check_activations(scheme, where)  # observers and strategies of the activations
 
 
 def _check_weight_format(weights: QuantizationArgs, strategy: str, where: str) -> None:

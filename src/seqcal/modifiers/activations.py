@@ -1,0 +1,269 @@
+"""Input activations of quantized Linears: calibrate static scales, fake-quantize as the runtime does.
+
+``InputCalibration`` (owned by a quantization modifier) observes the inputs of the modules whose scheme has
+static ``input_activations``, on the same inputs the weights are calibrated on: in the one-pass cut these
+are computed with every upstream module already quantized, weights and activations. When the modifier
+compresses a module, the observer's qparams become ``QuantizedWeight.input_scale`` / ``input_zero_point``.
+
+``quantized_inputs`` (entered by the pipeline around the calibration loop) fake-quantizes the input of every
+module once it is quantized, exactly as compressed-tensors' quantized forward (and vLLM) does: with the
+calibrated static scale, or with qparams computed from each input for dynamic activations. So every pass
+after a module's compression (its propagation pass, a replay on resume) feeds downstream layers what
+inference will feed them.
+
+Example:
+    >>> with quantized_inputs(model, state, {"model.layers.0.mlp.down_proj": scheme}):  # doctest: +SKIP
+    ...     model(ids)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from torch import Tensor
+
+from seqcal.algorithms import FP8_DTYPE, compute_qparams, quant_range
+from seqcal.observers import ActivationObserver, check_static_input, make_observer
+
+
+def _value(enum_or_str: object) -> str:
+    return str(getattr(enum_or_str, "value", enum_or_str))
+
+
+def static_inputs(scheme: QuantizationScheme) -> QuantizationArgs | None:
+    """The scheme's input activation arguments when they are static (calibrated), else None."""
+    acts = scheme.input_activations
+    return acts if acts is not None and acts.dynamic is False else None
+
+
+def check_activations(scheme: QuantizationScheme, where: str) -> None:
+    """Refuse activation settings seqcal cannot calibrate or store, before any work (names the fix).
+
+    Args:
+        scheme: a modifier's config group.
+        where: the modifier and group, for the message.
+
+    Raises:
+        ValueError: output activations, a dynamic strategy compressed-tensors does not run, an unknown
+            observer or a static strategy that cannot be stored.
+    """
+    if scheme.output_activations is not None:
+        raise ValueError(
+            f"{where}: output_activations are not supported (vLLM's Linear kernels read no output scale); "
+            "remove output_activations from the scheme"
+        )
+    acts = scheme.input_activations
+    if acts is None:
+        return
+    if acts.dynamic is False:
+        check_static_input(acts, where)
+    elif acts.dynamic is not True or _value(acts.strategy) not in ("token", "tensor", "group"):
+        raise ValueError(
+            f"{where}: dynamic input activations with strategy {_value(acts.strategy)!r} (dynamic="
+            f"{_value(acts.dynamic)}) are not supported; use strategy 'token' (W8A8, FP8_DYNAMIC) or 'tensor'"
+        )
+
+
+def _tokens(x: Tensor, mask: Tensor | None) -> Tensor:
+    """``x [..., in]`` as ``[tokens, in]`` without the padding tokens (they carry no signal)."""
+    if mask is not None and bool(mask.all()):
+        mask = None  # nothing to drop: skip the copy a boolean index makes
+    if mask is not None and x.dim() == 3 and tuple(mask.shape) == tuple(x.shape[:2]):
+        x = x[mask.to(x.device, torch.bool)]
+    elif mask is not None and x.dim() == 2 and x.shape[0] == mask.numel():
+        x = x[mask.reshape(-1).to(x.device, torch.bool)]  # flattened tokens (MoE experts fed every token)
+    return x.reshape(-1, x.shape[-1])
+
+
+class InputCalibration:
+    """Observers of the static input activations of a modifier's modules.
+
+    Args:
+        schemes: module name -> scheme (only those with static input activations are observed).
+
+    Example:
+        >>> calib = InputCalibration({"fc": scheme})  # doctest: +SKIP
+        >>> calib.observe(["fc"], x, state); calib.finish(["fc"], model, state)  # doctest: +SKIP
+    """
+
+    def __init__(self, schemes: Mapping[str, QuantizationScheme]) -> None:
+        self.args = {n: a for n, s in schemes.items() if (a := static_inputs(s)) is not None}
+        self.observers: dict[str, ActivationObserver] = {}
+        # the last input measured and its range per observer setting: q/k/v (gate/up) read the same tensor
+        self._last: tuple[Tensor | None, int, dict[str, Any]] = (None, -1, {})
+
+    def __bool__(self) -> bool:
+        return bool(self.args)
+
+    def observe(self, names: list[str], x: Tensor, state: Any) -> None:
+        """Add one batch's input ``x`` of the modules ``names`` (those without static inputs are skipped)."""
+        mine = [n for n in names if n in self.args and n not in state.quantized]
+        if not mine:
+            return
+        last, version, measured = self._last
+        if last is not x or version != x._version:
+            measured = {}
+            self._last = (x, x._version, measured)
+        tokens = None
+        for name in mine:
+            observer = self.observers.get(name) or self.observers.setdefault(
+                name, make_observer(self.args[name])
+            )
+            key = repr(self.args[name])
+            if key not in measured:
+                tokens = _tokens(x.detach(), state.token_mask) if tokens is None else tokens
+                measured[key] = observer.measure(tokens, observer.args)
+            observer.update(tokens, measured[key])
+
+    @contextlib.contextmanager
+    def hooks(self, names: list[str], model: torch.nn.Module, state: Any) -> Iterator[None]:
+        """Observe the inputs of ``names`` during a calibration pass (removed on exit, also on error)."""
+        handles = []
+        try:
+            for name in [n for n in names if n in self.args]:
+                hook = lambda module, args, name=name: self.observe([name], args[0], state)  # noqa: E731
+                handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._last = (None, -1, {})  # release the last batch's activations
+
+    def finish(self, names: list[str], model: torch.nn.Module, state: Any) -> None:
+        """Store the calibrated input qparams of ``names`` (already in ``state.quantized``) and free their
+        observers. A module whose input was never seen has no static scale to save: an error naming it."""
+        for name in [n for n in names if n in self.args]:
+            observer = self.observers.pop(name, None)
+            if observer is None or observer.range is None:
+                raise RuntimeError(
+                    f"{name}: its input was never seen during calibration, so its static input scale cannot "
+                    "be calibrated; give calibration data that reaches it, or add it to ignore"
+                )
+            scale, zero_point = observer.qparams()
+            dtype = model.get_submodule(
+                name
+            ).weight.dtype  # compressed-tensors keeps scales in the weight's dtype
+            qw = state.quantized[name]
+            qw.input_scale = scale.to(dtype if dtype.is_floating_point else torch.float32)
+            qw.input_zero_point = None if observer.args.symmetric else zero_point
+
+
+def qdq(x: Tensor, scale: Tensor, zero: Tensor | None, args: QuantizationArgs) -> Tensor:
+    """Quantize-dequantize in one pass, as compressed-tensors' fused ``_quantize_dequantize``: the codes stay
+    in x's dtype (no int8 / fp8 tensor in between), the result is in the scale's dtype.
+
+    Args:
+        x: activations; ``scale`` / ``zero`` broadcast against it.
+        args: the activation format (num_bits, type).
+
+    Returns:
+        ``(round(clamp(x / scale + zero)) - zero) * scale``.
+    """
+    qmin, qmax = quant_range(args.num_bits, _value(args.type))
+    scaled = x / scale
+    if zero is not None:
+        scaled = scaled + zero.to(x.dtype)
+    scaled = scaled.clamp(qmin, qmax)
+    codes = scaled.to(FP8_DTYPE).to(scaled.dtype) if _value(args.type) == "float" else torch.round(scaled)
+    codes = codes.to(scale.dtype)
+    if zero is not None:
+        codes = codes - zero.to(scale.dtype)
+    return codes * scale
+
+
+def dynamic_fake_quantize(x: Tensor, args: QuantizationArgs) -> Tensor:
+    """Fake-quantize ``x`` with qparams computed from it, as compressed-tensors' dynamic forward does.
+
+    ``token``: one scale per token for ``[batch, seq, in]`` (per tensor for other ranks, as there);
+    ``tensor``: one scale; ``group``: one per token and group of ``group_size`` columns.
+
+    Example:
+        >>> y = dynamic_fake_quantize(torch.randn(2, 5, 16), QuantizationArgs(strategy="token", dynamic=True))
+    """
+    strategy, kind = _value(args.strategy), _value(args.type)
+    if strategy == "token" and x.dim() == 3:
+        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [batch, seq, 1]
+    elif strategy == "group":
+        grouped = x.unflatten(-1, (x.shape[-1] // args.group_size, args.group_size))
+        lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [..., groups]
+        scale, zero = compute_qparams(lo, hi, num_bits=args.num_bits, symmetric=args.symmetric, type=kind)
+        zero = None if args.symmetric else zero.unsqueeze(-1)
+        return qdq(grouped, scale.unsqueeze(-1), zero, args).flatten(-2).to(x.dtype)
+    else:
+        lo, hi = x.amin(), x.amax()
+    scale, zero = compute_qparams(lo, hi, num_bits=args.num_bits, symmetric=args.symmetric, type=kind)
+    return qdq(x, scale, None if args.symmetric else zero, args)
+
+
+def input_fake_quantize(x: Tensor, qw: Any) -> Tensor:
+    """The input ``x`` of a quantized module as its runtime sees it (``qw``: its QuantizedWeight).
+
+    Returns ``x`` unchanged for weight-only schemes, and for static ones not calibrated yet.
+    """
+    args = qw.scheme.input_activations
+    if args is None or x.numel() == 0:
+        return x
+    if args.dynamic is not False:
+        return dynamic_fake_quantize(x, args)
+    if qw.input_scale is None:
+        return x
+    scale = qw.input_scale.to(x.device)
+    zero = None if qw.input_zero_point is None else qw.input_zero_point.to(x.device)
+    if _value(args.strategy) == "group":  # [..., groups, group_size] against [groups, 1]
+        grouped = x.unflatten(-1, (scale.shape[-1], args.group_size))
+        zero = None if zero is None else zero.unsqueeze(-1)
+        return qdq(grouped, scale.unsqueeze(-1), zero, args).flatten(-2).to(x.dtype)
+    # x / scale in the promoted dtype, dequantized in the scale's dtype, as compressed-tensors' forward
+    return qdq(x, scale, zero, args)
+
+
+@contextlib.contextmanager
+def quantized_inputs(
+    model: torch.nn.Module, state: Any, schemes: Mapping[str, QuantizationScheme]
+) -> Iterator[None]:
+    """Fake-quantize the inputs of the modules in ``schemes`` that quantize activations, once each is in
+    ``state.quantized`` (before that, calibration sees their raw inputs). Hooks are removed on exit.
+
+    Args:
+        model: the model being calibrated.
+        state: the run state; read at call time, so a module starts quantizing its input when it is compressed.
+        schemes: module name -> scheme (from the modifiers).
+
+    Example:
+        >>> with quantized_inputs(model, state, schemes):  # doctest: +SKIP
+        ...     calibrate_subgraphs(...)
+    """
+    handles = []
+
+    def hook_for(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
+            qw = state.quantized.get(name)
+            if qw is None or not args or not isinstance(args[0], Tensor):
+                return None
+            return (input_fake_quantize(args[0], qw), *args[1:])
+
+        return hook
+
+    try:
+        for name, scheme in schemes.items():
+            if scheme.input_activations is not None:
+                handles.append(model.get_submodule(name).register_forward_pre_hook(hook_for(name)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def quantizes_activations(modifiers: list[Any]) -> bool:
+    """Whether some modifier's scheme quantizes input activations (the runtime then quantizes inputs, which
+    the model ``oneshot`` returns does not: measure such a model from its checkpoint).
+
+    Example:
+        >>> quantizes_activations(parse_recipe("recipes/rtn_fp8_static.yaml").modifiers)  # doctest: +SKIP
+        True
+    """
+    return any(g.input_activations is not None for m in modifiers for g in getattr(m, "groups", {}).values())

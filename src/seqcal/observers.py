@@ -1,0 +1,200 @@
+"""Activation observers: running statistics of a module's inputs that become its static scale and zero point.
+
+Names and semantics are llm-compressor's (the ``observer`` of a scheme's ``input_activations``), so a recipe
+means the same thing here:
+
+    minmax             moving average of each batch's min / max (``averaging_constant``, default 0.01)
+    static_minmax      min / max over all batches
+    memoryless_minmax  min / max of the last batch
+    mse                moving average of each batch's MSE-searched range (grid search below the min / max)
+    memoryless_mse     MSE-searched range of the last batch
+
+A batch ``x [..., in]`` is reduced per qparam as llm-compressor flattens activations: ``tensor`` reduces
+everything to one value ``[1]``; ``group`` reduces tokens and the columns of each group to ``[in // group]``.
+The qparams then follow compressed-tensors' ``calculate_qparams`` (``seqcal.algorithms.compute_qparams``).
+Padding tokens are left out by the caller. Dynamic activations have no observer: their qparams are computed
+from each input at run time (``seqcal.modifiers.activations``).
+
+Example:
+    >>> args = QuantizationArgs(num_bits=8, strategy="tensor", type="float")
+    >>> obs = make_observer(args)
+    >>> obs.update(torch.randn(32, 64))
+    >>> scale, zero_point = obs.qparams()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+from torch import Tensor
+
+from seqcal.algorithms import compute_qparams, observe_mse
+
+Range = tuple[Tensor, Tensor]
+# Strategies a static input scale can have in compressed-tensors (it refuses static token and channel).
+STATIC_INPUT_STRATEGIES = ("tensor", "group")
+DEFAULT_OBSERVER = "minmax"  # compressed-tensors: "defaults to min-max when not using dynamic quantization"
+
+
+def _value(enum_or_str: object) -> str:
+    return str(getattr(enum_or_str, "value", enum_or_str))
+
+
+def _as_rows(x: Tensor, args: QuantizationArgs) -> Tensor:
+    """``x [..., in]`` as one row per qparam: tensor -> [1, numel], group -> [in // group, tokens * group]."""
+    if _value(args.strategy) == "tensor":
+        return x.reshape(1, -1)
+    G = x.shape[-1] // args.group_size
+    return x.reshape(-1, G, args.group_size).transpose(0, 1).reshape(G, -1)
+
+
+def batch_minmax(x: Tensor, args: QuantizationArgs) -> Range:
+    """Min and max of one batch per qparam ([1] or [groups]), in x's dtype."""
+    rows = _as_rows(x, args)
+    return rows.amin(dim=-1), rows.amax(dim=-1)
+
+
+def batch_mse(x: Tensor, args: QuantizationArgs) -> Range:
+    """The range per qparam, shrunk from the min / max to minimise ``sum |fake_quant(x) - x| ** norm``.
+
+    The search settings are llm-compressor's ``observer_kwargs`` (maxshrink 0.2, grid 100, patience 5,
+    norm 2.4), as for weights (``seqcal.algorithms.observe_mse``).
+    """
+    kw = args.observer_kwargs or {}
+    lo, hi = observe_mse(
+        _as_rows(x, args), strategy="channel", num_bits=args.num_bits, symmetric=args.symmetric,
+        type=_value(args.type), maxshrink=kw.get("maxshrink", 0.2), grid=int(kw.get("grid", 100)),
+        patience=kw.get("patience", 5), norm=kw.get("norm", 2.4),
+    )  # fmt: skip
+    return lo.reshape(-1), hi.reshape(-1)
+
+
+def _moving_average(constant: float) -> Callable[[Range | None, Range], Range]:
+    def combine(past: Range | None, now: Range) -> Range:
+        if past is None or constant == 1.0:
+            return now
+        # llm-compressor's lerp: past * (1 - c) + now * c (torch.lerp lacks some dtypes)
+        return past[0] * (1.0 - constant) + now[0] * constant, past[1] * (1.0 - constant) + now[1] * constant
+
+    return combine
+
+
+def _running_extremes(past: Range | None, now: Range) -> Range:
+    return now if past is None else (torch.minimum(past[0], now[0]), torch.maximum(past[1], now[1]))
+
+
+def _last(past: Range | None, now: Range) -> Range:
+    return now
+
+
+@dataclass
+class ActivationObserver:
+    """Statistics of one module's inputs over the calibration batches.
+
+    Attributes:
+        args: the scheme's ``input_activations``.
+        measure: one batch -> its range per qparam (``batch_minmax`` or ``batch_mse``).
+        combine: (running range or None, batch range) -> new running range.
+        range: the running (min, max), None before the first batch.
+    """
+
+    args: QuantizationArgs
+    measure: Callable[[Tensor, QuantizationArgs], Range]
+    combine: Callable[[Range | None, Range], Range]
+    range: Range | None = field(default=None)
+
+    def update(self, x: Tensor, measured: Range | None = None) -> None:
+        """Add one batch ``x [tokens, in]`` (``measured``: its range, when already computed for a sibling)."""
+        self.range = self.combine(
+            self.range, measured if measured is not None else self.measure(x, self.args)
+        )
+
+    def qparams(self) -> tuple[Tensor, Tensor]:
+        """Scale and zero point ([1] or [groups]) from the running range.
+
+        Raises:
+            RuntimeError: no batch was observed.
+        """
+        if self.range is None:
+            raise RuntimeError("ActivationObserver.qparams: no input was observed")
+        lo, hi = self.range
+        return compute_qparams(lo, hi, num_bits=self.args.num_bits, symmetric=self.args.symmetric,
+                               type=_value(self.args.type))  # fmt: skip
+
+
+def _minmax(args: QuantizationArgs) -> ActivationObserver:
+    constant = (args.observer_kwargs or {}).get("averaging_constant", 0.01)
+    return ActivationObserver(args, batch_minmax, _moving_average(constant))
+
+
+def _mse(args: QuantizationArgs) -> ActivationObserver:
+    constant = (args.observer_kwargs or {}).get("averaging_constant", 0.01)
+    return ActivationObserver(args, batch_mse, _moving_average(constant))
+
+
+# Observer name (llm-compressor's registry names) -> constructor. A literal dict: a miss lists these names.
+OBSERVERS: dict[str, Callable[[QuantizationArgs], ActivationObserver]] = {
+    "minmax": _minmax,
+    "static_minmax": lambda args: ActivationObserver(args, batch_minmax, _running_extremes),
+    "memoryless_minmax": lambda args: ActivationObserver(args, batch_minmax, _last),
+    "mse": _mse,
+    "memoryless_mse": lambda args: ActivationObserver(args, batch_mse, _last),
+}
+
+
+def observer_name(args: QuantizationArgs) -> str:
+    """The observer a static activation uses: the scheme's own, else compressed-tensors' default min-max."""
+    return args.observer or DEFAULT_OBSERVER
+
+
+def check_static_input(args: QuantizationArgs, where: str) -> None:
+    """Refuse a static input-activation setting seqcal cannot calibrate, naming what is valid.
+
+    Args:
+        args: a scheme's ``input_activations`` (static).
+        where: the modifier and group, for the message.
+
+    Raises:
+        ValueError: an unknown observer, or a strategy compressed-tensors cannot store as a static scale.
+
+    Example:
+        >>> check_static_input(QuantizationArgs(strategy="tensor", observer="minmax"), "GPTQModifier")
+    """
+    name = observer_name(args)
+    if name not in OBSERVERS:
+        raise ValueError(
+            f"{where}: input_activations observer {name!r} does not exist; valid observers: "
+            f"{', '.join(OBSERVERS)}"
+        )
+    if _value(args.type) == "float" and not args.symmetric:
+        raise ValueError(f"{where}: fp8 input activations must be symmetric; set symmetric: true")
+    strategy = _value(args.strategy)
+    if strategy not in STATIC_INPUT_STRATEGIES:
+        raise ValueError(
+            f"{where}: static input activations cannot use strategy {strategy!r} (compressed-tensors stores "
+            f"static input scales per {' or '.join(STATIC_INPUT_STRATEGIES)}); use strategy 'tensor', or "
+            f"set dynamic: true for per-token scales"
+        )
+
+
+def make_observer(args: QuantizationArgs) -> ActivationObserver:
+    """A fresh observer for a static ``input_activations`` (its ``observer`` name, default ``minmax``).
+
+    Args:
+        args: the scheme's input activation arguments.
+
+    Returns:
+        The observer.
+
+    Raises:
+        ValueError: as :func:`check_static_input`.
+
+    Example:
+        >>> make_observer(QuantizationArgs(strategy="tensor", observer="static_minmax")).range is None
+        True
+    """
+    check_static_input(args, "input_activations")
+    return OBSERVERS[observer_name(args)](args)
