@@ -40,7 +40,7 @@ def test_an_activation_group_that_does_not_divide_a_module_is_refused(tiny_dir: 
     result = _oneshot(tiny_dir, tmp_path, "strategy: group, group_size: 48")
     assert_user_error(
         result, "group_size 48 does not divide the inputs of", "model.layers.0.self_attn.q_proj (128 inputs)",
-        "choose a group_size that divides them",
+        "choose a scheme whose group size divides them",
     )  # fmt: skip
     assert "cutting" not in result.stderr and not (tmp_path / "out" / "config.json").exists()
 

@@ -208,6 +208,10 @@ def input_fake_quantize(x: Tensor, qw: Any) -> Tensor:
     if args is None or x.numel() == 0:
         return x
     if args.dynamic is not False:
+        if _value(args.type) == "float" and args.num_bits != 8 or getattr(args, "scale_dtype", None) is not None:
+            # MX activations (fp4/fp6/fp8 with e8m0 group scales) are computed at inference and not emulated
+            # here: downstream modules calibrate on the unquantized inputs, as for every scheme before.
+            return x
         return dynamic_fake_quantize(x, args)
     if qw.input_scale is None:
         return x
