@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, MistralConfig, MistralForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from seqcal.data.autobatch import (
     MAX_TOKENS,
@@ -216,3 +225,60 @@ def test_layer_cut_with_auto_batches_measures_comparable_errors() -> None:
     assert len(errors[1]) == len(errors["auto"]) >= 2
     for a, b in zip(errors["auto"], errors[1]):  # the first 4 samples either way, pooled vs per sample
         assert a == pytest.approx(b, rel=0.2)
+
+
+# ---- resume -------------------------------------------------------------------------------------------------
+
+RESUME_SCRIPT = """
+import sys, torch
+import seqcal.checkpoint.streaming
+from seqcal.entrypoint import oneshot
+seqcal.checkpoint.streaming.CHECKPOINT_BYTES = 1  # record progress after every subgraph, so the kill lands midway
+g = torch.Generator().manual_seed(1)
+data = [{"input_ids": (torch.randint(-3, 4, (n,), generator=g).cumsum(0) % 256).tolist()}
+        for n in (64, 60, 64, 33, 64, 31, 58, 30, 64, 17, 16, 64)]
+oneshot(model=sys.argv[1], dataset=data, output_dir=sys.argv[2], resume=sys.argv[3] == "1", max_seq_length=64,
+        batch_size="auto", recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head], block_size: 32}")
+"""
+
+
+def test_a_killed_auto_batched_run_resumes_to_the_uninterrupted_checkpoint(tmp_path: Path) -> None:
+    from save_helpers import checkpoint_tensors
+    from test_resume import _finished
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
+
+    def run(out: Path, resume: bool) -> subprocess.Popen:
+        args = [
+            sys.executable,
+            "-c",
+            RESUME_SCRIPT,
+            str(tmp_path / "model"),
+            str(out),
+            "1" if resume else "0",
+        ]
+        return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    proc = run(killed, resume=False)
+    deadline = time.time() + 600
+    while _finished(killed) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (killed / "config.json").exists()
+    assert _finished(killed) >= 2
+    resumed = run(killed, resume=True)
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read().decode()[-3000:]
+    uninterrupted = run(clean, resume=False)
+    assert uninterrupted.wait(timeout=600) == 0, uninterrupted.stderr.read().decode()[-3000:]
+    a, b = checkpoint_tensors(killed), checkpoint_tensors(clean)
+    assert a.keys() == b.keys() and len(a) > 0
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    report = json.loads((clean / "quantization_report.json").read_text())
+    assert report["batches"]["count"] < 12  # the run was batched
