@@ -35,7 +35,9 @@ AUTO = "auto"
 MAX_SAMPLES = 64  # samples per batch at most: beyond this the per-run overhead is already amortized
 MAX_TOKENS = 16384  # padded tokens per batch at most (8 x 2048, the batch that paid off on a GPU)
 PAD_FRACTION = 1 / 8  # padding a sample may get, as a share of its own tokens
-HOST_ACTIVATION_BUDGET = 1 << 30  # one batch's activations on the cpu, where the host RAM is the device
+# One batch's activations on the cpu, where the host RAM is the device. 1 GiB (24 SmolLM2 samples of 512
+# tokens) raised the peak RSS by ~2 GB (benchmarks/RESULTS.md): half of it, 8 such samples.
+HOST_ACTIVATION_BUDGET = 1 << 29
 DEVICE_SHARE = 8  # on an accelerator without max_device_memory: this fraction of its memory, 1/8
 CACHE_SHARE = 8  # one batch's cached values at most 1/8 of cache_max_memory
 # Config fields holding a sequence length at which modeling code switches behaviour (mask or RoPE branch).
@@ -139,7 +141,8 @@ def bytes_per_token(model: torch.nn.Module, seq_len: int, plan: Any = None) -> l
     Hessians, and the measured activations divided by the tokens they were planned for. Without one, a
     conservative guess from the config: the values a decoder layer reads and writes, its widest
     intermediate twice (as the plan's fallback), the fp32 copy of a Hessian input, and attention scores
-    materialized in fp32 ([heads, T] per token, as the math kernel does).
+    materialized in fp32 ([heads, T] per token, four times: scores, masked, softmax and its output, as the
+    cpu's math kernel does).
     """
     if plan is not None and plan.rows:
         tokens = max(plan.batch_size, 1) * seq_len
@@ -151,7 +154,7 @@ def bytes_per_token(model: torch.nn.Module, seq_len: int, plan: Any = None) -> l
     heads = getattr(text, "num_attention_heads", 0) or 16
     dtype_bytes = next((p.element_size() for p in model.parameters()), 4)
     per_token = (
-        2 * hidden * dtype_bytes + 6 * inter * dtype_bytes + max(hidden, inter) * 4 + 2 * heads * seq_len * 4
+        2 * hidden * dtype_bytes + 6 * inter * dtype_bytes + max(hidden, inter) * 4 + 4 * heads * seq_len * 4
     )
     return [(0, per_token)]
 
