@@ -282,3 +282,38 @@ def test_a_killed_auto_batched_run_resumes_to_the_uninterrupted_checkpoint(tmp_p
         assert torch.equal(a[key], b[key]), key
     report = json.loads((clean / "quantization_report.json").read_text())
     assert report["batches"]["count"] < 12  # the run was batched
+
+
+def test_auto_batches_keep_the_cache_budget_and_spill_losslessly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch-sized cache entries over cache_max_memory go to disk; the Hessians come out bit for bit the same."""
+    from seqcal.execution.cache.store import ActivationCache
+
+    batches = load_calibration_batches(DataArgs(mixed_data(), batch_size="auto", max_seq_length=64), None)
+    assert len(batches) < len(LENGTHS)
+    resident: list[int] = []
+    on_disk: list[int] = []
+    real_put = ActivationCache.put
+
+    def put(self: ActivationCache, batch: int, name: str, value: Any) -> None:
+        real_put(self, batch, name, value)
+        resident.append(self.resident_bytes() if self.max_memory is not None else 0)
+        on_disk.append(self.disk_bytes())
+
+    def hessians(budget: int | None) -> dict:
+        found: dict = {}
+        monkeypatch.setattr(
+            GPTQModifier, "_solve", lambda self, names, m, H, st: found.update({tuple(names): H})
+        )
+        monkeypatch.setattr(ActivationCache, "put", put)
+        recipe = [GPTQModifier(scheme="W4A16", ignore=["lm_head"])]
+        run_pipeline(tiny_llama(), None, recipe, None, PipelineArgs(cache_max_memory=budget), batches=batches)
+        return found
+
+    free, budget = hessians(None), 64 << 10
+    on_disk.clear()
+    spilled = hessians(budget)
+    assert resident and 0 < max(resident) <= budget  # the budget holds with batch-sized entries
+    assert max(on_disk) > 0  # and the rest went to disk
+    assert free.keys() == spilled.keys() and len(free) >= 8
+    for key, H in free.items():
+        assert torch.equal(spilled[key], H), key  # spilled values come back exactly
