@@ -369,8 +369,8 @@ def test_fewer_samples_than_requested_warns(tok, caplog):
     [
         ({"num_calibration_samples": 0}, r"num_calibration_samples must be a positive int, got 0"),
         ({"max_seq_length": -1}, r"max_seq_length must be a positive int, got -1"),
-        ({"batch_size": 0}, r"batch_size must be a positive int, got 0"),
-        ({"batch_size": True}, r"batch_size must be a positive int, got True"),
+        ({"batch_size": 0}, r"batch_size must be a positive int or 'auto', got 0"),
+        ({"batch_size": True}, r"batch_size must be a positive int or 'auto', got True"),
         ({"text_column": ""}, r"text_column must be a non-empty column name"),
         ({"splits": {"a": "x", "b": "y"}}, r"'calibration' key"),
         ({"splits": "train[::2]"}, r"is not a split"),

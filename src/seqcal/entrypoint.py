@@ -11,6 +11,7 @@ import torch
 
 from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
+from seqcal.data.autobatch import with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
@@ -228,6 +229,7 @@ def oneshot(
     # the returned model has its fused experts back. After an error it keeps the Linears (same outputs).
     experts = linearize_experts(loaded, calibrate_all=moe_calibrate_all_experts)
     parsed.validate(loaded)
+    plan = None
     if dry_run or max_device_memory is not None:
         plan = make_plan(
             loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
@@ -248,6 +250,11 @@ def oneshot(
             dataset if dataset is not None else "default", num_calibration_samples, max_seq_length, batch_size,
             shuffle_calibration_samples, text_column, splits, seed, concatenate, dataset_config_name,
         )  # fmt: skip
+    data_args = with_auto_limits(
+        data_args, loaded, plan=plan, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+        max_device_memory=parse_bytes(max_device_memory), cache_max_memory=pipe_args.cache_max_memory,
+        equal_lengths=not moe_calibrate_all_experts,  # experts fed only their tokens would see padding
+    )  # fmt: skip
     check_data_for_model(loaded, tok, data_args, model_args.model)
     recipe_yaml = parsed.to_yaml()
     # By content, never repr(data_args) (a DataLoader's repr is its address): the stream adds the batches' hash.

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from seqcal.data.autobatch import AUTO
 from seqcal.execution.weights import params_under
 from seqcal.experts import shared_expert_inputs
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
@@ -76,6 +77,7 @@ class MemoryPlan:
     disk: int
     notes: list[str] = field(default_factory=list)
     targets: list[str] | None = None  # the sequential targets the plan settled on
+    batch_size: int = 1  # samples per batch the plan is for (batch_size="auto": the size it chose)
 
     @property
     def device_peak(self) -> int:
@@ -93,7 +95,7 @@ class MemoryPlan:
                          + f" {chunks:>11}")  # fmt: skip
         lines.append(
             f"peak: device {self.device_peak / gb:.3f} GB, host {self.host_peak / gb:.3f} GB, "
-            f"disk {self.disk / gb:.3f} GB"
+            f"disk {self.disk / gb:.3f} GB; batch size {self.batch_size}"
         )
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
@@ -317,13 +319,36 @@ def _over_budget(plan: MemoryPlan, max_device_memory: int, why: str) -> str:
     )
 
 
+def _plan_auto_batch(model: torch.nn.Module, plan: MemoryPlan, subgraphs: list[Subgraph], quantized: set[str],
+                     values: Mapping[str, int] | None, widest: Mapping[int, int] | None, kwargs: dict[str, Any],
+                     max_device_memory: int | None) -> MemoryPlan:  # fmt: skip
+    """The plan at the batch size ``batch_size="auto"`` picks from the one-sample ``plan``.
+
+    Batch-sized values scale with the samples per batch (masks and position tables that do not are
+    overcounted: the plan errs high), so the one-sample measurement is scaled, not measured again.
+    """
+    from seqcal.data.autobatch import auto_batch_limits, samples_per_batch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    limits = auto_batch_limits(model, kwargs["seq_len"], plan=plan, device=device,
+                               max_device_memory=max_device_memory)  # fmt: skip
+    size = samples_per_batch(limits, kwargs["seq_len"])
+    scaled = {n: b * size for n, b in values.items()} if values is not None else None
+    wide = {i: b * size for i, b in widest.items()} if widest is not None else None
+    out = plan_memory(model, subgraphs, quantized, batch_size=size, value_bytes=scaled, widest=wide, **kwargs)
+    out.batch_size = size
+    out.notes.append(f"batch_size auto: {size} samples of {kwargs['seq_len']} tokens per batch (at most "
+                     f"{limits.max_tokens} tokens, {limits.max_samples} samples; samples grouped by length)")  # fmt: skip
+    return out
+
+
 def make_plan(
     model: torch.nn.Module,
     modifiers: list[Any],
     *,
     num_samples: int,
     seq_len: int,
-    batch_size: int,
+    batch_size: int | str,
     sequential_targets: list[str] | None,
     tracing_ignore: list[str],
     disk_cache: bool = False,
@@ -347,6 +372,8 @@ def make_plan(
     from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
     from seqcal.tracing.subgraphs import trace_subgraphs
 
+    auto = batch_size == AUTO
+    batch_size = 1 if auto else int(batch_size)  # auto: planned per sample, then sized (_plan_auto_batch)
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
     quantized = {n for m in modifiers for n in getattr(m, "modules", {})}
@@ -371,10 +398,14 @@ def make_plan(
             values, widest = None, None
             notes.append(f"activation sizes come from the config: the stand-in run failed ({type(err).__name__}: "
                          f"{str(err)[:200]})")  # fmt: skip
-        plan = plan_memory(model, list(subgraphs), quantized, num_samples=num_samples, seq_len=seq_len,
-                           batch_size=batch_size, dtype_bytes=dtype_bytes, quant_bits=bits,
-                           disk_cache=disk_cache, value_bytes=values, widest=widest, device_on_host=on_host,
-                           resident_weights=resident, device_budget=max_device_memory)  # fmt: skip
+        kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
+                      disk_cache=disk_cache, device_on_host=on_host, resident_weights=resident,
+                      device_budget=max_device_memory)  # fmt: skip
+        plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,
+                           widest=widest, **kwargs)  # fmt: skip
+        if auto:
+            plan = _plan_auto_batch(model, plan, list(subgraphs), quantized, values, widest, kwargs,
+                                    max_device_memory)  # fmt: skip
         plan.targets = targets
         if max_device_memory is None or plan.device_peak <= max_device_memory:
             break

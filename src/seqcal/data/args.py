@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from seqcal.data.autobatch import AUTO, BatchLimits
 from seqcal.errors import SeqcalError
 
 ACCEPTED = (
@@ -92,7 +93,9 @@ class DataArgs:
         dataset: any of ``ACCEPTED`` (a file path, "default", a Hub name, a list, a Dataset, tensors, ...).
         num_calibration_samples: samples (``concatenate``: windows) to use, taken after shuffling.
         max_seq_length: tokens per sample at most (``concatenate``: exactly).
-        batch_size: samples per batch; a batch is padded to its longest sample.
+        batch_size: samples per batch; a batch is padded to its longest sample. ``"auto"``: samples grouped
+            by length (right-padded by at most 1/8 of their tokens), as many per batch as ``batch_limits``
+            allow (``seqcal.data.autobatch``); a DataLoader's batches are used as they come.
         shuffle_calibration_samples: shuffle rows with ``random.Random(seed)`` before selecting.
         text_column: column holding the text in row-shaped data (JSON, CSV, Parquet, HF datasets).
         splits: HF split to use: ``"train"``, ``"train[:512]"``, ``"validation[:10%]"`` or
@@ -101,6 +104,8 @@ class DataArgs:
         concatenate: join texts with blank lines and cut full windows of ``max_seq_length`` tokens
             (the GPTQ paper's WikiText/C4 recipe) instead of one sample per row.
         dataset_config_name: HF dataset configuration, e.g. ``"wikitext-2-raw-v1"``.
+        batch_limits: the caps of ``batch_size="auto"`` (``oneshot`` derives them from the memory budget);
+            None: ``BatchLimits()``'s conservative defaults.
 
     Example:
         >>> DataArgs("calib.jsonl", num_calibration_samples=128, max_seq_length=512, text_column="content")
@@ -109,21 +114,31 @@ class DataArgs:
     dataset: Any
     num_calibration_samples: int = 512
     max_seq_length: int = 2048
-    batch_size: int = 1
+    batch_size: int | str = 1
     shuffle_calibration_samples: bool = True
     text_column: str = "text"
     splits: str | dict[str, str] | None = None
     seed: int = 42
     concatenate: bool = False
     dataset_config_name: str | None = None
+    batch_limits: BatchLimits | None = None
 
     def __post_init__(self) -> None:
-        for name, example in (("num_calibration_samples", 512), ("max_seq_length", 2048), ("batch_size", 1)):
+        for name, example in (("num_calibration_samples", 512), ("max_seq_length", 2048)):
             value = getattr(self, name)
             _require(
                 _is_int(value) and value > 0,
                 f"DataArgs.{name} must be a positive int, got {value!r}; e.g. {name}={example}",
             )
+        _require(
+            self.batch_size == AUTO or (_is_int(self.batch_size) and self.batch_size > 0),
+            f"DataArgs.batch_size must be a positive int or {AUTO!r}, got {self.batch_size!r}; e.g. batch_size=8 "
+            f"or batch_size={AUTO!r} (sized by the memory budget)",
+        )
+        _require(
+            self.batch_limits is None or isinstance(self.batch_limits, BatchLimits),
+            f"DataArgs.batch_limits must be a seqcal.data.autobatch.BatchLimits or None, got {self.batch_limits!r}",
+        )
         _require(_is_int(self.seed), f"DataArgs.seed must be an int, got {self.seed!r}; e.g. seed=42")
         for name in ("shuffle_calibration_samples", "concatenate"):
             _require(

@@ -8,7 +8,8 @@
    costs only the rows that are used;
 3. convert rows in that order, skipping empty ones, until ``num_calibration_samples`` samples are found
    (``concatenate=True``: until the joined text fills that many windows of ``max_seq_length`` tokens);
-4. tokenize, truncating to ``max_seq_length``, and pad each run of ``batch_size`` samples to its longest.
+4. tokenize, truncating to ``max_seq_length``, and pad each run of ``batch_size`` samples to its longest
+   (``batch_size="auto"``: group samples of about equal length instead, ``seqcal.data.autobatch``).
 
 ``datasets`` and ``pyarrow`` are optional and imported only when a Hub name, a saved dataset folder or a
 ``.parquet`` file needs them.
@@ -31,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from seqcal.data.args import ACCEPTED, CalibrationDataError, DataArgs, _dataset_kind
+from seqcal.data.autobatch import AUTO, BatchLimits, group_by_length
 from seqcal.data.sources import (
     _HEADING,
     _ROW_READERS,
@@ -112,6 +114,11 @@ def load_calibration_batches(
     if len(seqs) < args.num_calibration_samples:
         logger.warning("%s gives %d calibration samples, fewer than the %d requested; using those",
                        where, len(seqs), args.num_calibration_samples)  # fmt: skip
+    if args.batch_size == AUTO:
+        # Right padding keeps each real token's positions and context as it has alone (autobatch, rule 2);
+        # nothing real reads a padded position, so with no pad token id 0 pads as well as any.
+        groups = group_by_length([len(s) for s in seqs], args.batch_limits or BatchLimits())
+        return [_collate([seqs[i] for i in group], pad_id, "right") for group in groups]
     side = getattr(tokenizer, "padding_side", "right")
     return [
         _collate(seqs[i : i + args.batch_size], pad_id, side) for i in range(0, len(seqs), args.batch_size)
@@ -284,7 +291,7 @@ def _pad_id(args: DataArgs, tokenizer: Any) -> int:
     """Padding id: pad_token_id, else eos_token_id; checked up front when batches may need padding."""
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None)
-    if pad is None and args.batch_size > 1 and not args.concatenate:
+    if pad is None and args.batch_size != AUTO and args.batch_size > 1 and not args.concatenate:
         raise CalibrationDataError(
             f"batch_size={args.batch_size} pads samples to the longest, but the tokenizer has neither a "
             "pad_token nor an eos_token; set tokenizer.pad_token (e.g. to an existing special token) or use "
@@ -293,7 +300,7 @@ def _pad_id(args: DataArgs, tokenizer: Any) -> int:
     side = getattr(tokenizer, "padding_side", "right")
     if side not in ("left", "right"):
         raise CalibrationDataError(f"tokenizer.padding_side is {side!r}; expected 'left' or 'right'")
-    return 0 if pad is None else int(pad)  # 0 is never written: batch_size == 1 or equal-length windows
+    return 0 if pad is None else int(pad)  # 0 pads only masked positions (auto) or is never written
 
 
 def _collate(seqs: list[list[int]], pad_id: int, side: str) -> dict[str, torch.Tensor]:

@@ -68,6 +68,11 @@ def format_error_table(report: Mapping[str, Any], *, top: int = 10) -> str:
         ]
         title = f"top {len(ranked)} of {len(stats)} modules by GPTQ loss"
         sections.append(title + "\n" + _table(["module", "gptq loss", "time (s)"], rows, "<rr"))
+    batches = report.get("batches")
+    if isinstance(batches, Mapping) and batches.get("samples"):
+        from seqcal.data.autobatch import describe_batches
+
+        sections.append(f"calibration: {describe_batches(batches)}")
     return "\n\n".join(sections) if sections else "(empty error report: no subgraphs and no modules)"
 
 

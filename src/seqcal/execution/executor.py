@@ -153,8 +153,9 @@ def run_subgraphs(
     return outputs
 
 
-# Batches whose subgraph outputs are kept in full precision to measure the quantization error per subgraph.
-ERROR_SAMPLE_BATCHES = 4
+# Samples whose subgraph outputs are kept in full precision to measure the quantization error per subgraph
+# (the first ones; counted in samples, not batches, so that batch_size="auto" keeps as little as batch 1).
+ERROR_SAMPLE_ROWS = 4
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -172,6 +173,19 @@ def _relative_error(got: Any, want: Any) -> float | None:
     if a is None or b is None or a.shape != b.shape:
         return None
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _error_sample(value: Any, mask: torch.Tensor | None, rows: int) -> tuple[Any, int]:
+    """The first ``rows`` samples of a target's output, their real tokens only, and the samples it covers.
+
+    Outputs at padding positions are no quantization error (nothing reads them); a value not shaped like the
+    token mask is kept whole.
+    """
+    t = _first_tensor(value)
+    if t is None or mask is None or tuple(t.shape[:2]) != tuple(mask.shape):
+        return value, mask.shape[0] if mask is not None else 1
+    n = min(rows, t.shape[0])
+    return t[:n][mask[:n].to(t.device)], n  # [tokens, ...]: a copy, the batch's output is not held
 
 
 def _token_mask(batch: Mapping[str, Any]) -> torch.Tensor | None:
@@ -266,6 +280,7 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
           state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str) -> None:  # fmt: skip
     """Run ``sg`` over every batch, storing its outputs; ``keep`` collects target outputs of a few batches."""
     targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
+    kept = 0  # samples whose outputs ``keep`` holds
     with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(batches)):
         for b, batch in enumerate(batches):
             state.token_mask = _token_mask(batch)
@@ -279,8 +294,9 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
                     cache.put(b, name, env[name])
                 if prof.enabled:
                     args["bytes"] = tensor_bytes([env[name] for name in sg.outputs])
-            if keep is not None and b < ERROR_SAMPLE_BATCHES and targets:
-                keep[b] = env[targets[-1]]
+            if keep is not None and kept < ERROR_SAMPLE_ROWS and targets:
+                keep[b], rows = _error_sample(env[targets[-1]], state.token_mask, ERROR_SAMPLE_ROWS - kept)
+                kept += rows
     state.token_mask = None
 
 

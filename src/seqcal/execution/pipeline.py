@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from seqcal.checkpoint.streaming import StreamingCheckpoint
+from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache
 from seqcal.execution.executor import calibrate_subgraphs
@@ -169,6 +170,9 @@ def _run(
         batches = []
     else:
         batches = data_args if isinstance(data_args, list) else load_calibration_batches(data_args, tokenizer)
+    batching = batch_summary(batches)
+    if batches:
+        logger.info("seqcal: calibration batches: %s", describe_batches(batching))
     targets = args.sequential_targets or next(
         (m.sequential_targets for m in modifiers if getattr(m, "sequential_targets", None)), None
     )
@@ -240,6 +244,7 @@ def _run(
         "modules": state.module_errors,
         "log": state.log,
         "seconds": time.perf_counter() - start,
+        "batches": batching,
     }
     for line in state.log:
         logger.warning(line)
