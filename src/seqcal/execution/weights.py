@@ -200,18 +200,46 @@ def trim_host_memory() -> bool:
     subgraphs. Trimming after each subgraph keeps RSS at what is alive. Elsewhere (musl, macOS, Windows)
     it does nothing.
 
+    MKL's memory manager pools the work buffers of its BLAS/LAPACK calls (the Hessians' products, GPTQ's
+    Cholesky factorizations) and never frees them on its own: on the 6-layer synthetic MoE the pool grew the
+    heap in use by ~50 MB over the layers, and with it every later subgraph's peak (benchmarks/RESULTS.md).
+    They are handed back to the heap first, so that the trim returns them too.
+
     Example:
         >>> trim_host_memory()  # doctest: +SKIP
         True
     """
     if not sys.platform.startswith("linux"):
         return False
+    free_mkl_buffers()
     try:
         malloc_trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
     except (OSError, AttributeError):  # not glibc
         return False
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(malloc_trim(0))
+
+
+def free_mkl_buffers() -> bool:
+    """Free the buffers MKL keeps pooled after BLAS/LAPACK calls (``mkl_free_buffers``); returns whether it could.
+
+    torch's CPU build links MKL into ``libtorch_cpu`` and exports its service functions; other builds
+    (OpenBLAS, macOS Accelerate) have no such pool and this does nothing.
+
+    Example:
+        >>> free_mkl_buffers()  # doctest: +SKIP
+        True
+    """
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not library.is_file():
+        return False
+    try:  # the library is loaded already: dlopen only returns its handle
+        free = ctypes.CDLL(str(library)).mkl_serv_free_buffers
+    except (OSError, AttributeError):  # not an MKL build
+        return False
+    free.argtypes, free.restype = [], None
+    free()
+    return True
 
 
 @contextlib.contextmanager
