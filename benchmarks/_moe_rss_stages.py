@@ -14,24 +14,11 @@ import sys
 import threading
 import time
 
-import psutil
+from _rss_stages import ORDER, PEAKS, STAGE, STOP, _sample  # the sampler; benchmarks/ is on sys.path
 
-PROC = psutil.Process()
-STAGE = ["imports"]
-PEAKS: dict[str, int] = {}
+STAGE[0] = "imports"
 TIMES: dict[str, float] = {}
-ORDER: list[str] = []
 SUBGRAPH = [0]
-STOP = threading.Event()
-
-
-def _sample() -> None:
-    while not STOP.is_set():
-        rss, stage = PROC.memory_info().rss, STAGE[0]
-        if stage not in PEAKS:
-            ORDER.append(stage)
-        PEAKS[stage] = max(PEAKS.get(stage, 0), rss)
-        time.sleep(0.005)
 
 
 def _mark(owner: object, attr: str, label: str) -> None:
@@ -54,7 +41,7 @@ def _mark(owner: object, attr: str, label: str) -> None:
 
 
 def main() -> None:
-    threading.Thread(target=_sample, daemon=True).start()
+    threading.Thread(target=_sample, args=(0.005,), daemon=True).start()
     import torch
 
     from seqcal.checkpoint.streaming import StreamingCheckpoint

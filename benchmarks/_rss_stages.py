@@ -23,13 +23,15 @@ ORDER: list[str] = []
 STOP = threading.Event()
 
 
-def _sample() -> None:
+def _sample(interval: float = 0.01) -> None:
+    """Record the peak RSS of the current STAGE every ``interval`` seconds until STOP (also used by
+    _moe_rss_stages.py)."""
     while not STOP.is_set():
         rss, stage = PROC.memory_info().rss, STAGE[0]
         if stage not in PEAKS:
             ORDER.append(stage)
         PEAKS[stage] = max(PEAKS.get(stage, 0), rss)
-        time.sleep(0.01)
+        time.sleep(interval)
 
 
 def _mark(owner: object, attr: str, label: str | None = None, arg: bool = False) -> None:
