@@ -68,8 +68,9 @@ def check_activations(scheme: QuantizationScheme, where: str) -> None:
         )
 
 
-def _tokens(x: Tensor, mask: Tensor | None) -> Tensor:
-    """``x [..., in]`` as ``[tokens, in]`` without the padding tokens (they carry no signal)."""
+def real_tokens(x: Tensor, mask: Tensor | None) -> Tensor:
+    """``x [..., in]`` as ``[tokens, in]`` without the padding tokens (they carry no signal); ``mask`` is the
+    batch's token mask ``[batch, seq]`` (or None). Observers and GPTQ's Hessians read their inputs through it."""
     if mask is not None and bool(mask.all()):
         mask = None  # nothing to drop: skip the copy a boolean index makes
     if mask is not None and x.dim() == 3 and tuple(mask.shape) == tuple(x.shape[:2]):
@@ -115,7 +116,7 @@ class InputCalibration:
             )
             key = repr(self.args[name])
             if key not in measured:
-                tokens = _tokens(x.detach(), state.token_mask) if tokens is None else tokens
+                tokens = real_tokens(x.detach(), state.token_mask) if tokens is None else tokens
                 measured[key] = observer.measure(tokens, observer.args)
             observer.update(tokens, measured[key])
 
@@ -208,7 +209,11 @@ def input_fake_quantize(x: Tensor, qw: Any) -> Tensor:
     if args is None or x.numel() == 0:
         return x
     if args.dynamic is not False:
-        if _value(args.type) == "float" and args.num_bits != 8 or getattr(args, "scale_dtype", None) is not None:
+        if (
+            _value(args.type) == "float"
+            and args.num_bits != 8
+            or getattr(args, "scale_dtype", None) is not None
+        ):
             # MX activations (fp4/fp6/fp8 with e8m0 group scales) are computed at inference and not emulated
             # here: downstream modules calibrate on the unquantized inputs, as for every scheme before.
             return x

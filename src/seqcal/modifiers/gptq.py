@@ -19,6 +19,7 @@ from seqcal.algorithms import (
     symmetrize_upper,
 )
 from seqcal.experts import every_token
+from seqcal.modifiers.activations import real_tokens
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
@@ -149,12 +150,7 @@ class GPTQModifier(QuantizationModifier):
 
     def _add(self, acc: _Accumulator, x: torch.Tensor, state: RunState) -> None:
         """Add one batch's input ``x`` ([..., in]) to ``acc``'s Hessian, without the padding tokens."""
-        X = x.detach()
-        mask = state.token_mask
-        if mask is not None and X.dim() == 3 and tuple(mask.shape) == tuple(X.shape[:2]):
-            X = X[mask.to(X.device, torch.bool)]  # padding tokens carry no signal
-        elif mask is not None and X.dim() == 2 and X.shape[0] == mask.numel():
-            X = X[mask.reshape(-1).to(X.device, torch.bool)]  # flattened tokens (MoE experts fed every token)
+        X = real_tokens(x.detach(), state.token_mask)  # padding tokens carry no signal
         if acc.H is None:  # the CPU's matmul is compute-bound: update only the upper triangle's blocks
             acc.upper = X.device.type == "cpu"
         acc.H, acc.n = accumulate_hessian(
