@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--hessian-products", default="float32")
     parser.add_argument("--layer-cut", action="store_true", help="one_pass=False: cut after each layer")
     parser.add_argument("--samples", type=int, default=None, help="use only the first N samples")
-    parser.add_argument("--batch-size", type=int, default=1, help="samples per subgraph run (equal lengths)")
+    parser.add_argument("--batch-size", default="1", help="samples per subgraph run (equal lengths), or auto")
     args = parser.parse_args()
     tokens = load_file(args.tokens)["input_ids"][: args.samples]
     data = [{"input_ids": row.tolist()} for row in tokens]
@@ -34,7 +34,7 @@ def main() -> None:
     oneshot(model=args.model, dataset=data, recipe=cls(config_groups=SCHEME, ignore=["lm_head"], **extra),
             output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
             dtype=args.dtype, compute_dtype=args.compute_dtype, shuffle_calibration_samples=False,
-            overwrite=True, one_pass=not args.layer_cut, profile=args.profile, batch_size=args.batch_size)  # fmt: skip
+            overwrite=True, one_pass=not args.layer_cut, profile=args.profile, batch_size=args.batch_size if args.batch_size == "auto" else int(args.batch_size))  # fmt: skip
     print(f"seconds {time.perf_counter() - start:.1f}")
 
 

@@ -32,6 +32,7 @@ RUNS = {
     "seqcal": [*SEQCAL],
     "llmc": ["benchmarks/_run_llmcompressor.py", "--algo", "gptq", "--dtype", "bfloat16"],
     "seqcal-bs8": [*SEQCAL, "--batch-size", "8"],  # 8 samples per subgraph run: fewer, larger launches
+    "seqcal-auto": [*SEQCAL, "--batch-size", "auto"],  # batches sized by the memory plan
     "seqcal-layers": [*SEQCAL, "--layer-cut"],
     "seqcal-profile": [*SEQCAL, "--profile", "{work}/seqcal.trace.json"],
     "seqcal-again": [*SEQCAL],
