@@ -26,6 +26,7 @@ from seqcal.data.autobatch import (
     MAX_TOKENS,
     BatchLimits,
     auto_batch_limits,
+    default_batch_size,
     group_by_length,
     length_boundaries,
 )
@@ -103,6 +104,11 @@ def test_token_ids_without_a_tokenizer_are_batched_too() -> None:
     assert sum(b["input_ids"].shape[0] for b in batches) == len(LENGTHS) and len(batches) < len(LENGTHS)
 
 
+def test_the_default_batch_size_is_auto_on_an_accelerator_and_one_on_the_cpu() -> None:
+    assert default_batch_size(torch.device("cpu")) == 1
+    assert default_batch_size(torch.device("cuda", 0)) == "auto"
+
+
 def test_bad_batch_sizes_are_explained() -> None:
     for bad in (0, "big", 2.0):
         with pytest.raises(ValueError, match="batch_size must be a positive int or 'auto'"):
@@ -137,6 +143,13 @@ def test_plan_command_shows_the_chosen_batch_size(tmp_path: Path) -> None:
     assert "batch_size auto: 64 samples of 64 tokens per batch" in auto.stdout
     one = subprocess.run([*cmd, "--batch-size", "1"], env=env, capture_output=True, text=True, timeout=300)
     assert "batch size 1" in one.stdout
+    if not torch.cuda.is_available():  # the default: one sample per batch on the CPU
+        default = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert (
+            default.returncode == 0
+            and "batch size 1" in default.stdout
+            and "batch_size auto" not in default.stdout
+        )
     bad = subprocess.run([*cmd, "--batch-size", "lots"], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "'lots' is not a batch size; give a positive int or 'auto'" in bad.stderr
 

@@ -298,7 +298,10 @@ _NO_VERIFY = (
     "skip checking the partition against the model's own forward on a second, differently shaped batch "
     "(on by default: a partition that differs is refused)"
 )
-_BATCH_SIZE = "samples per batch, or 'auto': samples grouped by length, as many per batch as memory allows"
+_BATCH_SIZE = (
+    "samples per batch, or 'auto': samples grouped by length, as many per batch as memory allows "
+    "(default: auto on a GPU, 1 on the CPU)"
+)
 _TRACE_INTO = "trace into these modules too ('all': full graph; torch.nn modules such as Linear stay nodes)"
 
 
@@ -319,7 +322,7 @@ def _add_oneshot(sub: Any) -> None:
                      help="where to write the checkpoint (required unless --eval only measures the result)")  # fmt: skip
     one.add_argument("--num-calibration-samples", type=int, default=512)
     one.add_argument("--max-seq-length", type=int, default=2048)
-    one.add_argument("--batch-size", type=parse_batch_size, default=1, help=_BATCH_SIZE)
+    one.add_argument("--batch-size", type=parse_batch_size, default=None, help=_BATCH_SIZE)
     one.add_argument("--seed", type=int, default=42)
     one.add_argument("--concatenate", action="store_true",
                      help="join the texts and cut full windows of --max-seq-length tokens")  # fmt: skip
@@ -396,7 +399,7 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--recipe", required=True)
     plan.add_argument("--num-calibration-samples", type=int, default=512)
     plan.add_argument("--max-seq-length", type=int, default=2048)
-    plan.add_argument("--batch-size", type=parse_batch_size, default=1, help=_BATCH_SIZE)
+    plan.add_argument("--batch-size", type=parse_batch_size, default=None, help=_BATCH_SIZE)
     plan.add_argument("--offload", default="cpu", choices=["cpu", "disk"])
     plan.add_argument("--sequential-targets", nargs="+", default=None)
     plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")

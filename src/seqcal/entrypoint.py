@@ -11,7 +11,7 @@ import torch
 
 from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
-from seqcal.data.autobatch import with_auto_limits
+from seqcal.data.autobatch import default_batch_size, with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
@@ -114,7 +114,7 @@ def oneshot(
     output_dir: str | None = None,
     num_calibration_samples: int = 512,
     max_seq_length: int = 2048,
-    batch_size: int = 1,
+    batch_size: int | str | None = None,
     shuffle_calibration_samples: bool = True,
     text_column: str = "text",
     splits: Any = None,
@@ -161,6 +161,8 @@ def oneshot(
             the returned model holds the quantized weights; nothing is written.
         num_calibration_samples / max_seq_length / batch_size / shuffle_calibration_samples / text_column /
             splits / dataset_config_name / seed: how calibration batches are drawn (seqcal.data.DataArgs).
+            ``batch_size`` None (the default) is ``"auto"`` when CUDA is present and 1 on the CPU
+            (``seqcal.data.autobatch.default_batch_size``).
         concatenate: join the texts and cut full windows of ``max_seq_length`` tokens (short texts such as
             paragraphs then fill whole samples) instead of one sample per text.
         sequential_targets: layer classes calibrated one at a time (default: inferred).
@@ -214,6 +216,8 @@ def oneshot(
     if needs_llmc_translation(dict(locals())):  # llm-compressor's keywords: seqcal's own, or an error
         return oneshot(**translate_llmc_kwargs(oneshot, dict(locals())))
     model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code, model_revision)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batch_size = default_batch_size(device) if batch_size is None else batch_size
     pipe_args = PipelineArgs(
         pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
         offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
@@ -251,7 +255,7 @@ def oneshot(
             shuffle_calibration_samples, text_column, splits, seed, concatenate, dataset_config_name,
         )  # fmt: skip
     data_args = with_auto_limits(
-        data_args, loaded, plan=plan, device=torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+        data_args, loaded, plan=plan, device=device,
         max_device_memory=parse_bytes(max_device_memory), cache_max_memory=pipe_args.cache_max_memory,
         equal_lengths=not moe_calibrate_all_experts,  # experts fed only their tokens would see padding
     )  # fmt: skip
