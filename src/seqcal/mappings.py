@@ -206,7 +206,10 @@ def _walk(node: fx.Node, modules: dict) -> tuple[str, bool] | str:
         elif node.op == "call_function" and "rotary" in name.lower():
             return f"rotary embedding ({name}) lies between"
         elif node.op == "call_function" and "attention" in name.lower():
-            nxt, attention = node.kwargs.get("value", node.args[3] if len(node.args) > 3 else None), True
+            at = (
+                2 if node.target is torch.nn.functional.scaled_dot_product_attention else 3
+            )  # HF: (module, q, k, v)
+            nxt, attention = node.kwargs.get("value", node.args[at] if len(node.args) > at else None), True
         elif node.op == "call_function" and node.target in (operator.mul, torch.mul):
             return _through_product(node, modules)
         elif node.op == "call_function" and node.target in (operator.add, torch.add, operator.iadd):

@@ -42,7 +42,7 @@ def prepare_modifiers(model: torch.nn.Module, subgraphs: Any, sample: Mapping[st
     transforms, _ = split_transforms(modifiers)
     if not transforms:
         return
-    graph = linear_graph(model, subgraphs, sample)
+    graph = linear_graph(model, sample, subgraphs)
     for m in transforms:
         m.prepare(graph, model, state)
         for sg in subgraphs:
@@ -51,10 +51,14 @@ def prepare_modifiers(model: torch.nn.Module, subgraphs: Any, sample: Mapping[st
                     sg.modules.append(name)
 
 
-def linear_graph(model: torch.nn.Module, subgraphs: Any, sample: Mapping[str, Any]) -> fx.Graph | None:
+def linear_graph(model: torch.nn.Module, sample: Mapping[str, Any], subgraphs: Any = None) -> fx.Graph | None:
     """A graph of ``model`` in which every Linear inside the layers is a call_module node: the run's own when
-    it is cut before the modules, else a trace with the Linears as targets (None if that fails)."""
-    if any(sg.target_inputs for sg in subgraphs):
+    it is cut before the modules, else a trace of ``sample`` with the Linears as targets (None if that fails).
+
+    Example:
+        >>> graph = linear_graph(model, {"input_ids": ids})  # doctest: +SKIP
+    """
+    if subgraphs is not None and any(sg.target_inputs for sg in subgraphs):
         return subgraphs.traced.graph
     from seqcal.tracing import TracingError, trace  # the tracer is heavy; only transforms need it here
 
