@@ -223,3 +223,10 @@ def test_an_interrupted_smoothquant_run_resumes_to_the_same_checkpoint(
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_the_basic_pipeline_is_refused() -> None:
+    model = ARCHS["llama"].build()
+    with pytest.raises(ValueError, match="SmoothQuantModifier needs the sequential pipeline"):
+        oneshot(model=model, dataset=_calibration(), pipeline="basic",
+                recipe=[SmoothQuantModifier(mappings=LLMC), GPTQModifier(scheme="W8A8", ignore=["lm_head"])])  # fmt: skip

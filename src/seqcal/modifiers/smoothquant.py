@@ -68,6 +68,7 @@ class SmoothQuantModifier(Modifier):
             logger.info("seqcal: %s: num_calibration_steps is ignored (ranges use every calibration batch)",
                         self.name)  # fmt: skip
         self.resolved: list[Mapping] = []
+        self._prepared = False  # prepare() ran: the sequential pipeline orders transforms before quantizers
         self._ranges: dict[str, ChannelRange] = {}  # first consumer -> range of the group's input
 
     def validate(self, model: torch.nn.Module) -> None:
@@ -75,6 +76,7 @@ class SmoothQuantModifier(Modifier):
             self.resolved = self._kept(explicit_mappings(model, self.mappings, self.name))
 
     def prepare(self, graph: fx.Graph | None, model: torch.nn.Module, state: RunState) -> None:
+        self._prepared = True
         if self.mappings:
             self.resolved = self._kept(explicit_mappings(model, self.mappings, self.name))
         elif graph is None:
@@ -116,6 +118,13 @@ class SmoothQuantModifier(Modifier):
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        if (
+            not self._prepared
+        ):  # pipeline="basic": one pass for all modifiers, the quantizers would not follow
+            raise ValueError(
+                f"{self.name} needs the sequential pipeline (it folds scales before the quantizers observe "
+                "each group); remove pipeline='basic'"
+            )
         handles = []
         try:
             for m in self._in(subgraph):
