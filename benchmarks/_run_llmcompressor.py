@@ -21,14 +21,18 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--algo", choices=["gptq", "rtn"], default="gptq")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--recipe", default=None, help="a recipe file (instead of --algo with the shared scheme)"
+    )
     args = parser.parse_args()
     tokens = load_file(args.tokens)["input_ids"]
     ds = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
+    recipe = args.recipe or cls(config_groups=SCHEME, ignore=["lm_head"])
     start = time.perf_counter()
-    oneshot(model=model, dataset=ds, recipe=cls(config_groups=SCHEME, ignore=["lm_head"]),
+    oneshot(model=model, dataset=ds, recipe=recipe,
             num_calibration_samples=len(tokens), max_seq_length=tokens.shape[1])  # fmt: skip
     model.save_pretrained(args.out, save_compressed=True)
     tokenizer.save_pretrained(args.out)

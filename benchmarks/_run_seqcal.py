@@ -22,6 +22,9 @@ def main() -> None:
     parser.add_argument("--compute-dtype", default=None)
     parser.add_argument("--profile", default=None)
     parser.add_argument("--hessian-products", default="float32")
+    parser.add_argument(
+        "--recipe", default=None, help="a recipe file (instead of --algo with the shared scheme)"
+    )
     parser.add_argument("--layer-cut", action="store_true", help="one_pass=False: cut after each layer")
     parser.add_argument("--samples", type=int, default=None, help="use only the first N samples")
     parser.add_argument("--batch-size", default="1", help="samples per subgraph run (equal lengths), or auto")
@@ -31,7 +34,8 @@ def main() -> None:
     extra = {"hessian_products": args.hessian_products} if args.algo == "gptq" else {}
     cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
     start = time.perf_counter()
-    oneshot(model=args.model, dataset=data, recipe=cls(config_groups=SCHEME, ignore=["lm_head"], **extra),
+    recipe = args.recipe or cls(config_groups=SCHEME, ignore=["lm_head"], **extra)
+    oneshot(model=args.model, dataset=data, recipe=recipe,
             output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
             dtype=args.dtype, compute_dtype=args.compute_dtype, shuffle_calibration_samples=False,
             overwrite=True, one_pass=not args.layer_cut, profile=args.profile, batch_size=args.batch_size if args.batch_size == "auto" else int(args.batch_size))  # fmt: skip

@@ -176,3 +176,21 @@ def test_eval_ppl_reads_wikitext_next_to_the_repository_when_there(tiny_dir: Pat
     proc = eval_ppl(tiny_dir, tmp_path / "repo")
     assert "perplexity on " + str(tmp_path / "shared" / "data" / "wiki.test.raw") in proc.stdout
     assert "embedded" not in proc.stdout
+
+
+def test_custom_transform_folds_into_the_norms_and_its_checkpoint_reloads(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ckpt"
+    proc = run_example(
+        "custom_transform.py", "--model", str(tiny_dir), "--output-dir", str(out), cwd=tmp_path
+    )
+    error = float(proc.stdout.strip().splitlines()[-1].rsplit(" ", 1)[1])
+    assert error < 0.05  # int8 weights and activations on equalized inputs: close to full precision
+    saved, original = load_file(out / "model.safetensors"), load_file(tiny_dir / "model.safetensors")
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        key = f"model.layers.1.{norm}.weight"
+        assert not torch.equal(saved[key], original[key])  # the folded scales were saved
+    assert "SqrtEqualize" in (out / "recipe.yaml").read_text()

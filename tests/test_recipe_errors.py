@@ -33,53 +33,6 @@ quant_stage:
 """,
         ["<string>:4:", "actorder='group' has been removed", "actorder='weight'"],
     ),
-    "examples/quantization_w8a8_int8/recipe.yaml": (
-        """
-quant_stage:
-    quant_modifiers:
-        SmoothQuantModifier:
-            smoothing_strength: 0.8
-            mappings: [
-                [["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_layernorm"],
-                [["re:.*gate_proj", "re:.*up_proj"], "re:.*post_attention_layernorm"]
-            ]
-        GPTQModifier:
-            # Set sequential_update: true to reduce memory consumption
-            sequential_update: false
-            ignore: ["lm_head"]
-            config_groups:
-                group_0:
-                    weights:
-                        num_bits: 8
-                        type: "int"
-                        symmetric: true
-                        strategy: "channel"
-                    input_activations:
-                        num_bits: 8
-                        type: "int"
-                        symmetric: true
-                        dynamic: true
-                        strategy: "token"
-                    targets: ["Linear"]
-""",
-        ["<string>:4:", "SmoothQuantModifier", "not supported by seqcal yet", "GPTQModifier"],
-    ),
-    "tests/e2e/vLLM/recipes/INT8/recipe_int8_channel_weight_static_per_tensor_act.yaml (SmoothQuant stage)": (
-        """
-quant_stage:
-  quant_modifiers:
-    SmoothQuantModifier:
-      smoothing_strength: 0.8
-    GPTQModifier:
-      ignore: [lm_head]
-      config_groups:
-        group_0:
-          weights: {num_bits: 8, type: int, symmetric: true, strategy: channel}
-          input_activations: {num_bits: 8, type: int, symmetric: true, strategy: tensor}
-          targets: [Linear]
-""",
-        ["<string>:4:", "SmoothQuantModifier", "not supported by seqcal yet", "Remove it from the recipe"],
-    ),
     "tests/e2e/vLLM/recipes/non_uniform/recipe_gptq_awq.yaml": (
         """
 quant_stage:
@@ -212,10 +165,10 @@ BAD = {
         ],
     ),
     "unsupported modifier": (
-        "SmoothQuantModifier: {smoothing_strength: 0.8}\nGPTQModifier: {scheme: W4A16}\n",
+        "AWQModifier: {scheme: W4A16}\nGPTQModifier: {scheme: W4A16}\n",
         [
             "<string>:1:",
-            "SmoothQuantModifier",
+            "AWQModifier",
             "not supported by seqcal yet",
             "supported: QuantizationModifier",
         ],

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from seqcal.algorithms import dequantize, formats
@@ -85,6 +86,7 @@ class StreamingCheckpoint:
         self.path = Path(output_dir)
         self.layout = ModelLayout.from_model(model)
         self.finished = -1
+        self._edited_restored = False
         self.checkpoint_bytes = CHECKPOINT_BYTES if checkpoint_bytes is None else checkpoint_bytes
         if resume and (self.path / PROGRESS_NAME).is_file():
             self.writer, self.finished = self._resume()
@@ -155,6 +157,7 @@ class StreamingCheckpoint:
             for key in ("input_scale", "input_zero_point"):
                 if getattr(qw, key) is not None:
                     tensors[f"{name}:{key}"] = getattr(qw, key)
+        tensors.update(self._edited(sg))
         folder = self.path / RESUME_DIR
         folder.mkdir(exist_ok=True)
         if tensors:
@@ -165,6 +168,34 @@ class StreamingCheckpoint:
         if self.writer.pending_bytes >= self.checkpoint_bytes:
             self._record(sg.index)
         self._trim(mine)
+
+    def _restore_edited(self) -> None:
+        """Put back every producer a transform changed in the finished subgraphs, before the first replay: the
+        producer runs in an earlier subgraph than the consumers whose file holds it."""
+        if self._edited_restored:
+            return
+        self._edited_restored = True
+        for file in sorted((self.path / RESUME_DIR).glob("*.st")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in [k for k in f.keys() if ":param:" in k]:
+                    name, _, param = key.partition(":param:")
+                    target, value = getattr(self.model.get_submodule(name), param), f.get_tensor(key)
+                    if (
+                        target.device.type == "meta" and self.weights is not None
+                    ):  # offloaded: onloaded from here
+                        self.weights.store.overrides[f"{name}.{param}"] = value
+                    else:
+                        target.data = value.to(target.device)
+                    self.state.edited.add(name)
+
+    def _edited(self, sg: Subgraph) -> dict[str, torch.Tensor]:
+        """The parameters of producers a transform changed while ``sg`` ran (folded smoothing scales): a replay
+        puts them back, as it puts back the quantized weights."""
+        out = {}
+        for name in [n for n in self.state.edited if self._in(n, sg) and n not in self.state.quantized]:
+            for param, value in self.model.get_submodule(name).named_parameters(recurse=False):
+                out[f"{name}:param:{param}"] = value.detach()
+        return out
 
     def _trim(self, names: Any) -> None:
         """Drop the codes of modules already on disk: only their scheme is needed (for config.json).
@@ -187,6 +218,7 @@ class StreamingCheckpoint:
             sg: a subgraph finished by the interrupted run.
             schemes: module name -> QuantizationScheme (from the recipe's modifiers).
         """
+        self._restore_edited()  # before the first replay: a producer runs before the consumers that folded it
         file = self.path / RESUME_DIR / f"{sg.index}.st"
         if not file.is_file():
             if any(self._in(name, sg) for name in schemes):
@@ -196,6 +228,8 @@ class StreamingCheckpoint:
                 )
             return
         tensors = load_file(str(file))
+        for key in [k for k in tensors if ":param:" in k]:  # already put back by _restore_edited
+            tensors.pop(key)
         for name in sorted({k.split(":")[0] for k in tensors}):
             scheme = schemes[name]
             group_size = scheme.weights.group_size if strategy_of(scheme.weights) == "group" else None

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from seqcal.errors import SeqcalError
 from seqcal.execution.cache.store import ActivationCache
+from seqcal.execution.transforms import split_transforms, transform_from_inputs, transform_with_hooks
 from seqcal.execution.weights import trim_host_memory
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
 from seqcal.tracing.partition import Subgraph, target_ends
@@ -311,6 +312,10 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
             return None
         if sg.target_inputs:
             return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof)
+        transforms, modifiers = split_transforms(modifiers)  # transforms fold before the others observe
+        if transforms:
+            run = lambda: _pass(runner, sg, batches, cache, state, None, prof, "calibration")  # noqa: E731
+            transform_with_hooks(runner.model, sg, run, transforms, modifiers, state)
         full: dict[int, Any] = {}
         with contextlib.ExitStack() as stack:
             for m in modifiers:
@@ -342,6 +347,11 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
     if not all(getattr(m, "input_only", False) for m in modifiers):
         raise AssertionError("subgraphs cut before their targets need modifiers that use only module inputs")
     label = f"subgraph {sg.index}"
+    transforms, modifiers = split_transforms(modifiers)  # transforms fold first; the cache follows them
+    if transforms:
+        with prof.span("calibration", f"{label} (transforms)", subgraph=sg.index, batches=len(batches)):
+            masks = [_token_mask(batch) for batch in batches]
+            transform_from_inputs(runner.model, sg, cache, masks, transforms, modifiers, state)
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
         for b, batch in enumerate(batches):
             state.token_mask = _token_mask(batch)

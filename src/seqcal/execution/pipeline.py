@@ -17,6 +17,7 @@ from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache
 from seqcal.execution.executor import calibrate_subgraphs
+from seqcal.execution.transforms import prepare_modifiers
 from seqcal.execution.weights import (
     SubgraphWeights,
     WeightStore,
@@ -208,6 +209,7 @@ def _run(
             onloading = safety_hooks(model, store, cpu) if store is not None else contextlib.nullcontext()
             with onloading:
                 subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
+        prepare_modifiers(model, subgraphs, batches[0], modifiers, state)  # v2: graph, producers they edit
         with ActivationCache(
             offload=args.offload, offload_dir=args.offload_dir, device=device, max_memory=args.cache_max_memory,
             store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
@@ -222,7 +224,9 @@ def _run(
                         stream.done(sg)
                 if weights is None:
                     return None
-                changed = [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
+                changed = [
+                    n for n in [*state.quantized, *state.edited] if any(n.startswith(m) for m in sg.modules)
+                ]
                 return weights.release(sg, changed)  # bytes copied back to the host
 
             with contextlib.ExitStack() as stack:

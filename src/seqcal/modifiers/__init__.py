@@ -3,11 +3,21 @@
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.quantization import QuantizationModifier
+from seqcal.modifiers.smoothquant import SmoothQuantModifier
 
 # Recipe name -> class. A literal dict: a miss lists exactly these names.
 MODIFIERS: dict[str, type[Modifier]] = {
     "QuantizationModifier": QuantizationModifier,
     "GPTQModifier": GPTQModifier,
+    "SmoothQuantModifier": SmoothQuantModifier,
 }
 
-__all__ = ["MODIFIERS", "GPTQModifier", "Modifier", "QuantizationModifier", "QuantizedWeight", "RunState"]
+__all__ = [
+    "MODIFIERS",
+    "GPTQModifier",
+    "Modifier",
+    "QuantizationModifier",
+    "QuantizedWeight",
+    "RunState",
+    "SmoothQuantModifier",
+]

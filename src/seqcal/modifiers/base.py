@@ -12,6 +12,19 @@ The executor owns hooks and state and passes them down; a modifier keeps nothing
         changed = modifier.compress(subgraph, model, state)
         (propagation pass when any modifier changed weights)
     modifier.finalize(model, state)              once
+
+Version 2 adds services a modifier declares it needs (all optional, see docs/modifiers.md):
+
+    transforms = True                            the modifier edits weights upstream of a group (smoothing)
+    modifier.prepare(graph, model, state)        once, after tracing: the graph with the Linears as nodes
+    modifier.upstream(subgraph) -> [names]       producers it may edit while ``subgraph`` runs (onloaded with it
+                                                 and written to the checkpoint after it)
+    modifier.on_fold(fold, model, state)         a transform folded scales into a group this modifier has
+                                                 statistics for: move them to the new coordinates
+
+Inside each group the order is fixed: transforms observe the group's inputs and fold (``state.fold``), the
+cached inputs of the group are rewritten into the new coordinates, and only then do quantizers (GPTQ, static
+observers) see them, so nothing a quantizer accumulates is ever in the old coordinates.
 """
 
 from __future__ import annotations
@@ -22,7 +35,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
+from torch import fx
 
+from seqcal.mappings import Mapping, fold_scales
 from seqcal.tracing.partition import Subgraph
 
 
@@ -71,6 +86,35 @@ class RunState:
     # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
     # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
     device_budget: int | None = None
+    folds: list[Fold] = field(default_factory=list)  # scales folded so far, in order (``fold``)
+    edited: set[str] = field(default_factory=set)  # producers whose weights a fold changed (saved, kept)
+
+    def fold(self, model: torch.nn.Module, mapping: Mapping, scales: torch.Tensor) -> Fold:
+        """Fold smoothing ``scales`` into ``mapping`` (``seqcal.mappings.fold_scales``) and record it, so the
+        pipeline moves the group's cached inputs and other modifiers' statistics to the new coordinates.
+
+        Raises:
+            RuntimeError: a consumer or the producer is already quantized (its codes would no longer match).
+        """
+        done = [n for n in (mapping.producer, *mapping.consumers) if n in self.quantized]
+        if done:
+            raise RuntimeError(
+                f"cannot fold scales into {mapping.producer} -> {', '.join(mapping.consumers)}: {done[0]} is "
+                "already quantized; transforms must run before the quantizers of the group"
+            )
+        fold_scales(model, mapping, scales)
+        record = Fold(mapping, scales.detach().float())
+        self.folds.append(record)
+        self.edited.add(mapping.producer)
+        return record
+
+
+@dataclass(frozen=True)
+class Fold:
+    """Scales folded into a mapping: its consumers now read ``X / scales`` (``scales [in]`` float32)."""
+
+    mapping: Mapping
+    scales: torch.Tensor
 
 
 class Modifier:
@@ -106,6 +150,27 @@ class Modifier:
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         """Use what calibration gathered; return True when weights of ``subgraph`` changed."""
         return False
+
+    # --- version 2 services (optional) ---------------------------------------------------------------------
+
+    # True: the modifier edits weights upstream of its groups (SmoothQuant, AWQ). The executor runs its
+    # calibration (``observe`` or ``calibrate`` hooks) and ``compress`` on each subgraph before every other
+    # modifier sees the group's inputs, then rewrites the cached inputs by the folds it recorded.
+    transforms: ClassVar[bool] = False
+
+    def prepare(self, graph: fx.Graph, model: torch.nn.Module, state: RunState) -> None:
+        """After tracing, before calibration: ``graph`` has every Linear as a call_module node (for
+        ``seqcal.mappings.resolve_mappings``). Raise ValueError here for mappings that cannot apply."""
+
+    def upstream(self, subgraph: Subgraph) -> list[str]:
+        """Modules outside ``subgraph`` whose weights this modifier edits while it runs (the producers it folds
+        into): the pipeline onloads them with it and saves them after it."""
+        return []
+
+    def on_fold(self, fold: Fold, model: torch.nn.Module, state: RunState) -> None:
+        """Another modifier folded ``fold.scales`` into ``fold.mapping``: statistics this modifier already
+        holds for its consumers must move to the new coordinates (inputs ``X / scales``). The default holds
+        none; a modifier that cannot move its statistics exactly raises RuntimeError naming them."""
 
     def finalize(self, model: torch.nn.Module, state: RunState) -> None:
         """Last step after all subgraphs (e.g. remove leftover state)."""

@@ -18,9 +18,10 @@ from seqcal.algorithms import (
     relative_output_error,
     symmetrize_upper,
 )
+from seqcal.algorithms.smoothing import smoothed_hessian
 from seqcal.experts import every_token
 from seqcal.modifiers.activations import real_tokens
-from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.base import Fold, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
@@ -147,6 +148,22 @@ class GPTQModifier(QuantizationModifier):
             acc = _Accumulator()
             self._acc.update(dict.fromkeys(mine, acc))
         self._add(acc, x, state)
+
+    def on_fold(self, fold: Fold, model: torch.nn.Module, state: RunState) -> None:
+        """Move the Hessians of the fold's consumers to the new inputs ``X / s``: ``H' = S^-1 H S^-1`` (exact).
+
+        Static input observers cannot be moved exactly (a per-tensor range of ``X / s`` is not a function of
+        the range of ``X``): a fold after they observed is refused. The executor folds before they observe.
+        """
+        consumers = [n for n in fold.mapping.consumers if n in self._acc]
+        if seen := [n for n in fold.mapping.consumers if n in self.inputs.observers]:
+            raise RuntimeError(
+                f"{self.name}: scales were folded into {seen[0]} after its static input observer saw inputs; "
+                "a transform must fold before the quantizers observe the group (modifier order in the recipe)"
+            )
+        for acc in {id(self._acc[n]): self._acc[n] for n in consumers}.values():
+            if acc.H is not None:
+                acc.H = smoothed_hessian(acc.H, fold.scales)
 
     def _add(self, acc: _Accumulator, x: torch.Tensor, state: RunState) -> None:
         """Add one batch's input ``x`` ([..., in]) to ``acc``'s Hessian, without the padding tokens."""

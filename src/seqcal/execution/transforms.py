@@ -1,0 +1,138 @@
+"""Transforms first: the executor's steps for modifiers that edit weights upstream of a group (``transforms``).
+
+Order inside a group (a subgraph cut before q/k/v, say): the transforms observe the group's cached inputs and
+fold their scales (``RunState.fold``); the cached inputs are rewritten as ``X / s``; the other modifiers are
+told (``on_fold``) and only then observe the rewritten inputs. No forward pass is added: the transforms
+read the cache. Subgraphs cut after whole layers run one extra calibration pass for the transforms instead
+(the producer lives inside the layer, so the next pass reads the new coordinates by itself).
+
+Example:
+    >>> transforms, quantizers = split_transforms(modifiers)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from seqcal.modifiers.base import Fold
+
+logger = logging.getLogger("seqcal")
+
+
+def split_transforms(modifiers: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """(modifiers with ``transforms``, the others), each in recipe order."""
+    transforms = [m for m in modifiers if getattr(m, "transforms", False)]
+    return transforms, [m for m in modifiers if m not in transforms]
+
+
+def owns(modifier: Any, sg: Any) -> bool:
+    return bool(modifier.modules_in(sg)) if hasattr(modifier, "modules_in") else False
+
+
+def prepare_modifiers(model: torch.nn.Module, subgraphs: Any, sample: Mapping[str, Any], modifiers: Sequence[Any],
+                      state: Any) -> None:  # fmt: skip
+    """Give the transforms the traced graph (``prepare``) and add the producers they edit to the modules of
+    the subgraphs that run their consumers (onloaded with them, written to the checkpoint after them)."""
+    transforms, _ = split_transforms(modifiers)
+    if not transforms:
+        return
+    graph = linear_graph(model, sample, subgraphs)
+    for m in transforms:
+        m.prepare(graph, model, state)
+        for sg in subgraphs:
+            for name in m.upstream(sg):
+                if not any(name == p or name.startswith(p + ".") for p in sg.modules):
+                    sg.modules.append(name)
+
+
+def linear_graph(model: torch.nn.Module, sample: Mapping[str, Any], subgraphs: Any = None) -> fx.Graph | None:
+    """A graph of ``model`` in which every Linear inside the layers is a call_module node: the run's own when
+    it is cut before the modules, else a trace of ``sample`` with the Linears as targets (None if that fails).
+
+    Example:
+        >>> graph = linear_graph(model, {"input_ids": ids})  # doctest: +SKIP
+    """
+    if subgraphs is not None and any(sg.target_inputs for sg in subgraphs):
+        return subgraphs.traced.graph
+    from seqcal.tracing import TracingError, trace  # the tracer is heavy; only transforms need it here
+
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "." in n]
+    pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"
+    try:
+        return trace(model, dict(sample), [pattern], [], None).graph
+    except TracingError as err:
+        logger.warning(
+            "seqcal: no graph with the Linears as nodes (%s); give explicit mappings", err.problems[0].what
+        )
+        return None
+
+
+def transform_from_inputs(model: torch.nn.Module, sg: Any, cache: Any, masks: Sequence[torch.Tensor | None],
+                          transforms: Sequence[Any], others: Sequence[Any], state: Any) -> None:  # fmt: skip
+    """One-pass cut: the transforms observe ``sg``'s cached group inputs and fold; the inputs are rewritten.
+
+    Args:
+        masks: the token mask of each batch (``state.token_mask`` while observing).
+    """
+    active = [t for t in transforms if owns(t, sg)]
+    if not active:
+        return
+    for b, mask in enumerate(masks):
+        state.token_mask = mask
+        for source, names in sg.target_inputs.items():
+            x = cache.fetch(b, source)
+            for t in active:
+                t.observe(names, x, state)
+    state.token_mask = None
+    start = len(state.folds)
+    for t in active:
+        t.compress(sg, model, state)
+    for fold in state.folds[start:]:
+        source = _source_of(sg, fold)
+        for b in range(len(masks)):
+            x = cache.fetch(b, source)
+            cache.put(b, source, (x.float() / fold.scales.to(x.device)).to(x.dtype))  # [..., in] / [in]
+        notify(fold, others, model, state)
+
+
+def transform_with_hooks(model: torch.nn.Module, sg: Any, run_pass: Callable[[], None], transforms: Sequence[Any],
+                         others: Sequence[Any], state: Any) -> None:  # fmt: skip
+    """Layer cut: one calibration pass with only the transforms' hooks, then they fold (before any other
+    modifier's hooks see the layer, which the next pass runs in the new coordinates)."""
+    import contextlib
+
+    active = [t for t in transforms if owns(t, sg)]
+    if not active:
+        return
+    with contextlib.ExitStack() as stack:
+        for t in active:
+            stack.enter_context(t.calibrate(sg, model, state))
+        run_pass()
+    start = len(state.folds)
+    for t in active:
+        t.compress(sg, model, state)
+    for fold in state.folds[start:]:
+        notify(fold, others, model, state)
+
+
+def notify(fold: Fold, others: Sequence[Any], model: torch.nn.Module, state: Any) -> None:
+    for m in others:
+        if hasattr(m, "on_fold"):
+            m.on_fold(fold, model, state)
+
+
+def _source_of(sg: Any, fold: Fold) -> str:
+    consumers = set(fold.mapping.consumers)
+    for source, names in sg.target_inputs.items():
+        if consumers <= set(names):
+            return source
+    raise RuntimeError(
+        f"subgraph {sg.index}: no cached input is read by all of {sorted(consumers)}; a fold must be recorded "
+        "while the subgraph that runs its consumers is calibrated"
+    )

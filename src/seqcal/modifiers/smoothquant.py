@@ -1,0 +1,149 @@
+"""SmoothQuantModifier: per-channel smoothing folded into the norms before q/k/v and gate/up.
+
+A transform (``Modifier.transforms``): for each mapping it gathers the per-channel range of the group's
+input, computes ``s`` (``algorithms.smoothing.smoothing_scales``, llm-compressor's formula) and folds it
+(``RunState.fold``) before any quantizer of the group observes it. Mappings come from the traced graph
+(``seqcal.mappings``; the ``"norm"`` ones, as llm-compressor's defaults) unless the recipe gives them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import fx
+
+from seqcal.algorithms.smoothing import ChannelRange, smoothing_scales, update_channel_range
+from seqcal.mappings import Mapping, explicit_mappings, resolve_mappings
+from seqcal.modifiers.activations import real_tokens
+from seqcal.modifiers.base import Modifier, RunState
+from seqcal.tracing.partition import Subgraph
+
+logger = logging.getLogger("seqcal")
+
+
+@dataclass
+class SmoothQuantModifier(Modifier):
+    """SmoothQuant (Xiao et al., 2022) with llm-compressor's arguments.
+
+    Args:
+        smoothing_strength: alpha in [0, 1]: how much of the activations' range moves into the weights.
+        mappings: ``[[balance regexes], smooth regex]`` pairs (e.g. ``[[["re:.*q_proj", "re:.*k_proj",
+            "re:.*v_proj"], "re:.*input_layernorm"]]``); None derives them from the traced graph.
+        ignore: smooth layers to leave alone (a mapping is skipped when its producer and all its consumers
+            are ignored, as in llm-compressor).
+        num_calibration_steps: accepted for llm-compressor compatibility and ignored: the ranges are taken
+            over every calibration batch (set ``num_calibration_samples`` to use fewer).
+
+    Example:
+        >>> SmoothQuantModifier(smoothing_strength=0.8)
+        SmoothQuantModifier(smoothing_strength=0.8, mappings=None, ignore=[], num_calibration_steps=None)
+    """
+
+    name: ClassVar[str] = "SmoothQuantModifier"
+    needs_calibration: ClassVar[bool] = True
+    input_only: ClassVar[bool] = True  # the ranges need only the groups' inputs
+    transforms: ClassVar[bool] = True
+    smoothing_strength: float = 0.5
+    mappings: list[Any] | None = None
+    ignore: list[str] = field(default_factory=list)
+    num_calibration_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        alpha = self.smoothing_strength
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+            raise ValueError(f"{self.name}: smoothing_strength must be a number in [0, 1], got {alpha!r}")
+        if isinstance(self.ignore, str):
+            self.ignore = [self.ignore]
+        if self.mappings is not None and not isinstance(self.mappings, (list, tuple)):
+            raise ValueError(
+                f"{self.name}: mappings must be a list of [[balance regexes], smooth regex] pairs"
+            )
+        if self.num_calibration_steps is not None:
+            logger.info("seqcal: %s: num_calibration_steps is ignored (ranges use every calibration batch)",
+                        self.name)  # fmt: skip
+        self.resolved: list[Mapping] = []
+        self._prepared = False  # prepare() ran: the sequential pipeline orders transforms before quantizers
+        self._ranges: dict[str, ChannelRange] = {}  # first consumer -> range of the group's input
+
+    def validate(self, model: torch.nn.Module) -> None:
+        if self.mappings:  # explicit mappings are checked before any weight is touched
+            self.resolved = self._kept(explicit_mappings(model, self.mappings, self.name))
+
+    def prepare(self, graph: fx.Graph | None, model: torch.nn.Module, state: RunState) -> None:
+        self._prepared = True
+        if self.mappings:
+            self.resolved = self._kept(explicit_mappings(model, self.mappings, self.name))
+        elif graph is None:
+            raise ValueError(
+                f"{self.name}: {type(model).__name__} could not be traced with its Linears as nodes, so no "
+                "mapping can be derived; give mappings: [[[balance regexes], smooth regex], ...] in the recipe"
+            )
+        else:
+            found = resolve_mappings(model, graph, None, self.name)
+            self.resolved = self._kept([m for m in found if m.kind == "norm"])
+        logger.info("seqcal: %s: %d mappings (%s)", self.name, len(self.resolved),
+                    ", ".join(m.producer for m in self.resolved[:2]) + (", ..." if len(self.resolved) > 2 else ""))  # fmt: skip
+
+    def _kept(self, mappings: list[Mapping]) -> list[Mapping]:
+        def ignored(name: str) -> bool:
+            return any(name == p or (p.startswith("re:") and re.match(p[3:], name)) for p in self.ignore)
+
+        return [m for m in mappings if not (ignored(m.producer) and all(ignored(c) for c in m.consumers))]
+
+    def _in(self, subgraph: Subgraph) -> list[Mapping]:
+        if subgraph.target_inputs:
+            targets = set(subgraph.targets)
+            return [m for m in self.resolved if set(m.consumers) <= targets]
+        prefixes = tuple(p + "." for p in subgraph.modules if p)
+        return [m for m in self.resolved if all(c.startswith(prefixes) or c in subgraph.modules
+                                                for c in m.consumers)]  # fmt: skip
+
+    def modules_in(self, subgraph: Subgraph) -> list[str]:
+        return [c for m in self._in(subgraph) for c in m.consumers]
+
+    def upstream(self, subgraph: Subgraph) -> list[str]:
+        return [m.producer for m in self._in(subgraph)]
+
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
+        for m in self.resolved:
+            if m.consumers[0] in names and m.producer not in state.edited:
+                X = real_tokens(x.detach(), state.token_mask)  # [tokens, in]
+                self._ranges[m.consumers[0]] = update_channel_range(self._ranges.get(m.consumers[0]), X)
+
+    @contextlib.contextmanager
+    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        if (
+            not self._prepared
+        ):  # pipeline="basic": one pass for all modifiers, the quantizers would not follow
+            raise ValueError(
+                f"{self.name} needs the sequential pipeline (it folds scales before the quantizers observe "
+                "each group); remove pipeline='basic'"
+            )
+        handles = []
+        try:
+            for m in self._in(subgraph):
+                hook = lambda mod, args, c=m.consumers[0]: self.observe([c], args[0], state)  # noqa: E731
+                handles.append(model.get_submodule(m.consumers[0]).register_forward_pre_hook(hook))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+        changed = False
+        for m in self._in(subgraph):
+            channel_range = self._ranges.pop(m.consumers[0], None)
+            if channel_range is None or m.producer in state.edited:
+                continue
+            weights = [model.get_submodule(c).weight for c in m.consumers]
+            s = smoothing_scales(channel_range, weights, float(self.smoothing_strength))
+            state.fold(model, m, s)
+            state.module_errors.setdefault(m.producer, {})["smoothing_scale_max"] = s.max().item()
+            changed = True
+        return changed
