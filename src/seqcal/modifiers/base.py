@@ -71,6 +71,9 @@ class RunState:
     # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
     # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
     device_budget: int | None = None
+    # Modules whose weights a modifier changed without quantizing them (AWQ's scales folded into a norm): kept
+    # like quantized weights when a subgraph's weights are released.
+    changed: set[str] = field(default_factory=set)
 
 
 class Modifier:

@@ -1,0 +1,221 @@
+"""AWQModifier: activation-aware scales searched per mapping, folded, then round-to-nearest quantization.
+
+Math in ``seqcal.algorithms.awq``; mappings and the fold in ``seqcal.modifiers._awq_mappings``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from seqcal.algorithms import fake_quantize, formats, weight_qparams
+from seqcal.algorithms.awq import DUO_SCALING, add_channel_abs, masked_mse, search_scales, weight_mean
+from seqcal.modifiers._awq_mappings import AWQMapping, fold_scales, resolve
+from seqcal.modifiers.activations import InputCalibration, real_tokens
+from seqcal.modifiers.base import RunState
+from seqcal.modifiers.formats import weight_format
+from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs
+from seqcal.tracing.partition import Subgraph
+
+
+@dataclass
+class AWQModifier(QuantizationModifier):
+    """AWQ (Lin et al., 2023) with llm-compressor's arguments: scale each mapping's channels, then quantize.
+
+    Args (besides QuantizationModifier's targets, scheme, config_groups, ignore; with neither scheme nor
+    config_groups the QuantizationModifier right after it in the recipe gives them, as in llm-compressor 0.14):
+        mappings: [{smooth_layer: pattern, balance_layers: [patterns]}]; None: Llama-like defaults.
+        duo_scaling: True (activations and weights), False (activations only) or "both" (half the grid each).
+        n_grid: grid points of the scale search.
+        offload_device: where the cached span inputs wait ("cpu"), None: where they were computed.
+        max_chunk_memory: bytes of cached inputs per span the search may keep; later batches are left out of
+            the search (never out of the activation statistics).
+
+    Example:
+        >>> AWQModifier(scheme="W4A16_ASYM", ignore=["lm_head"], duo_scaling="both")  # doctest: +SKIP
+    """
+
+    name: ClassVar[str] = "AWQModifier"
+    needs_calibration: ClassVar[bool] = True
+    input_only: ClassVar[bool] = False  # re-runs whole spans (self_attn, mlp) on their cached arguments
+    mappings: list[Any] | None = None
+    duo_scaling: bool | str = True
+    n_grid: int = 20
+    offload_device: str | None = None
+    max_chunk_memory: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.duo_scaling not in DUO_SCALING or not isinstance(self.duo_scaling, (bool, str)):
+            raise ValueError(f"{self.name}: duo_scaling must be True, False or 'both', got {self.duo_scaling!r}")
+        least = {True: 3, False: 2, "both": 4}[self.duo_scaling]  # ratios i / (n - 1) need n >= 2 per family
+        if isinstance(self.n_grid, bool) or not isinstance(self.n_grid, int) or self.n_grid < least:
+            raise ValueError(f"{self.name}: n_grid must be an integer >= {least} for duo_scaling="
+                             f"{self.duo_scaling!r}, got {self.n_grid!r}")  # fmt: skip
+        if isinstance(self.max_chunk_memory, bool) or not isinstance(self.max_chunk_memory, int) or self.max_chunk_memory < 1:
+            raise ValueError(f"{self.name}: max_chunk_memory must be a positive number of bytes, got {self.max_chunk_memory!r}")  # fmt: skip
+        self.bare = self.scheme is None and self.config_groups is None
+        self._mappings: list[AWQMapping] = []
+        self._skipped: list[str] = []
+        if not self.bare:
+            super().__post_init__()
+            return
+        self.ignore = [self.ignore] if isinstance(self.ignore, str) else self.ignore
+        self.groups, self.modules, self._fused, self._global_scales = {}, {}, [], {}
+        self.inputs = InputCalibration({})
+
+    def bind(self, quantization: QuantizationModifier) -> AWQModifier:
+        """This bare AWQModifier with the scheme of the QuantizationModifier after it (llm-compressor 0.14)."""
+        return AWQModifier(**{**quantization.to_dict(), **self.to_dict()})
+
+    def validate(self, model: torch.nn.Module) -> None:
+        if self.bare:
+            raise ValueError(f"{self.name}: no quantization scheme; give `scheme` (e.g. W4A16_ASYM) or "
+                             "`config_groups`, or put a QuantizationModifier right after it in the recipe")  # fmt: skip
+        super().validate(model)
+        mappings, skipped = resolve(model, self.mappings, self.name)
+        self._mappings = [m for m in mappings if any(b in self.modules for b in m.balance)]
+        self._skipped = skipped  # llm-compressor skips these too (v_proj -> o_proj under grouped-query attention)
+        if self.duo_scaling is not False:
+            balance = [b for m in self._mappings for b in m.balance if b in self.modules]
+            tensor = [b for b in balance if quant_kwargs(self.modules[b])["strategy"] == "tensor"]
+            if tensor:
+                raise ValueError(f"{self.name}: duo_scaling needs per-channel or group weights, but {tensor[0]} is "
+                                 "quantized per tensor; set duo_scaling: false or use a channel/group scheme")  # fmt: skip
+
+    def initialize(self, model: torch.nn.Module, state: RunState) -> None:
+        super().initialize(model, state)
+        if not self._mappings:
+            self.validate(model)
+        for line in self._skipped:
+            state.log.append(f"AWQ mapping skipped (as llm-compressor does): {line}")
+        self._stats: dict[str, list] = {}  # smooth -> [sum |x| per channel, tokens]
+        self._spans: dict[str, list] = {}  # parent -> [(args, kwargs, token mask)], within max_chunk_memory
+
+    def _mine(self, subgraph: Subgraph) -> list[AWQMapping]:
+        prefixes = tuple(subgraph.modules)
+        inside = lambda n: n in prefixes or n.startswith(tuple(p + "." for p in prefixes))  # noqa: E731
+        return [m for m in self._mappings if m.smooth not in self._stats and inside(m.parent) and inside(m.smooth)]
+
+    @contextlib.contextmanager
+    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        handles = []
+        try:
+            for m in self._mine(subgraph):
+                self._stats[m.smooth] = [None, 0]
+                handles.append(model.get_submodule(m.balance[0]).register_forward_pre_hook(self._stat_hook(m, state)))
+                if m.parent not in self._spans:
+                    self._spans[m.parent] = []
+                    hook = self._span_hook(self._spans[m.parent], state)
+                    handles.append(model.get_submodule(m.parent).register_forward_pre_hook(hook, with_kwargs=True))
+            with super().calibrate(subgraph, model, state):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _stat_hook(self, m: AWQMapping, state: RunState) -> Any:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            X = real_tokens(args[0].detach(), state.token_mask)  # [tokens, in]
+            stat = self._stats[m.smooth]
+            stat[0], stat[1] = add_channel_abs(stat[0], X), stat[1] + X.shape[0]
+
+        return hook
+
+    def _span_hook(self, cache: list, state: RunState) -> Any:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            entry = _moved((args, kwargs, state.token_mask), self.offload_device)
+            if not cache or sum(map(_nbytes, cache)) + _nbytes(entry) <= self.max_chunk_memory:
+                cache.append(entry)
+
+        return hook
+
+    def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+        for m in [m for m in self._mappings if self._stats.get(m.smooth) is not None]:
+            total, count = self._stats[m.smooth]
+            self._stats[m.smooth] = None  # done: keeps _mine from taking it again
+            if total is None or count == 0:
+                state.log.append(f"AWQ: {m.smooth} saw no tokens; its mapping keeps scale 1")
+                continue
+            with _autocast(state):
+                result = self._search(m, model, total / count, state)
+            fold_scales(model, m, result.scales)
+            state.changed.add(m.smooth)
+            for name in m.balance:
+                state.module_errors.setdefault(name, {}).update(
+                    awq_loss=result.loss, awq_initial_loss=result.initial_loss, awq_ratio=result.ratio)  # fmt: skip
+        for parent in {m.parent for m in self._mappings if self._stats.get(m.smooth, 0) is None}:
+            self._spans.pop(parent, None)
+        return super().compress(subgraph, model, state)
+
+    def _search(self, m: AWQMapping, model: torch.nn.Module, x_mean: torch.Tensor, state: RunState) -> Any:
+        parent, batches = model.get_submodule(m.parent), self._spans.get(m.parent, [])
+
+        def run(batch: tuple) -> torch.Tensor:
+            args, kwargs = _moved(batch[:2], state.device)
+            return _first(parent(*args, **kwargs))
+
+        references = [run(b) for b in batches]
+        quantized = {n: model.get_submodule(n).weight for n in m.balance if n in self.modules}
+        originals = {n: w.data.clone() for n, w in quantized.items()}
+
+        def loss(s: torch.Tensor) -> float:
+            for n, w in quantized.items():
+                view = s.to(w.device, torch.float32).view(1, -1)
+                w.data = (_fake_quant(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
+            sums = [masked_mse(ref, run(b), b[2]) for ref, b in zip(references, batches)]
+            return sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1)
+
+        first = next(iter(self.modules[n] for n in quantized))
+        group = first.weights.group_size if quant_kwargs(first)["strategy"] in ("group", "tensor_group") else None
+        weights = [model.get_submodule(n).weight for n in m.balance]
+        w_mean = weight_mean(weights, group) if self.duo_scaling is not False else None
+        try:
+            return search_scales(loss, x_mean.to(state.device), w_mean, self.n_grid, self.duo_scaling)
+        finally:
+            for n, w in quantized.items():
+                w.data = originals[n]
+
+
+def _fake_quant(W: torch.Tensor, scheme: Any) -> torch.Tensor:
+    """Round-to-nearest ``W`` with ``scheme``'s weights and min-max qparams (as the search of llm-compressor)."""
+    fmt = weight_format(scheme)
+    if fmt is not None:  # block fp8, NVFP4, MX
+        g = formats.global_scale_of(W) if fmt.needs_global_scale else None
+        scale, zp = formats.qparams(W, fmt, g)
+        return formats.dequantize(formats.quantize(W, scale, zp, fmt, g), scale, zp, fmt, g, dtype=W.dtype)
+    kw = quant_kwargs(scheme)
+    scale, zp = weight_qparams(W, num_bits=kw["num_bits"], symmetric=kw["symmetric"], strategy=kw["strategy"],
+                               group_size=kw["group_size"], type=kw["type"])  # fmt: skip
+    return fake_quantize(W, scale, zp, num_bits=kw["num_bits"], type=kw["type"], group_size=kw["group_size"])
+
+
+def _autocast(state: RunState) -> contextlib.AbstractContextManager:
+    dtype = state.compute_dtype
+    return torch.autocast(state.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _moved(value: Any, device: Any) -> Any:
+    """``value`` (tensors in tuples, lists, dicts) with its tensors on ``device`` (None: where they are)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach() if device is None else value.detach().to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    if isinstance(value, (tuple, list)):
+        return sum(map(_nbytes, value))
+    return sum(map(_nbytes, value.values())) if isinstance(value, dict) else 0
