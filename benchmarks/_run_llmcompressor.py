@@ -19,16 +19,22 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--tokens", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--algo", choices=["gptq", "rtn"], default="gptq")
+    parser.add_argument("--algo", choices=["gptq", "rtn", "awq"], default="gptq")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--samples", type=int, default=None, help="use only the first N samples")
     args = parser.parse_args()
-    tokens = load_file(args.tokens)["input_ids"]
+    tokens = load_file(args.tokens)["input_ids"][: args.samples]
     ds = Dataset.from_dict({"input_ids": tokens.tolist(), "attention_mask": torch.ones_like(tokens).tolist()})
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
+    recipe = [cls(config_groups=SCHEME, ignore=["lm_head"])]
+    if args.algo == "awq":  # llm-compressor 0.14: AWQ scales, then the QuantizationModifier quantizes
+        from llmcompressor.modifiers.transform import AWQModifier
+
+        recipe.insert(0, AWQModifier())
     start = time.perf_counter()
-    oneshot(model=model, dataset=ds, recipe=cls(config_groups=SCHEME, ignore=["lm_head"]),
+    oneshot(model=model, dataset=ds, recipe=recipe,
             num_calibration_samples=len(tokens), max_seq_length=tokens.shape[1])  # fmt: skip
     model.save_pretrained(args.out, save_compressed=True)
     tokenizer.save_pretrained(args.out)

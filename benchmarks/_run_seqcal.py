@@ -9,7 +9,7 @@ from _scheme import SCHEME  # benchmarks/ is on sys.path: the runners are run as
 from safetensors.torch import load_file
 
 from seqcal.entrypoint import oneshot
-from seqcal.modifiers import GPTQModifier, QuantizationModifier
+from seqcal.modifiers import AWQModifier, GPTQModifier, QuantizationModifier
 
 
 def main() -> None:
@@ -17,7 +17,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--tokens", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--algo", choices=["gptq", "rtn"], default="gptq")
+    parser.add_argument("--algo", choices=["gptq", "rtn", "awq"], default="gptq")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--compute-dtype", default=None)
     parser.add_argument("--profile", default=None)
@@ -29,7 +29,7 @@ def main() -> None:
     tokens = load_file(args.tokens)["input_ids"][: args.samples]
     data = [{"input_ids": row.tolist()} for row in tokens]
     extra = {"hessian_products": args.hessian_products} if args.algo == "gptq" else {}
-    cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
+    cls = {"gptq": GPTQModifier, "rtn": QuantizationModifier, "awq": AWQModifier}[args.algo]
     start = time.perf_counter()
     oneshot(model=args.model, dataset=data, recipe=cls(config_groups=SCHEME, ignore=["lm_head"], **extra),
             output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],

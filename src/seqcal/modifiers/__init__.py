@@ -12,4 +12,12 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "AWQModifier": AWQModifier,
 }
 
-__all__ = ["MODIFIERS", "AWQModifier", "GPTQModifier", "Modifier", "QuantizationModifier", "QuantizedWeight", "RunState"]
+__all__ = [
+    "MODIFIERS",
+    "AWQModifier",
+    "GPTQModifier",
+    "Modifier",
+    "QuantizationModifier",
+    "QuantizedWeight",
+    "RunState",
+]

@@ -12,13 +12,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from seqcal.algorithms import fake_quantize, formats, weight_qparams
 from seqcal.algorithms.awq import DUO_SCALING, add_channel_abs, masked_mse, search_scales, weight_mean
 from seqcal.modifiers._awq_mappings import AWQMapping, fold_scales, resolve
 from seqcal.modifiers.activations import InputCalibration, real_tokens
 from seqcal.modifiers.base import RunState
-from seqcal.modifiers.formats import weight_format
-from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs
+from seqcal.modifiers.quantization import QuantizationModifier, fake_quantized, quant_kwargs
+from seqcal.modifiers.spans import SpanCache
 from seqcal.tracing.partition import Subgraph
 
 
@@ -50,12 +49,14 @@ class AWQModifier(QuantizationModifier):
 
     def __post_init__(self) -> None:
         if self.duo_scaling not in DUO_SCALING or not isinstance(self.duo_scaling, (bool, str)):
-            raise ValueError(f"{self.name}: duo_scaling must be True, False or 'both', got {self.duo_scaling!r}")
+            raise ValueError(
+                f"{self.name}: duo_scaling must be True, False or 'both', got {self.duo_scaling!r}"
+            )
         least = {True: 3, False: 2, "both": 4}[self.duo_scaling]  # ratios i / (n - 1) need n >= 2 per family
         if isinstance(self.n_grid, bool) or not isinstance(self.n_grid, int) or self.n_grid < least:
             raise ValueError(f"{self.name}: n_grid must be an integer >= {least} for duo_scaling="
                              f"{self.duo_scaling!r}, got {self.n_grid!r}")  # fmt: skip
-        if isinstance(self.max_chunk_memory, bool) or not isinstance(self.max_chunk_memory, int) or self.max_chunk_memory < 1:
+        if isinstance(self.max_chunk_memory, bool) or not isinstance(self.max_chunk_memory, int) or self.max_chunk_memory < 1:  # fmt: skip
             raise ValueError(f"{self.name}: max_chunk_memory must be a positive number of bytes, got {self.max_chunk_memory!r}")  # fmt: skip
         self.bare = self.scheme is None and self.config_groups is None
         self._mappings: list[AWQMapping] = []
@@ -73,12 +74,14 @@ class AWQModifier(QuantizationModifier):
 
     def validate(self, model: torch.nn.Module) -> None:
         if self.bare:
-            raise ValueError(f"{self.name}: no quantization scheme; give `scheme` (e.g. W4A16_ASYM) or "
+            raise ValueError(f"{self.name}: no quantization scheme; give `scheme` (such as W4A16_ASYM) or "
                              "`config_groups`, or put a QuantizationModifier right after it in the recipe")  # fmt: skip
         super().validate(model)
         mappings, skipped = resolve(model, self.mappings, self.name)
         self._mappings = [m for m in mappings if any(b in self.modules for b in m.balance)]
-        self._skipped = skipped  # llm-compressor skips these too (v_proj -> o_proj under grouped-query attention)
+        self._skipped = (
+            skipped  # llm-compressor skips these too (v_proj -> o_proj under grouped-query attention)
+        )
         if self.duo_scaling is not False:
             balance = [b for m in self._mappings for b in m.balance if b in self.modules]
             tensor = [b for b in balance if quant_kwargs(self.modules[b])["strategy"] == "tensor"]
@@ -92,51 +95,45 @@ class AWQModifier(QuantizationModifier):
             self.validate(model)
         for line in self._skipped:
             state.log.append(f"AWQ mapping skipped (as llm-compressor does): {line}")
-        self._stats: dict[str, list] = {}  # smooth -> [sum |x| per channel, tokens]
-        self._spans: dict[str, list] = {}  # parent -> [(args, kwargs, token mask)], within max_chunk_memory
-
-    def _mine(self, subgraph: Subgraph) -> list[AWQMapping]:
-        prefixes = tuple(subgraph.modules)
-        inside = lambda n: n in prefixes or n.startswith(tuple(p + "." for p in prefixes))  # noqa: E731
-        return [m for m in self._mappings if m.smooth not in self._stats and inside(m.parent) and inside(m.smooth)]
+        self._stats: dict[str, list | None] = {}  # smooth -> [sum |x| per channel, tokens]; None once folded
+        self._spans: dict[str, SpanCache] = {}  # parent -> its recorded calls, within max_chunk_memory
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        prefixes = tuple(subgraph.modules)
+        inside = lambda n: n in prefixes or n.startswith(tuple(p + "." for p in prefixes))  # noqa: E731
         handles = []
         try:
-            for m in self._mine(subgraph):
+            for m in self._mappings:
+                if m.smooth in self._stats or not (inside(m.parent) and inside(m.smooth)):
+                    continue  # done already, or not (wholly) in this subgraph
                 self._stats[m.smooth] = [None, 0]
-                handles.append(model.get_submodule(m.balance[0]).register_forward_pre_hook(self._stat_hook(m, state)))
+                balance = model.get_submodule(m.balance[0])  # all balance layers read the same input
+                handles.append(balance.register_forward_pre_hook(self._stat_hook(m.smooth, state)))
                 if m.parent not in self._spans:
-                    self._spans[m.parent] = []
-                    hook = self._span_hook(self._spans[m.parent], state)
-                    handles.append(model.get_submodule(m.parent).register_forward_pre_hook(hook, with_kwargs=True))
+                    self._spans[m.parent] = span = SpanCache(self.max_chunk_memory, self.offload_device)
+                    hook = span.hook(lambda: state.token_mask)
+                    handles.append(
+                        model.get_submodule(m.parent).register_forward_pre_hook(hook, with_kwargs=True)
+                    )
             with super().calibrate(subgraph, model, state):
                 yield
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _stat_hook(self, m: AWQMapping, state: RunState) -> Any:
+    def _stat_hook(self, smooth: str, state: RunState) -> Any:
         def hook(module: torch.nn.Module, args: tuple) -> None:
-            X = real_tokens(args[0].detach(), state.token_mask)  # [tokens, in]
-            stat = self._stats[m.smooth]
+            X = real_tokens(args[0].detach(), state.token_mask)  # [tokens, in], padding dropped
+            stat = self._stats[smooth]
             stat[0], stat[1] = add_channel_abs(stat[0], X), stat[1] + X.shape[0]
-
-        return hook
-
-    def _span_hook(self, cache: list, state: RunState) -> Any:
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            entry = _moved((args, kwargs, state.token_mask), self.offload_device)
-            if not cache or sum(map(_nbytes, cache)) + _nbytes(entry) <= self.max_chunk_memory:
-                cache.append(entry)
 
         return hook
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         for m in [m for m in self._mappings if self._stats.get(m.smooth) is not None]:
             total, count = self._stats[m.smooth]
-            self._stats[m.smooth] = None  # done: keeps _mine from taking it again
+            self._stats[m.smooth] = None  # folded (or left at scale 1): never calibrated again
             if total is None or count == 0:
                 state.log.append(f"AWQ: {m.smooth} saw no tokens; its mapping keeps scale 1")
                 continue
@@ -146,31 +143,34 @@ class AWQModifier(QuantizationModifier):
             state.changed.add(m.smooth)
             for name in m.balance:
                 state.module_errors.setdefault(name, {}).update(
-                    awq_loss=result.loss, awq_initial_loss=result.initial_loss, awq_ratio=result.ratio)  # fmt: skip
-        for parent in {m.parent for m in self._mappings if self._stats.get(m.smooth, 0) is None}:
-            self._spans.pop(parent, None)
+                    awq_loss=result.loss, awq_initial_loss=result.initial_loss, awq_ratio=result.ratio,
+                    awq_batches=len(self._spans[m.parent].calls))  # fmt: skip
+        for parent in {
+            m.parent for m in self._mappings if m.smooth in self._stats and not self._stats[m.smooth]
+        }:
+            self._spans.pop(parent, None)  # every mapping of this span is folded
         return super().compress(subgraph, model, state)
 
     def _search(self, m: AWQMapping, model: torch.nn.Module, x_mean: torch.Tensor, state: RunState) -> Any:
-        parent, batches = model.get_submodule(m.parent), self._spans.get(m.parent, [])
-
-        def run(batch: tuple) -> torch.Tensor:
-            args, kwargs = _moved(batch[:2], state.device)
-            return _first(parent(*args, **kwargs))
-
-        references = [run(b) for b in batches]
+        parent, span = model.get_submodule(m.parent), self._spans[m.parent]
+        references = span.outputs(parent, state.device)  # the float span's output
         quantized = {n: model.get_submodule(n).weight for n in m.balance if n in self.modules}
         originals = {n: w.data.clone() for n, w in quantized.items()}
 
-        def loss(s: torch.Tensor) -> float:
+        def loss(s: torch.Tensor) -> float:  # Q(W s) / s in place of each quantized balance weight
             for n, w in quantized.items():
                 view = s.to(w.device, torch.float32).view(1, -1)
-                w.data = (_fake_quant(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
-            sums = [masked_mse(ref, run(b), b[2]) for ref, b in zip(references, batches)]
-            return sum(s for s, _ in sums) / max(sum(n for _, n in sums), 1)
+                w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
+            outputs = span.outputs(parent, state.device)
+            sums = [masked_mse(r, o, mask) for r, o, mask in zip(references, outputs, span.masks())]
+            return sum(e for e, _ in sums) / max(sum(n for _, n in sums), 1)
 
-        first = next(iter(self.modules[n] for n in quantized))
-        group = first.weights.group_size if quant_kwargs(first)["strategy"] in ("group", "tensor_group") else None
+        scheme = self.modules[next(iter(quantized))]
+        group = (
+            scheme.weights.group_size
+            if quant_kwargs(scheme)["strategy"] in ("group", "tensor_group")
+            else None
+        )
         weights = [model.get_submodule(n).weight for n in m.balance]
         w_mean = weight_mean(weights, group) if self.duo_scaling is not False else None
         try:
@@ -180,42 +180,7 @@ class AWQModifier(QuantizationModifier):
                 w.data = originals[n]
 
 
-def _fake_quant(W: torch.Tensor, scheme: Any) -> torch.Tensor:
-    """Round-to-nearest ``W`` with ``scheme``'s weights and min-max qparams (as the search of llm-compressor)."""
-    fmt = weight_format(scheme)
-    if fmt is not None:  # block fp8, NVFP4, MX
-        g = formats.global_scale_of(W) if fmt.needs_global_scale else None
-        scale, zp = formats.qparams(W, fmt, g)
-        return formats.dequantize(formats.quantize(W, scale, zp, fmt, g), scale, zp, fmt, g, dtype=W.dtype)
-    kw = quant_kwargs(scheme)
-    scale, zp = weight_qparams(W, num_bits=kw["num_bits"], symmetric=kw["symmetric"], strategy=kw["strategy"],
-                               group_size=kw["group_size"], type=kw["type"])  # fmt: skip
-    return fake_quantize(W, scale, zp, num_bits=kw["num_bits"], type=kw["type"], group_size=kw["group_size"])
-
-
 def _autocast(state: RunState) -> contextlib.AbstractContextManager:
+    """The forward passes' autocast (``compute_dtype``), so the search sees the spans as calibration ran them."""
     dtype = state.compute_dtype
     return torch.autocast(state.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def _first(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def _moved(value: Any, device: Any) -> Any:
-    """``value`` (tensors in tuples, lists, dicts) with its tensors on ``device`` (None: where they are)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach() if device is None else value.detach().to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_moved(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _moved(v, device) for k, v in value.items()}
-    return value
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    if isinstance(value, (tuple, list)):
-        return sum(map(_nbytes, value))
-    return sum(map(_nbytes, value.values())) if isinstance(value, dict) else 0
