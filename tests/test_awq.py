@@ -287,3 +287,46 @@ def test_cli_names_the_bad_mapping(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "seqcal: error:" in proc.stderr and "matches no module" in proc.stderr, proc.stderr
+
+
+def test_the_next_layer_calibrates_on_the_awq_quantized_layer_output() -> None:
+    model, data = tiny_llama(), token_data(1)
+    seen: list[torch.Tensor] = []
+    handle = model.model.layers[1].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).clone()),
+        with_kwargs=True,
+    )
+    oneshot(model=model, dataset=data, recipe=AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=4),
+            max_seq_length=32)  # fmt: skip
+    handle.remove()
+    ids = torch.tensor([data[0]["input_ids"]])
+    with torch.no_grad():
+        quantized = model(ids, output_hidden_states=True).hidden_states[1]
+        floating = tiny_llama()(ids, output_hidden_states=True).hidden_states[1]
+    torch.testing.assert_close(seen[-1], quantized, rtol=1e-5, atol=1e-5)  # layer 1 ran on layer 0 quantized
+    assert not torch.allclose(seen[-1], floating, atol=1e-3)
+
+
+def test_an_interrupted_awq_run_is_refused_on_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import seqcal.checkpoint.streaming as streaming
+
+    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # record progress after every subgraph
+    done = streaming.StreamingCheckpoint.done
+
+    def interrupted(self, sg):  # the run stops after its first layer is on disk
+        done(self, sg)
+        if sg.index >= 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", interrupted)
+    out, recipe = tmp_path / "out", AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=4)
+    with pytest.raises(KeyboardInterrupt):
+        oneshot(
+            model=tiny_llama(), dataset=token_data(2), recipe=recipe, output_dir=str(out), max_seq_length=32
+        )
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", done)
+    with pytest.raises(
+        streaming.ResumeError, match="interrupted run of AWQModifier, which cannot be resumed"
+    ):
+        oneshot(model=tiny_llama(), dataset=token_data(2), recipe=recipe, output_dir=str(out), max_seq_length=32,
+                resume=True)  # fmt: skip

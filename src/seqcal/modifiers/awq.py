@@ -41,6 +41,7 @@ class AWQModifier(QuantizationModifier):
     name: ClassVar[str] = "AWQModifier"
     needs_calibration: ClassVar[bool] = True
     input_only: ClassVar[bool] = False  # re-runs whole spans (self_attn, mlp) on their cached arguments
+    resumable: ClassVar[bool] = False  # the folded norms of replayed subgraphs are not restored
     mappings: list[Any] | None = None
     duo_scaling: bool | str = True
     n_grid: int = 20
