@@ -31,7 +31,10 @@ def main() -> None:
     recipe = [cls(config_groups=SCHEME, ignore=["lm_head"])]
     if args.algo == "awq":  # llm-compressor 0.14: AWQ scales, then the QuantizationModifier quantizes
         from llmcompressor.modifiers.transform import AWQModifier
+        from llmcompressor.pipelines.cache import IntermediatesCache
 
+        if not torch.cuda.is_available():  # 0.14's AWQ pins its cached inputs, which needs an accelerator
+            IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
         recipe.insert(0, AWQModifier())
     start = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe,

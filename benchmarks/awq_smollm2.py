@@ -68,7 +68,8 @@ def main() -> None:
             f"{name:<12} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
             flush=True,
         )
-    (WORK / f"awq_results_{args.samples}x512.json").write_text(json.dumps(results, indent=1))
+    tag = "+".join(args.runs.split(","))
+    (WORK / f"awq_results_{args.samples}x512_{tag}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
