@@ -94,8 +94,9 @@ class AWQModifier(QuantizationModifier):
         super().initialize(model, state)
         if not self._mappings:
             self.validate(model)
-        for line in self._skipped:
-            state.log.append(f"AWQ mapping skipped (as llm-compressor does): {line}")
+        if self._skipped:  # one line, as llm-compressor's warning
+            state.log.append(f"AWQ: {len(self._skipped)} mapping(s) skipped as llm-compressor does, such as "
+                             f"{self._skipped[0]}")  # fmt: skip
         self._stats: dict[str, list | None] = {}  # smooth -> [sum |x| per channel, tokens]; None once folded
         self._spans: dict[str, SpanCache] = {}  # parent -> its recorded calls, within max_chunk_memory
 
@@ -151,6 +152,12 @@ class AWQModifier(QuantizationModifier):
         }:
             self._spans.pop(parent, None)  # every mapping of this span is folded
         return super().compress(subgraph, model, state)
+
+    def finalize(self, model: torch.nn.Module, state: RunState) -> None:
+        missed = [m.smooth for m in self._mappings if m.smooth not in self._stats]
+        if missed:  # a subgraph cut inside a mapping (its producer and its span apart): no scales for it
+            state.log.append(f"AWQ: {len(missed)} mapping(s) never calibrated (scale 1), such as {missed[0]}")
+        super().finalize(model, state)
 
     def _search(self, m: AWQMapping, model: torch.nn.Module, x_mean: torch.Tensor, state: RunState) -> Any:
         parent, span = model.get_submodule(m.parent), self._spans[m.parent]
