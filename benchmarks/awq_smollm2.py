@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--runs", default="seqcal-rtn,seqcal-awq,llmc-awq")
     parser.add_argument("--samples", type=int, default=128, help="the first N of the 128 x 512 windows")
     parser.add_argument("--eval-windows", type=int, default=None, help="default: the whole test set")
+    parser.add_argument("--n-grid", type=int, default=20, help="AWQ's grid points (both tools)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the unquantized model's perplexity")
     args = parser.parse_args()
     from seqcal.models import default_model_dir
@@ -59,7 +60,7 @@ def main() -> None:
     for name in args.runs.split(","):
         out = WORK / f"awq-{name}"
         cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out),
-               "--samples", str(args.samples)]  # fmt: skip
+               "--samples", str(args.samples), *(["--n-grid", str(args.n_grid)] if "awq" in name else [])]  # fmt: skip
         wall, cpu, rss, last = measure(cmd)
         ppl = perplexity(out, args.eval_windows)
         results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
@@ -69,7 +70,9 @@ def main() -> None:
             flush=True,
         )
     tag = "+".join(args.runs.split(","))
-    (WORK / f"awq_results_{args.samples}x512_{tag}.json").write_text(json.dumps(results, indent=1))
+    (WORK / f"awq_results_{args.samples}x512_grid{args.n_grid}_{tag}.json").write_text(
+        json.dumps(results, indent=1)
+    )
 
 
 if __name__ == "__main__":
