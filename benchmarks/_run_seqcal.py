@@ -9,7 +9,7 @@ from _scheme import SCHEME  # benchmarks/ is on sys.path: the runners are run as
 from safetensors.torch import load_file
 
 from seqcal.entrypoint import oneshot
-from seqcal.modifiers import GPTQModifier, QuantizationModifier
+from seqcal.modifiers import AWQModifier, GPTQModifier, QuantizationModifier
 
 
 def main() -> None:
@@ -17,7 +17,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--tokens", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--algo", choices=["gptq", "rtn"], default="gptq")
+    parser.add_argument("--algo", choices=["gptq", "rtn", "awq"], default="gptq")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--compute-dtype", default=None)
     parser.add_argument("--profile", default=None)
@@ -27,12 +27,14 @@ def main() -> None:
     )
     parser.add_argument("--layer-cut", action="store_true", help="one_pass=False: cut after each layer")
     parser.add_argument("--samples", type=int, default=None, help="use only the first N samples")
+    parser.add_argument("--n-grid", type=int, default=20, help="AWQ's grid points")
     parser.add_argument("--batch-size", default="1", help="samples per subgraph run (equal lengths), or auto")
     args = parser.parse_args()
     tokens = load_file(args.tokens)["input_ids"][: args.samples]
     data = [{"input_ids": row.tolist()} for row in tokens]
     extra = {"hessian_products": args.hessian_products} if args.algo == "gptq" else {}
-    cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
+    extra = {"n_grid": args.n_grid} if args.algo == "awq" else extra
+    cls = {"gptq": GPTQModifier, "rtn": QuantizationModifier, "awq": AWQModifier}[args.algo]
     start = time.perf_counter()
     recipe = args.recipe or cls(config_groups=SCHEME, ignore=["lm_head"], **extra)
     oneshot(model=args.model, dataset=data, recipe=recipe,

@@ -33,30 +33,16 @@ quant_stage:
 """,
         ["<string>:4:", "actorder='group' has been removed", "actorder='weight'"],
     ),
-    "tests/e2e/vLLM/recipes/non_uniform/recipe_gptq_awq.yaml": (
+    "examples/autoround/quantization_w4a16 (AutoRound, retyped)": (
         """
 quant_stage:
   quant_modifiers:
-    AWQModifier:
+    AutoRoundModifier:
       ignore: ["lm_head"]
-      duo_scaling: true
       scheme: "W4A16"
-      targets:
-        - "re:.*self_attn\\\\.(k|q|o|v)_proj$"
-      mappings:
-        - smooth_layer: "re:.*input_layernorm$"
-          balance_layers: ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]
-
-    GPTQModifier:
-      ignore: ["lm_head"]
-      scheme: "W8A8"
-      targets:
-        - "re:.*mlp\\\\.(down|gate|up)_proj$"
-      block_size: 128
-      dampening_frac: 0.001
-      actorder: null
+      targets: ["Linear"]
 """,
-        ["<string>:4:", "AWQModifier", "not supported by seqcal yet"],
+        ["<string>:4:", "AutoRoundModifier", "not supported by seqcal yet"],
     ),
     "tests/e2e/vLLM/recipes/kv_cache/gptq.yaml": (
         """
@@ -165,10 +151,10 @@ BAD = {
         ],
     ),
     "unsupported modifier": (
-        "AWQModifier: {scheme: W4A16}\nGPTQModifier: {scheme: W4A16}\n",
+        "AutoRoundModifier: {scheme: W4A16}\nGPTQModifier: {scheme: W4A16}\n",
         [
             "<string>:1:",
-            "AWQModifier",
+            "AutoRoundModifier",
             "not supported by seqcal yet",
             "supported: QuantizationModifier",
         ],

@@ -7,12 +7,13 @@ import inspect
 import logging
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from seqcal.checkpoint.streaming import StreamingCheckpoint
+from seqcal.checkpoint.streaming import ResumeError, StreamingCheckpoint
 from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache
@@ -215,7 +216,7 @@ def _run(
             store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
         ) as cache:  # fmt: skip
             weights = SubgraphWeights(model, store, subgraphs, device, staged) if store is not None else None
-            stream = _streaming(model, state, subgraphs, output, weights, batches)
+            stream = _streaming(model, state, subgraphs, output, weights, batches, modifiers)
             schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
 
             def done(sg: Any) -> int | None:
@@ -357,7 +358,7 @@ def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torc
 
 def _streaming(
     model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: OutputPlan | None, weights: Any,
-    batches: list[dict[str, Any]],
+    batches: list[dict[str, Any]], modifiers: Sequence[Any] = (),
 ) -> StreamingCheckpoint | None:  # fmt: skip
     if output is None or output.args.output_dir is None:
         return None
@@ -365,6 +366,13 @@ def _streaming(
         model, state, output.args.output_dir, subgraphs, output.run_id,
         overwrite=output.args.overwrite, resume=output.args.resume, weights=weights, batches=batches,
     )  # fmt: skip
+    stuck = [m.name for m in modifiers if not getattr(m, "resumable", True)]
+    if output.stream.finished >= 0 and stuck:
+        raise ResumeError(
+            f"output_dir {output.args.output_dir} holds an interrupted run of {stuck[0]}, which cannot be resumed "
+            "(replayed layers would lack the weights it changed besides the quantized ones); start it again with "
+            "overwrite=True (--overwrite)"
+        )
     if output.stream.finished >= 0:
         logger.warning("seqcal: resuming after subgraph %d of %d", output.stream.finished, len(subgraphs))
     return output.stream

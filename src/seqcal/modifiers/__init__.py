@@ -1,5 +1,6 @@
 """Modifiers: the algorithms that hook into the sequential loop. Registry by recipe name."""
 
+from seqcal.modifiers.awq import AWQModifier
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.quantization import QuantizationModifier
@@ -10,10 +11,12 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "QuantizationModifier": QuantizationModifier,
     "GPTQModifier": GPTQModifier,
     "SmoothQuantModifier": SmoothQuantModifier,
+    "AWQModifier": AWQModifier,
 }
 
 __all__ = [
     "MODIFIERS",
+    "AWQModifier",
     "GPTQModifier",
     "Modifier",
     "QuantizationModifier",

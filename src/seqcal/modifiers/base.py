@@ -125,6 +125,9 @@ class Modifier:
     # True: calibration needs only the inputs of the modifier's own modules (``observe``), so the pipeline
     # may cut subgraphs before those modules and run each subgraph once instead of twice.
     input_only: ClassVar[bool] = False
+    # False: an interrupted run cannot be resumed, because replaying a finished subgraph restores only its
+    # quantized weights and this modifier changes others too (AWQ's scales folded into norms).
+    resumable: ClassVar[bool] = True
 
     @classmethod
     def argument_names(cls) -> list[str]:

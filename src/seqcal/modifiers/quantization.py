@@ -154,3 +154,20 @@ def rtn_quantize_module(
     return QuantizedWeight(
         q=q, scale=scale, zero_point=None if kw["symmetric"] else zero_point, g_idx=None, scheme=scheme
     )
+
+
+def fake_quantized(W: torch.Tensor, scheme: QuantizationScheme) -> torch.Tensor:
+    """``W`` rounded to nearest with ``scheme``'s weights and min-max qparams (no module touched, no codes kept).
+
+    AWQ's scale search quantizes candidate weights with it, as llm-compressor's search does (min-max whatever
+    the scheme's observer).
+    """
+    fmt = weight_format(scheme)
+    if fmt is not None:  # block fp8, NVFP4, MX
+        g = formats.global_scale_of(W) if fmt.needs_global_scale else None
+        scale, zp = formats.qparams(W, fmt, g)
+        return formats.dequantize(formats.quantize(W, scale, zp, fmt, g), scale, zp, fmt, g, dtype=W.dtype)
+    kw = quant_kwargs(scheme)
+    scale, zp = weight_qparams(W, num_bits=kw["num_bits"], symmetric=kw["symmetric"], strategy=kw["strategy"],
+                               group_size=kw["group_size"], type=kw["type"])  # fmt: skip
+    return fake_quantize(W, scale, zp, num_bits=kw["num_bits"], type=kw["type"], group_size=kw["group_size"])

@@ -28,7 +28,7 @@ from seqcal.modifiers import MODIFIERS
 # llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
 # fmt: off
 UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
-    "AWQModifier", "AutoRoundModifier", "LogarithmicEqualizationModifier",
+    "AutoRoundModifier", "LogarithmicEqualizationModifier",
     "SpinQuantModifier", "QuIPModifier", "SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier",
     "ConstantPruningModifier", "OutputDistillationModifier",
 )

@@ -12,7 +12,9 @@ and the older forms that llm-compressor's examples and tests still use: `run_typ
 stage, a modifier directly inside a stage, a group written as a list (`- GPTQModifier: {...}`), a `group:`
 key among a modifier's arguments, the renamed or deprecated arguments of LEGACY_ARGUMENTS, and a
 `GPTQModifier` without a scheme right after a `QuantizationModifier` of the same stage (GPTQ then uses that
-scheme, and its `targets` name the layers to calibrate one by one, as in llm-compressor < 0.2).
+scheme, and its `targets` name the layers to calibrate one by one, as in llm-compressor < 0.2), and an
+`AWQModifier` without a scheme right before a `QuantizationModifier` (llm-compressor 0.14's AWQ form: one
+AWQModifier with that scheme).
 `version`, `metadata` and `args` at top level are ignored.
 
 Recipes are read with PyYAML's safe loader only (DESIGN invariant 8): tags such as `!GPTQModifier` or
@@ -33,7 +35,7 @@ from typing import Any, Union
 import torch
 import yaml
 
-from seqcal.modifiers import MODIFIERS, Modifier, QuantizationModifier
+from seqcal.modifiers import MODIFIERS, AWQModifier, Modifier, QuantizationModifier
 from seqcal.recipe.llmc_format import (
     UNSUPPORTED_MODIFIERS,
     RecipeError,
@@ -76,7 +78,7 @@ class Recipe:
     source: str | None = None
 
     def __post_init__(self) -> None:
-        self.modifiers = list(self.modifiers)
+        self.modifiers = _bind_awq(list(self.modifiers))
         where = self.source or "recipe"
         if not self.modifiers:
             raise RecipeError(f"{where}: a recipe needs at least one modifier ({', '.join(MODIFIERS)})")
@@ -387,6 +389,19 @@ def _is_bare_gptq(entry: _Entry) -> bool:
     return entry.args is None or (
         isinstance(entry.args, dict) and not {"scheme", "config_groups"} & set(entry.args)
     )
+
+
+def _bind_awq(modifiers: list[Any]) -> list[Any]:
+    """llm-compressor 0.14's AWQ form: a bare AWQModifier (no scheme) followed by a QuantizationModifier is one
+    AWQModifier with that modifier's scheme, targets and ignore (AWQ needs the scheme to search its scales)."""
+    out: list[Any] = []
+    for modifier in modifiers:
+        previous = out[-1] if out else None
+        if type(modifier) is QuantizationModifier and isinstance(previous, AWQModifier) and previous.bare:
+            out[-1] = previous.bind(modifier)
+        else:
+            out.append(modifier)
+    return out
 
 
 def _is_group_key(key: Any) -> bool:

@@ -1,0 +1,194 @@
+"""AWQModifier: activation-aware scales searched per mapping, folded, then round-to-nearest quantization.
+
+Math in ``seqcal.algorithms.awq``; mappings and the fold in ``seqcal.modifiers._awq_mappings``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from seqcal.algorithms.awq import DUO_SCALING, add_channel_abs, masked_mse, search_scales, weight_mean
+from seqcal.modifiers._awq_mappings import AWQMapping, fold_scales, resolve
+from seqcal.modifiers.activations import InputCalibration, real_tokens
+from seqcal.modifiers.base import RunState
+from seqcal.modifiers.quantization import QuantizationModifier, fake_quantized, quant_kwargs
+from seqcal.modifiers.spans import SpanCache
+from seqcal.tracing.partition import Subgraph
+
+
+@dataclass
+class AWQModifier(QuantizationModifier):
+    """AWQ (Lin et al., 2023) with llm-compressor's arguments: scale each mapping's channels, then quantize.
+
+    Args (besides QuantizationModifier's targets, scheme, config_groups, ignore; with neither scheme nor
+    config_groups the QuantizationModifier right after it in the recipe gives them, as in llm-compressor 0.14):
+        mappings: [{smooth_layer: pattern, balance_layers: [patterns]}]; None: Llama-like defaults.
+        duo_scaling: True (activations and weights), False (activations only) or "both" (half the grid each).
+        n_grid: grid points of the scale search.
+        offload_device: where the cached span inputs wait ("cpu"), None: where they were computed.
+        max_chunk_memory: bytes of cached inputs per span the search may keep; later batches are left out of
+            the search (never out of the activation statistics).
+
+    Example:
+        >>> AWQModifier(scheme="W4A16_ASYM", ignore=["lm_head"], duo_scaling="both")  # doctest: +SKIP
+    """
+
+    name: ClassVar[str] = "AWQModifier"
+    needs_calibration: ClassVar[bool] = True
+    input_only: ClassVar[bool] = False  # re-runs whole spans (self_attn, mlp) on their cached arguments
+    resumable: ClassVar[bool] = False  # the folded norms of replayed subgraphs are not restored
+    mappings: list[Any] | None = None
+    duo_scaling: bool | str = True
+    n_grid: int = 20
+    offload_device: str | None = None
+    max_chunk_memory: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.duo_scaling not in DUO_SCALING or not isinstance(self.duo_scaling, (bool, str)):
+            raise ValueError(
+                f"{self.name}: duo_scaling must be True, False or 'both', got {self.duo_scaling!r}"
+            )
+        least = {True: 3, False: 2, "both": 4}[self.duo_scaling]  # ratios i / (n - 1) need n >= 2 per family
+        if isinstance(self.n_grid, bool) or not isinstance(self.n_grid, int) or self.n_grid < least:
+            raise ValueError(f"{self.name}: n_grid must be an integer >= {least} for duo_scaling="
+                             f"{self.duo_scaling!r}, got {self.n_grid!r}")  # fmt: skip
+        if isinstance(self.max_chunk_memory, bool) or not isinstance(self.max_chunk_memory, int) or self.max_chunk_memory < 1:  # fmt: skip
+            raise ValueError(f"{self.name}: max_chunk_memory must be a positive number of bytes, got {self.max_chunk_memory!r}")  # fmt: skip
+        self.bare = self.scheme is None and self.config_groups is None
+        self._mappings: list[AWQMapping] = []
+        self._skipped: list[str] = []
+        if not self.bare:
+            super().__post_init__()
+            return
+        self.ignore = [self.ignore] if isinstance(self.ignore, str) else self.ignore
+        self.groups, self.modules, self._fused, self._global_scales = {}, {}, [], {}
+        self.inputs = InputCalibration({})
+
+    def bind(self, quantization: QuantizationModifier) -> AWQModifier:
+        """This bare AWQModifier with the scheme of the QuantizationModifier after it (llm-compressor 0.14)."""
+        return AWQModifier(**{**quantization.to_dict(), **self.to_dict()})
+
+    def validate(self, model: torch.nn.Module) -> None:
+        if self.bare:
+            raise ValueError(f"{self.name}: no quantization scheme; give `scheme` (such as W4A16_ASYM) or "
+                             "`config_groups`, or put a QuantizationModifier right after it in the recipe")  # fmt: skip
+        super().validate(model)
+        mappings, skipped = resolve(model, self.mappings, self.name)
+        self._mappings = [m for m in mappings if any(b in self.modules for b in m.balance)]
+        self._skipped = (
+            skipped  # llm-compressor skips these too (v_proj -> o_proj under grouped-query attention)
+        )
+        if self.duo_scaling is not False:
+            balance = [b for m in self._mappings for b in m.balance if b in self.modules]
+            tensor = [b for b in balance if quant_kwargs(self.modules[b])["strategy"] == "tensor"]
+            if tensor:
+                raise ValueError(f"{self.name}: duo_scaling needs per-channel or group weights, but {tensor[0]} is "
+                                 "quantized per tensor; set duo_scaling: false or use a channel/group scheme")  # fmt: skip
+
+    def initialize(self, model: torch.nn.Module, state: RunState) -> None:
+        super().initialize(model, state)
+        if not self._mappings:
+            self.validate(model)
+        if self._skipped:  # one line, as llm-compressor's warning
+            state.log.append(f"AWQ: {len(self._skipped)} mapping(s) skipped as llm-compressor does, such as "
+                             f"{self._skipped[0]}")  # fmt: skip
+        self._stats: dict[str, list | None] = {}  # smooth -> [sum |x| per channel, tokens]; None once folded
+        self._spans: dict[str, SpanCache] = {}  # parent -> its recorded calls, within max_chunk_memory
+
+    @contextlib.contextmanager
+    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        prefixes = tuple(subgraph.modules)
+        inside = lambda n: n in prefixes or n.startswith(tuple(p + "." for p in prefixes))  # noqa: E731
+        handles = []
+        try:
+            for m in self._mappings:
+                if m.smooth in self._stats or not (inside(m.parent) and inside(m.smooth)):
+                    continue  # done already, or not (wholly) in this subgraph
+                self._stats[m.smooth] = [None, 0]
+                balance = model.get_submodule(m.balance[0])  # all balance layers read the same input
+                handles.append(balance.register_forward_pre_hook(self._stat_hook(m.smooth, state)))
+                if m.parent not in self._spans:
+                    self._spans[m.parent] = span = SpanCache(self.max_chunk_memory, self.offload_device)
+                    hook = span.hook(lambda: state.token_mask)
+                    handles.append(
+                        model.get_submodule(m.parent).register_forward_pre_hook(hook, with_kwargs=True)
+                    )
+            with super().calibrate(subgraph, model, state):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _stat_hook(self, smooth: str, state: RunState) -> Any:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            X = real_tokens(args[0].detach(), state.token_mask)  # [tokens, in], padding dropped
+            stat = self._stats[smooth]
+            stat[0], stat[1] = add_channel_abs(stat[0], X), stat[1] + X.shape[0]
+
+        return hook
+
+    def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+        for m in [m for m in self._mappings if self._stats.get(m.smooth) is not None]:
+            total, count = self._stats[m.smooth]
+            self._stats[m.smooth] = None  # folded (or left at scale 1): never calibrated again
+            if total is None or count == 0:
+                state.log.append(f"AWQ: {m.smooth} saw no tokens; its mapping keeps scale 1")
+                continue
+            with _autocast(state):
+                result = self._search(m, model, total / count, state)
+            fold_scales(model, m, result.scales)
+            state.changed.add(m.smooth)
+            for name in m.balance:
+                state.module_errors.setdefault(name, {}).update(
+                    awq_loss=result.loss, awq_initial_loss=result.initial_loss, awq_ratio=result.ratio,
+                    awq_batches=len(self._spans[m.parent].calls))  # fmt: skip
+        for parent in {
+            m.parent for m in self._mappings if m.smooth in self._stats and not self._stats[m.smooth]
+        }:
+            self._spans.pop(parent, None)  # every mapping of this span is folded
+        return super().compress(subgraph, model, state)
+
+    def finalize(self, model: torch.nn.Module, state: RunState) -> None:
+        missed = [m.smooth for m in self._mappings if m.smooth not in self._stats]
+        if missed:  # a subgraph cut inside a mapping (its producer and its span apart): no scales for it
+            state.log.append(f"AWQ: {len(missed)} mapping(s) never calibrated (scale 1), such as {missed[0]}")
+        super().finalize(model, state)
+
+    def _search(self, m: AWQMapping, model: torch.nn.Module, x_mean: torch.Tensor, state: RunState) -> Any:
+        parent, span = model.get_submodule(m.parent), self._spans[m.parent]
+        references = span.outputs(parent, state.device)  # the float span's output
+        quantized = {n: model.get_submodule(n).weight for n in m.balance if n in self.modules}
+        originals = {n: w.data.clone() for n, w in quantized.items()}
+
+        def loss(s: torch.Tensor) -> float:  # Q(W s) / s in place of each quantized balance weight
+            for n, w in quantized.items():
+                view = s.to(w.device, torch.float32).view(1, -1)
+                w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
+            outputs = span.outputs(parent, state.device)
+            sums = [masked_mse(r, o, mask) for r, o, mask in zip(references, outputs, span.masks())]
+            return sum(e for e, _ in sums) / max(sum(n for _, n in sums), 1)
+
+        scheme = self.modules[next(iter(quantized))]
+        group = (
+            scheme.weights.group_size
+            if quant_kwargs(scheme)["strategy"] in ("group", "tensor_group")
+            else None
+        )
+        weights = [model.get_submodule(n).weight for n in m.balance]
+        w_mean = weight_mean(weights, group) if self.duo_scaling is not False else None
+        try:
+            return search_scales(loss, x_mean.to(state.device), w_mean, self.n_grid, self.duo_scaling)
+        finally:
+            for n, w in quantized.items():
+                w.data = originals[n]
+
+
+def _autocast(state: RunState) -> contextlib.AbstractContextManager:
+    """The forward passes' autocast (``compute_dtype``), so the search sees the spans as calibration ran them."""
+    dtype = state.compute_dtype
+    return torch.autocast(state.device.type, dtype=dtype) if dtype else contextlib.nullcontext()

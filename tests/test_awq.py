@@ -1,0 +1,353 @@
+"""AWQModifier: the fold keeps the float model, the search finds the best grid scale, AWQ beats RTN, the
+checkpoint reloads to the same model, and bad mappings fail before calibrating."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from seqcal.algorithms import fake_quantize, weight_qparams
+from seqcal.algorithms.awq import grid_points, search_scales
+from seqcal.entrypoint import oneshot
+from seqcal.modifiers import AWQModifier, QuantizationModifier
+from seqcal.modifiers._awq_mappings import fold_scales, resolve
+from seqcal.recipe.parse import parse_recipe
+
+VOCAB = 128
+GROUP = 16
+ASYM = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                                       "strategy": "group", "group_size": GROUP}}}  # fmt: skip
+
+
+def tiny_llama(layers: int = 2, outliers: bool = True) -> LlamaForCausalLM:
+    """Random weights; a few norm channels 20x larger, so activations have outlier channels as trained LLMs do."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    if outliers:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.input_layernorm.weight[[3, 17, 40]] = 20.0
+                layer.post_attention_layernorm.weight[[5, 33]] = 15.0
+                layer.mlp.up_proj.weight[[7, 90]] *= 10.0  # outliers into down_proj too
+    return model
+
+
+def token_data(n: int = 6, length: int = 32) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        {"input_ids": (torch.randint(-3, 4, (length,), generator=g).cumsum(0) % VOCAB).tolist()}
+        for _ in range(n)
+    ]
+
+
+IDS = torch.tensor([row["input_ids"] for row in token_data(3, 24)])
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def test_fold_keeps_the_float_model_output() -> None:
+    model, reference = tiny_llama(), logits(tiny_llama())
+    mappings, skipped = resolve(model, None)
+    # GQA: v_proj (32 outputs) cannot be folded into o_proj (64 inputs), skipped as llm-compressor does
+    assert [m.parent for m in mappings[:3]] == ["model.layers.0.self_attn", "model.layers.1.self_attn",
+                                                 "model.layers.0.mlp"]  # fmt: skip
+    assert len(mappings) == 6 and len(skipped) == 2 and "v_proj" in skipped[0]
+    g = torch.Generator().manual_seed(0)
+    for m in mappings:
+        fold_scales(model, m, torch.rand(m.width, generator=g) * 4 + 0.25)
+    torch.testing.assert_close(logits(model), reference, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(
+        model.model.layers[0].input_layernorm.weight, tiny_llama().model.layers[0].input_layernorm.weight
+    )
+
+
+def test_fold_refuses_a_norm_that_does_not_scale_by_its_weight() -> None:
+    class OnePlusNorm(torch.nn.Module):  # Gemma's RMSNorm computes x * (1 + weight)
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * (1 + self.weight)
+
+    model = tiny_llama(1)
+    model.model.layers[0].input_layernorm = OnePlusNorm()
+    mapping = resolve(model, None)[0][0]
+    with pytest.raises(ValueError, match="does not scale its output by its weight"):
+        fold_scales(model, mapping, torch.full((64,), 2.0))
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, torch.zeros(64))  # undone
+
+
+def _brute_force(X: torch.Tensor, W: torch.Tensor, n_grid: int) -> tuple[float, float, torch.Tensor]:
+    """Every grid scale of up_proj -> down_proj tried by hand: (best ratio, its loss, its scale)."""
+    x_mean = X.abs().mean(0)
+    A = W.abs().reshape(-1, GROUP)
+    w_mean = (A / (A.amax(1, keepdim=True) + 1e-6)).reshape(W.shape).mean(0)
+    best = (None, float("inf"), None)
+    candidates = [(0.0, False)] + [(i / (n_grid - 2), True) for i in range(n_grid - 1)]
+    for ratio, duo in candidates:
+        s = (
+            (x_mean**ratio / (w_mean ** (1 - ratio) + 1e-4)).clamp(min=1e-4)
+            if duo
+            else (x_mean**ratio).clamp(min=1e-4)
+        )
+        s = s / (s.max() * s.min()).sqrt()
+        scale, zp = weight_qparams(W * s, num_bits=4, symmetric=False, strategy="group", group_size=GROUP)
+        Wq = fake_quantize(W * s, scale, zp, num_bits=4, group_size=GROUP) / s
+        loss = (X @ Wq.T - X @ W.T).pow(2).mean().item()
+        if loss < best[1]:
+            best = (ratio, loss, s)
+    return best
+
+
+def test_search_picks_the_grid_scale_with_the_lowest_loss() -> None:
+    model, original = tiny_llama(1), tiny_llama(1)
+    captured: list[torch.Tensor] = []
+    down = original.model.layers[0].mlp.down_proj
+    handle = down.register_forward_pre_hook(lambda _m, args: captured.append(args[0].reshape(-1, 128)))
+    data = token_data()
+    with torch.no_grad():
+        original(torch.tensor([row["input_ids"] for row in data]))
+    handle.remove()
+    ratio, loss, s = _brute_force(torch.cat(captured), down.weight.detach(), n_grid=8)
+    oneshot(model=model, dataset=data, recipe=AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=8),
+            max_seq_length=32)  # fmt: skip
+    # the layer's first subgraph calibrates on float inputs, so down_proj saw exactly the captured inputs
+    report = model.model.layers[0].mlp.down_proj
+    errors = _errors(model)["model.layers.0.mlp.down_proj"]
+    assert errors["awq_ratio"] == pytest.approx(ratio) and errors["awq_loss"] == pytest.approx(loss, rel=1e-4)
+    W = down.weight.detach() * s  # the folded weight, then round-to-nearest
+    scale, zp = weight_qparams(W, num_bits=4, symmetric=False, strategy="group", group_size=GROUP)
+    torch.testing.assert_close(report.weight.data, fake_quantize(W, scale, zp, num_bits=4, group_size=GROUP))
+
+
+def _errors(model: torch.nn.Module) -> dict:
+    return model._seqcal_state.module_errors  # set by the fixture below
+
+
+@pytest.fixture(autouse=True)
+def _keep_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep the run state on the model so tests can read the per-module AWQ numbers."""
+    import seqcal.execution.pipeline as pipeline
+
+    run = pipeline._run
+
+    def keeping(model, *args, **kwargs):
+        state = run(model, *args, **kwargs)
+        model._seqcal_state = state
+        return state
+
+    monkeypatch.setattr(pipeline, "_run", keeping)
+
+
+def test_grid_search_is_exhaustive_and_keeps_the_first_minimum() -> None:
+    x_mean, w_mean = torch.tensor([1.0, 8.0, 0.5]), torch.tensor([0.2, 0.9, 0.4])
+    seen: list[torch.Tensor] = []
+    result = search_scales(lambda s: seen.append(s) or float((s[1] - 1.3) ** 2), x_mean, w_mean, 10, "both")
+    assert len(seen) == len(grid_points(10, "both")) == 10
+    losses = [float((s[1] - 1.3) ** 2) for s in seen]
+    assert result.loss == min(losses) and torch.equal(result.scales, seen[losses.index(min(losses))])
+    assert torch.equal(seen[0], torch.ones(3))  # ratio 0 without weights: the identity scale (plain RTN)
+
+
+def test_awq_loss_is_at_most_rtn_loss_per_mapping_and_beats_rtn_on_the_output() -> None:
+    awq, rtn, reference = tiny_llama(), tiny_llama(), logits(tiny_llama())
+    data = token_data()
+    oneshot(model=awq, dataset=data, recipe=AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=10),
+            max_seq_length=32)  # fmt: skip
+    oneshot(model=rtn, dataset=data, recipe=QuantizationModifier(config_groups=ASYM, ignore=["lm_head"]),
+            max_seq_length=32)  # fmt: skip
+    errors = _errors(awq)
+    skips = [line for line in awq._seqcal_state.log if "skipped as llm-compressor does" in line]
+    assert len(skips) == 1 and skips[0].startswith("AWQ: 2 mapping(s)"), awq._seqcal_state.log  # one line
+    balanced = [n for n, e in errors.items() if "awq_loss" in e]
+    assert len(balanced) == 2 * (3 + 2 + 1)  # q/k/v, gate/up, down per layer (v -> o skipped under GQA)
+    for name in balanced:  # the search includes the identity scale, whose loss is plain RTN's
+        assert errors[name]["awq_loss"] <= errors[name]["awq_initial_loss"], name
+    improved = [n for n in balanced if errors[n]["awq_loss"] < 0.9 * errors[n]["awq_initial_loss"]]
+    assert len(improved) >= len(balanced) // 2, improved  # outlier channels: the scales pay off
+    awq_error = (logits(awq) - reference).pow(2).mean()
+    rtn_error = (logits(rtn) - reference).pow(2).mean()
+    assert awq_error < rtn_error
+
+
+def test_llm_compressor_0_14_recipe_saves_a_checkpoint_transformers_reloads(tmp_path: Path) -> None:
+    recipe = f"""
+quant_stage:
+  quant_modifiers:
+    AWQModifier: {{duo_scaling: both, n_grid: 6}}
+    QuantizationModifier:
+      ignore: [lm_head]
+      config_groups: {ASYM}
+"""
+    parsed = parse_recipe(recipe).modifiers
+    assert len(parsed) == 1 and isinstance(parsed[0], AWQModifier) and parsed[0].duo_scaling == "both"
+    model, out = tiny_llama(), tmp_path / "out"
+    float_norm = model.model.layers[1].input_layernorm.weight.detach().clone()
+    oneshot(model=model, dataset=token_data(), recipe=recipe, output_dir=str(out), max_seq_length=32)
+    assert not torch.equal(model.model.layers[1].input_layernorm.weight, float_norm)  # scales folded in
+    loaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(logits(loaded), logits(model), rtol=0, atol=1e-5)
+    block = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert block["config_groups"]["group_0"]["weights"]["symmetric"] is False
+    assert "AWQModifier" in (out / "recipe.yaml").read_text()
+
+
+def test_llm_compressor_awq_recipe_with_explicit_mappings_parses() -> None:
+    # tests/e2e/vLLM/recipes/non_uniform/recipe_gptq_awq.yaml (llm-compressor, Apache-2.0)
+    recipe = parse_recipe("""
+quant_stage:
+  quant_modifiers:
+    AWQModifier:
+      ignore: ["lm_head"]
+      duo_scaling: true
+      scheme: "W4A16"
+      targets:
+        - "re:.*self_attn\\\\.(k|q|o|v)_proj$"
+      mappings:
+        - smooth_layer: "re:.*input_layernorm$"
+          balance_layers: ["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"]
+    GPTQModifier:
+      ignore: ["lm_head"]
+      scheme: "W8A8"
+      targets:
+        - "re:.*mlp\\\\.(down|gate|up)_proj$"
+""")
+    awq = recipe.modifiers[0]
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1)  # W4A16: groups of 128  # fmt: skip
+    recipe.validate(LlamaForCausalLM(config))
+    assert [m.smooth for m in awq._mappings] == [
+        "model.layers.0.input_layernorm",
+        "model.layers.1.input_layernorm",
+    ]
+    assert sorted(awq.modules)[:2] == ["model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.o_proj"]
+
+
+BAD = {
+    "smooth pattern matches nothing": (
+        {"mappings": [{"smooth_layer": "re:.*no_such_norm$", "balance_layers": ["re:.*q_proj$"]}]},
+        "mappings[0].smooth_layer 're:.*no_such_norm$' matches no module",
+    ),
+    "balance pattern matches nothing": (
+        {"mappings": [{"smooth_layer": "re:.*input_layernorm$", "balance_layers": ["re:.*qq_proj$"]}]},
+        "balance_layers pattern 're:.*qq_proj$' matches no module",
+    ),
+    "balance layers of different input widths": (
+        {
+            "mappings": [
+                {
+                    "smooth_layer": "re:.*post_attention_layernorm$",
+                    "balance_layers": ["re:.*gate_proj$", "re:.*down_proj$"],
+                }
+            ]
+        },  # fmt: skip
+        "balances layers of different input widths",
+    ),
+    "no scheme and no QuantizationModifier after it": ({"config_groups": None}, "no quantization scheme"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_mappings_fail_before_calibrating_in_one_sentence(case: str) -> None:
+    kwargs, match = BAD[case]
+    called = []
+    model = tiny_llama(1)
+    model.register_forward_pre_hook(lambda *_: called.append(1))
+    with pytest.raises(
+        ValueError, match=match.replace("[", r"\[").replace("$", r"\$").replace("*", r"\*")
+    ) as info:
+        oneshot(model=model, dataset=token_data(2), max_seq_length=32,
+                recipe=AWQModifier(**{"config_groups": ASYM, "ignore": ["lm_head"], **kwargs}))  # fmt: skip
+    message = str(info.value)
+    assert "\n" not in message and message.count(". ") == 0 and message.startswith("AWQModifier")
+    assert not called  # refused before any forward pass
+
+
+def test_cli_names_the_bad_mapping(tmp_path: Path) -> None:
+    import subprocess
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"AWQModifier:\n  config_groups: {ASYM}\n  mappings:\n    - smooth_layer: 're:.*nope$'\n"
+                      "      balance_layers: ['re:.*q_proj$']\n")  # fmt: skip
+    model = tiny_llama(1, outliers=False)
+    model.save_pretrained(tmp_path / "model")
+    proc = subprocess.run([sys.executable, "-m", "seqcal.cli", "oneshot", "--model", str(tmp_path / "model"),
+                           "--recipe", str(recipe), "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "seqcal: error:" in proc.stderr and "matches no module" in proc.stderr, proc.stderr
+
+
+def test_the_next_layer_calibrates_on_the_awq_quantized_layer_output() -> None:
+    model, data = tiny_llama(), token_data(1)
+    seen: list[torch.Tensor] = []
+    handle = model.model.layers[1].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).clone()),
+        with_kwargs=True,
+    )
+    oneshot(model=model, dataset=data, recipe=AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=4),
+            max_seq_length=32)  # fmt: skip
+    handle.remove()
+    ids = torch.tensor([data[0]["input_ids"]])
+    with torch.no_grad():
+        quantized = model(ids, output_hidden_states=True).hidden_states[1]
+        floating = tiny_llama()(ids, output_hidden_states=True).hidden_states[1]
+    torch.testing.assert_close(seen[-1], quantized, rtol=1e-5, atol=1e-5)  # layer 1 ran on layer 0 quantized
+    assert not torch.allclose(seen[-1], floating, atol=1e-3)
+
+
+def test_an_interrupted_awq_run_is_refused_on_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import seqcal.checkpoint.streaming as streaming
+
+    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # record progress after every subgraph
+    done = streaming.StreamingCheckpoint.done
+
+    def interrupted(self, sg):  # the run stops after its first layer is on disk
+        done(self, sg)
+        if sg.index >= 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", interrupted)
+    out, recipe = tmp_path / "out", AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=4)
+    with pytest.raises(KeyboardInterrupt):
+        oneshot(
+            model=tiny_llama(), dataset=token_data(2), recipe=recipe, output_dir=str(out), max_seq_length=32
+        )
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", done)
+    with pytest.raises(
+        streaming.ResumeError, match="interrupted run of AWQModifier, which cannot be resumed"
+    ):
+        oneshot(model=tiny_llama(), dataset=token_data(2), recipe=recipe, output_dir=str(out), max_seq_length=32,
+                resume=True)  # fmt: skip
+
+
+def test_a_model_read_from_disk_gives_the_checkpoint_of_the_model_in_memory(tmp_path: Path) -> None:
+    tiny_llama().save_pretrained(tmp_path / "model")
+    recipe = AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=4)
+    in_memory = tiny_llama()
+    oneshot(
+        model=in_memory,
+        dataset=token_data(2),
+        recipe=recipe,
+        output_dir=str(tmp_path / "a"),
+        max_seq_length=32,
+    )
+    oneshot(model=str(tmp_path / "model"), dataset=token_data(2), recipe=recipe, output_dir=str(tmp_path / "b"),
+            max_seq_length=32)  # fmt: skip  # weights read per subgraph: the folded norms must reach the file
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "a").eval()
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+    torch.testing.assert_close(logits(b), logits(a), rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits(a), logits(in_memory), rtol=0, atol=1e-5)
