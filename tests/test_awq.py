@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from seqcal.algorithms import fake_quantize, weight_qparams
 from seqcal.algorithms.awq import grid_points, search_scales
 from seqcal.entrypoint import oneshot
+from seqcal.mappings import fold_scales
 from seqcal.modifiers import AWQModifier, QuantizationModifier
-from seqcal.modifiers._awq_mappings import fold_scales, resolve
+from seqcal.modifiers._awq_mappings import resolve
 from seqcal.recipe.parse import parse_recipe
 
 VOCAB = 128
@@ -66,14 +67,14 @@ def test_fold_keeps_the_float_model_output() -> None:
     assert len(mappings) == 6 and len(skipped) == 2 and "v_proj" in skipped[0]
     g = torch.Generator().manual_seed(0)
     for m in mappings:
-        fold_scales(model, m, torch.rand(m.width, generator=g) * 4 + 0.25)
+        fold_scales(model, m.mapping(), torch.rand(m.width, generator=g) * 4 + 0.25)
     torch.testing.assert_close(logits(model), reference, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(
         model.model.layers[0].input_layernorm.weight, tiny_llama().model.layers[0].input_layernorm.weight
     )
 
 
-def test_fold_refuses_a_norm_that_does_not_scale_by_its_weight() -> None:
+def test_a_norm_that_does_not_scale_by_its_weight_is_refused() -> None:
     class OnePlusNorm(torch.nn.Module):  # Gemma's RMSNorm computes x * (1 + weight)
         def __init__(self) -> None:
             super().__init__()
@@ -84,10 +85,9 @@ def test_fold_refuses_a_norm_that_does_not_scale_by_its_weight() -> None:
 
     model = tiny_llama(1)
     model.model.layers[0].input_layernorm = OnePlusNorm()
-    mapping = resolve(model, None)[0][0]
-    with pytest.raises(ValueError, match="does not scale its output by its weight"):
-        fold_scales(model, mapping, torch.full((64,), 2.0))
-    assert torch.equal(model.model.layers[0].input_layernorm.weight, torch.zeros(64))  # undone
+    with pytest.raises(ValueError, match="offset norm: OnePlusNorm's output does not scale with its weight"):
+        resolve(model, None)  # refused when resolved, before any scale is searched or folded
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, torch.zeros(64))
 
 
 def _brute_force(X: torch.Tensor, W: torch.Tensor, n_grid: int) -> tuple[float, float, torch.Tensor]:

@@ -274,7 +274,9 @@ def _depends_on(args: Sequence[Any], producer: str) -> bool:
 # --- explicit mappings ------------------------------------------------------------------------------------
 
 
-def _matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
+def matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
+    """A recipe pattern against a module: ``re:`` regex (``re.match`` on the qualified name), exact name,
+    or class name (llm-compressor's rule for mappings, targets and ignore)."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
     return name == pattern or type(module).__name__ == pattern
@@ -297,7 +299,8 @@ def _pairs(explicit: Sequence[Any], who: str) -> list[tuple[list[str], str]]:
     return out
 
 
-def _depth(a: str, b: str) -> int:
+def common_depth(a: str, b: str) -> int:
+    """Number of leading dotted components ``a`` and ``b`` share (the scope rule of explicit mappings)."""
     n = 0
     for x, y in zip(a.split("."), b.split(".")):
         if x != y:
@@ -319,9 +322,9 @@ def explicit_mappings(
     arch = type(model).__name__
     out = []
     for balance, smooth in _pairs(explicit, who):
-        producers = [(n, m) for n, m in named if _matches(smooth, n, m)]
+        producers = [(n, m) for n, m in named if matches(smooth, n, m)]
         for pattern in [smooth, *balance]:
-            if not any(_matches(pattern, n, m) for n, m in named):
+            if not any(matches(pattern, n, m) for n, m in named):
                 raise ValueError(
                     f"{who}: {pattern!r} matches no module of {arch}; fix the regex (module names look like "
                     f"{named[-2][0]!r}) or leave mappings unset to derive them from the traced graph"
@@ -329,9 +332,9 @@ def explicit_mappings(
         for pname, pmod in producers:
             consumers = []
             for pattern in balance:
-                hits = [n for n, m in named if _matches(pattern, n, m) and n != pname]
-                best = max((_depth(pname, n) for n in hits), default=0)
-                consumers += [n for n in hits if _depth(pname, n) == best and n not in consumers]
+                hits = [n for n, m in named if matches(pattern, n, m) and n != pname]
+                best = max((common_depth(pname, n) for n in hits), default=0)
+                consumers += [n for n in hits if common_depth(pname, n) == best and n not in consumers]
             out.append(_checked(model, pname, pmod, tuple(consumers), who))
     return out
 
@@ -406,11 +409,16 @@ def fold_scales(model: torch.nn.Module, mapping: Mapping, scales: torch.Tensor) 
     """
     producer = model.get_submodule(mapping.producer)
     bias = getattr(producer, "bias", None)
+    # A fused Linear producer wider than the scales (qkv_proj -> o_proj) feeds the consumers from its last
+    # rows (the v part): only those are divided.
+    rows = slice(producer.weight.shape[0] - scales.shape[0], None) if mapping.kind == "linear" else slice(None)
     with torch.no_grad():
-        weight, new_bias = divide_producer(producer.weight.data, None if bias is None else bias.data, scales)
-        producer.weight.data = weight
+        weight, new_bias = divide_producer(
+            producer.weight.data[rows], None if bias is None else bias.data[rows], scales
+        )
+        producer.weight.data[rows] = weight
         if new_bias is not None:
-            producer.bias.data = new_bias
+            producer.bias.data[rows] = new_bias
         for name in mapping.consumers:
             consumer = model.get_submodule(name)
             consumer.weight.data = multiply_consumer(consumer.weight.data, scales)

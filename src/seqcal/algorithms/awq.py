@@ -12,7 +12,7 @@ Notation (the paper's, with llm-compressor's refinements):
              Q(W * s) / s  (Q: the scheme's round-to-nearest), i.e. Q(W s)(s^-1 X)
 
 The scale with the lowest loss is kept; folding 1/s into the producer and s into the balance weights keeps
-the float model unchanged (``seqcal.modifiers._awq_mappings.fold_scales``). Running the span and
+the float model unchanged (``seqcal.mappings.fold_scales``). Running the span and
 quantizing weights is the caller's part: ``search_scales`` takes the loss as a function.
 
 Example:

@@ -40,10 +40,11 @@ def prepare_modifiers(model: torch.nn.Module, subgraphs: Any, sample: Mapping[st
     """Give the transforms the traced graph (``prepare``) and add the producers they edit to the modules of
     the subgraphs that run their consumers (onloaded with them, written to the checkpoint after them)."""
     transforms, _ = split_transforms(modifiers)
-    if not transforms:
+    preparing = [m for m in modifiers if m in transforms or getattr(m, "needs_graph", False)]
+    if not preparing:
         return
     graph = linear_graph(model, sample, subgraphs)
-    for m in transforms:
+    for m in preparing:
         m.prepare(graph, model, state)
         for sg in subgraphs:
             for name in m.upstream(sg):

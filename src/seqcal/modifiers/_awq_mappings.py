@@ -1,28 +1,27 @@
-"""AWQ's mappings (which producer's output is scaled for which consumers) and the fold of the scales.
+"""AWQ's mappings in llm-compressor's format: which producer's output is scaled for which consumers.
 
-Private to ``seqcal.modifiers.awq`` and temporary: ``seqcal.mappings`` (graph-derived (producer, consumers)
-mappings, explicit-mapping resolution with ``resolve_mappings``, the ``Mapping`` dataclass, and the fold
-service that also transforms cached inputs and Hessians) replaces this whole module. The modifier uses only
-``AWQMapping``, ``resolve`` and ``fold_scales`` from here, so the swap touches those three names.
-
-Resolution follows llm-compressor 0.14: a mapping is ``{smooth_layer: pattern, balance_layers: [patterns]}``;
-patterns are ``re:`` regexes (``re.match`` on the module name) or exact module names / class names. For each
-module the smooth pattern matches, each balance pattern takes the matching modules that share the longest
-dotted prefix with it (``model.layers.3.input_layernorm`` -> ``model.layers.3.self_attn.q_proj``). The
-"parent" whose output the loss compares is the balance layers' lowest common ancestor that is not a
-ModuleList (a single balance layer is its own parent). A Linear producer whose output width differs from
-its consumers' input width (``v_proj -> o_proj`` with grouped-query attention) is skipped, as llm-compressor
-does; a fused producer three times as wide (``qkv_proj -> o_proj``) scales its last rows.
+A recipe's ``mappings`` are ``{smooth_layer: pattern, balance_layers: [patterns]}`` (or llm-compressor's
+``AWQMapping(smooth, balance)`` pairs), matched by ``seqcal.mappings.matches``; for each module the smooth
+pattern matches, each balance pattern takes the matching modules that share the longest dotted prefix with
+it (``model.layers.3.input_layernorm`` -> ``model.layers.3.self_attn.q_proj``). Without ``mappings`` the
+modifier derives them from the traced graph (``seqcal.mappings``, :func:`from_mapping`) and falls back to
+llm-compressor's Llama defaults (:data:`DEFAULT_MAPPINGS`) only when the model cannot be traced with its
+Linears as nodes. Beyond the shared mapping, AWQ needs the "parent" whose output its loss compares: the
+balance layers' lowest common ancestor that is not a ModuleList (a single balance layer is its own parent).
+A Linear producer whose output width differs from its consumers' input width (``v_proj -> o_proj`` with
+grouped-query attention) is skipped, as llm-compressor does; a fused producer three times as wide
+(``qkv_proj -> o_proj``) scales its last rows. The scales fold through ``RunState.fold``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from seqcal.mappings import Mapping, common_depth, matches, norm_fold_reason
 
 # llm-compressor's default_mappings (Llama-like decoders), used when a recipe gives none.
 DEFAULT_MAPPINGS: tuple[dict[str, Any], ...] = (
@@ -45,27 +44,17 @@ class AWQMapping:
     balance: list[str]
     parent: str
     width: int
+    kind: str = "norm"  # seqcal.mappings.KINDS: how the scales fold into ``smooth``
 
-
-def _matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return pattern == name or pattern == type(module).__name__
-
-
-def _common_depth(a: str, b: str) -> int:
-    depth = 0
-    for x, y in zip(a.split("."), b.split(".")):
-        if x != y:
-            break
-        depth += 1
-    return depth
+    def mapping(self) -> Mapping:
+        """The mapping ``RunState.fold`` folds (``seqcal.mappings``)."""
+        return Mapping(self.smooth, tuple(self.balance), self.kind)
 
 
 def _parent(model: torch.nn.Module, names: list[str]) -> str:
     """The lowest common ancestor of ``names`` that is not a ModuleList (its forward is never called)."""
     parts = names[0].split(".")
-    depth = min(_common_depth(names[0], n) for n in names) if len(names) > 1 else len(parts)
+    depth = min(common_depth(names[0], n) for n in names) if len(names) > 1 else len(parts)
     while depth > 0 and isinstance(model.get_submodule(".".join(parts[:depth])), torch.nn.ModuleList):
         depth -= 1
     return ".".join(parts[:depth])
@@ -109,21 +98,21 @@ def resolve(
     skipped: list[str] = []
     for i, entry in enumerate(mappings if explicit else DEFAULT_MAPPINGS):
         smooth_pat, balance_pats = _check_entry(entry, i, where)
-        smooths = [n for n, m in modules.items() if n and _matches(smooth_pat, n, m)]
+        smooths = [n for n, m in modules.items() if n and matches(smooth_pat, n, m)]
         if not smooths and explicit:
             raise ValueError(f"{where}: mappings[{i}].smooth_layer {smooth_pat!r} matches no module of the "
                              "model; use a 're:' pattern on module names such as 're:.*input_layernorm$'")  # fmt: skip
         for smooth in smooths:
             balance: list[str] = []
             for pat in balance_pats:
-                found = [n for n, m in modules.items() if n and n != smooth and _matches(pat, n, m)]
+                found = [n for n, m in modules.items() if n and n != smooth and matches(pat, n, m)]
                 if not found:
                     if explicit:
                         raise ValueError(f"{where}: mappings[{i}].balance_layers pattern {pat!r} matches no "
                                          f"module of the model (smooth layer {smooth}); fix the pattern")  # fmt: skip
                     continue
-                depth = max(_common_depth(smooth, n) for n in found)
-                balance += [n for n in found if _common_depth(smooth, n) == depth and n not in balance]
+                depth = max(common_depth(smooth, n) for n in found)
+                balance += [n for n in found if common_depth(smooth, n) == depth and n not in balance]
             if not balance:
                 continue
             mapping = _mapping(model, smooth, balance, i, where)
@@ -157,46 +146,16 @@ def _mapping(model: torch.nn.Module, smooth: str, balance: list[str], i: int, wh
             raise ValueError(f"{where}: mappings[{i}] smooth layer {smooth} ({type(producer).__name__}) has no "
                              f"per-channel weight of width {width} to fold the scales into; choose a norm or a "
                              "Linear whose output the balance layers read")  # fmt: skip
-    return AWQMapping(smooth, balance, _parent(model, balance), width)
+        if reason := norm_fold_reason(producer):
+            raise ValueError(
+                f"{where}: mappings[{i}] smooth layer {smooth}: {reason}; leave it out of `mappings`"
+            )
+    kind = "linear" if isinstance(producer, torch.nn.Linear) else "norm"
+    return AWQMapping(smooth, balance, _parent(model, balance), width, kind)
 
 
-@torch.no_grad()
-def fold_scales(model: torch.nn.Module, mapping: AWQMapping, s: torch.Tensor) -> None:
-    """Divide ``mapping.smooth``'s output by ``s`` and multiply the balance weights' columns by ``s``.
-
-    The float model computes the same function afterwards: the balance layers see ``X / s`` and have ``W s``.
-    For a norm producer the division goes into its weight (and bias); that it scales the output is checked
-    on a probe, so a norm that computes ``x * (1 + weight)`` (Gemma) is refused instead of folded wrongly.
-
-    Args:
-        model: the model, the mapping's modules onloaded.
-        mapping: from ``resolve``.
-        s: ``[width]`` positive scales.
-
-    Raises:
-        ValueError: the producer's output is not scaled by its weight.
-    """
-    producer = model.get_submodule(mapping.smooth)
-    weight = producer.weight
-    s = s.to(weight.device)
-    if isinstance(producer, torch.nn.Linear):  # rows of the producer (the last ones of a fused qkv)
-        rows = weight.data[-s.shape[0] :]
-        rows.div_(s.view(-1, 1).to(rows.dtype))
-        if producer.bias is not None:
-            producer.bias.data[-s.shape[0] :].div_(s.to(producer.bias.dtype))
-    else:
-        probe = torch.randn(2, s.shape[0], device=weight.device, dtype=weight.dtype)
-        before = producer(probe).float()
-        weight.data.div_(s.to(weight.dtype))
-        if getattr(producer, "bias", None) is not None:
-            producer.bias.data.div_(s.to(producer.bias.dtype))
-        after = producer(probe).float()
-        if not torch.allclose(after * s.float(), before, rtol=1e-2, atol=1e-3 * float(before.abs().max())):
-            weight.data.mul_(s.to(weight.dtype))
-            if getattr(producer, "bias", None) is not None:
-                producer.bias.data.mul_(s.to(producer.bias.dtype))
-            raise ValueError(f"AWQModifier: {mapping.smooth} ({type(producer).__name__}) does not scale its output "
-                             "by its weight, so the AWQ scales cannot be folded into it; leave it out of `mappings`")  # fmt: skip
-    for name in mapping.balance:
-        W = model.get_submodule(name).weight
-        W.data.mul_(s.to(W.device, W.dtype).view(1, -1))
+def from_mapping(model: torch.nn.Module, mapping: Mapping) -> AWQMapping:
+    """A mapping derived from the traced graph, with the parent and width AWQ's search needs."""
+    consumers = list(mapping.consumers)
+    width = model.get_submodule(consumers[0]).in_features
+    return AWQMapping(mapping.producer, consumers, _parent(model, consumers), width, mapping.kind)

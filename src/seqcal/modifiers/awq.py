@@ -1,6 +1,7 @@
 """AWQModifier: activation-aware scales searched per mapping, folded, then round-to-nearest quantization.
 
-Math in ``seqcal.algorithms.awq``; mappings and the fold in ``seqcal.modifiers._awq_mappings``.
+Math in ``seqcal.algorithms.awq``; mappings from the traced graph (``seqcal.mappings``) or the recipe
+(``seqcal.modifiers._awq_mappings``, llm-compressor's format); the scales fold through ``RunState.fold``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, ClassVar
 import torch
 
 from seqcal.algorithms.awq import DUO_SCALING, add_channel_abs, masked_mse, search_scales, weight_mean
-from seqcal.modifiers._awq_mappings import AWQMapping, fold_scales, resolve
+from seqcal.mappings import resolve_mappings
+from seqcal.modifiers._awq_mappings import AWQMapping, from_mapping, resolve
 from seqcal.modifiers.activations import InputCalibration, real_tokens
 from seqcal.modifiers.base import RunState
 from seqcal.modifiers.quantization import QuantizationModifier, fake_quantized, quant_kwargs
@@ -90,6 +92,18 @@ class AWQModifier(QuantizationModifier):
                 raise ValueError(f"{self.name}: duo_scaling needs per-channel or group weights, but {tensor[0]} is "
                                  "quantized per tensor; set duo_scaling: false or use a channel/group scheme")  # fmt: skip
 
+    @property
+    def needs_graph(self) -> bool:  # type: ignore[override]
+        """Without explicit mappings, ``prepare`` derives them from the traced graph."""
+        return self.mappings is None
+
+    def prepare(self, graph: Any, model: torch.nn.Module, state: RunState) -> None:
+        if self.mappings is not None or graph is None:  # explicit, or untraceable: llm-compressor's defaults
+            return
+        found = [from_mapping(model, m) for m in resolve_mappings(model, graph, None, self.name)]
+        self._mappings = [m for m in found if any(b in self.modules for b in m.balance)]
+        self._skipped = []  # resolve_mappings logged each group it skipped, with the reason
+
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         super().initialize(model, state)
         if not self._mappings:
@@ -141,8 +155,7 @@ class AWQModifier(QuantizationModifier):
                 continue
             with _autocast(state):
                 result = self._search(m, model, total / count, state)
-            fold_scales(model, m, result.scales)
-            state.changed.add(m.smooth)
+            state.fold(model, m.mapping(), result.scales)
             for name in m.balance:
                 state.module_errors.setdefault(name, {}).update(
                     awq_loss=result.loss, awq_initial_loss=result.initial_loss, awq_ratio=result.ratio,

@@ -160,6 +160,8 @@ class Modifier:
     # calibration (``observe`` or ``calibrate`` hooks) and ``compress`` on each subgraph before every other
     # modifier sees the group's inputs, then rewrites the cached inputs by the folds it recorded.
     transforms: ClassVar[bool] = False
+    # True: ``prepare`` gets the traced graph although the modifier is no transform (AWQ derives its mappings).
+    needs_graph: ClassVar[bool] = False
 
     def prepare(self, graph: fx.Graph, model: torch.nn.Module, state: RunState) -> None:
         """After tracing, before calibration: ``graph`` has every Linear as a call_module node (for
