@@ -71,6 +71,9 @@ class RunState:
     # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
     # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
     device_budget: int | None = None
+    # The recipe's kv_cache_scheme (compressed-tensors QuantizationArgs) when the KV cache is quantized: written
+    # to quantization_config; the scales themselves are the attention modules' k_scale / v_scale buffers.
+    kv_cache_scheme: Any = None
 
 
 class Modifier:
