@@ -21,6 +21,7 @@ from seqcal import oneshot
 from seqcal.checkpoint.writer import save_checkpoint
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
+from seqcal.modifiers.kv_cache import checkpoint_kv_scales, fake_quantized_kv
 
 FP8_MAX = 448.0
 
@@ -221,3 +222,29 @@ def test_attention_traced_into_is_named_with_the_fix() -> None:
     with pytest.raises(RuntimeError) as err:
         calibrate(model, modifier, trace_into="all")
     assert "model.layers.0.self_attn were never seen" in str(err.value) and "trace_into" in str(err.value)
+
+
+def test_fake_quantized_kv_stores_fp8_keys_and_values_with_the_checkpoint_scales(tmp_path: Path) -> None:
+    """For evaluation: the cache holds x / scale cast to float8_e4m3fn times scale, as vLLM's fp8 KV cache."""
+    model = tiny_qwen3()
+    modifier = QuantizationModifier(
+        targets=["lm_head"], scheme="FP8_DYNAMIC", kv_cache_scheme=kv("attn_head")
+    )
+    state = calibrate(model, modifier)
+    out = save_checkpoint(model, state, tmp_path / "out")
+    scales = checkpoint_kv_scales(checkpoint_tensors(out))
+    assert sorted(scales) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    batch = batches()[1]
+    with torch.no_grad():
+        float_cache = DynamicCache(config=model.config)
+        model(**batch, cache=float_cache, use_cache=True)
+        quant_cache = DynamicCache(config=model.config)
+        with fake_quantized_kv(model, scales):
+            model(**batch, cache=quant_cache, use_cache=True)
+    k_scale, v_scale = scales["model.layers.0.self_attn"]
+    for got, x, s in ((quant_cache.layers[0].keys, float_cache.layers[0].keys, k_scale),
+                      (quant_cache.layers[0].values, float_cache.layers[0].values, v_scale)):  # fmt: skip
+        want = (x / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert not torch.equal(got, x)
+    assert not model.model.layers[0].self_attn._forward_pre_hooks  # removed on exit

@@ -132,8 +132,9 @@ def attention_modules(model: torch.nn.Module, where: str) -> dict[str, str]:
 
 
 class _ObservingCache:
-    """Stands in for the cache an attention module updates: shows the new keys and values to ``observe`` and
-    passes them on (to the real cache, when the model was given one)."""
+    """Stands in for the cache an attention module updates: shows the new keys and values to ``observe`` (or
+    replaces them by what it returns, for fake quantization) and passes them on (to the real cache, when the
+    model was given one)."""
 
     def __init__(self, observe: Any, cache: Any) -> None:
         self._observe = observe
@@ -142,7 +143,9 @@ class _ObservingCache:
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
-        self._observe(key_states, value_states)
+        replaced = self._observe(key_states, value_states)
+        if replaced is not None:
+            key_states, value_states = replaced
         if self._cache is not None:
             return self._cache.update(key_states, value_states, *args, **kwargs)
         return key_states, value_states
@@ -274,3 +277,60 @@ def _scale_dtype(module: torch.nn.Module) -> torch.dtype:
     """compressed-tensors keeps k_scale / v_scale in the dtype of the attention's weights (float16 if not float)."""
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
     return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+
+
+@contextlib.contextmanager
+def fake_quantized_kv(model: torch.nn.Module, scales: dict[str, tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """Run the attention modules in ``scales`` with their cached keys and values fake-quantized to fp8 with
+    the static scales, as vLLM's fp8 KV cache stores them (``x / scale`` cast to float8_e4m3fn, times scale).
+
+    transformers 5.24 with compressed-tensors 0.20 loads a checkpoint's ``k_scale`` / ``v_scale`` as unexpected
+    keys and runs the cache unquantized (its attention's cache argument is now ``cache``, which
+    compressed-tensors does not look for); this emulates the KV cache for evaluation. Hooks are removed on exit.
+
+    Args:
+        model: the model.
+        scales: attention module name -> (k_scale, v_scale), each [1] or [kv_heads, 1, 1].
+
+    Example:
+        >>> with fake_quantized_kv(model, {"model.layers.0.self_attn": (k, v)}):  # doctest: +SKIP
+        ...     model(ids)
+    """
+    handles = []
+    try:
+        for name, (k_scale, v_scale) in scales.items():
+            module = model.get_submodule(name)
+            argument = _cache_argument(module)
+            if argument is None:
+                raise ValueError(f"fake_quantized_kv: {name} takes none of {', '.join(CACHE_ARGUMENTS)}")
+            handles.append(
+                module.register_forward_pre_hook(
+                    _quantizing_hook(argument, k_scale, v_scale), with_kwargs=True
+                )
+            )
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _quantizing_hook(argument: str, k_scale: Tensor, v_scale: Tensor) -> Any:
+    from seqcal.modifiers.activations import qdq  # activations imports nothing from here
+
+    fp8 = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+
+    def quantize(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        # scales [1] or [kv_heads, 1, 1] broadcast against [batch, kv_heads, seq, head_dim]
+        k = qdq(keys, k_scale.to(keys.device, keys.dtype), None, fp8).to(keys.dtype)
+        return k, qdq(values, v_scale.to(values.device, values.dtype), None, fp8).to(values.dtype)
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, argument: _ObservingCache(quantize, kwargs.get(argument))}
+
+    return hook
+
+
+def checkpoint_kv_scales(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """Attention module name -> (k_scale, v_scale) from a checkpoint's tensors (empty when it has none)."""
+    names = [k.removesuffix(".k_scale") for k in tensors if k.endswith(".k_scale")]
+    return {n: (tensors[f"{n}.k_scale"], tensors[f"{n}.v_scale"]) for n in names if f"{n}.v_scale" in tensors}
