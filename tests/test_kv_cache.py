@@ -248,3 +248,22 @@ def test_fake_quantized_kv_stores_fp8_keys_and_values_with_the_checkpoint_scales
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         assert not torch.equal(got, x)
     assert not model.model.layers[0].self_attn._forward_pre_hooks  # removed on exit
+
+
+def test_scales_of_a_model_read_from_disk_per_subgraph(tmp_path: Path) -> None:
+    """A model given as a directory is calibrated with its weights offloaded (read per subgraph); the scales
+    are the same as for the model held in RAM."""
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "model")
+    expected = reference_absmax(model, batches(), per_head=False)
+    data = [
+        {"input_ids": ids[m.bool()].tolist()} for b in batches() for ids, m in zip(*b.values(), strict=True)
+    ]
+    recipe = QuantizationModifier(
+        targets=["lm_head"], scheme="FP8_DYNAMIC", kv_cache_scheme=kv(observer="static_minmax")
+    )
+    oneshot(model=str(tmp_path / "model"), dataset=data, recipe=recipe, output_dir=str(tmp_path / "out"),
+            max_seq_length=12, num_calibration_samples=len(data), batch_size=1, dtype="float32")  # fmt: skip
+    tensors = checkpoint_tensors(tmp_path / "out")
+    for key, absmax in expected.items():
+        torch.testing.assert_close(tensors[key], absmax / FP8_MAX, rtol=1e-6, atol=0)
