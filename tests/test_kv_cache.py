@@ -59,19 +59,27 @@ def batches() -> list[dict[str, torch.Tensor]]:
 
 
 def reference_absmax(model: torch.nn.Module, data: list[dict], per_head: bool) -> dict[str, torch.Tensor]:
-    """max |k| and max |v| per layer (or per layer and kv head) over the real tokens, from the float model."""
+    """max |k| and max |v| per layer (or per layer and kv head) over the real tokens: layer by layer, the model
+    run with the layers before it caching fp8 keys and values (scale = max / 448), as seqcal calibrates."""
     out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for batch in data:
-            cache = DynamicCache(config=model.config)
-            model(**batch, cache=cache, use_cache=True)
-            real = batch["attention_mask"].bool()
-            for i, layer in enumerate(cache.layers):
-                for kind, x in (("k", layer.keys), ("v", layer.values)):
+    scales: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i in range(model.config.num_hidden_layers):
+        name = f"model.layers.{i}.self_attn"
+        with torch.no_grad(), fake_quantized_kv(model, scales):
+            for batch in data:
+                cache = DynamicCache(config=model.config)
+                model(**batch, cache=cache, use_cache=True)
+                real = batch["attention_mask"].bool()
+                for kind, x in (("k", cache.layers[i].keys), ("v", cache.layers[i].values)):
                     tokens = x.transpose(1, 2)[real]  # [tokens, kv_heads, head_dim]
                     m = tokens.abs().amax(dim=(0, 2)) if per_head else tokens.abs().amax().reshape(1)
-                    key = f"model.layers.{i}.self_attn.{kind}_scale"
+                    key = f"{name}.{kind}_scale"
                     out[key] = m if key not in out else torch.maximum(out[key], m)
+        shape = (-1, 1, 1) if per_head else (1,)
+        scales[name] = (
+            out[f"{name}.k_scale"].reshape(shape) / FP8_MAX,
+            out[f"{name}.v_scale"].reshape(shape) / FP8_MAX,
+        )
     return out
 
 
@@ -83,8 +91,8 @@ def calibrate(model: torch.nn.Module, modifier, **pipe):
 @pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
 def test_scales_are_absmax_of_cached_keys_and_values(tmp_path: Path, arch: str, strategy: str) -> None:
-    """Only lm_head is quantized (round to nearest, data-free): the kv scheme alone makes calibration run, and
-    every layer sees float keys and values, so the scales equal the float model's max |x| / 448."""
+    """Only lm_head is quantized (round to nearest, data-free): the kv scheme alone makes calibration run; the
+    scales equal max |x| / 448 of the model whose earlier layers already cache fp8 keys and values."""
     model = MODELS[arch]()
     expected = reference_absmax(model, batches(), per_head=strategy == "attn_head")
     modifier = QuantizationModifier(
@@ -139,14 +147,14 @@ def test_minmax_observer_is_a_moving_average_over_batches() -> None:
         for batch in batches():
             cache = DynamicCache(config=model.config)
             model(**batch, cache=cache, use_cache=True)
-            values = cache.layers[1].values.transpose(1, 2)[batch["attention_mask"].bool()]
+            values = cache.layers[0].values.transpose(1, 2)[batch["attention_mask"].bool()]
             b_lo, b_hi = values.min(), values.max()
             lo = b_lo if lo is None else lo * 0.99 + b_lo * 0.01
             hi = b_hi if hi is None else hi * 0.99 + b_hi * 0.01
     modifier = QuantizationModifier(targets=["lm_head"], scheme="FP8_DYNAMIC", kv_cache_scheme=kv())
     calibrate(model, modifier)
     expected = torch.maximum(lo.abs(), hi.abs()).reshape(1) / FP8_MAX
-    torch.testing.assert_close(model.model.layers[1].self_attn.v_scale, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model.model.layers[0].self_attn.v_scale, expected, rtol=1e-6, atol=0)
 
 
 def test_fp8_static_with_kv_cache_reloads_in_transformers(tmp_path: Path, caplog) -> None:

@@ -249,14 +249,16 @@ class KVCacheCalibration:
 
         return hook
 
-    def finish(self, modules: list[str], model: torch.nn.Module) -> None:
-        """Store the calibrated ``k_scale`` / ``v_scale`` of the attention modules in ``modules``.
+    def finish(self, modules: list[str], model: torch.nn.Module) -> bool:
+        """Store the calibrated ``k_scale`` / ``v_scale`` of the attention modules in ``modules``; True when
+        there were some (their keys and values are quantized from now on: the subgraph must run again).
 
         Raises:
             RuntimeError: an attention module's cache was never updated during calibration (its forward did
                 not run as a module, or did not call ``cache.update``); names it and the fix.
         """
-        for name in self.modules_in(modules):
+        names = self.modules_in(modules)
+        for name in names:
             module = model.get_submodule(name)
             for kind in ("k", "v"):
                 observer = self.observers.pop((name, kind), None)
@@ -271,6 +273,7 @@ class KVCacheCalibration:
                 shape = (-1, 1, 1) if _value(self.args.strategy) == "attn_head" else (1,)
                 module.register_buffer(f"{kind}_scale", scale.reshape(shape).to(_scale_dtype(module)).cpu())
             self.finished.add(name)
+        return bool(names)
 
 
 def _scale_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -334,3 +337,40 @@ def checkpoint_kv_scales(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, 
     """Attention module name -> (k_scale, v_scale) from a checkpoint's tensors (empty when it has none)."""
     names = [k.removesuffix(".k_scale") for k in tensors if k.endswith(".k_scale")]
     return {n: (tensors[f"{n}.k_scale"], tensors[f"{n}.v_scale"]) for n in names if f"{n}.v_scale" in tensors}
+
+
+@contextlib.contextmanager
+def quantized_kv(model: torch.nn.Module, modifiers: list[Any]) -> Iterator[None]:
+    """Fake-quantize the keys and values of every attention module once its k_scale / v_scale are calibrated
+    (entered by the pipeline around the calibration loop): later passes, the propagation pass of its own layer
+    included, feed downstream layers what an fp8 KV cache gives them. Before that, calibration sees raw keys.
+
+    Args:
+        model: the model being calibrated.
+        modifiers: the run's modifiers; those with a ``kv`` (KVCacheCalibration) take part.
+
+    Example:
+        >>> with quantized_kv(model, modifiers):  # doctest: +SKIP
+        ...     calibrate_subgraphs(...)
+    """
+    handles = []
+    try:
+        for kv in [m.kv for m in modifiers if getattr(m, "kv", None) is not None]:
+            for name, argument in kv.modules.items():
+                module = model.get_submodule(name)
+                handles.append(
+                    module.register_forward_pre_hook(_when_finished(kv, name, argument), with_kwargs=True)
+                )
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _when_finished(kv: KVCacheCalibration, name: str, argument: str) -> Any:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if name not in kv.finished:
+            return None
+        return _quantizing_hook(argument, module.k_scale, module.v_scale)(module, args, kwargs)
+
+    return hook

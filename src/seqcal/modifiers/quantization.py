@@ -108,10 +108,10 @@ class QuantizationModifier(Modifier):
             return contextlib.nullcontext()
         return self.kv.hooks(subgraph.modules, model, state)
 
-    def kv_finish(self, subgraph: Subgraph, model: torch.nn.Module) -> None:
-        """Store k_scale / v_scale of the subgraph's attention modules (kv_cache_scheme)."""
-        if self.kv is not None:
-            self.kv.finish(subgraph.modules, model)
+    def kv_finish(self, subgraph: Subgraph, model: torch.nn.Module) -> bool:
+        """Store k_scale / v_scale of the subgraph's attention modules (kv_cache_scheme); True when some were:
+        their fp8 keys and values change the subgraph's outputs, which the propagation pass recomputes."""
+        return self.kv is not None and self.kv.finish(subgraph.modules, model)
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         self.inputs.observe([n for n in names if n in self.modules], x, state)
@@ -125,8 +125,7 @@ class QuantizationModifier(Modifier):
                 module, self.modules[name], self._global_scales.get(name)
             )
         self.inputs.finish(names, model, state)
-        self.kv_finish(subgraph, model)
-        return bool(names)
+        return self.kv_finish(subgraph, model) or bool(names)
 
     def prepare_global_scales(self, model: torch.nn.Module, names: list[str]) -> None:
         """NVFP4: fix the global scale of ``names`` (shared across each fused group) before any is quantized."""
