@@ -10,6 +10,7 @@ compressed-tensors 0.20 drops them as unexpected keys), then WikiText-2 test per
 
 Usage (from the repo root, PYTHONPATH=src; llm-compressor in /work/main/.peer-venv or --peer-python):
     python benchmarks/kv_cache_smollm2.py [--runs seqcal-fp8,seqcal-fp8-kv,llmc-fp8-kv] [--eval-windows 40]
+        [--samples 128] [--data ../shared/data]
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main() -> None:
     )
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument("--samples", type=int, default=128, help="calibration windows of 512 tokens")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--peer-python", type=Path, default=PEER)
     parser.add_argument(
@@ -78,10 +80,11 @@ def main() -> None:
 
     model = default_model_dir()
     WORK.mkdir(parents=True, exist_ok=True)
-    tokens = WORK / "calib_128x512.safetensors"
+    tokens = WORK / f"calib_{args.samples}x512.safetensors"  # the first N of the same shuffled windows
     if not tokens.exists():
         subprocess.run([sys.executable, "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
-                        str(args.data / "wiki.valid.raw"), "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+                        str(args.data / "wiki.valid.raw"), "--samples", str(args.samples), "--out", str(tokens)],
+                       cwd=ROOT, check=True)  # fmt: skip
     results = {}
     if not args.no_baseline:
         ppl, n, _ = evaluate(model, args.eval_windows, args.data)
