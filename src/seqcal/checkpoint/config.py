@@ -184,6 +184,7 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
         format=formats.pop() if len(formats) == 1 else "mixed-precision",
         quantization_status=QuantizationStatus.COMPRESSED,
         ignore=list(ignore),
+        kv_cache_scheme=state.kv_cache_scheme,
     )
     block = {
         "version": compressed_tensors.__version__,

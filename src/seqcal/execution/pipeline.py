@@ -31,6 +31,7 @@ from seqcal.execution.weights import (
 from seqcal.experts import routed_experts
 from seqcal.modifiers import RunState
 from seqcal.modifiers.activations import quantized_inputs
+from seqcal.modifiers.kv_cache import quantized_kv
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
 from seqcal.tracing.leaves import normalize_trace_into
@@ -232,6 +233,7 @@ def _run(
 
             with contextlib.ExitStack() as stack:
                 stack.enter_context(quantized_inputs(model, state, schemes))  # downstream sees runtime inputs
+                stack.enter_context(quantized_kv(model, modifiers))  # and an fp8 KV cache once calibrated
                 if store is not None:  # weights off the model: onloaded per subgraph; its buffers go once
                     stack.enter_context(safety_hooks(model, store, device))
                     stack.enter_context(buffers_on(model, device))

@@ -86,6 +86,9 @@ class RunState:
     # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
     # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
     device_budget: int | None = None
+    # The recipe's kv_cache_scheme (compressed-tensors QuantizationArgs) when the KV cache is quantized: written
+    # to quantization_config; the scales themselves are the attention modules' k_scale / v_scale buffers.
+    kv_cache_scheme: Any = None
     folds: list[Fold] = field(default_factory=list)  # scales folded so far, in order (``fold``)
     edited: set[str] = field(default_factory=set)  # producers whose weights a fold changed (saved, kept)
 

@@ -116,7 +116,8 @@ class GPTQModifier(QuantizationModifier):
                     model.get_submodule(name).register_forward_pre_hook(self._hook(name, shared, state))
                 )
             # experts calibrated on all tokens only while H accumulates; static input scales from the same inputs
-            with every_token(model, names), self.inputs.hooks(names, model, state):
+            with every_token(model, names), self.inputs.hooks(names, model, state), \
+                    self.kv_hooks(subgraph, model, state):  # fmt: skip
                 yield
         finally:
             for handle in handles:
@@ -214,7 +215,7 @@ class GPTQModifier(QuantizationModifier):
                     errors = state.module_errors.setdefault(name, {})
                     errors["gptq_seconds"], errors["solve_chunks"] = seconds, len(chunks)
         self.inputs.finish(names, model, state)
-        return bool(names)
+        return self.kv_finish(subgraph, model) or bool(names)
 
     def _chunk_limit(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> int:
         """Bytes one stacked solve of ``subgraph`` may take: from the device budget when the run has one,

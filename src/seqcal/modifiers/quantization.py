@@ -14,6 +14,7 @@ from seqcal.algorithms import fake_quantize, formats, quantize, weight_qparams
 from seqcal.modifiers.activations import InputCalibration, static_inputs
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
+from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
 from seqcal.modifiers.schemes import resolve_modules, resolve_schemes, strategy_of
 from seqcal.tracing.partition import Subgraph
 
@@ -28,7 +29,9 @@ class QuantizationModifier(Modifier):
             static input activations (FP8, or config_groups with ``dynamic: false``) are calibrated on data.
         config_groups: explicit compressed-tensors config groups (instead of ``scheme``).
         ignore: modules left in full precision (class names or ``re:`` patterns), e.g. ["lm_head"].
-        kv_cache_scheme: not supported; must stay None.
+        kv_cache_scheme: fp8 KV cache with static scales (QuantizationArgs fields: num_bits 8, type float,
+            strategy tensor or attn_head): k_scale / v_scale of each attention module are calibrated on the keys
+            and values it caches (``seqcal.modifiers.kv_cache``); the run then cuts after each layer.
 
     Example:
         >>> QuantizationModifier(scheme="W4A16", ignore=["lm_head"])  # doctest: +SKIP
@@ -46,8 +49,13 @@ class QuantizationModifier(Modifier):
     def __post_init__(self) -> None:
         if isinstance(self.ignore, str):
             self.ignore = [self.ignore]
+        self.kv: KVCacheCalibration | None = None
         if self.kv_cache_scheme is not None:
-            raise ValueError(f"{self.name}: kv_cache_scheme is not supported yet; remove it from the recipe")
+            self.kv = KVCacheCalibration(kv_cache_args(self.kv_cache_scheme, self.name), self.name)
+            # keys and values are observed inside the attention modules during a calibration pass: data is
+            # needed even for a data-free weight scheme, and the layer cut runs one
+            self.needs_calibration = True
+            self.input_only = False
         self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
         self.modules: dict[str, QuantizationScheme] = {}
         # modules vLLM merges into one weight (shared NVFP4 global scale); module -> NVFP4 global scale
@@ -69,10 +77,15 @@ class QuantizationModifier(Modifier):
         # solve, after every subgraph before it was calibrated.
         check_widths(model, self.modules, self.name)
         self._fused = fused_groups(model, self.modules)
+        if self.kv is not None:
+            self.kv.validate(model)
 
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self.modules:
             self.validate(model)
+        if self.kv is not None:
+            self.kv.initialize(model)
+            state.kv_cache_scheme = self.kv.args
 
     def modules_in(self, subgraph: Subgraph) -> list[str]:
         """The modules of this modifier whose weights ``subgraph`` uses (for a subgraph cut before its
@@ -86,8 +99,19 @@ class QuantizationModifier(Modifier):
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
-        with self.inputs.hooks(names, model, state):  # static input scales; nothing else needs data
+        with self.inputs.hooks(names, model, state), self.kv_hooks(subgraph, model, state):
             yield
+
+    def kv_hooks(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Any:
+        """Observe the keys and values of the subgraph's attention modules (kv_cache_scheme), else nothing."""
+        if self.kv is None:
+            return contextlib.nullcontext()
+        return self.kv.hooks(subgraph.modules, model, state)
+
+    def kv_finish(self, subgraph: Subgraph, model: torch.nn.Module) -> bool:
+        """Store k_scale / v_scale of the subgraph's attention modules (kv_cache_scheme); True when some were:
+        their fp8 keys and values change the subgraph's outputs, which the propagation pass recomputes."""
+        return self.kv is not None and self.kv.finish(subgraph.modules, model)
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         self.inputs.observe([n for n in names if n in self.modules], x, state)
@@ -101,7 +125,7 @@ class QuantizationModifier(Modifier):
                 module, self.modules[name], self._global_scales.get(name)
             )
         self.inputs.finish(names, model, state)
-        return bool(names)
+        return self.kv_finish(subgraph, model) or bool(names)
 
     def prepare_global_scales(self, model: torch.nn.Module, names: list[str]) -> None:
         """NVFP4: fix the global scale of ``names`` (shared across each fused group) before any is quantized."""

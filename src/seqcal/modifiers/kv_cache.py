@@ -1,0 +1,376 @@
+"""KV-cache quantization: calibrate ``k_scale`` / ``v_scale`` of each attention module on the keys and values
+its cache stores.
+
+A recipe's ``kv_cache_scheme`` (llm-compressor's argument of QuantizationModifier and GPTQModifier) asks for an
+fp8 KV cache with static scales, one per layer (``strategy: tensor``) or one per key/value head
+(``strategy: attn_head``). The keys and values are observed where transformers hands them to the cache:
+the attention module calls ``cache.update(key_states, value_states, layer_idx)`` after the rotary embedding
+and after any k-norm, with exactly the tensors the attention kernel reads and the cache stores. During a
+calibration pass, a forward pre-hook gives each attention module a stand-in cache whose ``update`` shows
+those tensors to an observer and returns them unchanged; no other module and no global registry is touched.
+This is what compressed-tensors does as well (its ``QuantizedKVCache``), so the scales mean what vLLM reads.
+
+Saved as compressed-tensors / llm-compressor write them: ``<attention>.k_scale`` and ``<attention>.v_scale``
+in the dtype of the attention's weights, shape ``[1]`` (tensor) or ``[num_kv_heads, 1, 1]`` (attn_head),
+``scale = max|x| / 448`` over the real (non-padding) tokens (for the min-max observers), no zero point, and
+``kv_cache_scheme`` in ``quantization_config``.
+
+Example:
+    >>> QuantizationModifier(scheme="FP8", ignore=["lm_head"],  # doctest: +SKIP
+    ...     kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs
+from torch import Tensor
+
+from seqcal.observers import OBSERVERS, ActivationObserver, observer_name
+
+KV_STRATEGIES = ("tensor", "attn_head")
+# The attention forward's cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before it.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+# Children that make a module an attention whose keys and values are cached (compressed-tensors' list).
+KV_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
+SUPPORTED = (
+    "fp8 with static scales: num_bits: 8, type: float, strategy: 'tensor' (one scale per layer) or "
+    "'attn_head' (one per key/value head), dynamic: false, symmetric: true"
+)
+
+
+def _value(x: object) -> str:
+    return str(getattr(x, "value", x))
+
+
+def kv_cache_args(spec: Any, where: str) -> QuantizationArgs:
+    """The recipe's ``kv_cache_scheme`` as QuantizationArgs, refused unless seqcal and vLLM support it.
+
+    Args:
+        spec: a dict of QuantizationArgs fields (or QuantizationArgs).
+        where: the modifier, for the message.
+
+    Returns:
+        The validated arguments.
+
+    Raises:
+        ValueError: not QuantizationArgs, or not fp8 static tensor / attn_head (the message lists what is).
+
+    Example:
+        >>> kv_cache_args({"num_bits": 8, "type": "float", "strategy": "tensor"}, "QuantizationModifier")
+        QuantizationArgs(num_bits=8, ...)  # doctest: +SKIP
+    """
+    try:
+        args = spec if isinstance(spec, QuantizationArgs) else QuantizationArgs.model_validate(spec)
+    except Exception as exc:  # pydantic's ValidationError names the bad fields
+        raise ValueError(f"{where}: kv_cache_scheme is not valid ({exc}); supported: {SUPPORTED}") from exc
+    got = (
+        f"num_bits {args.num_bits}, type {_value(args.type)}, strategy {_value(args.strategy)}, "
+        f"dynamic {_value(args.dynamic)}, symmetric {args.symmetric}"
+    )
+    if (
+        args.num_bits != 8
+        or _value(args.type) != "float"
+        or _value(args.strategy) not in KV_STRATEGIES
+        or args.dynamic is not False
+        or not args.symmetric
+        or args.group_size is not None
+    ):
+        raise ValueError(f"{where}: kv_cache_scheme ({got}) is not supported; supported: {SUPPORTED}")
+    name = observer_name(args)
+    if name not in OBSERVERS:
+        raise ValueError(
+            f"{where}: kv_cache_scheme observer {name!r} does not exist; valid observers: {', '.join(OBSERVERS)}"
+        )
+    return args
+
+
+def _cache_argument(module: torch.nn.Module) -> str | None:
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((p for p in CACHE_ARGUMENTS if p in params), None)
+
+
+def attention_modules(model: torch.nn.Module, where: str) -> dict[str, str]:
+    """Attention modules whose keys and values are cached: name -> the forward's cache argument.
+
+    An attention module is one whose class name says attention and that holds a key/value projection
+    (``KV_PROJECTIONS``), as compressed-tensors decides.
+
+    Raises:
+        ValueError: the model has no such module, or one whose forward takes no cache argument (its keys and
+            values cannot be observed where the cache stores them).
+    """
+    found: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if "attention" not in type(module).__name__.lower():
+            continue
+        if not any(isinstance(getattr(module, p, None), torch.nn.Module) for p in KV_PROJECTIONS):
+            continue
+        argument = _cache_argument(module)
+        if argument is None:
+            raise ValueError(
+                f"{where}: kv_cache_scheme cannot be calibrated on {name} ({type(module).__name__}): its forward "
+                f"takes none of {', '.join(CACHE_ARGUMENTS)}, so the keys and values it caches cannot be "
+                "observed; remove kv_cache_scheme from the recipe for this model"
+            )
+        found[name] = argument
+    if not found:
+        raise ValueError(
+            f"{where}: kv_cache_scheme needs attention modules with cached keys and values (a class named "
+            f"*Attention* holding one of {', '.join(KV_PROJECTIONS)}), and {type(model).__name__} has none; "
+            "remove kv_cache_scheme from the recipe for this model"
+        )
+    return found
+
+
+class _ObservingCache:
+    """Stands in for the cache an attention module updates: shows the new keys and values to ``observe`` (or
+    replaces them by what it returns, for fake quantization) and passes them on (to the real cache, when the
+    model was given one)."""
+
+    def __init__(self, observe: Any, cache: Any) -> None:
+        self._observe = observe
+        self._cache = cache
+
+    def update(
+        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[Tensor, Tensor]:
+        replaced = self._observe(key_states, value_states)
+        if replaced is not None:
+            key_states, value_states = replaced
+        if self._cache is not None:
+            return self._cache.update(key_states, value_states, *args, **kwargs)
+        return key_states, value_states
+
+    def __getattr__(self, name: str) -> Any:
+        cache = self.__dict__.get("_cache")
+        if cache is None:
+            raise AttributeError(
+                f"the attention module read {name!r} of its cache; seqcal observes keys and values only "
+                "through cache.update(...)"
+            )
+        return getattr(cache, name)
+
+
+def _tokens(x: Tensor, mask: Tensor | None) -> Tensor:
+    """``x [batch, kv_heads, seq, head_dim]`` as ``[tokens, kv_heads, head_dim]`` without padding tokens."""
+    x = x.detach().transpose(1, 2)  # [batch, seq, kv_heads, head_dim]
+    if mask is not None and tuple(mask.shape) == tuple(x.shape[:2]) and not bool(mask.all()):
+        return x[mask.to(x.device, torch.bool)]
+    return x.reshape(-1, *x.shape[2:])
+
+
+class KVCacheCalibration:
+    """Observers of the keys and values of every attention module; their qparams become k_scale / v_scale.
+
+    Args:
+        args: the validated ``kv_cache_scheme``.
+        where: the modifier, for messages.
+
+    Example:
+        >>> kv = KVCacheCalibration(kv_cache_args(spec, "m"), "m")  # doctest: +SKIP
+        >>> kv.initialize(model)  # doctest: +SKIP
+        >>> with kv.hooks(subgraph, model, state): ...  # doctest: +SKIP
+        >>> kv.finish(subgraph, model)  # doctest: +SKIP
+    """
+
+    def __init__(self, args: QuantizationArgs, where: str) -> None:
+        self.args = args
+        self.where = where
+        self.modules: dict[str, str] = {}  # attention module -> its cache argument
+        self.observers: dict[tuple[str, str], ActivationObserver] = {}  # (module, "k" | "v") -> observer
+        self.finished: set[str] = set()
+
+    def validate(self, model: torch.nn.Module) -> None:
+        self.modules = attention_modules(model, self.where)
+
+    def initialize(self, model: torch.nn.Module) -> None:
+        """Give each attention module its ``k_scale`` / ``v_scale`` buffers (placeholders until calibrated),
+        so that the checkpoint writer saves them with the module, as compressed-tensors loads them."""
+        if not self.modules:
+            self.validate(model)
+        for name in self.modules:
+            module = model.get_submodule(name)
+            for key in ("k_scale", "v_scale"):
+                if key not in module._buffers:
+                    module.register_buffer(key, torch.zeros(1, dtype=_scale_dtype(module)))
+
+    def modules_in(self, modules: list[str]) -> list[str]:
+        """The attention modules inside the subgraph modules ``modules`` not calibrated yet."""
+        prefixes = tuple(m + "." for m in modules if m)
+        return [
+            n for n in self.modules
+            if n not in self.finished and (n in modules or "" in modules or n.startswith(prefixes))
+        ]  # fmt: skip
+
+    def _observe(self, name: str, state: Any) -> Any:
+        def observe(keys: Tensor, values: Tensor) -> None:
+            for kind, x in (("k", keys), ("v", values)):
+                observer = self.observers.get((name, kind))
+                if observer is None:
+                    observer = self.observers.setdefault(
+                        (name, kind), OBSERVERS[observer_name(self.args)](self.args)
+                    )
+                observer.update(_tokens(x, state.token_mask))
+
+        return observe
+
+    @contextlib.contextmanager
+    def hooks(self, modules: list[str], model: torch.nn.Module, state: Any) -> Iterator[None]:
+        """During a calibration pass, hand the attention modules in ``modules`` an observing cache."""
+        handles = []
+        try:
+            for name in self.modules_in(modules):
+                handles.append(
+                    model.get_submodule(name).register_forward_pre_hook(
+                        self._pre_hook(name, self.modules[name], state), with_kwargs=True
+                    )
+                )
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _pre_hook(self, name: str, argument: str, state: Any) -> Any:
+        observe = self._observe(name, state)
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            kwargs = dict(kwargs)
+            kwargs[argument] = _ObservingCache(observe, kwargs.get(argument))
+            return args, kwargs
+
+        return hook
+
+    def finish(self, modules: list[str], model: torch.nn.Module) -> bool:
+        """Store the calibrated ``k_scale`` / ``v_scale`` of the attention modules in ``modules``; True when
+        there were some (their keys and values are quantized from now on: the subgraph must run again).
+
+        Raises:
+            RuntimeError: an attention module's cache was never updated during calibration (its forward did
+                not run as a module, or did not call ``cache.update``); names it and the fix.
+        """
+        names = self.modules_in(modules)
+        for name in names:
+            module = model.get_submodule(name)
+            for kind in ("k", "v"):
+                observer = self.observers.pop((name, kind), None)
+                if observer is None or observer.range is None:
+                    raise RuntimeError(
+                        f"{self.where}: the keys and values of {name} were never seen during calibration (its "
+                        f"forward did not run as a module with a {self.modules[name]!r} argument, or did not "
+                        "call cache.update); kv_cache_scheme needs the attention modules to run as modules: "
+                        "do not trace into them (trace_into), or remove kv_cache_scheme"
+                    )
+                scale, _ = observer.qparams()  # [1] or [kv_heads]
+                shape = (-1, 1, 1) if _value(self.args.strategy) == "attn_head" else (1,)
+                module.register_buffer(f"{kind}_scale", scale.reshape(shape).to(_scale_dtype(module)).cpu())
+            self.finished.add(name)
+        return bool(names)
+
+
+def _scale_dtype(module: torch.nn.Module) -> torch.dtype:
+    """compressed-tensors keeps k_scale / v_scale in the dtype of the attention's weights (float16 if not float)."""
+    dtype = next((p.dtype for p in module.parameters()), torch.float32)
+    return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
+
+
+@contextlib.contextmanager
+def fake_quantized_kv(model: torch.nn.Module, scales: dict[str, tuple[Tensor, Tensor]]) -> Iterator[None]:
+    """Run the attention modules in ``scales`` with their cached keys and values fake-quantized to fp8 with
+    the static scales, as vLLM's fp8 KV cache stores them (``x / scale`` cast to float8_e4m3fn, times scale).
+
+    transformers 5.24 with compressed-tensors 0.20 loads a checkpoint's ``k_scale`` / ``v_scale`` as unexpected
+    keys and runs the cache unquantized (its attention's cache argument is now ``cache``, which
+    compressed-tensors does not look for); this emulates the KV cache for evaluation. Hooks are removed on exit.
+
+    Args:
+        model: the model.
+        scales: attention module name -> (k_scale, v_scale), each [1] or [kv_heads, 1, 1].
+
+    Example:
+        >>> with fake_quantized_kv(model, {"model.layers.0.self_attn": (k, v)}):  # doctest: +SKIP
+        ...     model(ids)
+    """
+    handles = []
+    try:
+        for name, (k_scale, v_scale) in scales.items():
+            module = model.get_submodule(name)
+            argument = _cache_argument(module)
+            if argument is None:
+                raise ValueError(f"fake_quantized_kv: {name} takes none of {', '.join(CACHE_ARGUMENTS)}")
+            handles.append(
+                module.register_forward_pre_hook(
+                    _quantizing_hook(argument, k_scale, v_scale), with_kwargs=True
+                )
+            )
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _quantizing_hook(argument: str, k_scale: Tensor, v_scale: Tensor) -> Any:
+    from seqcal.modifiers.activations import qdq  # activations imports nothing from here
+
+    fp8 = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+
+    def quantize(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        # scales [1] or [kv_heads, 1, 1] broadcast against [batch, kv_heads, seq, head_dim]
+        k = qdq(keys, k_scale.to(keys.device, keys.dtype), None, fp8).to(keys.dtype)
+        return k, qdq(values, v_scale.to(values.device, values.dtype), None, fp8).to(values.dtype)
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, argument: _ObservingCache(quantize, kwargs.get(argument))}
+
+    return hook
+
+
+def checkpoint_kv_scales(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """Attention module name -> (k_scale, v_scale) from a checkpoint's tensors (empty when it has none)."""
+    names = [k.removesuffix(".k_scale") for k in tensors if k.endswith(".k_scale")]
+    return {n: (tensors[f"{n}.k_scale"], tensors[f"{n}.v_scale"]) for n in names if f"{n}.v_scale" in tensors}
+
+
+@contextlib.contextmanager
+def quantized_kv(model: torch.nn.Module, modifiers: list[Any]) -> Iterator[None]:
+    """Fake-quantize the keys and values of every attention module once its k_scale / v_scale are calibrated
+    (entered by the pipeline around the calibration loop): later passes, the propagation pass of its own layer
+    included, feed downstream layers what an fp8 KV cache gives them. Before that, calibration sees raw keys.
+
+    Args:
+        model: the model being calibrated.
+        modifiers: the run's modifiers; those with a ``kv`` (KVCacheCalibration) take part.
+
+    Example:
+        >>> with quantized_kv(model, modifiers):  # doctest: +SKIP
+        ...     calibrate_subgraphs(...)
+    """
+    handles = []
+    try:
+        for kv in [m.kv for m in modifiers if getattr(m, "kv", None) is not None]:
+            for name, argument in kv.modules.items():
+                module = model.get_submodule(name)
+                handles.append(
+                    module.register_forward_pre_hook(_when_finished(kv, name, argument), with_kwargs=True)
+                )
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _when_finished(kv: KVCacheCalibration, name: str, argument: str) -> Any:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if name not in kv.finished:
+            return None
+        return _quantizing_hook(argument, module.k_scale, module.v_scale)(module, args, kwargs)
+
+    return hook
