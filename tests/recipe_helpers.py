@@ -28,6 +28,5 @@ def group_weights(modifier: QuantizationModifier, group: str = "group_0") -> Qua
 # file name -> what is missing. tests/test_llmc_recipes.py expects each to be refused with that name (strict
 # xfail: the day it runs, the entry must go); the other recipe tests leave them out.
 NEEDS_MISSING = {
-    "llmc_w8a8_int8.yaml": "SmoothQuantModifier",
     "llmc_nvfp4.yaml": "fp4 activations (NVFP4, W4A4) need a calibrated activation global scale",
 }

@@ -59,7 +59,9 @@ def _schemes(recipe: Path, model: torch.nn.Module, out: Path) -> tuple[RunState,
     state, schemes, tensors = RunState(), {}, checkpoint_tensors(out)
     for modifier in parse_recipe(str(recipe)).modifiers:
         modifier.validate(model)
-        for name, scheme in modifier.modules.items():
+        for name, scheme in getattr(
+            modifier, "modules", {}
+        ).items():  # transforms (SmoothQuant) quantize none
             state.quantized[name] = QuantizedWeight(
                 torch.empty(0), torch.empty(0), None, None, scheme, input_scale=tensors.get(f"{name}.input_scale"),
                 input_zero_point=tensors.get(f"{name}.input_zero_point"),
