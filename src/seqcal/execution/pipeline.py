@@ -222,7 +222,9 @@ def _run(
                         stream.done(sg)
                 if weights is None:
                     return None
-                changed = [n for n in state.quantized if any(n.startswith(m) for m in sg.modules)]
+                changed = [
+                    n for n in (*state.quantized, *state.sparsity) if any(n.startswith(m) for m in sg.modules)
+                ]
                 return weights.release(sg, changed)  # bytes copied back to the host
 
             with contextlib.ExitStack() as stack:
@@ -259,7 +261,7 @@ def one_pass_subgraphs(
         return None
     if not all(getattr(m, "input_only", False) for m in modifiers):
         return None
-    wanted = {n for m in modifiers for n in getattr(m, "modules", {})}
+    wanted = {n for m in modifiers for n in (*getattr(m, "modules", {}), *getattr(m, "pruned", {}))}
     if not wanted:
         return None
     # Only modules inside the layer stacks that the layer cut would trace around (the text decoder's

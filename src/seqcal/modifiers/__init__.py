@@ -3,11 +3,24 @@
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.quantization import QuantizationModifier
+from seqcal.modifiers.sparsegpt import SparseGPTModifier
+from seqcal.modifiers.wanda import WandaPruningModifier
 
 # Recipe name -> class. A literal dict: a miss lists exactly these names.
 MODIFIERS: dict[str, type[Modifier]] = {
     "QuantizationModifier": QuantizationModifier,
     "GPTQModifier": GPTQModifier,
+    "SparseGPTModifier": SparseGPTModifier,
+    "WandaPruningModifier": WandaPruningModifier,
 }
 
-__all__ = ["MODIFIERS", "GPTQModifier", "Modifier", "QuantizationModifier", "QuantizedWeight", "RunState"]
+__all__ = [
+    "MODIFIERS",
+    "GPTQModifier",
+    "Modifier",
+    "QuantizationModifier",
+    "QuantizedWeight",
+    "RunState",
+    "SparseGPTModifier",
+    "WandaPruningModifier",
+]
