@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from seqcal.algorithms.sparsity import lowest_mask, nm_mask, parse_mask_structure
+from seqcal.algorithms.sparsity import lowest_mask, nm_mask, parse_mask_structure, sparsity_of
 from seqcal.modifiers.base import Modifier, RunState
 from seqcal.modifiers.hessians import SharedInputs
 from seqcal.modifiers.schemes import _check_patterns, matches_target
@@ -160,4 +160,5 @@ class PruningModifier(Modifier):
         )
         model.get_submodule(name).weight.data = W.masked_fill(mask, 0)
         state.log.append(f"{name}: never called during calibration; pruned by weight magnitude")
+        state.module_errors.setdefault(name, {})["sparsity"] = sparsity_of(model.get_submodule(name).weight)
         state.sparsity[name] = self.structure
