@@ -12,7 +12,8 @@ versions (and vLLM's 2:4 kernels) read, tensor names and layouts as their compre
 
 - ``sparse-24-bitmask`` (2:4): ``<module>.compressed`` ``[out, in / 2]`` the kept values (the 2 of every 4
   with the largest magnitude, in order; fp8 codes stay fp8), ``<module>.bitmask`` uint8 ``[out, ceil(in / 8)]``
-  (little-endian bits, 1 = kept), ``<module>.shape`` int64 ``[2, 1]``;
+  (little-endian bits, 1 = kept), ``<module>.shape`` int64 ``[2, 1]``; a -0.0 takes a free slot before a +0.0,
+  so that it survives where the group has room (a pruned slot has no sign: the format stores none);
 - ``sparse-bitmask`` (unstructured): ``compressed`` 1-D the non-zeros row by row, ``bitmask`` as above,
   ``row_offsets`` int64 ``[out]`` (where each row starts in ``compressed``), ``shape`` int64 ``[2]``.
 
@@ -79,18 +80,20 @@ def bitmask_compress(W: Tensor, fmt: str) -> dict[str, Tensor]:
     Raises:
         ValueError: ``sparse-24-bitmask`` and a group of 4 with more than 2 non-zeros.
     """
-    raw = W.view(torch.int8) if W.dtype == _FP8 else W  # fp8: compare and gather the bytes
+    raw = W.view(torch.int8) if W.dtype == _FP8 else W  # fp8: gather the bytes
+    value = W.float()  # exact for every dtype here
+    negative_zero = (value == 0) & torch.signbit(value)  # -0.0 is stored like a non-zero where there is room
     if fmt == "sparse-24-bitmask":
-        if W.shape[1] % 4 or int(((raw != 0).reshape(-1, 4).sum(1) > 2).sum()):
+        if W.shape[1] % 4 or int(((value != 0).reshape(-1, 4).sum(1) > 2).sum()):
             raise ValueError(f"sparse-24-bitmask: weight {list(W.shape)} is not 2:4 sparse")
-        groups = raw.reshape(-1, 4)
-        kept = torch.zeros_like(groups, dtype=torch.bool)
-        kept.scatter_(1, groups.abs().topk(2, dim=1).indices, True)  # the 2 largest; zeros fill short groups
+        # the 2 largest magnitudes of each group; zeros fill short groups, -0.0 before +0.0
+        key = torch.where(value == 0, negative_zero.float() * 0.5 - 1, value.abs()).reshape(-1, 4)
+        kept = torch.zeros_like(key, dtype=torch.bool).scatter_(1, key.topk(2, dim=1).indices, True)
         kept = kept.reshape(W.shape)
         values = raw[kept].reshape(W.shape[0], W.shape[1] // 2)
         out = {"shape": torch.tensor(list(W.shape)).reshape(-1, 1)}
     else:
-        kept = raw != 0
+        kept = (value != 0) | negative_zero
         values = raw[kept]
         counts = kept.sum(dim=1)
         out = {"shape": torch.tensor(list(W.shape)), "row_offsets": torch.cumsum(counts, 0) - counts}
