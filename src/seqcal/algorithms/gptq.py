@@ -315,7 +315,11 @@ def gptq_quantize(
         qrange = (*quant_range(num_bits, type), "fp8" if type == "float" else "int")
     prunedT = None
     if pruned is not None:  # [in, out] in processing order, like WT
-        prunedT = pruned.T.contiguous().to(WT.device) if perm is None else pruned.T.to(WT.device).index_select(0, perm)
+        prunedT = (
+            pruned.T.contiguous().to(WT.device)
+            if perm is None
+            else pruned.T.to(WT.device).index_select(0, perm)
+        )
     QT, codes, row_loss = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT)
     del WT, Hinv
     Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
