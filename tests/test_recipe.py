@@ -14,6 +14,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from recipe_helpers import NEEDS_MISSING, assert_same, group_weights, round_trip
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
+from seqcal.modifiers.pruning import PruningModifier
 from seqcal.recipe.parse import Recipe, RecipeError, parse_recipe
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -49,8 +50,13 @@ def test_every_recipe_file_parses_and_round_trips(path: Path) -> None:
     assert first_line.startswith("# ") and len(first_line) > 20, "each recipe starts with a one-line comment"
     recipe = parse_recipe(path)
     assert recipe.source == str(path)
-    quantizers = [m for m in recipe.modifiers if not m.transforms]  # smoothing has no lm_head to leave out
-    assert quantizers and all(m.ignore == ["lm_head"] for m in quantizers)
+    pruners = [m for m in recipe.modifiers if isinstance(m, PruningModifier)]
+    quantizers = [
+        m for m in recipe.modifiers if not m.transforms and m not in pruners
+    ]  # smoothing: no lm_head
+    assert recipe.modifiers and all(m.ignore == ["lm_head"] for m in quantizers)
+    for m in pruners:  # llm-compressor's pruning recipes keep lm_head dense by a pattern or by their targets
+        assert m.ignore == ["re:.*lm_head"] or all(t.startswith("re:model.layers") for t in m.targets)
     round_trip(recipe)
 
 

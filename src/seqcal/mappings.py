@@ -411,7 +411,9 @@ def fold_scales(model: torch.nn.Module, mapping: Mapping, scales: torch.Tensor) 
     bias = getattr(producer, "bias", None)
     # A fused Linear producer wider than the scales (qkv_proj -> o_proj) feeds the consumers from its last
     # rows (the v part): only those are divided.
-    rows = slice(producer.weight.shape[0] - scales.shape[0], None) if mapping.kind == "linear" else slice(None)
+    rows = (
+        slice(producer.weight.shape[0] - scales.shape[0], None) if mapping.kind == "linear" else slice(None)
+    )
     with torch.no_grad():
         weight, new_bias = divide_producer(
             producer.weight.data[rows], None if bias is None else bias.data[rows], scales

@@ -29,8 +29,9 @@ CUDA_GRAPHS = False
 
 
 def quantize_columns(
-    WT: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple
-) -> tuple[Tensor, Tensor, Tensor]:
+    WT: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple,
+    pruned: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The GPTQ column loop on ``WT = W^T`` [in, out] float32, which it overwrites.
 
     Works on ``W^T`` so that a column of W is a contiguous row, and blocks twice (``block_size``, then
@@ -44,6 +45,9 @@ def quantize_columns(
         block_size: columns per lazy-update block.
         qrange: ``(qmin, qmax, grid)`` with ``grid`` one of ``WeightFormat.grid``'s values ("int", "fp8",
             "fp6", "fp4").
+        pruned: bool ``[in, out]`` in processing order, True where the weight is pruned (a sparsity mask):
+            those entries get the code of 0 (their only grid point) and their error is spread like any
+            rounding error, so they dequantize to exactly 0. None: no mask.
 
     Returns:
         ``(QT, codes, row_loss)`` in processing order: QT ``[in, out]`` float32 (in ``WT``'s memory), codes
@@ -63,7 +67,7 @@ def quantize_columns(
     symmetric = not bool(zeroT.any())  # then the zero point adds and subtracts nothing: skip those kernels
     gidx = col_group.to(WT.device)
     graph = None
-    if CUDA_GRAPHS and WT.is_cuda and n_in >= 2 * block_size:
+    if CUDA_GRAPHS and WT.is_cuda and n_in >= 2 * block_size and pruned is None:
         graph = BlockGraph(block_size, n_out, scaleT.shape[1], WT.device, qrange, symmetric)
     losses = torch.zeros(n_out, dtype=torch.float32, device=WT.device)
     for i1 in range(0, n_in, block_size):
@@ -76,7 +80,8 @@ def quantize_columns(
             W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
             Err1 = torch.empty_like(W1)  # [B, out]: scaled errors
             rows = [(scaleT[g], zeroT[g]) for g in groups[i1:i2]]
-            column_block(W1, CT[i1:i2], Err1, Hinv1, rows, qrange, symmetric)
+            keep = None if pruned is None else pruned[i1:i2]
+            column_block(W1, CT[i1:i2], Err1, Hinv1, rows, qrange, symmetric, keep)
         losses += (Err1 * Err1).sum(0)
         WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks
     codes = to_codes(CT.T, qrange[2])
@@ -87,15 +92,16 @@ def quantize_columns(
 
 
 def column_block(
-    W1: Tensor, C1: Tensor, Err1: Tensor, Hinv1: Tensor, qparams: list, qrange: tuple, symmetric: bool
-) -> None:
+    W1: Tensor, C1: Tensor, Err1: Tensor, Hinv1: Tensor, qparams: list, qrange: tuple, symmetric: bool,
+    pruned: Tensor | None = None,
+) -> None:  # fmt: skip
     """Quantize one block's columns in order, spreading each one's error over the block's later columns.
 
     ``W1`` [B, out] the block (updated in place), ``C1`` / ``Err1`` [B, out] receive the codes (as floats) and
     the scaled errors, ``Hinv1`` [B, B] the block's part of the inverse factor, ``qparams`` one ``(scale,
     zero)`` pair of [out] or [1] rows per column. Each column costs 7 small kernels (9 with a zero point, more
     for a float grid), all writing into preallocated rows: no allocation on the integer grid, so the loop can
-    be captured as a graph.
+    be captured as a graph. ``pruned`` [B, out] (or None): entries whose code is forced to that of 0.
     """
     qmin, qmax, grid = qrange
     w_rows, c_rows, e_rows = W1.unbind(0), C1.unbind(0), Err1.unbind(0)
@@ -115,6 +121,8 @@ def column_block(
                 c.round_()
             else:
                 c.copy_(round_grid(c, grid))
+            if pruned is not None:  # a pruned weight's grid is {0}: the zero point's code
+                c.copy_(torch.where(pruned[i], z, c))
             if symmetric:
                 torch.mul(c, s, out=err)
             else:

@@ -243,6 +243,7 @@ def gptq_quantize(
     scale_dtype: torch.dtype | None = None,
     fmt: WeightFormat | None = None,
     global_scale: Tensor | None = None,
+    pruned: Tensor | None = None,
 ) -> GPTQResult:
     """Quantize ``W`` with GPTQ given the Hessian ``H`` of its inputs.
 
@@ -270,6 +271,8 @@ def gptq_quantize(
             column loop, like the others.
         global_scale: NVFP4's float32 global scale, ``[1]`` or one per row ``[out, 1]`` (modules solved
             stacked keep their own); fixed before the solve (from the unquantized weights).
+        pruned: bool ``[out, in]`` sparsity mask (True = pruned, e.g. from SparseGPT): those weights are
+            quantized to exactly 0 and their error is compensated like rounding errors; None: no mask.
 
     Returns:
         :class:`GPTQResult`.
@@ -310,7 +313,14 @@ def gptq_quantize(
         scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
         zero32 = zero_point.float().reshape(scale32.shape)
         qrange = (*quant_range(num_bits, type), "fp8" if type == "float" else "int")
-    QT, codes, row_loss = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange)
+    prunedT = None
+    if pruned is not None:  # [in, out] in processing order, like WT
+        prunedT = (
+            pruned.T.contiguous().to(WT.device)
+            if perm is None
+            else pruned.T.to(WT.device).index_select(0, perm)
+        )
+    QT, codes, row_loss = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT)
     del WT, Hinv
     Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
     del QT

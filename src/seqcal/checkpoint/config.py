@@ -27,6 +27,7 @@ from compressed_tensors.quantization.quant_config import get_vllm_module_type
 from compressed_tensors.utils.match import is_match, match_named_modules, match_targets
 from torch import Tensor
 
+from seqcal.checkpoint.sparse import sparsity_block
 from seqcal.modifiers.base import RunState
 
 WRITABLE_FORMATS = (
@@ -308,5 +309,16 @@ def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayo
     config.dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
     config.architectures = [type(model).__name__]
     data = json.loads(config.to_json_string(use_diff=True))
-    data["quantization_config"] = _checked_block(model, state, layout)
+    data["quantization_config"] = (
+        sparse_only_block() if not state.quantized else _checked_block(model, state, layout)
+    )
+    if state.sparsity:  # pruned modules (seqcal.checkpoint.sparse)
+        names = {n: layout.checkpoint_names(n) for n in state.sparsity}
+        data["quantization_config"]["sparsity_config"] = sparsity_block(model, state, names)
     return data
+
+
+def sparse_only_block() -> dict:
+    """``quantization_config`` of a pruned, unquantized model: nothing but the sparsity_config (filled in)."""
+    return {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors", "format": "dense",
+            "sparsity_config": {}, "transform_config": {}}  # fmt: skip

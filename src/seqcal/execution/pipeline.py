@@ -227,7 +227,9 @@ def _run(
                 if weights is None:
                     return None
                 changed = [
-                    n for n in [*state.quantized, *state.edited] if any(n.startswith(m) for m in sg.modules)
+                    n
+                    for n in (*state.quantized, *state.edited, *state.sparsity)
+                    if any(n.startswith(m) for m in sg.modules)
                 ]
                 return weights.release(sg, changed)  # bytes copied back to the host
 
@@ -266,7 +268,7 @@ def one_pass_subgraphs(
         return None
     if not all(getattr(m, "input_only", False) for m in modifiers):
         return None
-    wanted = {n for m in modifiers for n in getattr(m, "modules", {})}
+    wanted = {n for m in modifiers for n in (*getattr(m, "modules", {}), *getattr(m, "pruned", {}))}
     if not wanted:
         return None
     # Only modules inside the layer stacks that the layer cut would trace around (the text decoder's

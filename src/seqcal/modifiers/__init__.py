@@ -5,6 +5,8 @@ from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.smoothquant import SmoothQuantModifier
+from seqcal.modifiers.sparsegpt import SparseGPTModifier
+from seqcal.modifiers.wanda import WandaPruningModifier
 
 # Recipe name -> class. A literal dict: a miss lists exactly these names.
 MODIFIERS: dict[str, type[Modifier]] = {
@@ -12,6 +14,8 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "GPTQModifier": GPTQModifier,
     "SmoothQuantModifier": SmoothQuantModifier,
     "AWQModifier": AWQModifier,
+    "SparseGPTModifier": SparseGPTModifier,
+    "WandaPruningModifier": WandaPruningModifier,
 }
 
 __all__ = [
@@ -23,4 +27,6 @@ __all__ = [
     "QuantizedWeight",
     "RunState",
     "SmoothQuantModifier",
+    "SparseGPTModifier",
+    "WandaPruningModifier",
 ]

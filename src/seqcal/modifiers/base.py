@@ -86,6 +86,9 @@ class RunState:
     # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
     # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
     device_budget: int | None = None
+    # Pruned modules -> their mask structure ("2:4", "0:0"), set by the pruning modifiers: a later quantizer
+    # keeps their zeros (GPTQ solves with the mask), the checkpoint records the sparsity.
+    sparsity: dict[str, str] = field(default_factory=dict)
     # The recipe's kv_cache_scheme (compressed-tensors QuantizationArgs) when the KV cache is quantized: written
     # to quantization_config; the scales themselves are the attention modules' k_scale / v_scale buffers.
     kv_cache_scheme: Any = None

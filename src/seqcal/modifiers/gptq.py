@@ -13,16 +13,15 @@ import torch
 
 from seqcal.algorithms import (
     GPTQNumericalError,
-    accumulate_hessian,
     gptq_quantize,
     relative_output_error,
     symmetrize_upper,
 )
 from seqcal.algorithms.smoothing import smoothed_hessian
 from seqcal.experts import every_token
-from seqcal.modifiers.activations import real_tokens
 from seqcal.modifiers.base import Fold, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
+from seqcal.modifiers.hessians import SharedInputs, add_hessian
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
@@ -31,19 +30,6 @@ logger = logging.getLogger("seqcal")
 
 # "group"/"dynamic" ordering (g_idx in the checkpoint) was removed from compressed-tensors and vLLM.
 ACTORDERS = (None, "static", "weight")
-
-
-@dataclass
-class _Accumulator:
-    """One Hessian shared by every module that reads the same input tensor (q/k/v, gate/up)."""
-
-    H: torch.Tensor | None = None
-    n: int = 0
-    upper: bool = False  # H is accumulated upper-only (on cpu); symmetrize_upper before it is used
-    # The input most recently added, held so that its identity cannot be reused by a later tensor
-    # (comparing data pointers is not enough: the allocator hands freed memory to the next batch).
-    last_input: torch.Tensor | None = None
-    last_version: int = -1
 
 
 @dataclass
@@ -97,7 +83,7 @@ class GPTQModifier(QuantizationModifier):
             order = getattr(order, "value", order)
             if order is not None and order not in ACTORDERS:
                 raise ValueError(f"{self.name}: weights.actorder={order!r} is not one of {ACTORDERS}")
-        self._acc: dict[str, _Accumulator] = {}
+        self._inputs = SharedInputs(add_hessian(self.hessian_products))  # Hessians by module name
         self._hessians: dict[tuple[int, str], torch.Tensor] = {}
         self._dense_solve = 0  # bytes of the model's largest solve outside routed experts (solve_chunks)
 
@@ -108,47 +94,17 @@ class GPTQModifier(QuantizationModifier):
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
-        shared: dict[int, _Accumulator] = {}  # id of the first batch's input -> accumulator
-        handles = []
-        try:
-            for name in names:
-                handles.append(
-                    model.get_submodule(name).register_forward_pre_hook(self._hook(name, shared, state))
-                )
-            # experts calibrated on all tokens only while H accumulates; static input scales from the same inputs
-            with every_token(model, names), self.inputs.hooks(names, model, state), \
-                    self.kv_hooks(subgraph, model, state):  # fmt: skip
-                yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            for acc in self._acc.values():
-                acc.last_input = None  # release the last batch's activations
-
-    def _hook(self, name: str, shared: dict, state: RunState) -> Any:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            x = args[0]
-            acc = self._acc.get(name)
-            if acc is None:  # first batch: modules fed the very same tensor share one accumulator
-                acc = shared.setdefault(id(x), _Accumulator())
-                self._acc[name] = acc
-            if acc.last_input is x and acc.last_version == x._version:
-                return  # a sibling (q after k, up after gate) already added this input
-            acc.last_input, acc.last_version = x, x._version
-            self._add(acc, x, state)
-
-        return hook
+        # experts calibrated on all tokens only while H accumulates; static input scales from the same inputs
+        with self._inputs.hooks(names, model, state), every_token(model, names), \
+                self.inputs.hooks(names, model, state), self.kv_hooks(subgraph, model, state):  # fmt: skip
+            yield
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         mine = [n for n in names if n in self.modules and n not in state.quantized]
         if not mine:
             return
         self.inputs.observe(mine, x, state)
-        acc = self._acc.get(mine[0])
-        if acc is None:  # first batch: the modules reading x share one accumulator
-            acc = _Accumulator()
-            self._acc.update(dict.fromkeys(mine, acc))
-        self._add(acc, x, state)
+        self._inputs.observe(mine, x, state)
 
     def on_fold(self, fold: Fold, model: torch.nn.Module, state: RunState) -> None:
         """Move the Hessians of the fold's consumers to the new inputs ``X / s``: ``H' = S^-1 H S^-1`` (exact).
@@ -156,30 +112,21 @@ class GPTQModifier(QuantizationModifier):
         Static input observers cannot be moved exactly (a per-tensor range of ``X / s`` is not a function of
         the range of ``X``): a fold after they observed is refused. The executor folds before they observe.
         """
-        consumers = [n for n in fold.mapping.consumers if n in self._acc]
+        consumers = [n for n in fold.mapping.consumers if n in self._inputs.acc]
         if seen := [n for n in fold.mapping.consumers if n in self.inputs.observers]:
             raise RuntimeError(
                 f"{self.name}: scales were folded into {seen[0]} after its static input observer saw inputs; "
                 "a transform must fold before the quantizers observe the group (modifier order in the recipe)"
             )
-        for acc in {id(self._acc[n]): self._acc[n] for n in consumers}.values():
+        for acc in {id(self._inputs.acc[n]): self._inputs.acc[n] for n in consumers}.values():
             if acc.H is not None:
                 acc.H = smoothed_hessian(acc.H, fold.scales)
-
-    def _add(self, acc: _Accumulator, x: torch.Tensor, state: RunState) -> None:
-        """Add one batch's input ``x`` ([..., in]) to ``acc``'s Hessian, without the padding tokens."""
-        X = real_tokens(x.detach(), state.token_mask)  # padding tokens carry no signal
-        if acc.H is None:  # the CPU's matmul is compute-bound: update only the upper triangle's blocks
-            acc.upper = X.device.type == "cpu"
-        acc.H, acc.n = accumulate_hessian(
-            acc.H, X, acc.n, getattr(torch, self.hessian_products), upper=acc.upper
-        )
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
         solved: dict[tuple[int, str], list[str]] = {}  # (accumulator, scheme) -> modules solved together
         for name in names:
-            acc = self._acc.pop(name, None)
+            acc = self._inputs.acc.pop(name, None)
             if acc is None or acc.H is None:
                 state.log.append(f"{name}: never called during calibration; quantized round-to-nearest")
                 self.prepare_global_scales(model, [name])
@@ -241,10 +188,12 @@ class GPTQModifier(QuantizationModifier):
             per_row_global = (
                 torch.cat([g.expand(r) for g, r in zip(globals_, rows)]).reshape(-1, 1).to(W.device)
             )
+        # pruned modules (SparseGPT, Wanda earlier in the recipe) keep their zeros through the solve
+        pruned = (W == 0) if any(n in state.sparsity for n in names) else None
         try:
             result = gptq_quantize(
                 W, H, block_size=self.block_size, dampening_frac=float(self.dampening_frac),
-                actorder=order, fmt=fmt, global_scale=per_row_global, **kw,
+                actorder=order, fmt=fmt, global_scale=per_row_global, pruned=pruned, **kw,
             )  # fmt: skip
         except GPTQNumericalError as exc:
             for name, module, g in zip(names, modules, globals_):

@@ -29,7 +29,7 @@ from seqcal.modifiers import MODIFIERS
 # fmt: off
 UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
     "AutoRoundModifier", "LogarithmicEqualizationModifier",
-    "SpinQuantModifier", "QuIPModifier", "SparseGPTModifier", "WandaPruningModifier", "MagnitudePruningModifier",
+    "SpinQuantModifier", "QuIPModifier", "MagnitudePruningModifier",
     "ConstantPruningModifier", "OutputDistillationModifier",
 )
 # fmt: on

@@ -1,0 +1,64 @@
+"""seqcal vs llm-compressor 0.14.0.1 on SmolLM2-135M-Instruct: SparseGPT 2:4 (+ GPTQ W4A16 g64) recipes.
+
+Both tools run the same recipe file on the same 128 x 512-token WikiText-2 valid windows (gptq_smollm2.py's
+calibration set); reports wall time, CPU time, peak RSS of the calibrating process and WikiText-2 test
+perplexity (2048-token windows) of each checkpoint, with gptq_smollm2.py's helpers.
+
+Usage (from the repo root; the peer venv comes from benchmarks/setup_peer.sh):
+    .venv/bin/python benchmarks/sparse_smollm2.py [--runs seqcal-sgpt24-w4g64,llmc-sgpt24-w4g64] [--eval-windows N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+import gptq_smollm2
+from gptq_smollm2 import ROOT, WORK, measure, perplexity
+
+RECIPES = {"sgpt24": "recipes/sparsegpt_2of4.yaml", "sgpt24-w4g64": "recipes/sparsegpt_2of4_w4a16_g64.yaml"}
+TOOLS = {"seqcal": [".venv/bin/python"], "llmc": [".peer-venv/bin/python"]}
+RUNS = {f"{tool}-{name}": (tool, recipe) for name, recipe in RECIPES.items() for tool in TOOLS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--eval-windows", type=int, default=None, help="default: the whole test set")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--wiki", default=str(gptq_smollm2.WIKI), help="folder with wiki.{valid,test}.raw")
+    args = parser.parse_args()
+    WIKI = gptq_smollm2.WIKI = Path(args.wiki)  # perplexity() reads the test text from there
+    from seqcal.models import default_model_dir
+
+    model = default_model_dir()
+    WORK.mkdir(parents=True, exist_ok=True)
+    tokens = WORK / f"calib_{args.samples}x{args.seq}.safetensors"
+    if not tokens.exists():
+        subprocess.run([".venv/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
+                        str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
+                        "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    results = {}
+    for name in args.runs.split(","):
+        tool, recipe = RUNS[name]
+        out = WORK / name
+        cmd = [*TOOLS[tool], "benchmarks/_run_recipe.py", "--tool", tool, "--recipe", recipe, "--model", str(model),
+               "--tokens", str(tokens), "--out", str(out)]  # fmt: skip
+        wall, cpu, rss, last = measure(cmd)
+        ppl = perplexity(out, args.eval_windows)
+        results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
+                         "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
+        print(
+            f"{name:<22} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
+            flush=True,
+        )
+        (WORK / "sparse_results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
