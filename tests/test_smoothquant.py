@@ -89,8 +89,8 @@ def test_gptq_moves_its_accumulated_hessian_on_a_fold() -> None:
     )
     gptq.on_fold(Fold(mapping, s), model, state)
     want, _ = accumulate_hessian(None, x / s, 0)
-    got = gptq._acc[mapping.consumers[0]].H.clone()
-    if gptq._acc[mapping.consumers[0]].upper:  # CPU accumulates the upper triangle only
+    got = gptq._inputs.acc[mapping.consumers[0]].H.clone()
+    if gptq._inputs.acc[mapping.consumers[0]].upper:  # CPU accumulates the upper triangle only
         got, want = torch.triu(got), torch.triu(want)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
