@@ -15,6 +15,7 @@ from seqcal.algorithms import (
     GPTQNumericalError,
     accumulate_hessian,
     gptq_quantize,
+    importance_from_hessian,
     relative_output_error,
     symmetrize_upper,
 )
@@ -22,6 +23,7 @@ from seqcal.experts import every_token
 from seqcal.modifiers.activations import real_tokens
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
+from seqcal.modifiers.importance import usable_importance, uses_importance
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
@@ -165,9 +167,11 @@ class GPTQModifier(QuantizationModifier):
             if acc is None or acc.H is None:
                 state.log.append(f"{name}: never called during calibration; quantized round-to-nearest")
                 self.prepare_global_scales(model, [name])
+                module, scheme = model.get_submodule(name), self.modules[name]
                 state.quantized[name] = rtn_quantize_module(
-                    model.get_submodule(name), self.modules[name], self._global_scales.get(name)
-                )
+                    module, scheme, self._global_scales.get(name),
+                    importance=usable_importance(name, scheme, None, module.weight.shape[1], state),
+                )  # fmt: skip
                 continue
             # Rows of a weight are solved independently given H: modules reading the same input (q/k/v,
             # gate/up) are stacked into one solve, one Cholesky and one column loop instead of several.
@@ -223,15 +227,18 @@ class GPTQModifier(QuantizationModifier):
             per_row_global = (
                 torch.cat([g.expand(r) for g, r in zip(globals_, rows)]).reshape(-1, 1).to(W.device)
             )
+        # imatrix_mse: E[x^2] is the Hessian's diagonal / 2, no second accumulation
+        importance = importance_from_hessian(H) if uses_importance(scheme) else None
+        importance = usable_importance(", ".join(names), scheme, importance, W.shape[1], state)
         try:
             result = gptq_quantize(
                 W, H, block_size=self.block_size, dampening_frac=float(self.dampening_frac),
-                actorder=order, fmt=fmt, global_scale=per_row_global, **kw,
+                actorder=order, fmt=fmt, global_scale=per_row_global, importance=importance, **kw,
             )  # fmt: skip
         except GPTQNumericalError as exc:
             for name, module, g in zip(names, modules, globals_):
                 state.log.append(f"{name}: GPTQ failed ({exc}); fell back to round-to-nearest")
-                state.quantized[name] = rtn_quantize_module(module, scheme, g)
+                state.quantized[name] = rtn_quantize_module(module, scheme, g, importance=importance)
             return
         if result.retries:
             state.log.append(f"{', '.join(names)}: Cholesky needed {result.retries} retries "
