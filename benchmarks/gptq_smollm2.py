@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "benchmarks" / ".work"
-WIKI = ROOT.parent / "shared" / "data"
+WIKI = Path(os.environ.get("SEQCAL_BENCH_DATA", ROOT.parent / "shared" / "data"))  # WikiText-2 raw text
 # the two venvs (relative to the repository root unless absolute): SEQCAL_BENCH_VENV / SEQCAL_BENCH_PEER_VENV
 VENV = os.environ.get("SEQCAL_BENCH_VENV", ".venv")
 SEQCAL = [f"{VENV}/bin/python", "benchmarks/_run_seqcal.py"]

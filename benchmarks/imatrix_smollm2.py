@@ -7,7 +7,7 @@ results are written to ``benchmarks/.work/imatrix_results.json`` after every run
 
 Usage (from the repo root):
     .venv/bin/python benchmarks/imatrix_smollm2.py [--runs seqcal-gptq-imatrix,llmc-gptq-imatrix,...]
-        [--eval-windows N]
+        [--eval-windows N] [--samples N]
 """
 
 from __future__ import annotations
@@ -39,15 +39,16 @@ def main() -> None:
     )
     parser.add_argument("--runs", default=",".join(RUNS))
     parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument("--samples", type=int, default=128, help="calibration windows of 512 tokens")
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 
     model = default_model_dir()
     WORK.mkdir(parents=True, exist_ok=True)
-    tokens = WORK / "calib_128x512.safetensors"
+    tokens = WORK / f"calib_{args.samples}x512.safetensors"
     if not tokens.exists():
         subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
-                        str(WIKI / "wiki.valid.raw"), "--samples", "128", "--seq", "512", "--out", str(tokens)],
+                        str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", "512", "--out", str(tokens)],
                        cwd=ROOT, check=True)  # fmt: skip
     path = WORK / "imatrix_results.json"
     results = json.loads(path.read_text()) if path.exists() else {}
@@ -56,12 +57,12 @@ def main() -> None:
         os.environ.pop("SEQCAL_BENCH_OBSERVER", None)
         if observer:
             os.environ["SEQCAL_BENCH_OBSERVER"] = observer
-        out = WORK / name
+        out = WORK / f"{name}-{args.samples}"
         wall, cpu, rss, last = measure(
             [*cmd, "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
         )
         ppl = perplexity(out, args.eval_windows)
-        results[name] = {"observer": observer or "minmax", "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+        results[f"{name} ({args.samples} x 512)"] = {"observer": observer or "minmax", "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
                          "peak_rss_gb": round(rss, 2), "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
         print(
             f"{name:<20} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
