@@ -33,7 +33,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     cls = GPTQModifier if args.algo == "gptq" else QuantizationModifier
     recipe = args.recipe or [cls(config_groups=SCHEME, ignore=["lm_head"])]
-    if args.algo == "awq" and not args.recipe:  # llm-compressor 0.14: AWQ scales, then the QuantizationModifier quantizes
+    if (
+        args.algo == "awq" and not args.recipe
+    ):  # llm-compressor 0.14: AWQ scales, then the QuantizationModifier quantizes
         from llmcompressor.modifiers.transform import AWQModifier
         from llmcompressor.pipelines.cache import IntermediatesCache
 

@@ -9,3 +9,6 @@ GROUP_SIZE = int(os.environ.get("SEQCAL_BENCH_GROUP_SIZE", "64"))
 SYMMETRIC = os.environ.get("SEQCAL_BENCH_SYMMETRIC", "1") != "0"
 SCHEME = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": SYMMETRIC,
                                                          "strategy": "group", "group_size": GROUP_SIZE}}}  # fmt: skip
+# SEQCAL_BENCH_OBSERVER sets the weight observer (mse, imatrix_mse, ...) for both runners; unset: the default.
+if os.environ.get("SEQCAL_BENCH_OBSERVER"):
+    SCHEME["group_0"]["weights"]["observer"] = os.environ["SEQCAL_BENCH_OBSERVER"]

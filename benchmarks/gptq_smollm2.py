@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,9 +19,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "benchmarks" / ".work"
-WIKI = ROOT.parent / "shared" / "data"
-SEQCAL = [".venv/bin/python", "benchmarks/_run_seqcal.py"]
-PEER = [".peer-venv/bin/python", "benchmarks/_run_llmcompressor.py"]
+WIKI = Path(os.environ.get("SEQCAL_BENCH_DATA", ROOT.parent / "shared" / "data"))  # WikiText-2 raw text
+# the two venvs (relative to the repository root unless absolute): SEQCAL_BENCH_VENV / SEQCAL_BENCH_PEER_VENV
+VENV = os.environ.get("SEQCAL_BENCH_VENV", ".venv")
+SEQCAL = [f"{VENV}/bin/python", "benchmarks/_run_seqcal.py"]
+PEER = [
+    f"{os.environ.get('SEQCAL_BENCH_PEER_VENV', '.peer-venv')}/bin/python",
+    "benchmarks/_run_llmcompressor.py",
+]
 BF16 = [*SEQCAL, "--algo", "gptq", "--dtype", "bfloat16"]
 RUNS = {
     "seqcal-gptq-bf16-h16": [*BF16, "--hessian-products", "bfloat16"],
@@ -60,7 +66,7 @@ def perplexity(checkpoint: Path, windows: int | None) -> float:
         f"max_windows={windows!r}, progress=False); print(r.ppl, r.windows)"
     )
     out = subprocess.run(
-        [".venv/bin/python", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+        [f"{VENV}/bin/python", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
     return float(out.stdout.split()[-2])
 
@@ -82,7 +88,7 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     tokens = WORK / f"calib_{args.samples}x{args.seq}.safetensors"
     if not tokens.exists():
-        subprocess.run([".venv/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
+        subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
                         "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
     results = {}

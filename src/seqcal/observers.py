@@ -21,17 +21,24 @@ Example:
     >>> obs = make_observer(args)
     >>> obs.update(torch.randn(32, 64))
     >>> scale, zero_point = obs.qparams()
+
+Weight observers (``weights.observer``: minmax, mse, imatrix_mse, ...) are range searches run once per weight
+(``seqcal.algorithms.observe``); :func:`check_weight_observer` refuses a name or setting they do not have, and
+:func:`apply_observer_overrides` applies the modifier-level ``weight_observer`` / ``input_observer`` /
+``observer`` arguments as llm-compressor does.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from compressed_tensors.quantization import QuantizationArgs
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from torch import Tensor
 
+from seqcal.algorithms import OBSERVERS as WEIGHT_OBSERVERS
 from seqcal.algorithms import compute_qparams, observe_mse
 
 Range = tuple[Tensor, Tensor]
@@ -203,3 +210,105 @@ def make_observer(args: QuantizationArgs) -> ActivationObserver:
     """
     check_static_input(args, "input_activations")
     return OBSERVERS[observer_name(args)](args)
+
+
+# llm-compressor's NVFP4 range-expansion observers: their search runs on fp4 groups, which seqcal's search
+# does not quantize with yet.
+_NOT_YET = ("nvfp4_expanded_mse", "fouroversix", "nvfp4_expanded_imatrix")
+
+
+def _search_setting_error(name: str, kw: dict) -> str | None:
+    """What is wrong with a weight search's ``observer_kwargs`` (llm-compressor's checks), or None."""
+    number = (int, float)
+    if name == "imatrix_mse":
+        grid, patience, maxshrink = kw.get("grid", 20), kw.get("patience", 5), kw.get("maxshrink", 0.95)
+        norm = kw.get("norm", 3.0)
+        if not isinstance(grid, number) or grid <= 0:
+            return f"grid must be > 0, got {grid!r}"
+        if not isinstance(patience, number) or patience < 0:
+            return f"patience must be >= 0, got {patience!r}"
+        if not isinstance(maxshrink, number) or not 0 <= maxshrink <= 1:
+            return f"maxshrink must be in [0, 1], got {maxshrink!r}"
+        if isinstance(norm, bool) or not isinstance(norm, number) or not math.isfinite(norm) or norm <= 0:
+            return f"norm must be a finite positive number, got {norm!r}"
+    elif name in ("mse", "memoryless_mse") and kw.get("expand", 1.0) < 1.0:
+        return f"expand must be at least 1.0, got {kw['expand']!r}"
+    return None
+
+
+def check_weight_observer(args: QuantizationArgs, where: str) -> None:
+    """Refuse a weight observer seqcal does not have, or search settings llm-compressor would refuse.
+
+    Args:
+        args: a scheme's ``weights``.
+        where: the modifier and group, for the message.
+
+    Raises:
+        ValueError: one sentence naming the valid observers or the bad setting.
+
+    Example:
+        >>> check_weight_observer(QuantizationArgs(num_bits=4, observer="imatrix_mse"), "GPTQModifier")
+    """
+    name = args.observer or DEFAULT_OBSERVER
+    if name in _NOT_YET:
+        raise ValueError(
+            f"{where}: weight observer {name!r} (NVFP4 range expansion) is not supported yet; valid weight "
+            f"observers: {', '.join(WEIGHT_OBSERVERS)}"
+        )
+    if name not in WEIGHT_OBSERVERS:
+        raise ValueError(
+            f"{where}: weights observer {name!r} does not exist; valid weight observers: "
+            f"{', '.join(WEIGHT_OBSERVERS)}"
+        )
+    problem = _search_setting_error(name, dict(args.observer_kwargs or {}))
+    if problem:
+        raise ValueError(f"{where}: weights observer_kwargs of {name!r}: {problem}")
+
+
+def apply_observer_overrides(
+    groups: dict[str, QuantizationScheme],
+    where: str,
+    weight_observer: str | None = None,
+    input_observer: str | None = None,
+    output_observer: str | None = None,
+    observer: dict[str, str] | None = None,
+) -> None:
+    """Set the observers named by a modifier's arguments on every group's args, as llm-compressor does.
+
+    ``observer`` (keys ``weights``, ``input``, ``output``) takes precedence; giving it together with one of the
+    single arguments is an error. Args a group does not have (no input activations) are left alone, and so are
+    dynamic ones (they have no observer).
+
+    Args:
+        groups: group name -> scheme (changed in place).
+        where: the modifier, for messages.
+        weight_observer, input_observer, output_observer, observer: the modifier's arguments.
+
+    Raises:
+        ValueError: both forms given, or an unknown key or non-string value in ``observer``.
+
+    Example:
+        >>> apply_observer_overrides(groups, "GPTQModifier", weight_observer="mse")  # doctest: +SKIP
+    """
+    single = {"weights": weight_observer, "input": input_observer, "output": output_observer}
+    if observer is not None:
+        if any(v is not None for v in single.values()):
+            raise ValueError(
+                f"{where}: give either weight_observer / input_observer / output_observer or observer, not both"
+            )
+        if not isinstance(observer, dict):
+            raise ValueError(
+                f"{where}: observer must be a mapping such as {{weights: mse}}, got {observer!r}"
+            )
+        for key, value in observer.items():
+            if key not in single or not isinstance(value, str):
+                raise ValueError(
+                    f"{where}: observer has {key!r}: {value!r}; keys are weights, input, output and values names"
+                )
+        single = {k: observer.get(k) for k in single}
+    attrs = {"weights": "weights", "input": "input_activations", "output": "output_activations"}
+    for key, name in single.items():
+        for scheme in groups.values():
+            args = getattr(scheme, attrs[key])
+            if name is not None and args is not None and args.dynamic is not True:
+                args.observer = name

@@ -1,6 +1,7 @@
 """Pure tensor math for post-training quantization (no hooks, no modules, no config).
 
-``quant``: qparams, observers, (fake-)quantization, in the compressed-tensors convention.
+``quant``: qparams and (fake-)quantization, in the compressed-tensors convention. ``observe``: weight
+observers (min-max, MSE and importance-weighted MSE range searches).
 ``packing``: int32 packing of low-bit codes. ``hessian``: the layer Hessian and errors measured with it.
 ``gptq``: the GPTQ solver. ``formats`` (with ``fp4``, ``blocks``): block fp8, NVFP4 and MX weight formats.
 """
@@ -8,21 +9,27 @@
 from seqcal.algorithms import formats
 from seqcal.algorithms.gptq import ACTORDER, GPTQNumericalError, GPTQResult, gptq_quantize
 from seqcal.algorithms.hessian import UPPER_BLOCK, accumulate_hessian, relative_output_error, symmetrize_upper
+from seqcal.algorithms.observe import (
+    OBSERVERS,
+    check_importance,
+    importance_from_hessian,
+    observe_imatrix_mse,
+    observe_minmax,
+    observe_mse,
+    observe_weight,
+    weight_qparams,
+)
 from seqcal.algorithms.packing import pack_int32, unpack_int32
 from seqcal.algorithms.quant import (
     FP8_DTYPE,
-    OBSERVERS,
     STRATEGIES,
     code_dtype,
     compute_qparams,
     dequantize,
     fake_quantize,
     fake_quantize_per_token,
-    observe_minmax,
-    observe_mse,
     quant_range,
     quantize,
-    weight_qparams,
 )
 
 __all__ = [
@@ -34,6 +41,10 @@ __all__ = [
     "GPTQNumericalError",
     "GPTQResult",
     "accumulate_hessian",
+    "check_importance",
+    "importance_from_hessian",
+    "observe_imatrix_mse",
+    "observe_weight",
     "code_dtype",
     "compute_qparams",
     "dequantize",

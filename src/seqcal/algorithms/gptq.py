@@ -23,13 +23,8 @@ from torch import Tensor
 from seqcal.algorithms import formats
 from seqcal.algorithms.columns import quantize_columns
 from seqcal.algorithms.formats import WeightFormat
-from seqcal.algorithms.quant import (
-    STRATEGIES,
-    QuantType,
-    Strategy,
-    quant_range,
-    weight_qparams,
-)
+from seqcal.algorithms.observe import weight_qparams
+from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
 
 # "static" and "dynamic" are compressed-tensors' aliases of "weight" and "group"
 ACTORDER: dict[str, str] = {"weight": "weight", "static": "weight", "group": "group", "dynamic": "group"}
@@ -193,6 +188,8 @@ def _weight_and_qparams(
         scale, zero_point = weight_qparams(W32, **qkw)
         return W32.T.index_select(0, perm), scale, zero_point, col_group[perm], None
     W32 = W32[:, perm]
+    if qkw.get("importance") is not None:  # the importance follows its columns
+        qkw = {**qkw, "importance": qkw["importance"][perm]}
     scale, zero_point = weight_qparams(W32, **qkw)  # groups of consecutive *permuted* columns
     g_idx = col_group[torch.argsort(perm)].to(torch.int32) if qkw["strategy"] == "group" else None
     return W32.T.contiguous(), scale, zero_point, col_group, g_idx
@@ -238,6 +235,8 @@ def gptq_quantize(
     dampening_frac: float = 0.01,
     actorder: Literal["static", "weight", "group", "dynamic"] | None = None,
     observer: str = "minmax",
+    observer_kwargs: dict | None = None,
+    importance: Tensor | None = None,
     max_retries: int = 3,
     damp_growth: float = 10.0,
     scale_dtype: torch.dtype | None = None,
@@ -263,7 +262,11 @@ def gptq_quantize(
         block_size: columns per lazy-update block.
         dampening_frac: relative dampening added to the diagonal.
         actorder: None, ``"static"``/``"weight"`` or ``"group"``/``"dynamic"``.
-        observer: ``"minmax"`` or ``"mse"``.
+        observer: a weight observer of ``seqcal.algorithms.observe.OBSERVERS`` (``"minmax"``, ``"mse"``,
+            ``"imatrix_mse"``, ...); its qparams are observed once, before the column loop, on the masked weight.
+        observer_kwargs: the observer's search settings (``maxshrink``, ``grid``, ``patience``, ``norm``, ...).
+        importance: ``[in]`` column importance ``E[x_j^2]`` for ``"imatrix_mse"``
+            (``seqcal.algorithms.observe.importance_from_hessian(H)``), or None.
         max_retries, damp_growth: dampening retry policy.
         scale_dtype: dtype of the stored scale; default W's dtype (float16 if W is not a float).
         fmt: a block fp8 / NVFP4 / MX format (``seqcal.algorithms.formats``); overrides num_bits, symmetric,
@@ -290,7 +293,7 @@ def gptq_quantize(
     if scale_dtype is None:
         scale_dtype = W.dtype if W.dtype.is_floating_point and W.dtype.itemsize >= 2 else torch.float16
     qkw = dict(num_bits=num_bits, symmetric=symmetric, strategy=strategy, group_size=group_size)
-    qkw.update(type=type, observer=observer)
+    qkw.update(type=type, observer=observer, observer_kwargs=observer_kwargs, importance=importance)
 
     # float32 on W's device; no copy when it already is (it is only read)
     H32 = H.detach().to(device=W.device, dtype=torch.float32)  # [in, in]

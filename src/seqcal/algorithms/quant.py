@@ -18,7 +18,6 @@ results match it bit for bit. FP8 (``type="float"``, ``num_bits=8``) rounds by c
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -27,10 +26,21 @@ from torch import Tensor
 from seqcal.algorithms.packing import pack_int32 as pack_int32
 from seqcal.algorithms.packing import unpack_int32 as unpack_int32
 
+# The weight observers moved to seqcal.algorithms.observe; these names still import from here.
+_MOVED = ("OBSERVERS", "observe_minmax", "observe_mse", "weight_qparams")
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:  # imported on first use: observe imports this module
+        from seqcal.algorithms import observe
+
+        return getattr(observe, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 QuantType = Literal["int", "float"]
 Strategy = Literal["tensor", "channel", "group"]
 STRATEGIES: tuple[str, ...] = ("tensor", "channel", "group")
-OBSERVERS: tuple[str, ...] = ("minmax", "mse")
 FP8_DTYPE = torch.float8_e4m3fn
 
 
@@ -155,119 +165,6 @@ def _qparams_shape(W: Tensor, strategy: Strategy, group_size: int | None) -> tup
     return (*W.shape[:-1], W.shape[-1] // group_size)
 
 
-def observe_minmax(W: Tensor, *, strategy: Strategy, group_size: int | None = None) -> tuple[Tensor, Tensor]:
-    """Min-max observer (compressed-tensors / llm-compressor ``"minmax"``).
-
-    Args:
-        W: weight ``[out, in]``.
-        strategy: ``"tensor"``, ``"channel"`` or ``"group"``.
-        group_size: columns per group (group strategy only).
-
-    Returns:
-        ``(w_min, w_max)`` shaped ``[]`` (tensor), ``[out, 1]`` (channel) or ``[out, G]`` (group),
-        in W's dtype.
-
-    Example:
-        >>> lo, hi = observe_minmax(torch.randn(8, 64), strategy="group", group_size=32)
-        >>> lo.shape
-        torch.Size([8, 2])
-    """
-    rows = _as_rows(W, strategy, group_size)  # [R, k]
-    shape = _qparams_shape(W, strategy, group_size)
-    return rows.amin(dim=-1).reshape(shape), rows.amax(dim=-1).reshape(shape)
-
-
-def observe_mse(
-    W: Tensor,
-    *,
-    strategy: Strategy,
-    num_bits: int,
-    symmetric: bool,
-    group_size: int | None = None,
-    type: QuantType = "int",
-    maxshrink: float = 0.2,
-    grid: int = 100,
-    patience: int = 5,
-    norm: float = 2.4,
-) -> tuple[Tensor, Tensor]:
-    """MSE-search observer: shrink the min-max range to minimise the quantization error.
-
-    Tries ``p = 1, 1 - 1/grid, ...`` (down to ``1 - maxshrink``) times the min-max range per qparam
-    row and keeps the ``p`` with the lowest ``sum |fake_quant(W) - W| ** norm``, stopping after
-    ``patience`` steps without improvement (llm-compressor ``"mse"`` observer defaults). Errors are
-    summed in float32.
-
-    Args:
-        W: weight ``[out, in]``.
-        strategy, group_size: as in :func:`observe_minmax`.
-        num_bits, symmetric, type: the target format (the search quantizes with it).
-        maxshrink, grid, patience, norm: search settings.
-
-    Returns:
-        ``(w_min, w_max)`` shaped like :func:`observe_minmax`'s.
-
-    Example:
-        >>> lo, hi = observe_mse(torch.randn(8, 64), strategy="channel", num_bits=4, symmetric=True)
-    """
-    rows = _as_rows(W, strategy, group_size)  # [R, k]
-    lo, hi = rows.amin(dim=-1), rows.amax(dim=-1)  # [R]
-    best_lo, best_hi = lo.clone(), hi.clone()
-    best_err = torch.full(lo.shape, math.inf, dtype=torch.float32, device=W.device)
-    stale = 0
-    for i in range(int(maxshrink * grid)):
-        p = 1 - i / grid
-        scale, zero = compute_qparams(p * lo, p * hi, num_bits=num_bits, symmetric=symmetric, type=type)
-        Q = fake_quantize(rows, scale.reshape(-1, 1), zero.reshape(-1, 1), num_bits=num_bits, type=type)
-        err = (Q.float() - rows.float()).abs().pow(norm).sum(dim=-1)  # [R]
-        better = err < best_err
-        if better.any():
-            best_err[better], best_lo[better], best_hi[better] = err[better], p * lo[better], p * hi[better]
-            stale = 0
-        else:
-            stale += 1
-            if stale >= patience:
-                break
-    shape = _qparams_shape(W, strategy, group_size)
-    return best_lo.reshape(shape), best_hi.reshape(shape)
-
-
-def weight_qparams(
-    W: Tensor,
-    *,
-    num_bits: int,
-    symmetric: bool,
-    strategy: Strategy,
-    group_size: int | None = None,
-    type: QuantType = "int",
-    observer: str = "minmax",
-) -> tuple[Tensor, Tensor]:
-    """Observe ``W`` and compute its qparams, in W's dtype (as llm-compressor does for RTN).
-
-    Args:
-        W: weight ``[out, in]``.
-        num_bits, symmetric, type: the target format.
-        strategy, group_size: qparam granularity.
-        observer: ``"minmax"`` or ``"mse"``.
-
-    Returns:
-        ``(scale, zero_point)`` with the shapes listed in the module docstring.
-
-    Example:
-        >>> s, z = weight_qparams(torch.randn(8, 64), num_bits=4, symmetric=True, strategy="group", group_size=32)
-        >>> s.shape, z.dtype
-        (torch.Size([8, 2]), torch.int8)
-    """
-    if observer == "minmax":
-        w_min, w_max = observe_minmax(W, strategy=strategy, group_size=group_size)
-    elif observer == "mse":
-        w_min, w_max = observe_mse(
-            W, strategy=strategy, group_size=group_size, num_bits=num_bits, symmetric=symmetric, type=type
-        )
-    else:
-        raise ValueError(f"unknown observer {observer!r}; valid: {OBSERVERS}")
-    return compute_qparams(w_min, w_max, num_bits=num_bits, symmetric=symmetric, type=type)
-
-
 def _broadcastable(
     W: Tensor, p: Tensor, group_size: int | None, g_idx: Tensor | None
 ) -> tuple[Tensor, Tensor]:
@@ -318,7 +215,7 @@ def quantize(
         Codes shaped like ``W``: int8 for ``"int"``, float8_e4m3fn for ``"float"``.
 
     Example:
-        >>> W = torch.randn(4, 64); s, z = weight_qparams(W, num_bits=4, symmetric=True, strategy="channel")
+        >>> W = torch.randn(4, 64); s, z = compute_qparams(W.amin(1, True), W.amax(1, True), num_bits=4, symmetric=True)
         >>> quantize(W, s, z, num_bits=4).dtype
         torch.int8
     """
@@ -379,7 +276,7 @@ def fake_quantize(
 
     Example:
         >>> W = torch.tensor([[0.1, -0.52, 1.0]])  # scale 1 / 7.5; 1.0 -> code 7.5 is clamped to 7
-        >>> s, z = weight_qparams(W, num_bits=4, symmetric=True, strategy="channel")
+        >>> s, z = compute_qparams(W.amin(1, True), W.amax(1, True), num_bits=4, symmetric=True)
         >>> fake_quantize(W, s, z, num_bits=4)
         tensor([[ 0.1333, -0.5333,  0.9333]])
     """

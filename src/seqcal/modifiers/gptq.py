@@ -14,6 +14,7 @@ import torch
 from seqcal.algorithms import (
     GPTQNumericalError,
     gptq_quantize,
+    importance_from_hessian,
     relative_output_error,
     symmetrize_upper,
 )
@@ -22,6 +23,7 @@ from seqcal.experts import every_token
 from seqcal.modifiers.base import Fold, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.hessians import SharedInputs, add_hessian
+from seqcal.modifiers.importance import usable_importance, uses_importance
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
@@ -130,9 +132,11 @@ class GPTQModifier(QuantizationModifier):
             if acc is None or acc.H is None:
                 state.log.append(f"{name}: never called during calibration; quantized round-to-nearest")
                 self.prepare_global_scales(model, [name])
+                module, scheme = model.get_submodule(name), self.modules[name]
                 state.quantized[name] = rtn_quantize_module(
-                    model.get_submodule(name), self.modules[name], self._global_scales.get(name)
-                )
+                    module, scheme, self._global_scales.get(name),
+                    importance=usable_importance(name, scheme, None, module.weight.shape[1], state),
+                )  # fmt: skip
                 continue
             # Rows of a weight are solved independently given H: modules reading the same input (q/k/v,
             # gate/up) are stacked into one solve, one Cholesky and one column loop instead of several.
@@ -190,15 +194,18 @@ class GPTQModifier(QuantizationModifier):
             )
         # pruned modules (SparseGPT, Wanda earlier in the recipe) keep their zeros through the solve
         pruned = (W == 0) if any(n in state.sparsity for n in names) else None
+        # imatrix_mse: E[x^2] is the Hessian's diagonal / 2, no second accumulation
+        importance = importance_from_hessian(H) if uses_importance(scheme) else None
+        importance = usable_importance(", ".join(names), scheme, importance, W.shape[1], state)
         try:
             result = gptq_quantize(
                 W, H, block_size=self.block_size, dampening_frac=float(self.dampening_frac),
-                actorder=order, fmt=fmt, global_scale=per_row_global, pruned=pruned, **kw,
+                actorder=order, fmt=fmt, global_scale=per_row_global, pruned=pruned, importance=importance, **kw,
             )  # fmt: skip
         except GPTQNumericalError as exc:
             for name, module, g in zip(names, modules, globals_):
                 state.log.append(f"{name}: GPTQ failed ({exc}); fell back to round-to-nearest")
-                state.quantized[name] = rtn_quantize_module(module, scheme, g)
+                state.quantized[name] = rtn_quantize_module(module, scheme, g, importance=importance)
             return
         if result.retries:
             state.log.append(f"{', '.join(names)}: Cholesky needed {result.retries} retries "

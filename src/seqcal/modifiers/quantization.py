@@ -1,4 +1,7 @@
-"""QuantizationModifier: round-to-nearest weight quantization (data-free), llm-compressor's arguments."""
+"""QuantizationModifier: round-to-nearest weight quantization, llm-compressor's arguments.
+
+Data-free, unless static input activations or the imatrix_mse weight observer need calibration inputs.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ from seqcal.algorithms import fake_quantize, formats, quantize, weight_qparams
 from seqcal.modifiers.activations import InputCalibration, static_inputs
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
+from seqcal.modifiers.importance import ImportanceCalibration, usable_importance, uses_importance
 from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
-from seqcal.modifiers.schemes import resolve_modules, resolve_schemes, strategy_of
+from seqcal.modifiers.schemes import check_supported, resolve_modules, resolve_schemes, strategy_of
+from seqcal.observers import apply_observer_overrides
 from seqcal.tracing.partition import Subgraph
 
 
@@ -32,6 +37,12 @@ class QuantizationModifier(Modifier):
         kv_cache_scheme: fp8 KV cache with static scales (QuantizationArgs fields: num_bits 8, type float,
             strategy tensor or attn_head): k_scale / v_scale of each attention module are calibrated on the keys
             and values it caches (``seqcal.modifiers.kv_cache``); the run then cuts after each layer.
+        weight_observer, input_observer, output_observer: observer names that override the scheme's
+            (llm-compressor's arguments), e.g. weight_observer="imatrix_mse".
+        observer: the same as a mapping {weights: ..., input: ..., output: ...} (not together with the above).
+
+    Weight observers are llm-compressor's: minmax (default), mse, imatrix_mse (MSE weighted by the inputs'
+    E[x^2], which makes this modifier calibrate on data). See seqcal.algorithms.observe.
 
     Example:
         >>> QuantizationModifier(scheme="W4A16", ignore=["lm_head"])  # doctest: +SKIP
@@ -45,6 +56,10 @@ class QuantizationModifier(Modifier):
     config_groups: dict[str, Any] | None = None
     ignore: list[str] = field(default_factory=list)
     kv_cache_scheme: dict[str, Any] | None = None
+    weight_observer: str | None = None
+    input_observer: str | None = None
+    output_observer: str | None = None
+    observer: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore, str):
@@ -57,17 +72,31 @@ class QuantizationModifier(Modifier):
             self.needs_calibration = True
             self.input_only = False
         self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
+        self._override_observers()
         self.modules: dict[str, QuantizationScheme] = {}
         # modules vLLM merges into one weight (shared NVFP4 global scale); module -> NVFP4 global scale
         self._fused: list[tuple[str, ...]] = []
         self._global_scales: dict[str, torch.Tensor] = {}
         self.inputs = InputCalibration({})
-        if any(static_inputs(g) for g in self.groups.values()):
-            self.needs_calibration = True  # static input scales are calibrated on data
+        self.importance = ImportanceCalibration({})
+        if any(static_inputs(g) or uses_importance(g) for g in self.groups.values()):
+            self.needs_calibration = (
+                True  # static input scales and imatrix_mse weights are calibrated on data
+            )
+
+    def _override_observers(self) -> None:
+        """Apply weight_observer / input_observer / output_observer / observer to the groups, then check them."""
+        given = (self.weight_observer, self.input_observer, self.output_observer, self.observer)
+        if all(v is None for v in given):
+            return
+        apply_observer_overrides(self.groups, self.name, *given)
+        for name, group in self.groups.items():
+            check_supported(group, f"{self.name} group {name!r}")
 
     def validate(self, model: torch.nn.Module) -> None:
         self.modules = resolve_modules(model, self.groups, self.ignore, self.name)
         self.inputs = InputCalibration(self.modules)
+        self.importance = ImportanceCalibration(self.modules)
         if not self.modules:
             raise ValueError(
                 f"{self.name}: no Linear layer matches targets {self.targets!r} (ignore={self.ignore!r}); "
@@ -99,7 +128,9 @@ class QuantizationModifier(Modifier):
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
-        with self.inputs.hooks(names, model, state), self.kv_hooks(subgraph, model, state):
+        # static input scales, imatrix_mse's importance, KV-cache scales; nothing else needs data
+        with self.inputs.hooks(names, model, state), self.importance.hooks(names, model, state), \
+                self.kv_hooks(subgraph, model, state):  # fmt: skip
             yield
 
     def kv_hooks(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Any:
@@ -115,14 +146,18 @@ class QuantizationModifier(Modifier):
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         self.inputs.observe([n for n in names if n in self.modules], x, state)
+        self.importance.observe(names, x, state)
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
         self.prepare_global_scales(model, names)
         for name in names:
-            module = model.get_submodule(name)
+            module, scheme = model.get_submodule(name), self.modules[name]
+            importance = usable_importance(
+                name, scheme, self.importance.mean_square(name), module.weight.shape[-1], state
+            )
             state.quantized[name] = rtn_quantize_module(
-                module, self.modules[name], self._global_scales.get(name)
+                module, scheme, self._global_scales.get(name), importance=importance
             )
         self.inputs.finish(names, model, state)
         return self.kv_finish(subgraph, model) or bool(names)
@@ -142,11 +177,17 @@ def quant_kwargs(scheme: QuantizationScheme) -> dict[str, Any]:
         "strategy": strategy_of(w),
         "group_size": w.group_size if strategy_of(w) == "group" else None,
         "type": str(w.type.value if hasattr(w.type, "value") else w.type),
+        "observer": w.observer or "minmax",
+        "observer_kwargs": dict(w.observer_kwargs or {}),
     }
 
 
 def rtn_quantize_module(
-    module: torch.nn.Module, scheme: QuantizationScheme, global_scale: torch.Tensor | None = None
+    module: torch.nn.Module,
+    scheme: QuantizationScheme,
+    global_scale: torch.Tensor | None = None,
+    *,
+    importance: torch.Tensor | None = None,
 ) -> QuantizedWeight:
     """Round-to-nearest quantize ``module.weight`` in place (fake-quantized) and return its compressed form.
 
@@ -155,6 +196,7 @@ def rtn_quantize_module(
         scheme: its scheme.
         global_scale: NVFP4's float32 [1] global scale (shared by a fused group); computed from this weight
             alone when None.
+        importance: ``[in]`` mean squared input per column for the ``imatrix_mse`` observer (None: uniform).
     """
     fmt = weight_format(scheme)
     W = module.weight.data  # [out, in]
@@ -167,11 +209,7 @@ def rtn_quantize_module(
         return QuantizedWeight(q=q, scale=scale, zero_point=zero_point, g_idx=None, scheme=scheme,
                                global_scale=global_scale if fmt.needs_global_scale else None)  # fmt: skip
     kw = quant_kwargs(scheme)
-    observer = scheme.weights.observer or "minmax"
-    scale, zero_point = weight_qparams(
-        W, num_bits=kw["num_bits"], symmetric=kw["symmetric"], strategy=kw["strategy"],
-        group_size=kw["group_size"], type=kw["type"], observer=observer if observer in ("minmax", "mse") else "minmax",
-    )  # fmt: skip
+    scale, zero_point = weight_qparams(W, **kw, importance=importance)
     qargs = {"num_bits": kw["num_bits"], "type": kw["type"], "group_size": kw["group_size"]}
     q = quantize(W, scale, zero_point, **qargs)
     module.weight.data = fake_quantize(W, scale, zero_point, **qargs)

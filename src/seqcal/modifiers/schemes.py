@@ -17,6 +17,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
 from seqcal.modifiers.activations import check_activations
+from seqcal.observers import check_weight_observer
 
 logger = logging.getLogger("seqcal")
 # difflib ratio from which a name that matches nothing is taken for a typo: "lm_haed" ~ "lm_head" (0.86),
@@ -130,6 +131,7 @@ def check_supported(scheme: QuantizationScheme, where: str) -> None:
             f"{where}: weight strategy {strategy!r} is not supported; use tensor, channel, group, block or "
             "tensor_group"
         )
+    check_weight_observer(weights, where)  # an unknown name or search setting, before any calibration
     _check_weight_format(weights, strategy, where)
     acts = scheme.input_activations
     if acts is not None and str(getattr(acts.dynamic, "value", acts.dynamic)) == "local":
