@@ -20,7 +20,7 @@ from seqcal.algorithms import (
 )
 from seqcal.experts import every_token
 from seqcal.modifiers.activations import real_tokens
-from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.base import QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
@@ -156,6 +156,33 @@ class GPTQModifier(QuantizationModifier):
         acc.H, acc.n = accumulate_hessian(
             acc.H, X, acc.n, getattr(torch, self.hessian_products), upper=acc.upper
         )
+
+    def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
+        """Per shared Hessian ``hessian:<modules>``: ``H`` as a sum (the running mean times its tokens) and
+        ``tokens``; both add across shards. Static input ranges as ``InputCalibration`` gives them."""
+        out = super().partial_statistics()
+        sharing: dict[int, tuple[_Accumulator, list[str]]] = {}
+        for name, acc in self._acc.items():
+            if acc.H is not None:
+                sharing.setdefault(id(acc), (acc, []))[1].append(name)
+        for acc, names in sharing.values():
+            if acc.upper:
+                symmetrize_upper(acc.H)
+            tokens = torch.tensor([acc.n], dtype=torch.int64)
+            out["hessian:" + ",".join(sorted(names))] = {
+                "H": Statistic(acc.H.mul_(acc.n)),
+                "tokens": Statistic(tokens),
+            }
+        self._acc.clear()
+        return out
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
+        super().load_statistics(reduced)
+        for key, stats in reduced.items():
+            if key.startswith("hessian:"):
+                n = int(stats["tokens"].item())
+                acc = _Accumulator(H=stats["H"].div_(max(n, 1)), n=n)
+                self._acc.update(dict.fromkeys(key[len("hessian:") :].split(","), acc))
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]

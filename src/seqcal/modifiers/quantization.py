@@ -12,7 +12,7 @@ from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms import fake_quantize, formats, quantize, weight_qparams
 from seqcal.modifiers.activations import InputCalibration, static_inputs
-from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
+from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
 from seqcal.modifiers.schemes import resolve_modules, resolve_schemes, strategy_of
 from seqcal.tracing.partition import Subgraph
@@ -91,6 +91,12 @@ class QuantizationModifier(Modifier):
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         self.inputs.observe([n for n in names if n in self.modules], x, state)
+
+    def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
+        return self.inputs.partial_statistics()
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.inputs.load_statistics(reduced)
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]

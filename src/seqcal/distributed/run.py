@@ -1,0 +1,192 @@
+"""ShardedRun: what the executor calls around each subgraph's calibration (``RunState.sharding``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from seqcal.distributed.group import ProcessGroup
+from seqcal.distributed.reduce import (
+    Partial,
+    fold,
+    named_from_bytes,
+    named_to_bytes,
+    partial_from_bytes,
+    partial_to_bytes,
+    tensors_of,
+)
+from seqcal.distributed.shards import ShardPlan, assign_owners
+from seqcal.modifiers.base import QuantizedWeight
+
+_FIELDS = ("q", "scale", "zero_point", "g_idx", "global_scale", "input_scale", "input_zero_point")
+
+
+class ShardedRun:
+    """The shards of this rank, the reduction of statistics to each subgraph's owner, and its results.
+
+    Args:
+        plan: the split of the batches into shards and of the shards over the ranks.
+        group: this rank's process group (a group of one for a single process).
+        costs: estimated solve cost of each subgraph (``solve_costs``); owners are assigned from it.
+        schemes: module name -> scheme (to rebuild the QuantizedWeights other ranks receive).
+
+    Example:
+        >>> run = ShardedRun(ShardPlan(7, 8, 1), ProcessGroup(), [1.0], {})
+        >>> [list(r) for r in run.local_shards()][:2]
+        [[0], [1]]
+    """
+
+    def __init__(self, plan: ShardPlan, group: ProcessGroup, costs: Sequence[float], schemes: dict) -> None:
+        self.plan, self.group, self.schemes = plan, group, schemes
+        self.owners = assign_owners(costs, group.world_size)
+        self._partials: list[tuple[int, Partial]] = []  # this rank's shards of the current subgraph
+        self.traffic: list[dict[str, Any]] = []  # per subgraph: bytes this rank sent, seconds communicating
+
+    def local_batches(self, batches: Sequence[Any]) -> list[Any]:
+        """This rank's batches, out of the run's."""
+        mine = self.plan.shards_of(self.group.rank)
+        if not mine:
+            return []
+        return list(
+            batches[self.plan.batches_of(mine.start).start : self.plan.batches_of(mine.stop - 1).stop]
+        )
+
+    def local_shards(self) -> Iterator[range]:
+        """For each of this rank's shards in order, its batches (indices into the rank's batch list)."""
+        yield from self.plan.local_batches(self.group.rank)
+
+    def owns(self, index: int) -> bool:
+        """Whether this rank solves subgraph ``index``."""
+        return self.owners[index] == self.group.rank
+
+    def collect(self, shard: int, modifiers: Sequence[Any]) -> None:
+        """Take the modifiers' statistics of this rank's ``shard``-th local shard (just calibrated)."""
+        partial: Partial = {}
+        for i, m in enumerate(modifiers):
+            partial.update({f"{i}/{key}": stats for key, stats in m.partial_statistics().items()})
+        self._partials.append((self.plan.shards_of(self.group.rank)[shard], partial))
+
+    def reduce(self, index: int, modifiers: Sequence[Any], device: torch.device) -> None:
+        """Fold every shard's statistics in shard order on the owner of subgraph ``index``, which loads them.
+
+        The other ranks send theirs (each in its shard order) and keep nothing.
+        """
+        owner, mine = self.owners[index], dict(self._partials)
+        self._partials = []
+        sent, seconds = self.group.bytes_sent, self.group.comm_seconds
+        total: Partial | None = None
+        what = f"reducing the statistics of subgraph {index}"
+        for shard in range(self.plan.shards):
+            holder = self.plan.rank_of(shard)
+            if holder == self.group.rank and owner == self.group.rank:
+                total = fold(total, mine[shard])
+            elif holder == self.group.rank:
+                self.group.send(partial_to_bytes(mine[shard]), owner, what)
+            elif owner == self.group.rank:
+                total = fold(total, partial_from_bytes(self.group.recv(holder, what), device))
+        if total is not None:
+            values = tensors_of(total)
+            for i, m in enumerate(modifiers):
+                prefix = f"{i}/"
+                m.load_statistics({k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)})
+        self.traffic.append({"subgraph": index, "reduce_bytes": self.group.bytes_sent - sent,
+                             "reduce_seconds": self.group.comm_seconds - seconds})  # fmt: skip
+
+    def share(self, index: int, src: int, names: Sequence[str], model: torch.nn.Module, state: Any) -> bool:
+        """Send the compressed modules ``names`` of subgraph ``index`` from ``src`` to every rank, which puts
+        them into ``state.quantized`` and the model's weights. Returns whether any module was quantized."""
+        if self.group.world_size == 1:
+            return bool(names)
+        seconds = self.group.comm_seconds
+        payload = _pack(names, model, state) if self.group.rank == src else None
+        data = self.group.broadcast(payload, src, f"sending the weights of subgraph {index}")
+        got = _unpack(data, model, state, self.schemes) if self.group.rank != src else list(names)
+        row = (
+            self.traffic[-1]
+            if self.traffic and self.traffic[-1]["subgraph"] == index
+            else {"subgraph": index}
+        )
+        if row not in self.traffic:
+            self.traffic.append(row)
+        row["broadcast_bytes"] = len(data)
+        row["broadcast_seconds"] = self.group.comm_seconds - seconds
+        return bool(got)
+
+
+def _pack(names: Sequence[str], model: torch.nn.Module, state: Any) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {"log": [], "modules": {}}
+    for name in names:
+        qw = state.quantized[name]
+        for f in _FIELDS:
+            if getattr(qw, f) is not None:
+                tensors[f"{name}|{f}"] = getattr(qw, f)
+        tensors[f"{name}|weight"] = model.get_submodule(name).weight.data
+        meta["modules"][name] = {"loss": qw.loss, "errors": state.module_errors.get(name, {})}
+    meta["log"] = [line for line in state.log if any(line.startswith(n) for n in names)]
+    return named_to_bytes(tensors, {"seqcal": json.dumps(meta)})
+
+
+def _unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict) -> list[str]:
+    tensors, raw = named_from_bytes(data)
+    meta = json.loads(raw["seqcal"])
+    for name, info in meta["modules"].items():
+        weight = model.get_submodule(name).weight
+        weight.data = tensors[f"{name}|weight"].to(weight.device)
+        fields = {f: tensors.get(f"{name}|{f}") for f in _FIELDS}
+        state.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])
+        state.module_errors.setdefault(name, {}).update(info["errors"])
+    state.log.extend(line for line in meta["log"] if line not in state.log)
+    return list(meta["modules"])
+
+
+def solve_costs(subgraphs: Sequence[Any], modifiers: Sequence[Any], model: torch.nn.Module) -> list[float]:
+    """Estimated solve cost of each subgraph: ``out * in^2 + in^3`` per quantized Linear (GPTQ's column loop
+    and the inverse of its Hessian); shapes are read from the model (parameters on meta too)."""
+    costs = []
+    for sg in subgraphs:
+        cost = 0.0
+        for m in modifiers:
+            for name in m.modules_in(sg) if hasattr(m, "modules_in") else []:
+                out_features, in_features = model.get_submodule(name).weight.shape[:2]
+                cost += float(out_features) * in_features**2 + float(in_features) ** 3
+        costs.append(cost)
+    return costs
+
+
+def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraphs: Sequence[Any],
+                      batches: Sequence[Any], num_shards: int, identity: str) -> ShardedRun:  # fmt: skip
+    """The sharded run of this process: the ranks compared first (same arguments, model, recipe and data),
+    then the shards split and the subgraphs' owners assigned, the same way on every rank.
+
+    Args:
+        model, modifiers, subgraphs, batches: the run's (``batches``: all of them, as every rank builds them).
+        num_shards: virtual shards (``PipelineArgs.num_shards``).
+        identity: what else identifies the run (the pipeline arguments, the run's identity).
+
+    Raises:
+        DistributedError: the ranks were started differently. ShardingError: more ranks than shards.
+    """
+    from seqcal.checkpoint.identity import data_fingerprint
+    from seqcal.distributed.group import process_group
+
+    group = process_group()
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    group.check_same_run(f"{identity}|{modifiers!r}|{shapes}|{num_shards}|{data_fingerprint(batches)}")
+    plan = ShardPlan(len(batches), num_shards, group.world_size)
+    schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
+    return ShardedRun(plan, group, solve_costs(subgraphs, modifiers, model), schemes)
+
+
+def resume_point(run: ShardedRun, stream: Any) -> int:
+    """The first subgraph to calibrate: after the last one the checkpoint holds (its writer tells the others)."""
+    value = stream.finished + 1 if stream is not None else 0
+    if run.group.world_size == 1:
+        return value
+    data = run.group.broadcast(
+        str(value).encode() if run.group.writes else None, 0, "agreeing where to resume"
+    )
+    return int(data.decode())
