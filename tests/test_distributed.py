@@ -1,0 +1,149 @@
+"""Data-parallel calibration: the checkpoint has the same bytes for 1, 2 and 4 processes (gloo on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from dist_helpers import data, run, start, tensor_hashes, wait_all
+from seqcal.distributed.reduce import fold, tensors_of
+from seqcal.distributed.run import ShardedRun
+from seqcal.distributed.shards import ShardPlan, assign_owners
+
+SAMPLES = 7  # divisible by neither 2 nor 4
+# W8A16: its 8-bit codes flip on a Hessian that differs in the last bit (4-bit ones often do not)
+RECIPE = "GPTQModifier: {scheme: W8A16, ignore: [lm_head], block_size: 32}"
+
+
+def _save(model: torch.nn.Module, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return _save(LlamaForCausalLM(config), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    return _save(Qwen3MoeForCausalLM(config), tmp_path_factory.mktemp("moe"))
+
+
+def _args(model: Path, out: Path, **extra: object) -> dict:
+    return {"model": str(model), "dataset": data(SAMPLES), "recipe": RECIPE, "max_seq_length": 40,
+            "output_dir": str(out), **extra}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "moe"])
+def test_same_bytes_for_1_2_and_4_processes(
+    arch: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """7 samples in 7 shards: per-tensor SHA-256 equal across world sizes (one-pass cut and layer cut)."""
+    model = request.getfixturevalue(f"{arch}_dir")
+    hashes = {}
+    for world in (1, 2, 4):
+        run(world, tmp_path / f"err{world}", **_args(model, tmp_path / f"w{world}"))
+        hashes[world] = tensor_hashes(tmp_path / f"w{world}")
+        assert not (tmp_path / f"w{world}" / "seqcal_progress.json").exists()
+    assert len(hashes[1]) > 10
+    assert hashes[2] == hashes[1]
+    assert hashes[4] == hashes[1]
+
+
+def _reversed_reduce(self: ShardedRun, index: int, modifiers: list, device: torch.device) -> None:
+    """One process, the shards' statistics folded last shard first (not the fixed order)."""
+    total = None
+    for _, partial in reversed(self._partials):
+        total = fold(total, partial)
+    self._partials = []
+    values = tensors_of(total or {})
+    for i, m in enumerate(modifiers):
+        m.load_statistics({k[len(f"{i}/") :]: v for k, v in values.items() if k.startswith(f"{i}/")})
+
+
+def _reverse_the_fold(rank: int) -> None:
+    ShardedRun.reduce = _reversed_reduce  # in the forked child only
+
+
+def test_negative_control_another_fold_order_changes_bytes(llama_dir: Path, tmp_path: Path) -> None:
+    """The equality above can fail: the same shards folded in another order change at least one tensor."""
+    run(1, tmp_path / "err1", **_args(llama_dir, tmp_path / "fixed"))
+    run(1, tmp_path / "err2", _reverse_the_fold, **_args(llama_dir, tmp_path / "reversed"))
+    fixed, other = tensor_hashes(tmp_path / "fixed"), tensor_hashes(tmp_path / "reversed")
+    assert fixed.keys() == other.keys()
+    assert [k for k in fixed if fixed[k] != other[k]], "folding in another order changed no byte"
+
+
+def _finished(out: Path) -> int:
+    try:
+        return json.loads((out / "seqcal_progress.json").read_text())["progress"]["finished"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return -1
+
+
+def _record_every_subgraph(rank: int) -> None:
+    import seqcal.checkpoint.streaming
+
+    seqcal.checkpoint.streaming.CHECKPOINT_BYTES = 1
+
+
+def test_a_rank_killed_midway_stops_the_others_and_resumes_with_another_world_size(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """SIGKILL one of 2 ranks midway: the other stops with a clear error in time, the directory holds no
+    finished checkpoint, and resuming with 4 processes gives the bytes of an uninterrupted single process."""
+    run(1, tmp_path / "err_clean", **_args(llama_dir, tmp_path / "clean"))
+    out = tmp_path / "killed"
+    procs = start(2, [_args(llama_dir, out)] * 2, tmp_path / "err_killed", _record_every_subgraph)
+    deadline = time.time() + 120
+    while _finished(out) < 2 and all(p.is_alive() for p in procs) and time.time() < deadline:
+        time.sleep(0.01)
+    procs[1].kill()
+    codes = wait_all(procs, timeout=90)
+    assert codes[0] == 1 and not (out / "config.json").exists(), "the run finished before the kill"
+    error = (tmp_path / "err_killed" / "rank0.txt").read_text().splitlines()[0]
+    assert error.startswith("DistributedError: rank 0 of 2:") and "resume=True" in error, error
+    run(4, tmp_path / "err_resume", **_args(llama_dir, out, resume=True))
+    assert tensor_hashes(out) == tensor_hashes(tmp_path / "clean")
+
+
+def test_ranks_started_with_different_recipes_stop_at_the_start(llama_dir: Path, tmp_path: Path) -> None:
+    other = {**_args(llama_dir, tmp_path / "out"), "recipe": RECIPE.replace("W8A16", "W4A16")}
+    codes = wait_all(start(2, [_args(llama_dir, tmp_path / "out"), other], tmp_path / "err"), timeout=120)
+    assert codes == [1, 1]
+    for rank in (0, 1):
+        first = (tmp_path / "err" / f"rank{rank}.txt").read_text().splitlines()[0]
+        assert "started with different arguments, recipes, models or data" in first, first
+    assert not any(p.name.endswith(".safetensors") for p in (tmp_path / "out").glob("*"))
+
+
+def test_more_processes_than_samples_is_refused_on_every_rank(llama_dir: Path, tmp_path: Path) -> None:
+    args = {**_args(llama_dir, tmp_path / "out"), "dataset": data(3)}
+    codes = wait_all(start(4, [args] * 4, tmp_path / "err"), timeout=120)
+    assert codes == [1, 1, 1, 1]
+    for rank in range(4):
+        first = (tmp_path / "err" / f"rank{rank}.txt").read_text().splitlines()[0]
+        assert "4 processes but only 3 virtual shards (3 calibration batches" in first, first
+
+
+def test_shard_plan_does_not_depend_on_the_world_size() -> None:
+    for world in (1, 2, 3, 7):
+        plan = ShardPlan(num_batches=7, num_shards=8, world_size=world)
+        assert plan.shards == 7
+        assert [b for s in range(plan.shards) for b in plan.batches_of(s)] == list(range(7))
+        assert sorted(s for r in range(world) for s in plan.shards_of(r)) == list(range(7))
+    assert ShardPlan(100, 8, 4).batches_of(7) == range(87, 100)
+    assert assign_owners([5.0, 1.0, 1.0, 1.0, 1.0], 2) == [0, 1, 1, 1, 1]
