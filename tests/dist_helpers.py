@@ -98,3 +98,19 @@ def tensor_hashes(folder: Path) -> dict[str, str]:
                 raw = f.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                 hashes[name] = hashlib.sha256(raw).hexdigest()
     return hashes
+
+
+def env_for_cli() -> dict[str, str]:
+    """The environment of a ``seqcal`` command in a subprocess: this checkout first, one thread per process."""
+    src = str(Path(__file__).parent.parent / "src")
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
+    return {
+        **env,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": path,
+        "OMP_NUM_THREADS": "1",
+        "SEQCAL_DIST_TIMEOUT": "120",
+    }

@@ -147,3 +147,29 @@ def test_shard_plan_does_not_depend_on_the_world_size() -> None:
         assert sorted(s for r in range(world) for s in plan.shards_of(r)) == list(range(7))
     assert ShardPlan(100, 8, 4).batches_of(7) == range(87, 100)
     assert assign_owners([5.0, 1.0, 1.0, 1.0, 1.0], 2) == [0, 1, 1, 1, 1]
+
+
+def test_two_torchrun_nodes_give_the_checkpoint_of_one_process(llama_dir: Path, tmp_path: Path) -> None:
+    """Two ``torchrun --nnodes 2`` launchers on 127.0.0.1 (c10d rendezvous) running ``seqcal oneshot``, against
+    the same command in one process: the same bytes, and only rank 0 wrote the output directory."""
+    import subprocess
+    import sys
+
+    from dist_helpers import env_for_cli, free_port
+
+    dataset = tmp_path / "data.jsonl"
+    dataset.write_text("".join(json.dumps(row) + "\n" for row in data(SAMPLES)))
+    cli = ["-m", "seqcal.cli", "oneshot", "--model", str(llama_dir), "--dataset", str(dataset), "--recipe", RECIPE,
+           "--max-seq-length", "40", "--num-calibration-samples", str(SAMPLES), "-q", "--plot", "none"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "seqcal-test"]  # fmt: skip
+    nodes = [subprocess.Popen([*torchrun, "--node-rank", str(n), *cli, "--output-dir", str(tmp_path / "two")],
+                              env=env_for_cli(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in range(2)]  # fmt: skip
+    single = subprocess.run([sys.executable, *cli, "--output-dir", str(tmp_path / "one")], env=env_for_cli(),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-2000:]
+    for node in nodes:
+        _, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+    assert tensor_hashes(tmp_path / "two") == tensor_hashes(tmp_path / "one")

@@ -13,7 +13,7 @@ from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
 from seqcal.data.autobatch import with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
-from seqcal.distributed import DEFAULT_SHARDS, launched, process_group
+from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
@@ -281,7 +281,7 @@ def oneshot(
     run = run_identity(recipe=recipe_yaml, model=loaded, pipeline=repr(pipe_args), dtype=str(dtype))
     output = OutputPlan(out_args, recipe_yaml, run)
     batches, tok, reload_from = _batches_then_release(data_args, tok, owned=tokenizer is None)
-    with Profiler(profile) as profiler:  # writes the trace on the way out, also when a stage fails
+    with Profiler(rank_path(profile)) as profiler:  # one trace per process under torchrun  # writes the trace on the way out, also when a stage fails
         state = run_pipeline(
             loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler, batches
         )

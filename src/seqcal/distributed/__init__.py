@@ -14,7 +14,14 @@ process runs the very same folds, so the checkpoint does not depend on the numbe
     run.py      ShardedRun: what the executor calls (state.sharding)
 """
 
-from seqcal.distributed.group import DistributedError, ProcessGroup, launched, process_group
+from seqcal.distributed.group import (
+    DistributedError,
+    ProcessGroup,
+    launched,
+    process_group,
+    rank_path,
+    writer_rank,
+)
 from seqcal.distributed.reduce import fold
 from seqcal.distributed.run import ShardedRun
 from seqcal.distributed.shards import DEFAULT_SHARDS, ShardPlan
@@ -28,4 +35,6 @@ __all__ = [
     "fold",
     "launched",
     "process_group",
+    "rank_path",
+    "writer_rank",
 ]

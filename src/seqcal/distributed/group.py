@@ -179,3 +179,19 @@ def process_group() -> ProcessGroup:
     if dist.is_available() and dist.is_initialized():
         return ProcessGroup(dist.get_rank(), dist.get_world_size())
     return ProcessGroup()
+
+
+def writer_rank() -> bool:
+    """Whether this process writes the output (rank 0), also after its process group is gone (torchrun's RANK)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0 or int(os.environ.get("WORLD_SIZE", "1")) == 1
+
+
+def rank_path(path: str | None) -> str | None:
+    """A file each rank writes for itself (the profile): ``trace.json`` on rank 0, ``trace.rank1.json`` on rank 1."""
+    if path is None or writer_rank():
+        return path
+    stem, dot, ext = path.rpartition(".")
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return f"{stem}.rank{rank}.{ext}" if dot else f"{path}.rank{rank}"
