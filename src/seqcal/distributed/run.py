@@ -190,3 +190,17 @@ def resume_point(run: ShardedRun, stream: Any) -> int:
         str(value).encode() if run.group.writes else None, 0, "agreeing where to resume"
     )
     return int(data.decode())
+
+
+def traffic_report(run: ShardedRun | None) -> dict[str, Any] | None:
+    """Per rank: bytes it sent and seconds it spent communicating, in total and per subgraph (gathered on every
+    rank, so rank 0's quantization_report.json holds them all)."""
+    if run is None:
+        return None
+    mine = {"rank": run.group.rank, "bytes_sent": run.group.bytes_sent,
+            "comm_seconds": round(run.group.comm_seconds, 4), "subgraphs": run.traffic}  # fmt: skip
+    ranks = []
+    for r in range(run.group.world_size):
+        data = json.dumps(mine).encode() if r == run.group.rank else None
+        ranks.append(json.loads(run.group.broadcast(data, r, "gathering the traffic report").decode()))
+    return {"world_size": run.group.world_size, "shards": run.plan.shards, "owners": run.owners, "ranks": ranks}

@@ -15,7 +15,7 @@ import torch
 from seqcal.checkpoint.streaming import StreamingCheckpoint
 from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
-from seqcal.distributed.run import resume_point, start_sharded_run
+from seqcal.distributed.run import resume_point, start_sharded_run, traffic_report
 from seqcal.distributed.shards import DEFAULT_SHARDS
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache
 from seqcal.execution.executor import calibrate_subgraphs
@@ -254,6 +254,7 @@ def _run(
         "log": state.log,
         "seconds": time.perf_counter() - start,
         "batches": batching,
+        "distributed": traffic_report(state.sharding),  # bytes and seconds of communication per rank
     }
     for line in state.log:
         logger.warning(line)
