@@ -173,3 +173,32 @@ def test_two_torchrun_nodes_give_the_checkpoint_of_one_process(llama_dir: Path, 
         _, err = node.communicate(timeout=300)
         assert node.returncode == 0, err[-3000:]
     assert tensor_hashes(tmp_path / "two") == tensor_hashes(tmp_path / "one")
+
+
+def test_plan_predicts_owners_and_bytes_of_a_two_process_run(llama_dir: Path, tmp_path: Path) -> None:
+    """``seqcal plan --world-size 2``'s numbers against a run's quantization_report.json: the same owners,
+    statistics bytes within 2% (+1 kB of headers), weight bytes within 5% per subgraph."""
+    from seqcal.distributed.plan import world_rows
+    from seqcal.entrypoint import oneshot
+
+    run(2, tmp_path / "err", **_args(llama_dir, tmp_path / "out"))
+    report = json.loads((tmp_path / "out" / "quantization_report.json").read_text())["distributed"]
+    plan = oneshot(model=str(llama_dir), recipe=RECIPE, num_calibration_samples=SAMPLES, max_seq_length=40,
+                   dry_run=True, dataset=[])  # fmt: skip
+    rows = world_rows(plan, 2, 8, SAMPLES, plan.dtype_bytes)
+    assert [r["owner"] for r in rows] == report["owners"]
+    sent: dict[int, dict[str, int]] = {}
+    for rank in report["ranks"]:
+        for s in rank["subgraphs"]:
+            got = sent.setdefault(s["subgraph"], {"reduce": 0, "broadcast": 0})
+            got["reduce"] += s.get("reduce_bytes", 0)
+            got["broadcast"] = max(got["broadcast"], s.get("broadcast_bytes", 0))
+    checked = 0
+    for r in rows:
+        if r["reduce_bytes"] == 0:
+            continue
+        got = sent[r["index"]]
+        assert abs(got["reduce"] - r["reduce_bytes"]) <= 0.02 * r["reduce_bytes"] + 1024, (r, got)
+        assert abs(got["broadcast"] - r["broadcast_bytes"]) <= 0.05 * r["broadcast_bytes"], (r, got)
+        checked += 1
+    assert checked >= 7

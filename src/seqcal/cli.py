@@ -391,6 +391,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         dataset=[],
     )  # fmt: skip
     print(plan.table())
+    if args.world_size > 1:
+        from seqcal.distributed.plan import plan_world
+
+        batches = -(-args.num_calibration_samples // (1 if args.batch_size == "auto" else args.batch_size))
+        print("\n" + plan_world(plan, args.world_size, args.num_shards, batches, plan.dtype_bytes))
     return 0
 
 
@@ -404,6 +409,9 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--offload", default="cpu", choices=["cpu", "disk"])
     plan.add_argument("--sequential-targets", nargs="+", default=None)
     plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")
+    plan.add_argument("--world-size", type=int, default=1,
+                      help="processes (torchrun): per-rank memory and bytes reduced/broadcast per subgraph")  # fmt: skip
+    plan.add_argument("--num-shards", type=int, default=DEFAULT_SHARDS, help="virtual shards of the batches")
     plan.set_defaults(func=cmd_plan)
 
 

@@ -203,4 +203,9 @@ def traffic_report(run: ShardedRun | None) -> dict[str, Any] | None:
     for r in range(run.group.world_size):
         data = json.dumps(mine).encode() if r == run.group.rank else None
         ranks.append(json.loads(run.group.broadcast(data, r, "gathering the traffic report").decode()))
-    return {"world_size": run.group.world_size, "shards": run.plan.shards, "owners": run.owners, "ranks": ranks}
+    return {
+        "world_size": run.group.world_size,
+        "shards": run.plan.shards,
+        "owners": run.owners,
+        "ranks": ranks,
+    }
