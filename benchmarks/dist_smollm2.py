@@ -1,4 +1,4 @@
-"""One process x 2 threads vs 2 processes x 1 thread (torchrun, gloo) on SmolLM2-135M-Instruct, GPTQ W4A16.
+"""One process x 2 threads vs 2 processes x 1 thread (torchrun, gloo) on SmolLM2-135M-Instruct, GPTQ W4A16 (group 64).
 
 128 x 512-token windows of WikiText-2 valid (the embedded text when ../shared is absent), 8 virtual shards.
 Prints wall time of each, whether the checkpoints are equal per tensor (only expected with equal threads
@@ -20,13 +20,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "benchmarks" / ".work"
-WIKI = ROOT.parent / "shared" / "data" / "wiki.valid.raw"
+WIKI = next(
+    (
+        p / "shared" / "data" / "wiki.valid.raw"
+        for p in (ROOT.parent, ROOT.parent.parent)
+        if (p / "shared").is_dir()
+    ),
+    Path("-"),
+)
 sys.path.insert(0, str(ROOT / "tests"))
 
 
 def _cmd(out: Path, args: argparse.Namespace) -> list[str]:
     data = str(WIKI) if WIKI.is_file() else "default"
-    return ["-m", "seqcal.cli", "oneshot", "--model", "default", "--recipe", "recipes/gptq_w4a16.yaml",
+    return ["-m", "seqcal.cli", "oneshot", "--model", "default", "--recipe", "recipes/gptq_w4a16_g64.yaml",
             "--dataset", data, "--concatenate", "--num-calibration-samples", str(args.samples),
             "--max-seq-length", str(args.seq), "--output-dir", str(out), "--overwrite", "-q", "--plot", "none"]  # fmt: skip
 

@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from dist_helpers import data, run, start, tensor_hashes, wait_all
-from seqcal.distributed.reduce import fold, tensors_of
-from seqcal.distributed.run import ShardedRun
+from seqcal.distributed.reduce import fold
+from seqcal.distributed.run import ShardedRun, load_statistics, partials_of
 from seqcal.distributed.shards import ShardPlan, assign_owners
 
 SAMPLES = 7  # divisible by neither 2 nor 4
@@ -63,19 +63,21 @@ def test_same_bytes_for_1_2_and_4_processes(
     assert hashes[4] == hashes[1]
 
 
+def _stash(self: ShardedRun, index: int, shard: int, modifiers: list, device: torch.device) -> None:
+    self.stash = [*getattr(self, "stash", []), partials_of(modifiers)]
+
+
 def _reversed_reduce(self: ShardedRun, index: int, modifiers: list, device: torch.device) -> None:
     """One process, the shards' statistics folded last shard first (not the fixed order)."""
     total = None
-    for _, partial in reversed(self._partials):
+    for partial in reversed(self.stash):
         total = fold(total, partial)
-    self._partials = []
-    values = tensors_of(total or {})
-    for i, m in enumerate(modifiers):
-        m.load_statistics({k[len(f"{i}/") :]: v for k, v in values.items() if k.startswith(f"{i}/")})
+    self.stash = []
+    load_statistics(modifiers, total)
 
 
 def _reverse_the_fold(rank: int) -> None:
-    ShardedRun.reduce = _reversed_reduce  # in the forked child only
+    ShardedRun.collect, ShardedRun.reduce = _stash, _reversed_reduce  # in the forked child only
 
 
 def test_negative_control_another_fold_order_changes_bytes(llama_dir: Path, tmp_path: Path) -> None:

@@ -42,7 +42,8 @@ class ShardedRun:
     def __init__(self, plan: ShardPlan, group: ProcessGroup, costs: Sequence[float], schemes: dict) -> None:
         self.plan, self.group, self.schemes = plan, group, schemes
         self.owners = assign_owners(costs, group.world_size)
-        self._partials: list[tuple[int, Partial]] = []  # this rank's shards of the current subgraph
+        self._total: Partial | None = None  # the owner's fold of the current subgraph's shards so far
+        self._next = 0  # the first shard not folded yet
         self.traffic: list[dict[str, Any]] = []  # per subgraph: bytes this rank sent, seconds communicating
 
     def local_batches(self, batches: Sequence[Any]) -> list[Any]:
@@ -62,38 +63,50 @@ class ShardedRun:
         """Whether this rank solves subgraph ``index``."""
         return self.owners[index] == self.group.rank
 
-    def collect(self, shard: int, modifiers: Sequence[Any]) -> None:
-        """Take the modifiers' statistics of this rank's ``shard``-th local shard (just calibrated)."""
-        partial: Partial = {}
-        for i, m in enumerate(modifiers):
-            partial.update({f"{i}/{key}": stats for key, stats in m.partial_statistics().items()})
-        self._partials.append((self.plan.shards_of(self.group.rank)[shard], partial))
+    def collect(self, index: int, shard: int, modifiers: Sequence[Any], device: torch.device) -> None:
+        """Take the modifiers' statistics of this rank's ``shard``-th local shard of subgraph ``index``.
+
+        They move on at once, so that no rank holds more than the fold and one shard's statistics: the
+        owner folds every shard before this one (receiving those it does not run, in shard order) and then
+        this one; any other rank sends it to the owner.
+        """
+        if shard == 0:
+            self._start(index)
+        partial = partials_of(modifiers)
+        number = self.plan.shards_of(self.group.rank)[shard]
+        if self.owns(index):
+            self._fold_until(number, index, device)
+            self._total, self._next = fold(self._total, partial), number + 1
+        else:
+            self.group.send(partial_to_bytes(partial), self.owners[index], self._what(index))
 
     def reduce(self, index: int, modifiers: Sequence[Any], device: torch.device) -> None:
-        """Fold every shard's statistics in shard order on the owner of subgraph ``index``, which loads them.
+        """The owner of subgraph ``index`` folds the shards still to come and loads the result into the
+        modifiers; the other ranks sent theirs already (``collect``)."""
+        if not self.plan.shards_of(self.group.rank):
+            self._start(index)  # a rank without shards collects nothing
+        if self.owns(index):
+            self._fold_until(self.plan.shards, index, device)
+            load_statistics(modifiers, self._total)
+        self._total = None
+        self.traffic[-1]["reduce_bytes"] = self.group.bytes_sent - self.traffic[-1]["reduce_bytes"]
+        self.traffic[-1]["reduce_seconds"] = self.group.comm_seconds - self.traffic[-1]["reduce_seconds"]
 
-        The other ranks send theirs (each in its shard order) and keep nothing.
-        """
-        owner, mine = self.owners[index], dict(self._partials)
-        self._partials = []
-        sent, seconds = self.group.bytes_sent, self.group.comm_seconds
-        total: Partial | None = None
-        what = f"reducing the statistics of subgraph {index}"
-        for shard in range(self.plan.shards):
-            holder = self.plan.rank_of(shard)
-            if holder == self.group.rank and owner == self.group.rank:
-                total = fold(total, mine[shard])
-            elif holder == self.group.rank:
-                self.group.send(partial_to_bytes(mine[shard]), owner, what)
-            elif owner == self.group.rank:
-                total = fold(total, partial_from_bytes(self.group.recv(holder, what), device))
-        if total is not None:
-            values = tensors_of(total)
-            for i, m in enumerate(modifiers):
-                prefix = f"{i}/"
-                m.load_statistics({k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)})
-        self.traffic.append({"subgraph": index, "reduce_bytes": self.group.bytes_sent - sent,
-                             "reduce_seconds": self.group.comm_seconds - seconds})  # fmt: skip
+    def _start(self, index: int) -> None:
+        self._total, self._next = None, 0
+        self.traffic.append({"subgraph": index, "reduce_bytes": self.group.bytes_sent,
+                             "reduce_seconds": self.group.comm_seconds})  # fmt: skip  # until reduce: the start
+
+    def _fold_until(self, stop: int, index: int, device: torch.device) -> None:
+        """Fold the shards ``self._next .. stop - 1`` that other ranks run, received in shard order."""
+        while self._next < stop:
+            holder = self.plan.rank_of(self._next)
+            data = self.group.recv(holder, self._what(index))
+            self._total, self._next = fold(self._total, partial_from_bytes(data, device)), self._next + 1
+
+    @staticmethod
+    def _what(index: int) -> str:
+        return f"reducing the statistics of subgraph {index}"
 
     def share(self, index: int, src: int, names: Sequence[str], model: torch.nn.Module, state: Any) -> bool:
         """Send the compressed modules ``names`` of subgraph ``index`` from ``src`` to every rank, which puts
@@ -114,6 +127,22 @@ class ShardedRun:
         row["broadcast_bytes"] = len(data)
         row["broadcast_seconds"] = self.group.comm_seconds - seconds
         return bool(got)
+
+
+def partials_of(modifiers: Sequence[Any]) -> Partial:
+    """Every modifier's ``partial_statistics()``, keyed by its position in the recipe."""
+    partial: Partial = {}
+    for i, m in enumerate(modifiers):
+        partial.update({f"{i}/{key}": stats for key, stats in m.partial_statistics().items()})
+    return partial
+
+
+def load_statistics(modifiers: Sequence[Any], total: Partial | None) -> None:
+    """Hand every modifier its part of the folded statistics (``partials_of``' keys)."""
+    values = tensors_of(total or {})
+    for i, m in enumerate(modifiers):
+        prefix = f"{i}/"
+        m.load_statistics({k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)})
 
 
 def _pack(names: Sequence[str], model: torch.nn.Module, state: Any) -> bytes:

@@ -358,7 +358,7 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
                     stack.enter_context(m.calibrate(sg, runner.model, state))
                 _pass(runner, sg, batches, cache, state, full if k == 0 else None, prof, "calibration", shard)
             if state.sharding is not None:
-                state.sharding.collect(k, modifiers)
+                state.sharding.collect(sg.index, k, modifiers, state.device)
         trim_host_memory()  # as in _run_from_inputs: the solve's temporaries on a trimmed heap
         if not _compress(runner, sg, modifiers, state, prof):
             return None
@@ -392,7 +392,7 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
                     for m in modifiers:
                         m.observe(names, x, state)
             if state.sharding is not None:
-                state.sharding.collect(k, modifiers)
+                state.sharding.collect(sg.index, k, modifiers, state.device)
         state.token_mask = None
     trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
     _compress(runner, sg, modifiers, state, prof)
