@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ from dist_helpers import data, run, start, tensor_hashes, wait_all
 from seqcal.distributed.reduce import fold
 from seqcal.distributed.run import ShardedRun, load_statistics, partials_of
 from seqcal.distributed.shards import ShardPlan, assign_owners
+from seqcal.modifiers.base import Modifier, RunState, Statistic
+from seqcal.tracing.partition import Subgraph
 
 SAMPLES = 7  # divisible by neither 2 nor 4
 # W8A16: its 8-bit codes flip on a Hessian that differs in the last bit (4-bit ones often do not)
@@ -204,3 +210,63 @@ def test_plan_predicts_owners_and_bytes_of_a_two_process_run(llama_dir: Path, tm
         assert abs(got["broadcast"] - r["broadcast_bytes"]) <= 0.05 * r["broadcast_bytes"], (r, got)
         checked += 1
     assert checked >= 7
+
+
+@dataclass
+class _InputStats(Modifier):
+    """A new modifier with two statistics (tokens: sum, largest |input|: max) and no reduction code of its own."""
+
+    name: ClassVar[str] = "InputStats"
+    needs_calibration: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        self.partial: dict[str, dict[str, Statistic]] = {}
+        self.shards, self.totals, self.seen = 0, {}, {}
+
+    @contextlib.contextmanager
+    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        under = tuple(f"{m}." for m in subgraph.modules)
+        handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and name.startswith(under)]  # fmt: skip
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _hook(self, name: str) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            x = args[0].detach().reshape(-1, args[0].shape[-1])
+            stats = self.partial.setdefault(name, {"tokens": Statistic(torch.zeros(1, dtype=torch.int64)),
+                                                   "absmax": Statistic(torch.zeros(()), "max")})  # fmt: skip
+            stats["tokens"].tensor += x.shape[0]
+            stats["absmax"].tensor = torch.maximum(stats["absmax"].tensor, x.abs().max())
+            seen = self.seen.setdefault(name, [0, 0.0])  # the truth, over every batch at once
+            seen[0], seen[1] = seen[0] + x.shape[0], max(seen[1], x.abs().max().item())
+
+        return hook
+
+    def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
+        out, self.partial = self.partial, {}
+        self.shards += bool(out)
+        return out
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.totals.update(reduced)
+
+
+def test_a_new_modifier_gets_its_statistics_reduced_per_shard() -> None:
+    """A modifier that only returns partial statistics sees them summed (tokens) and maxed (|x|) over the
+    shards, equal to what it would have counted over every batch at once."""
+    from seqcal.entrypoint import oneshot
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    stats = _InputStats()
+    oneshot(model=LlamaForCausalLM(config), dataset=data(SAMPLES), recipe=[stats], max_seq_length=40)
+    assert stats.shards == SAMPLES * 2  # one partial per shard of each of the 2 layers
+    assert len(stats.totals) == 14  # 7 Linears per layer
+    for name, (tokens, absmax) in stats.seen.items():
+        assert stats.totals[name]["tokens"].item() == tokens == SAMPLES * 40
+        assert stats.totals[name]["absmax"].item() == absmax
