@@ -189,8 +189,12 @@ def test_plan_predicts_owners_and_bytes_of_a_two_process_run(llama_dir: Path, tm
     from seqcal.distributed.plan import world_rows
     from seqcal.entrypoint import oneshot
 
-    run(2, tmp_path / "err", **_args(llama_dir, tmp_path / "out"))
+    trace = tmp_path / "run.trace.json"
+    run(2, tmp_path / "err", **_args(llama_dir, tmp_path / "out", profile=str(trace)))
     report = json.loads((tmp_path / "out" / "quantization_report.json").read_text())["distributed"]
+    events = json.loads(trace.read_text())["traceEvents"]  # one trace: a process per rank
+    waiting = {e["pid"] for e in events if e.get("cat") == "communication" and e["ph"] == "X"}
+    assert waiting == {1, 2} and not list(tmp_path.glob("run.trace.rank*"))
     plan = oneshot(model=str(llama_dir), recipe=RECIPE, num_calibration_samples=SAMPLES, max_seq_length=40,
                    dry_run=True, dataset=[])  # fmt: skip
     rows = world_rows(plan, 2, 8, SAMPLES, plan.dtype_bytes)

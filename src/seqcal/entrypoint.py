@@ -14,6 +14,7 @@ from seqcal.checkpoint.preflight import check_environment, check_output_dir
 from seqcal.data.autobatch import with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
+from seqcal.distributed.group import merge_rank_profiles
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
@@ -281,7 +282,8 @@ def oneshot(
     run = run_identity(recipe=recipe_yaml, model=loaded, pipeline=repr(pipe_args), dtype=str(dtype))
     output = OutputPlan(out_args, recipe_yaml, run)
     batches, tok, reload_from = _batches_then_release(data_args, tok, owned=tokenizer is None)
-    with Profiler(rank_path(profile)) as profiler:  # one trace per process under torchrun  # writes the trace on the way out, also when a stage fails
+    # writes the trace on the way out, also when a stage fails; one per process under torchrun, merged below
+    with Profiler(rank_path(profile)) as profiler:
         state = run_pipeline(
             loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler, batches
         )
@@ -297,6 +299,7 @@ def oneshot(
                     save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
                                     overwrite=out_args.overwrite)  # fmt: skip
             write_error_report(state.report, out_args.output_dir)
+    merge_rank_profiles(profile, group)  # one trace, a process per rank
     experts.restore()
     return loaded
 

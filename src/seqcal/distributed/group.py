@@ -192,6 +192,41 @@ def rank_path(path: str | None) -> str | None:
     """A file each rank writes for itself (the profile): ``trace.json`` on rank 0, ``trace.rank1.json`` on rank 1."""
     if path is None or writer_rank():
         return path
+    return _rank_file(path, dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0")))
+
+
+def _rank_file(path: str, rank: int) -> str:
     stem, dot, ext = path.rpartition(".")
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     return f"{stem}.rank{rank}.{ext}" if dot else f"{path}.rank{rank}"
+
+
+def merge_rank_profiles(path: str | None, group: ProcessGroup) -> None:
+    """Put every rank's trace (``rank_path``) into rank 0's file, one process per rank (``pid`` = rank + 1,
+    named "rank r"): each with its tracks, ``communication`` among them. The other files are removed.
+
+    Every rank calls it after closing its profiler; they wait for each other first.
+    """
+    if path is None or group.world_size == 1:
+        return
+    group.agree("merging the profiles", lambda: None)  # every rank's trace is written
+    if not group.writes:
+        return
+    import json
+    from pathlib import Path
+
+    trace = json.loads(Path(path).read_text())
+    for r in range(group.world_size):
+        mine = trace["traceEvents"] if r == 0 else None
+        if r:
+            other = Path(_rank_file(path, r))
+            mine = json.loads(other.read_text())["traceEvents"]
+            other.unlink()
+            trace["traceEvents"].extend(mine)
+        for event in mine:
+            event["pid"] = r + 1
+        trace["traceEvents"].append(
+            {"name": "process_name", "ph": "M", "pid": r + 1, "args": {"name": f"rank {r}"}}
+        )
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(trace, default=str))
+    os.replace(tmp, path)
