@@ -53,15 +53,21 @@ def _args(model: Path, out: Path, **extra: object) -> dict:
             "output_dir": str(out), **extra}  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["llama", "moe"])
+# static input scales (minmax observer: ranges averaged over the shards) besides GPTQ's Hessians
+STATIC = "recipes/gptq_w8a8_static.yaml"
+
+
+@pytest.mark.parametrize(("arch", "recipe"), [("llama", RECIPE), ("moe", RECIPE), ("llama", STATIC)])
 def test_same_bytes_for_1_2_and_4_processes(
-    arch: str, request: pytest.FixtureRequest, tmp_path: Path
+    arch: str, recipe: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """7 samples in 7 shards: per-tensor SHA-256 equal across world sizes (one-pass cut and layer cut)."""
     model = request.getfixturevalue(f"{arch}_dir")
+    if recipe == STATIC:
+        recipe = str(Path(__file__).parent.parent / STATIC)
     hashes = {}
     for world in (1, 2, 4):
-        run(world, tmp_path / f"err{world}", **_args(model, tmp_path / f"w{world}"))
+        run(world, tmp_path / f"err{world}", **_args(model, tmp_path / f"w{world}", recipe=recipe))
         hashes[world] = tensor_hashes(tmp_path / f"w{world}")
         assert not (tmp_path / f"w{world}" / "seqcal_progress.json").exists()
     assert len(hashes[1]) > 10

@@ -36,11 +36,17 @@ def fold(total: Partial | None, partial: Partial) -> Partial:
         tensor([3.])
     """
     total = {} if total is None else total
+    taken = {id(s.tensor) for stats in total.values() for s in stats.values()}
     for key, stats in partial.items():
         mine = total.setdefault(key, {})
         for name, stat in stats.items():
-            if name not in mine:
-                mine[name] = stat
+            if (
+                name not in mine
+            ):  # taken over, unless another key holds the same tensor (it is added in place)
+                mine[name] = (
+                    stat if id(stat.tensor) not in taken else Statistic(stat.tensor.clone(), stat.reduce)
+                )
+                taken.add(id(mine[name].tensor))
                 continue
             if mine[name].reduce != stat.reduce:
                 raise ValueError(

@@ -133,7 +133,7 @@ class InputCalibration:
         for name, observer in self.observers.items():
             if observer.range is None:
                 continue
-            lo, hi = observer.range
+            lo, hi = (t.clone() for t in observer.range)  # q/k/v share one measured range: folds add in place
             if observer_name(observer.args) == "static_minmax":
                 out[f"input:{name}"] = {"lo": Statistic(lo, "min"), "hi": Statistic(hi, "max")}
             else:
