@@ -169,8 +169,8 @@ class ProcessGroup:
             differing = [r for r, d in enumerate(digests) if d != digests[0]]
             raise DistributedError(
                 f"rank {self.rank}: the processes were started with different arguments, recipes, models or "
-                f"data (fingerprint of rank 0 {digests[0]}, differing on ranks {differing}); start every rank "
-                "with the same command line"
+                f"data, or with different numbers of threads (fingerprint of rank 0 {digests[0]}, differing on "
+                f"ranks {differing}); start every rank with the same command line and OMP_NUM_THREADS"
             )
 
 

@@ -204,7 +204,11 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
 
     group = process_group()
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
-    group.check_same_run(f"{identity}|{modifiers!r}|{shapes}|{num_shards}|{data_fingerprint(batches)}")
+    # the intra-op threads too: a matmul may sum in another order with another number of them
+    threads = f"threads={torch.get_num_threads()}"
+    group.check_same_run(
+        f"{identity}|{modifiers!r}|{shapes}|{num_shards}|{data_fingerprint(batches)}|{threads}"
+    )
     plan = ShardPlan(len(batches), num_shards, group.world_size)
     schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
     return ShardedRun(plan, group, solve_costs(subgraphs, modifiers, model), schemes)
