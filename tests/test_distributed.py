@@ -57,7 +57,11 @@ def _args(model: Path, out: Path, **extra: object) -> dict:
 STATIC = "recipes/gptq_w8a8_static.yaml"
 
 
-@pytest.mark.parametrize(("arch", "recipe"), [("llama", RECIPE), ("moe", RECIPE), ("llama", STATIC)])
+@pytest.mark.parametrize(
+    ("arch", "recipe"),
+    [("llama", RECIPE), ("moe", RECIPE), ("llama", STATIC)],
+    ids=["llama", "moe", "llama-static"],
+)
 def test_same_bytes_for_1_2_and_4_processes(
     arch: str, recipe: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
