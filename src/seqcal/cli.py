@@ -17,6 +17,7 @@ import torch
 
 from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
 from seqcal.data.autobatch import parse_batch_size
+from seqcal.distributed import DEFAULT_SHARDS, writer_rank
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
@@ -241,10 +242,10 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
         one_pass=not args.layer_cut, trace_into=args.trace_into, verify=not args.no_verify, text_column=args.text_column, splits=args.splits,
         dataset_config_name=args.dataset_config_name, shuffle_calibration_samples=args.shuffle,
-        moe_calibrate_all_experts=args.moe_calibrate_all_experts,
+        moe_calibrate_all_experts=args.moe_calibrate_all_experts, num_shards=args.num_shards,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
-    if args.output_dir:
+    if args.output_dir and writer_rank():  # under torchrun the others neither wrote nor print the report
         import json
         from pathlib import Path
 
@@ -347,6 +348,9 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--moe-calibrate-all-experts", action=argparse.BooleanOptionalAction, default=True,
                      help="MoE models: every expert sees every token during calibration (routing still gives "
                           "the layer output); --no-moe-calibrate-all-experts: only the tokens routed to it")  # fmt: skip
+    one.add_argument("--num-shards", type=int, default=DEFAULT_SHARDS,
+                     help="virtual shards of the calibration batches (statistics are folded per shard, so the "
+                          "checkpoint is the same for any number of processes under torchrun)")  # fmt: skip
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     one.add_argument("--profile", default=None, metavar="TRACE.json",
                      help="write a Chrome trace of time and memory per stage (open in ui.perfetto.dev)")  # fmt: skip
@@ -390,6 +394,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         dataset=[],
     )  # fmt: skip
     print(plan.table())
+    if args.world_size > 1:
+        from seqcal.distributed.plan import plan_world
+
+        batches = -(-args.num_calibration_samples // (1 if args.batch_size == "auto" else args.batch_size))
+        print("\n" + plan_world(plan, args.world_size, args.num_shards, batches, plan.dtype_bytes))
     return 0
 
 
@@ -403,6 +412,9 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--offload", default="cpu", choices=["cpu", "disk"])
     plan.add_argument("--sequential-targets", nargs="+", default=None)
     plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")
+    plan.add_argument("--world-size", type=int, default=1,
+                      help="processes (torchrun): per-rank memory and bytes reduced/broadcast per subgraph")  # fmt: skip
+    plan.add_argument("--num-shards", type=int, default=DEFAULT_SHARDS, help="virtual shards of the batches")
     plan.set_defaults(func=cmd_plan)
 
 

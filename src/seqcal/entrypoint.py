@@ -13,6 +13,8 @@ from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
 from seqcal.data.autobatch import default_batch_size, with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
+from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
+from seqcal.distributed.group import merge_rank_profiles
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
@@ -142,6 +144,7 @@ def oneshot(
     trace_into: str | list[str] | None = None,
     verify: bool = True,
     moe_calibrate_all_experts: bool = True,
+    num_shards: int = DEFAULT_SHARDS,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -204,6 +207,9 @@ def oneshot(
             every token of its layer (its Hessian is not starved by the router), while the layer's output
             keeps the real routing. False: each expert sees only the tokens routed to it; one that gets none
             is quantized round-to-nearest (the log and report list it).
+        num_shards: virtual shards of the calibration batches. Statistics are accumulated per shard and
+            folded in shard order, so the checkpoint is the same for one process and for any number of
+            processes (``torchrun``, or a ``torch.distributed`` group the caller started; seqcal.distributed).
 
     Returns:
         The quantized model (fake-quantized weights, no hooks left); for a directory with ``output_dir``,
@@ -215,6 +221,11 @@ def oneshot(
     """
     if needs_llmc_translation(dict(locals())):  # llm-compressor's keywords: seqcal's own, or an error
         return oneshot(**translate_llmc_kwargs(oneshot, dict(locals())))
+    with launched() as started:  # under torchrun: the process group for this call, then this call again in it
+        if started:
+            call = dict(locals())
+            return oneshot(**{k: v for k, v in call.items() if k not in ("unknown", "started")}, **unknown)
+    group = process_group()
     model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code, model_revision)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch_size = default_batch_size(device) if batch_size is None else batch_size
@@ -223,10 +234,20 @@ def oneshot(
         offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
         cache_max_memory=parse_bytes(cache_max_memory, "cache_max_memory"), cache_dtype=cache_dtype,
         trace_into=trace_into, verify=verify, max_device_memory=parse_bytes(max_device_memory),
+        num_shards=num_shards,
     )  # fmt: skip
     out_args = OutputArgs(output_dir, overwrite, resume)
     parsed = parse_recipe(recipe)
-    check_output_dir(out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume)
+    group.agree(
+        "checking the output directory",
+        lambda: (
+            check_output_dir(  # only its writer reads it
+                out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume
+            )
+            if group.writes
+            else None
+        ),
+    )
     loaded, tok, store = load_model(model_args, offload_weights=_offload_weights(model_args, pipe_args,
                                                                                  output_dir, dry_run))  # fmt: skip
     # Fused MoE experts become per-expert Linears for the run (recipes reach them by their checkpoint names);
@@ -265,11 +286,12 @@ def oneshot(
     run = run_identity(recipe=recipe_yaml, model=loaded, pipeline=repr(pipe_args), dtype=str(dtype))
     output = OutputPlan(out_args, recipe_yaml, run)
     batches, tok, reload_from = _batches_then_release(data_args, tok, owned=tokenizer is None)
-    with Profiler(profile) as profiler:  # writes the trace on the way out, also when a stage fails
+    # writes the trace on the way out, also when a stage fails; one per process under torchrun, merged below
+    with Profiler(rank_path(profile)) as profiler:
         state = run_pipeline(
             loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler, batches
         )
-        if out_args.output_dir is not None:
+        if out_args.output_dir is not None and group.writes:
             tok = _reload_tokenizer(reload_from, trust_remote_code) if reload_from else tok
             from seqcal.checkpoint.writer import save_checkpoint
             from seqcal.evaluation.perplexity import write_error_report
@@ -281,6 +303,7 @@ def oneshot(
                     save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
                                     overwrite=out_args.overwrite)  # fmt: skip
             write_error_report(state.report, out_args.output_dir)
+    merge_rank_profiles(profile, group)  # one trace, a process per rank
     experts.restore()
     return loaded
 

@@ -62,6 +62,8 @@ class SubgraphPlan:
     host: int = 0
     chunks: int = 1  # stacked solves of its largest group of modules sharing a Hessian (solve_chunks)
     chunk_bytes: int = 0  # the most working bytes one of them may take
+    quantized_numel: int = 0  # weights it quantizes (their codes and scales are sent to other processes)
+    solve_cost: float = 0.0  # sum of out * in^2 + in^3 over them, as seqcal.distributed assigns solves
 
     @property
     def device_peak(self) -> int:
@@ -78,6 +80,7 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     targets: list[str] | None = None  # the sequential targets the plan settled on
     batch_size: int = 1  # samples per batch the plan is for (batch_size="auto": the size it chose)
+    dtype_bytes: int = 4  # bytes per weight element of the model
 
     @property
     def device_peak(self) -> int:
@@ -282,6 +285,10 @@ def plan_memory(
                            0 if disk_cache else alive * batches, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
         codes = sum(n_in * sum(outs) for (_, n_in), outs in groups.items())
         save = 2 * written.get(sg.index, 0) + 2 * codes  # tensors as written + the resume file's int8 codes
+        row.quantized_numel = codes
+        row.solve_cost = sum(
+            float(o) * n_in**2 + float(n_in) ** 3 for (_, n_in), outs in groups.items() for o in outs
+        )
         row.host = (
             PROCESS_BASELINE + resident_weights + during + max(row.device_peak if device_on_host else 0, save)
         )
@@ -406,7 +413,7 @@ def make_plan(
         if auto:
             plan = _plan_auto_batch(model, plan, list(subgraphs), quantized, values, widest, kwargs,
                                     max_device_memory)  # fmt: skip
-        plan.targets = targets
+        plan.targets, plan.dtype_bytes = targets, dtype_bytes
         if max_device_memory is None or plan.device_peak <= max_device_memory:
             break
         finer = None if one_pass_cut is not None or attempt else finer_targets(model, list(subgraphs))

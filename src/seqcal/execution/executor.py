@@ -243,9 +243,8 @@ def calibrate_subgraphs(
                     if isinstance(moved, int):
                         args["bytes"] = moved
             if replay:
-                if restore is not None:
-                    with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
-                        restore(sg)
+                with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
+                    _restore(sg, restore, runner.model, state)
                 if sg.outputs and calibrating:
                     with torch.no_grad():
                         _pass(runner, sg, batches, cache, state, None, prof, "propagation")
@@ -268,6 +267,43 @@ def calibrate_subgraphs(
     return rows
 
 
+def _restore(
+    sg: Subgraph, restore: Callable[[Subgraph], None] | None, model: torch.nn.Module, state: Any
+) -> None:
+    """Put a finished subgraph's saved weights back; with several processes the one that writes the checkpoint
+    reads them and sends them to the others."""
+    before = set(state.quantized)
+    if restore is not None:
+        restore(sg)
+    if state.sharding is not None:
+        state.sharding.share(sg.index, 0, [n for n in state.quantized if n not in before], model, state)
+
+
+def _shards(state: Any, num_batches: int) -> list[range]:
+    """This process's virtual shards as ranges of its batches (all batches at once without sharding)."""
+    return list(state.sharding.local_shards()) if state.sharding is not None else [range(num_batches)]
+
+
+def _compress(
+    runner: GraphRunner, sg: Subgraph, modifiers: Sequence[Any], state: Any, prof: Profiler
+) -> bool:
+    """Statistics of every shard folded on the subgraph's owner, which compresses; its weights go to every
+    process. Returns whether weights changed."""
+    label, sharding = f"subgraph {sg.index}", state.sharding
+    if sharding is None:
+        with prof.span("compress", label, subgraph=sg.index):
+            return any([m.compress(sg, runner.model, state) for m in modifiers])
+    with prof.span("communication", f"reduce {label}", subgraph=sg.index):
+        sharding.reduce(sg.index, modifiers, state.device)
+    before, changed = set(state.quantized), False
+    if sharding.owns(sg.index):
+        with prof.span("compress", label, subgraph=sg.index):
+            changed = any([m.compress(sg, runner.model, state) for m in modifiers])
+    names = [n for n in state.quantized if n not in before]
+    with prof.span("communication", f"share {label}", subgraph=sg.index):
+        return sharding.share(sg.index, sharding.owners[sg.index], names, runner.model, state) or changed
+
+
 def _autocast(state: Any) -> contextlib.AbstractContextManager:
     """Mixed precision as on GPUs: matmuls in the compute dtype, weights and norms in their own dtype.
 
@@ -278,12 +314,16 @@ def _autocast(state: Any) -> contextlib.AbstractContextManager:
 
 
 def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
-          state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str) -> None:  # fmt: skip
-    """Run ``sg`` over every batch, storing its outputs; ``keep`` collects target outputs of a few batches."""
+          state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
+          indices: Sequence[int] | None = None) -> None:  # fmt: skip
+    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs; ``keep`` collects target
+    outputs of a few batches."""
     targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
     kept = 0  # samples whose outputs ``keep`` holds
-    with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(batches)):
-        for b, batch in enumerate(batches):
+    indices = range(len(batches)) if indices is None else indices
+    with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(indices)):
+        for b in indices:
+            batch = batches[b]
             state.token_mask = _token_mask(batch)
             with prof.span("cache", "fetch", subgraph=sg.index, batch=b) as args:
                 env = {name: cache.fetch(b, name) for name in sg.inputs}
@@ -317,14 +357,15 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
             run = lambda: _pass(runner, sg, batches, cache, state, None, prof, "calibration")  # noqa: E731
             transform_with_hooks(runner.model, sg, run, transforms, modifiers, state)
         full: dict[int, Any] = {}
-        with contextlib.ExitStack() as stack:
-            for m in modifiers:
-                stack.enter_context(m.calibrate(sg, runner.model, state))
-            _pass(runner, sg, batches, cache, state, full, prof, "calibration")
+        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+            with contextlib.ExitStack() as stack:
+                for m in modifiers:
+                    stack.enter_context(m.calibrate(sg, runner.model, state))
+                _pass(runner, sg, batches, cache, state, full if k == 0 else None, prof, "calibration", shard)
+            if state.sharding is not None:
+                state.sharding.collect(sg.index, k, modifiers, state.device)
         trim_host_memory()  # as in _run_from_inputs: the solve's temporaries on a trimmed heap
-        with prof.span("compress", label, subgraph=sg.index):
-            changed = [m.compress(sg, runner.model, state) for m in modifiers]
-        if not any(changed):
+        if not _compress(runner, sg, modifiers, state, prof):
             return None
         quant: dict[int, Any] = {}
         _pass(runner, sg, batches, cache, state, quant, prof, "propagation")
@@ -353,17 +394,18 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
             masks = [_token_mask(batch) for batch in batches]
             transform_from_inputs(runner.model, sg, cache, masks, transforms, modifiers, state)
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
-        for b, batch in enumerate(batches):
-            state.token_mask = _token_mask(batch)
-            for source, names in sg.target_inputs.items():
-                x = cache.fetch(b, source)
-                for m in modifiers:
-                    m.observe(names, x, state)
+        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+            for b in shard:
+                state.token_mask = _token_mask(batches[b])
+                for source, names in sg.target_inputs.items():
+                    x = cache.fetch(b, source)
+                    for m in modifiers:
+                        m.observe(names, x, state)
+            if state.sharding is not None:
+                state.sharding.collect(sg.index, k, modifiers, state.device)
         state.token_mask = None
     trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
-    with prof.span("compress", label, subgraph=sg.index):
-        for m in modifiers:
-            m.compress(sg, runner.model, state)
+    _compress(runner, sg, modifiers, state, prof)
     if sg.outputs:
         _pass(runner, sg, batches, cache, state, None, prof, "propagation")
     errors = [e for n in sg.targets if (e := state.module_errors.get(n, {}).get("rel_error")) is not None]

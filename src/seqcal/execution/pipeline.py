@@ -16,6 +16,8 @@ import torch
 from seqcal.checkpoint.streaming import ResumeError, StreamingCheckpoint
 from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
+from seqcal.distributed.run import resume_point, start_sharded_run, traffic_report
+from seqcal.distributed.shards import DEFAULT_SHARDS
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache
 from seqcal.execution.executor import calibrate_subgraphs
 from seqcal.execution.transforms import prepare_modifiers
@@ -80,6 +82,9 @@ class PipelineArgs:
     # Device memory (bytes) the run may use; GPTQ sizes its stacked solves from it. The results do not depend
     # on it (solves are split by rows), so it is left out of the fingerprint.
     max_device_memory: int | None = field(default=None, repr=False)
+    # Virtual shards of the calibration batches (seqcal.distributed): statistics are accumulated per shard
+    # and folded in shard order, the same with one process or many. Part of the result, so fingerprinted.
+    num_shards: int = DEFAULT_SHARDS
 
     def __post_init__(self) -> None:
         normalize_trace_into(self.trace_into)  # a ValueError that lists what is valid
@@ -217,7 +222,12 @@ def _run(
             store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
         ) as cache:  # fmt: skip
             weights = SubgraphWeights(model, store, subgraphs, device, staged) if store is not None else None
-            stream = _streaming(model, state, subgraphs, output, weights, batches, modifiers)
+            state.sharding = start_sharded_run(model, modifiers, subgraphs, batches, args.num_shards, repr(args)
+                                               + repr(output.run_id if output else None))  # fmt: skip
+            writes = state.sharding.group.writes  # one process writes the checkpoint
+            stream = _streaming(
+                model, state, subgraphs, output if writes else None, weights, batches, modifiers
+            )
             schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
 
             def done(sg: Any) -> int | None:
@@ -240,8 +250,9 @@ def _run(
                     stack.enter_context(safety_hooks(model, store, device))
                     stack.enter_context(buffers_on(model, device))
                 rows = calibrate_subgraphs(
-                    model, subgraphs, batches, modifiers, cache, subgraphs.placeholders, state,
-                    on_subgraph_done=done, resume_from=stream.finished + 1 if stream else 0,
+                    model, subgraphs, state.sharding.local_batches(batches), modifiers, cache,
+                    subgraphs.placeholders, state, on_subgraph_done=done,
+                    resume_from=resume_point(state.sharding, stream),
                     restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
                     on_subgraph_start=weights.onload if weights is not None else None,
                     profiler=profiler, progress=logger.getEffectiveLevel() < logging.ERROR,  # off for `-q`
@@ -254,6 +265,7 @@ def _run(
         "log": state.log,
         "seconds": time.perf_counter() - start,
         "batches": batching,
+        "distributed": traffic_report(state.sharding),  # bytes and seconds of communication per rank
     }
     for line in state.log:
         logger.warning(line)

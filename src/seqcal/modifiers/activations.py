@@ -27,7 +27,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from torch import Tensor
 
 from seqcal.algorithms import FP8_DTYPE, compute_qparams, quant_range
-from seqcal.observers import ActivationObserver, check_static_input, make_observer
+from seqcal.observers import ActivationObserver, check_static_input, make_observer, observer_name
 
 
 def _value(enum_or_str: object) -> str:
@@ -119,6 +119,40 @@ class InputCalibration:
                 tokens = real_tokens(x.detach(), state.token_mask) if tokens is None else tokens
                 measured[key] = observer.measure(tokens, observer.args)
             observer.update(tokens, measured[key])
+
+    def partial_statistics(self) -> dict[str, dict[str, Any]]:
+        """The observed ranges of this shard (``Modifier.partial_statistics``), then forgotten.
+
+        ``static_minmax`` reduces exactly (min of the mins, max of the maxes); the moving-average and
+        memoryless observers depend on the order of batches, so across shards their ranges are averaged
+        (one shard: exactly the observer's own range).
+        """
+        from seqcal.modifiers.base import Statistic  # base imports nothing from here; avoids a cycle on load
+
+        out: dict[str, dict[str, Any]] = {}
+        for name, observer in self.observers.items():
+            if observer.range is None:
+                continue
+            lo, hi = (t.clone() for t in observer.range)  # q/k/v share one measured range: folds add in place
+            if observer_name(observer.args) == "static_minmax":
+                out[f"input:{name}"] = {"lo": Statistic(lo, "min"), "hi": Statistic(hi, "max")}
+            else:
+                ones = torch.ones(1, dtype=torch.float64)
+                out[f"input:{name}"] = {"lo": Statistic(lo), "hi": Statistic(hi), "shards": Statistic(ones)}
+        self.observers.clear()
+        self._last = (None, -1, {})
+        return out
+
+    def load_statistics(self, reduced: dict[str, dict[str, Tensor]]) -> None:
+        """Observers holding the ranges of every shard combined (``partial_statistics``' keys)."""
+        for key, stats in reduced.items():
+            if not key.startswith("input:"):
+                continue
+            observer = make_observer(self.args[key[len("input:") :]])
+            shards = float(stats["shards"].item()) if "shards" in stats else 1.0
+            observer.range = (stats["lo"] / shards, stats["hi"] / shards) if shards != 1.0 else (
+                stats["lo"], stats["hi"])  # fmt: skip
+            self.observers[key[len("input:") :]] = observer
 
     @contextlib.contextmanager
     def hooks(self, names: list[str], model: torch.nn.Module, state: Any) -> Iterator[None]:

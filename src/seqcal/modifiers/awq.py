@@ -97,6 +97,9 @@ class AWQModifier(QuantizationModifier):
         """Without explicit mappings, ``prepare`` derives them from the traced graph."""
         return self.mappings is None
 
+    def shares_statistics(self) -> bool:
+        return False  # its activation means and span records stay in the process that gathered them
+
     def prepare(self, graph: Any, model: torch.nn.Module, state: RunState) -> None:
         if self.mappings is not None or graph is None:  # explicit, or untraceable: llm-compressor's defaults
             return

@@ -9,6 +9,8 @@ The executor owns hooks and state and passes them down; a modifier keeps nothing
         with modifier.calibrate(subgraph, model, state):   hooks live only inside this block
             calibration pass over all batches
             (or, for subgraphs cut before their modules: modifier.observe(names, x, state) per batch)
+            (after each virtual shard of the batches: modifier.partial_statistics(), folded in shard order
+             across shards and processes, then modifier.load_statistics(reduced); seqcal.distributed)
         changed = modifier.compress(subgraph, model, state)
         (propagation pass when any modifier changed weights)
     modifier.finalize(model, state)              once
@@ -70,6 +72,27 @@ class QuantizedWeight:
     input_zero_point: torch.Tensor | None = None
 
 
+# How partial statistics of virtual shards combine (seqcal.distributed.reduce): elementwise, in shard order.
+REDUCTIONS = ("sum", "max", "min")
+
+
+@dataclass
+class Statistic:
+    """One partial statistic a modifier accumulated over a virtual shard of the calibration batches.
+
+    Attributes:
+        tensor: the shard's partial value (a sum, or a running max / min).
+        reduce: how partials of several shards combine, elementwise: "sum", "max" or "min".
+    """
+
+    tensor: torch.Tensor
+    reduce: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"Statistic.reduce={self.reduce!r} is not one of {REDUCTIONS}")
+
+
 @dataclass
 class RunState:
     """Everything one calibration run accumulates; owned by the executor, passed to modifiers."""
@@ -86,6 +109,9 @@ class RunState:
     # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
     # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
     device_budget: int | None = None
+    # Virtual shards of the batches and the processes they run on (seqcal.distributed.ShardedRun), or None:
+    # the executor then accumulates over all batches at once.
+    sharding: Any = None
     # Pruned modules -> their mask structure ("2:4", "0:0"), set by the pruning modifiers: a later quantizer
     # keeps their zeros (GPTQ solves with the mask), the checkpoint records the sparsity.
     sparsity: dict[str, str] = field(default_factory=dict)
@@ -155,6 +181,24 @@ class Modifier:
 
         Called instead of hooks when subgraphs are cut before the modules (``state.token_mask`` is set).
         """
+
+    def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
+        """What calibration accumulated since the last call (one virtual shard), handed over and forgotten.
+
+        Every statistic a modifier gathers from data goes through here, so that shards (and the processes
+        that run them) combine in one fixed order: ``{key: {stat name: Statistic}}``, where ``key`` names
+        a unit of state (a Hessian shared by q/k/v, one module's observer) the same way in every process.
+        """
+        return {}
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Take the statistics of every shard, combined (``partial_statistics``' keys), before ``compress``."""
+
+    def shares_statistics(self) -> bool:
+        """True when every statistic this modifier gathers from data goes through ``partial_statistics``, so
+        that several processes give the one-process result. False (the default) makes a run with more than
+        one process refuse the modifier instead of solving on one process's share of the data."""
+        return not self.needs_calibration
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         """Use what calibration gathered; return True when weights of ``subgraph`` changed."""

@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms import fake_quantize, formats, quantize, weight_qparams
 from seqcal.modifiers.activations import InputCalibration, static_inputs
-from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
+from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
 from seqcal.modifiers.importance import ImportanceCalibration, usable_importance, uses_importance
 from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
@@ -133,6 +133,11 @@ class QuantizationModifier(Modifier):
                 self.kv_hooks(subgraph, model, state):  # fmt: skip
             yield
 
+    def shares_statistics(self) -> bool:
+        """Weights and static input ranges reduce across processes; imatrix_mse's E[x^2] and KV-cache scales
+        do not yet."""
+        return self.kv is None and not self.importance
+
     def kv_hooks(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Any:
         """Observe the keys and values of the subgraph's attention modules (kv_cache_scheme), else nothing."""
         if self.kv is None:
@@ -147,6 +152,12 @@ class QuantizationModifier(Modifier):
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         self.inputs.observe([n for n in names if n in self.modules], x, state)
         self.importance.observe(names, x, state)
+
+    def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
+        return self.inputs.partial_statistics()
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.inputs.load_statistics(reduced)
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]

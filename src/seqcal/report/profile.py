@@ -21,7 +21,17 @@ from typing import Any
 import psutil
 import torch
 
-TRACKS = ("onload", "calibration", "compress", "propagation", "cache", "offload", "save", "verify")
+TRACKS = (
+    "onload",
+    "calibration",
+    "compress",
+    "propagation",
+    "cache",
+    "offload",
+    "save",
+    "verify",
+    "communication",
+)
 CACHE_COUNTER_INTERVAL_US = 1000  # cache spans are many and short: sample memory after them at most per ms
 _MIB = 1 << 20
 

@@ -1,0 +1,250 @@
+"""ShardedRun: what the executor calls around each subgraph's calibration (``RunState.sharding``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from seqcal.distributed.group import ProcessGroup
+from seqcal.distributed.reduce import (
+    Partial,
+    fold,
+    named_from_bytes,
+    named_to_bytes,
+    partial_from_bytes,
+    partial_to_bytes,
+    tensors_of,
+)
+from seqcal.distributed.shards import ShardPlan, assign_owners
+from seqcal.modifiers.base import QuantizedWeight
+
+_FIELDS = ("q", "scale", "zero_point", "g_idx", "global_scale", "input_scale", "input_zero_point")
+
+
+class ShardedRun:
+    """The shards of this rank, the reduction of statistics to each subgraph's owner, and its results.
+
+    Args:
+        plan: the split of the batches into shards and of the shards over the ranks.
+        group: this rank's process group (a group of one for a single process).
+        costs: estimated solve cost of each subgraph (``solve_costs``); owners are assigned from it.
+        schemes: module name -> scheme (to rebuild the QuantizedWeights other ranks receive).
+
+    Example:
+        >>> run = ShardedRun(ShardPlan(7, 8, 1), ProcessGroup(), [1.0], {})
+        >>> [list(r) for r in run.local_shards()][:2]
+        [[0], [1]]
+    """
+
+    def __init__(self, plan: ShardPlan, group: ProcessGroup, costs: Sequence[float], schemes: dict) -> None:
+        self.plan, self.group, self.schemes = plan, group, schemes
+        self.owners = assign_owners(costs, group.world_size)
+        self._total: Partial | None = None  # the owner's fold of the current subgraph's shards so far
+        self._next = 0  # the first shard not folded yet
+        self.traffic: list[dict[str, Any]] = []  # per subgraph: bytes this rank sent, seconds communicating
+
+    def local_batches(self, batches: Sequence[Any]) -> list[Any]:
+        """This rank's batches, out of the run's."""
+        mine = self.plan.shards_of(self.group.rank)
+        if not mine:
+            return []
+        return list(
+            batches[self.plan.batches_of(mine.start).start : self.plan.batches_of(mine.stop - 1).stop]
+        )
+
+    def local_shards(self) -> Iterator[range]:
+        """For each of this rank's shards in order, its batches (indices into the rank's batch list)."""
+        yield from self.plan.local_batches(self.group.rank)
+
+    def owns(self, index: int) -> bool:
+        """Whether this rank solves subgraph ``index``."""
+        return self.owners[index] == self.group.rank
+
+    def collect(self, index: int, shard: int, modifiers: Sequence[Any], device: torch.device) -> None:
+        """Take the modifiers' statistics of this rank's ``shard``-th local shard of subgraph ``index``.
+
+        They move on at once, so that no rank holds more than the fold and one shard's statistics: the
+        owner folds every shard before this one (receiving those it does not run, in shard order) and then
+        this one; any other rank sends it to the owner.
+        """
+        if shard == 0:
+            self._start(index)
+        partial = partials_of(modifiers)
+        number = self.plan.shards_of(self.group.rank)[shard]
+        if self.owns(index):
+            self._fold_until(number, index, device)
+            self._total, self._next = fold(self._total, partial), number + 1
+        else:
+            self.group.send(partial_to_bytes(partial), self.owners[index], self._what(index))
+
+    def reduce(self, index: int, modifiers: Sequence[Any], device: torch.device) -> None:
+        """The owner of subgraph ``index`` folds the shards still to come and loads the result into the
+        modifiers; the other ranks sent theirs already (``collect``)."""
+        if not self.plan.shards_of(self.group.rank):
+            self._start(index)  # a rank without shards collects nothing
+        if self.owns(index):
+            self._fold_until(self.plan.shards, index, device)
+            load_statistics(modifiers, self._total)
+        self._total = None
+        self.traffic[-1]["reduce_bytes"] = self.group.bytes_sent - self.traffic[-1]["reduce_bytes"]
+        self.traffic[-1]["reduce_seconds"] = self.group.comm_seconds - self.traffic[-1]["reduce_seconds"]
+
+    def _start(self, index: int) -> None:
+        self._total, self._next = None, 0
+        self.traffic.append({"subgraph": index, "reduce_bytes": self.group.bytes_sent,
+                             "reduce_seconds": self.group.comm_seconds})  # fmt: skip  # until reduce: the start
+
+    def _fold_until(self, stop: int, index: int, device: torch.device) -> None:
+        """Fold the shards ``self._next .. stop - 1`` that other ranks run, received in shard order."""
+        while self._next < stop:
+            holder = self.plan.rank_of(self._next)
+            data = self.group.recv(holder, self._what(index))
+            self._total, self._next = fold(self._total, partial_from_bytes(data, device)), self._next + 1
+
+    @staticmethod
+    def _what(index: int) -> str:
+        return f"reducing the statistics of subgraph {index}"
+
+    def share(self, index: int, src: int, names: Sequence[str], model: torch.nn.Module, state: Any) -> bool:
+        """Send the compressed modules ``names`` of subgraph ``index`` from ``src`` to every rank, which puts
+        them into ``state.quantized`` and the model's weights. Returns whether any module was quantized."""
+        if self.group.world_size == 1:
+            return bool(names)
+        seconds = self.group.comm_seconds
+        payload = _pack(names, model, state) if self.group.rank == src else None
+        data = self.group.broadcast(payload, src, f"sending the weights of subgraph {index}")
+        got = _unpack(data, model, state, self.schemes) if self.group.rank != src else list(names)
+        row = (
+            self.traffic[-1]
+            if self.traffic and self.traffic[-1]["subgraph"] == index
+            else {"subgraph": index}
+        )
+        if row not in self.traffic:
+            self.traffic.append(row)
+        row["broadcast_bytes"] = len(data)
+        row["broadcast_seconds"] = self.group.comm_seconds - seconds
+        return bool(got)
+
+
+def partials_of(modifiers: Sequence[Any]) -> Partial:
+    """Every modifier's ``partial_statistics()``, keyed by its position in the recipe."""
+    partial: Partial = {}
+    for i, m in enumerate(modifiers):
+        partial.update({f"{i}/{key}": stats for key, stats in m.partial_statistics().items()})
+    return partial
+
+
+def load_statistics(modifiers: Sequence[Any], total: Partial | None) -> None:
+    """Hand every modifier its part of the folded statistics (``partials_of``' keys)."""
+    values = tensors_of(total or {})
+    for i, m in enumerate(modifiers):
+        prefix = f"{i}/"
+        m.load_statistics({k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)})
+
+
+def _pack(names: Sequence[str], model: torch.nn.Module, state: Any) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {"log": [], "modules": {}}
+    for name in names:
+        qw = state.quantized[name]
+        for f in _FIELDS:
+            if getattr(qw, f) is not None:
+                tensors[f"{name}|{f}"] = getattr(qw, f)
+        tensors[f"{name}|weight"] = model.get_submodule(name).weight.data
+        meta["modules"][name] = {"loss": qw.loss, "errors": state.module_errors.get(name, {})}
+    meta["log"] = [line for line in state.log if any(line.startswith(n) for n in names)]
+    return named_to_bytes(tensors, {"seqcal": json.dumps(meta)})
+
+
+def _unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict) -> list[str]:
+    tensors, raw = named_from_bytes(data)
+    meta = json.loads(raw["seqcal"])
+    for name, info in meta["modules"].items():
+        weight = model.get_submodule(name).weight
+        weight.data = tensors[f"{name}|weight"].to(weight.device)
+        fields = {f: tensors.get(f"{name}|{f}") for f in _FIELDS}
+        state.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])
+        state.module_errors.setdefault(name, {}).update(info["errors"])
+    state.log.extend(line for line in meta["log"] if line not in state.log)
+    return list(meta["modules"])
+
+
+def solve_costs(subgraphs: Sequence[Any], modifiers: Sequence[Any], model: torch.nn.Module) -> list[float]:
+    """Estimated solve cost of each subgraph: ``out * in^2 + in^3`` per quantized Linear (GPTQ's column loop
+    and the inverse of its Hessian); shapes are read from the model (parameters on meta too)."""
+    costs = []
+    for sg in subgraphs:
+        cost = 0.0
+        for m in modifiers:
+            for name in m.modules_in(sg) if hasattr(m, "modules_in") else []:
+                out_features, in_features = model.get_submodule(name).weight.shape[:2]
+                cost += float(out_features) * in_features**2 + float(in_features) ** 3
+        costs.append(cost)
+    return costs
+
+
+def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraphs: Sequence[Any],
+                      batches: Sequence[Any], num_shards: int, identity: str) -> ShardedRun:  # fmt: skip
+    """The sharded run of this process: the ranks compared first (same arguments, model, recipe and data),
+    then the shards split and the subgraphs' owners assigned, the same way on every rank.
+
+    Args:
+        model, modifiers, subgraphs, batches: the run's (``batches``: all of them, as every rank builds them).
+        num_shards: virtual shards (``PipelineArgs.num_shards``).
+        identity: what else identifies the run (the pipeline arguments, the run's identity).
+
+    Raises:
+        DistributedError: the ranks were started differently. ShardingError: more ranks than shards.
+    """
+    from seqcal.checkpoint.identity import data_fingerprint
+    from seqcal.distributed.group import DistributedError, process_group
+
+    group = process_group()
+    shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    # the intra-op threads too: a matmul may sum in another order with another number of them
+    threads = f"threads={torch.get_num_threads()}"
+    group.check_same_run(
+        f"{identity}|{modifiers!r}|{shapes}|{num_shards}|{data_fingerprint(batches)}|{threads}"
+    )
+    plan = ShardPlan(len(batches), num_shards, group.world_size)
+    unshared = [m.name for m in modifiers if not m.shares_statistics()]
+    if group.world_size > 1 and unshared:
+        raise DistributedError(
+            f"{unshared[0]} gathers statistics that do not yet reduce across processes (each would solve on its "
+            f"own share of the data); run it in one process, without torchrun, or with --nproc-per-node 1"
+        )
+    schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
+    return ShardedRun(plan, group, solve_costs(subgraphs, modifiers, model), schemes)
+
+
+def resume_point(run: ShardedRun, stream: Any) -> int:
+    """The first subgraph to calibrate: after the last one the checkpoint holds (its writer tells the others)."""
+    value = stream.finished + 1 if stream is not None else 0
+    if run.group.world_size == 1:
+        return value
+    data = run.group.broadcast(
+        str(value).encode() if run.group.writes else None, 0, "agreeing where to resume"
+    )
+    return int(data.decode())
+
+
+def traffic_report(run: ShardedRun | None) -> dict[str, Any] | None:
+    """Per rank: bytes it sent and seconds it spent communicating, in total and per subgraph (gathered on every
+    rank, so rank 0's quantization_report.json holds them all)."""
+    if run is None:
+        return None
+    mine = {"rank": run.group.rank, "bytes_sent": run.group.bytes_sent,
+            "comm_seconds": round(run.group.comm_seconds, 4), "subgraphs": run.traffic}  # fmt: skip
+    ranks = []
+    for r in range(run.group.world_size):
+        data = json.dumps(mine).encode() if r == run.group.rank else None
+        ranks.append(json.loads(run.group.broadcast(data, r, "gathering the traffic report").decode()))
+    return {
+        "world_size": run.group.world_size,
+        "shards": run.plan.shards,
+        "owners": run.owners,
+        "ranks": ranks,
+    }
