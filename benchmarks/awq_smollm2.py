@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 import gptq_smollm2
-from gptq_smollm2 import PEER, ROOT, SEQCAL, WORK, measure, perplexity
+from gptq_smollm2 import PEER, ROOT, SEQCAL, WORK, perplexity, run_and_evaluate
 
 RUNS = {
     "seqcal-rtn": [*SEQCAL, "--algo", "rtn"],
@@ -61,14 +61,7 @@ def main() -> None:
         out = WORK / f"awq-{name}"
         cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out),
                "--samples", str(args.samples), *(["--n-grid", str(args.n_grid)] if "awq" in name else [])]  # fmt: skip
-        wall, cpu, rss, last = measure(cmd)
-        ppl = perplexity(out, args.eval_windows)
-        results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
-                         "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
-        print(
-            f"{name:<12} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
-            flush=True,
-        )
+        results[name] = run_and_evaluate(name, cmd, out, args.eval_windows, width=12)
     tag = "+".join(args.runs.split(","))
     (WORK / f"awq_results_{args.samples}x512_grid{args.n_grid}_{tag}.json").write_text(
         json.dumps(results, indent=1)

@@ -71,6 +71,23 @@ def perplexity(checkpoint: Path, windows: int | None) -> float:
     return float(out.stdout.split()[-2])
 
 
+def run_and_evaluate(name: str, cmd: list[str], out: Path, eval_windows: int | None, evaluate: bool = True,
+                     width: int = 18) -> dict:  # fmt: skip
+    """Run one tool's command under ``measure``, evaluate the checkpoint it wrote to ``out``, print one row.
+
+    Returns:
+        ``{wall_s, cpu_s, peak_rss_gb, ppl, tool_reported}`` (ppl NaN when ``evaluate`` is False).
+    """
+    wall, cpu, rss, last = measure(cmd)
+    ppl = perplexity(out, eval_windows) if evaluate else float("nan")
+    print(
+        f"{name:<{width}} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
+        flush=True,
+    )
+    return {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2), "ppl": round(ppl, 2),
+            "tool_reported": last}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -98,14 +115,8 @@ def main() -> None:
     for name in args.runs.split(","):
         out = WORK / name
         cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
-        wall, cpu, rss, last = measure(cmd)
-        ppl = float("nan") if name in args.skip_eval.split(",") else perplexity(out, args.eval_windows)
-        results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
-                         "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
-        print(
-            f"{name:<18} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
-            flush=True,
-        )
+        evaluate = name not in args.skip_eval.split(",")
+        results[name] = run_and_evaluate(name, cmd, out, args.eval_windows, evaluate)
     (WORK / "results.json").write_text(json.dumps(results, indent=1))
 
 

@@ -17,7 +17,7 @@ import json
 import os
 import subprocess
 
-from gptq_smollm2 import PEER, ROOT, SEQCAL, VENV, WIKI, WORK, measure, perplexity
+from gptq_smollm2 import PEER, ROOT, SEQCAL, VENV, WIKI, WORK, run_and_evaluate
 
 # run name -> (command, weight observer); the observer None is the scheme's default (minmax)
 RUNS: dict[str, tuple[list[str], str | None]] = {
@@ -58,16 +58,9 @@ def main() -> None:
         if observer:
             os.environ["SEQCAL_BENCH_OBSERVER"] = observer
         out = WORK / f"{name}-{args.samples}"
-        wall, cpu, rss, last = measure(
-            [*cmd, "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
-        )
-        ppl = perplexity(out, args.eval_windows)
-        results[f"{name} ({args.samples} x 512)"] = {"observer": observer or "minmax", "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
-                         "peak_rss_gb": round(rss, 2), "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
-        print(
-            f"{name:<20} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
-            flush=True,
-        )
+        cmd = [*cmd, "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
+        row = run_and_evaluate(name, cmd, out, args.eval_windows, width=20)
+        results[f"{name} ({args.samples} x 512)"] = {"observer": observer or "minmax", **row}
         path.write_text(json.dumps(results, indent=1))
 
 

@@ -14,7 +14,7 @@ import argparse
 import json
 import subprocess
 
-from gptq_smollm2 import PEER, ROOT, SEQCAL, WIKI, WORK, measure, perplexity
+from gptq_smollm2 import PEER, ROOT, SEQCAL, WIKI, WORK, perplexity, run_and_evaluate
 
 RECIPES = ROOT / "recipes"
 RUNS = {
@@ -48,16 +48,8 @@ def main() -> None:
     print(f"{'fp32 (unquantized)':<18} ppl {results['fp32 (unquantized)']['ppl']:7.2f}", flush=True)
     for name in args.runs.split(","):
         out = WORK / name
-        wall, cpu, rss, last = measure(
-            [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
-        )
-        ppl = perplexity(out, args.eval_windows)
-        results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
-                         "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
-        print(
-            f"{name:<18} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
-            flush=True,
-        )
+        cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
+        results[name] = run_and_evaluate(name, cmd, out, args.eval_windows)
     (WORK / "smoothquant_results.json").write_text(json.dumps(results, indent=1))
 
 

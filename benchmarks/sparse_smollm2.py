@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import gptq_smollm2
-from gptq_smollm2 import ROOT, WORK, measure, perplexity
+from gptq_smollm2 import ROOT, WORK, run_and_evaluate
 
 RECIPES = {"sgpt24": "recipes/sparsegpt_2of4.yaml", "sgpt24-w4g64": "recipes/sparsegpt_2of4_w4a16_g64.yaml"}
 TOOLS = {"seqcal": [".venv/bin/python"], "llmc": [".peer-venv/bin/python"]}
@@ -49,14 +49,7 @@ def main() -> None:
         out = WORK / name
         cmd = [*TOOLS[tool], "benchmarks/_run_recipe.py", "--tool", tool, "--recipe", recipe, "--model", str(model),
                "--tokens", str(tokens), "--out", str(out)]  # fmt: skip
-        wall, cpu, rss, last = measure(cmd)
-        ppl = perplexity(out, args.eval_windows)
-        results[name] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2),
-                         "ppl": round(ppl, 2), "tool_reported": last}  # fmt: skip
-        print(
-            f"{name:<22} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
-            flush=True,
-        )
+        results[name] = run_and_evaluate(name, cmd, out, args.eval_windows, width=22)
         (WORK / "sparse_results.json").write_text(json.dumps(results, indent=1))
 
 
