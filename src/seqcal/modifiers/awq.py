@@ -121,16 +121,20 @@ class AWQModifier(QuantizationModifier):
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
         prefixes = tuple(subgraph.modules)
         inside = lambda n: n in prefixes or n.startswith(tuple(p + "." for p in prefixes))  # noqa: E731
-        handles = []
+        handles, hooked = [], set()
         try:
+            # entered once per virtual shard of the calibration set: statistics and span records carry over
             for m in self._mappings:
-                if m.smooth in self._stats or not (inside(m.parent) and inside(m.smooth)):
-                    continue  # done already, or not (wholly) in this subgraph
-                self._stats[m.smooth] = [None, 0]
+                if self._stats.get(m.smooth, 0) is None or not (inside(m.parent) and inside(m.smooth)):
+                    continue  # folded already, or not (wholly) in this subgraph
+                self._stats.setdefault(m.smooth, [None, 0])
                 balance = model.get_submodule(m.balance[0])  # all balance layers read the same input
                 handles.append(balance.register_forward_pre_hook(self._stat_hook(m.smooth, state)))
-                if m.parent not in self._spans:
-                    self._spans[m.parent] = span = SpanCache(self.max_chunk_memory, self.offload_device)
+                if m.parent not in hooked:  # mappings sharing a span record its calls once
+                    hooked.add(m.parent)
+                    span = self._spans.setdefault(
+                        m.parent, SpanCache(self.max_chunk_memory, self.offload_device)
+                    )
                     hook = span.hook(lambda: state.token_mask)
                     handles.append(
                         model.get_submodule(m.parent).register_forward_pre_hook(hook, with_kwargs=True)
