@@ -81,3 +81,9 @@ def test_explicit_plot_without_matplotlib_is_reported_not_raised(tmp_path: Path,
         monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
     cli._plot_errors({"subgraphs": [], "modules": {}}, tmp_path, str(tmp_path / "e.png"))
     assert "pip install matplotlib" in capsys.readouterr().err and not (tmp_path / "e.png").exists()
+
+
+def test_every_profile_track_has_a_timeline_colour() -> None:
+    from seqcal.report.timeline import _COLORS
+
+    assert set(TRACKS) <= set(_COLORS), set(TRACKS) - set(_COLORS)
