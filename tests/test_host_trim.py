@@ -4,6 +4,7 @@ free heap, so the heap in use does not grow subgraph after subgraph."""
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 import textwrap
@@ -11,14 +12,14 @@ import textwrap
 import pytest
 import torch
 
-from seqcal.execution.weights import free_mkl_buffers
+from seqcal.execution.host import free_mkl_buffers, limit_onednn_cache
 
 # In a fresh process: the heap in use (glibc's mallinfo2) before and after GPTQ-sized Cholesky
 # factorizations and Hessian products, once everything they returned is freed and the host memory trimmed.
 SCRIPT = textwrap.dedent("""
     import ctypes
     import torch
-    from seqcal.execution.weights import trim_host_memory
+    from seqcal.execution.host import trim_host_memory
 
     class Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in
@@ -38,6 +39,38 @@ SCRIPT = textwrap.dedent("""
         H = X.T @ X + n * torch.eye(n)
         U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
         del X, H, U
+    trim_host_memory()
+    print(in_use() - before)
+""")
+
+
+# In a fresh process: the heap in use after bf16 matmuls of 300 token counts (what routed experts produce),
+# with the caches capped by ``limit_onednn_cache`` first ("cap") or left at the libraries' defaults.
+SHAPES_SCRIPT = textwrap.dedent("""
+    import ctypes, sys
+    if sys.argv[1] == "cap":
+        from seqcal.execution.host import limit_onednn_cache
+        limit_onednn_cache()
+    import torch
+    from seqcal.execution.host import trim_host_memory
+
+    class Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = Info
+
+    def in_use():
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    w = torch.randn(256, 128, dtype=torch.bfloat16)
+    torch.nn.functional.linear(torch.randn(3, 128, dtype=torch.bfloat16), w)
+    trim_host_memory()
+    before = in_use()
+    for tokens in range(1, 301):
+        torch.nn.functional.linear(torch.randn(tokens, 128, dtype=torch.bfloat16), w)
     trim_host_memory()
     print(in_use() - before)
 """)
@@ -63,3 +96,46 @@ def test_trim_returns_the_buffers_mkl_pooled_for_the_solves() -> None:
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
 def test_free_mkl_buffers_finds_mkl_in_torch() -> None:
     assert free_mkl_buffers() is True
+
+
+def _uses_onednn_for_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(), reason="glibc only")
+@pytest.mark.skipif(not _uses_onednn_for_bf16(), reason="bf16 matmuls do not go through oneDNN here")
+def test_capped_matmul_caches_do_not_grow_with_every_new_shape() -> None:
+    """Measured: +160 MB over 300 shapes at the libraries' defaults, +18 MB capped at 32 entries each."""
+    env = {k: v for k, v in os.environ.items() if "CACHE_CAPACITY" not in k}
+    grown = {}
+    for mode in ("cap", "default"):
+        run = subprocess.run([sys.executable, "-c", SHAPES_SCRIPT, mode], capture_output=True, text=True,
+                             timeout=300, env=env)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        grown[mode] = int(run.stdout.split()[-1]) / 2**20
+    assert grown["cap"] < 40, grown
+    assert grown["default"] > 2 * grown["cap"], grown
+
+
+def test_limit_onednn_cache_leaves_the_users_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "7")  # oneDNN's older name counts as the user's
+    assert limit_onednn_cache(16) == ["LRU_CACHE_CAPACITY"]
+    assert os.environ["LRU_CACHE_CAPACITY"] == "16" and "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ
+    assert limit_onednn_cache() == []  # everything set now: nothing changes
+    assert os.environ["LRU_CACHE_CAPACITY"] == "16"
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        limit_onednn_cache(0)
+
+
+def test_the_seqcal_command_caps_the_caches_before_anything_else() -> None:
+    code = (
+        "import os, seqcal.cli as cli\n"
+        "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'), os.environ.get('LRU_CACHE_CAPACITY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if "CACHE_CAPACITY" not in k}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "32 32"

@@ -14,8 +14,8 @@ from tqdm.auto import tqdm
 
 from seqcal.errors import SeqcalError
 from seqcal.execution.cache.store import ActivationCache
+from seqcal.execution.host import trim_host_memory
 from seqcal.execution.transforms import split_transforms, transform_from_inputs, transform_with_hooks
-from seqcal.execution.weights import trim_host_memory
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
 from seqcal.tracing.partition import Subgraph, target_ends
 from seqcal.tracing.values import OpaqueCall

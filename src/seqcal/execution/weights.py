@@ -17,9 +17,7 @@ attribution costs time, never correctness.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +27,8 @@ import torch
 from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
+
+from seqcal.execution.host import trim_host_memory
 
 
 @dataclass
@@ -188,58 +188,6 @@ def offload(model: torch.nn.Module, names: Iterable[str]) -> None:
     """Release parameters ``names`` back to meta (their values stay in the store or its overrides)."""
     for name in names:
         set_module_tensor_to_device(model, name, "meta")
-
-
-def trim_host_memory() -> bool:
-    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``); returns whether it could.
-
-    Why: glibc serves allocations below its mmap threshold (which adapts up to 32 MB: Hessians of 2048-wide
-    inputs, activations, weight-sized GPTQ temporaries) from the heap and keeps the pages after ``free``.
-    Tensors of different sizes come and go every subgraph, the free space fragments and stays resident:
-    measured on the synthetic Llama (benchmarks/RESULTS.md), RSS grew by ~0.4 GB of free heap over the first
-    subgraphs. Trimming after each subgraph keeps RSS at what is alive. Elsewhere (musl, macOS, Windows)
-    it does nothing.
-
-    MKL's memory manager pools the work buffers of its BLAS/LAPACK calls (the Hessians' products, GPTQ's
-    Cholesky factorizations) and never frees them on its own: on the 6-layer synthetic MoE the pool grew the
-    heap in use by ~50 MB over the layers, and with it every later subgraph's peak (benchmarks/RESULTS.md).
-    They are handed back to the heap first, so that the trim returns them too.
-
-    Example:
-        >>> trim_host_memory()  # doctest: +SKIP
-        True
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    free_mkl_buffers()
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim  # the process's own C library
-    except (OSError, AttributeError):  # not glibc
-        return False
-    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(malloc_trim(0))
-
-
-def free_mkl_buffers() -> bool:
-    """Free the buffers MKL keeps pooled after BLAS/LAPACK calls (``mkl_free_buffers``); returns whether it could.
-
-    torch's CPU build links MKL into ``libtorch_cpu`` and exports its service functions; other builds
-    (OpenBLAS, macOS Accelerate) have no such pool and this does nothing.
-
-    Example:
-        >>> free_mkl_buffers()  # doctest: +SKIP
-        True
-    """
-    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    if not library.is_file():
-        return False
-    try:  # the library is loaded already: dlopen only returns its handle
-        free = ctypes.CDLL(str(library)).mkl_serv_free_buffers
-    except (OSError, AttributeError):  # not an MKL build
-        return False
-    free.argtypes, free.restype = [], None
-    free()
-    return True
 
 
 @contextlib.contextmanager
