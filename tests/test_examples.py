@@ -194,3 +194,26 @@ def test_custom_transform_folds_into_the_norms_and_its_checkpoint_reloads(
         key = f"model.layers.1.{norm}.weight"
         assert not torch.equal(saved[key], original[key])  # the folded scales were saved
     assert "SqrtEqualize" in (out / "recipe.yaml").read_text()
+
+
+def test_learned_rounding_lowers_the_mlp_error_and_its_checkpoint_reloads(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    out = tmp_path / "ckpt"
+    proc = run_example(
+        "learned_rounding.py", "--model", str(tiny_dir), "--output-dir", str(out), cwd=tmp_path
+    )
+    words = proc.stdout.strip().splitlines()[-1].replace(",", "").split()
+    rtn, learned = float(words[words.index("nearest") + 1]), float(words[-1])
+    assert learned < 0.9 * rtn  # the signed descent found better roundings than round to nearest
+    saved = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.down_proj.weight_packed" in saved
+    assert "model.layers.0.self_attn.q_proj.weight" in saved  # not targeted: full precision
+    ids = torch.randint(0, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+    got = reload_logits(out, ids)
+    assert ((got - want).norm() / want.norm()).item() < 0.1

@@ -1,8 +1,19 @@
-"""Cached calls of a module ("span"), to run it again on the same arguments (AWQ's scale search).
+"""Services of the modifier API for searches and learned rounding: a span's outputs, re-runs, gradients.
 
-A forward pre-hook records each call's positional and keyword arguments (with the batch's token mask) while
-the calibration pass runs; ``SpanCache.outputs`` runs the module again on them. The cache keeps calls until
-they would pass ``max_bytes`` (always at least one), so the memory a search holds is bounded.
+A *span* is a module of the subgraph being calibrated (a Linear, an MLP, an attention block, a decoder
+layer). A forward pre-hook records each call's positional and keyword arguments (with the batch's token mask)
+while the calibration pass runs; then, in ``compress``:
+
+- ``SpanCache.outputs(module, device)`` runs the span again on every recorded call;
+- ``outputs(module, device, overrides={"down_proj.weight": W})`` does so with temporary parameters (the
+  module is not changed: ``torch.func.functional_call``), e.g. a grid search over candidate scales (AWQ);
+- ``gradients(module, device, params, overrides_of, loss)`` re-runs it differentiably with parameters
+  computed from ``params`` and accumulates ``d loss / d params`` into ``params[k].grad`` (AutoRound-like
+  learned rounding: examples/learned_rounding.py).
+
+``observe_outputs`` hands a pass's module outputs to a modifier (the outputs of a group). The cache keeps
+calls until they would pass ``max_bytes`` (always at least one), so the memory a search holds is bounded;
+the span is inside the onloaded subgraph, so re-runs stay within the run's memory bound.
 
 Example:
     >>> cache = SpanCache(max_bytes=1 << 30)  # doctest: +SKIP
@@ -12,10 +23,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.func import functional_call
 
 
 class SpanCache:
@@ -46,13 +59,58 @@ class SpanCache:
 
         return record
 
-    def outputs(self, module: torch.nn.Module, device: torch.device) -> list[torch.Tensor]:
-        """``module`` run again on every recorded call (its first output when it returns a tuple)."""
-        results = []
-        for args, kwargs, _ in self.calls:
-            out = module(*moved(args, device), **moved(kwargs, device))
-            results.append(out[0] if isinstance(out, (tuple, list)) else out)
-        return results
+    def outputs(
+        self,
+        module: torch.nn.Module,
+        device: torch.device,
+        overrides: Mapping[str, torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """``module`` run again on every recorded call (its first output when it returns a tuple).
+
+        Args:
+            module: the span (the module whose calls were recorded).
+            device: where to run.
+            overrides: parameter or buffer names relative to ``module`` -> tensors used instead of them for
+                these runs only (the module keeps its own).
+        """
+        return [self._run(module, device, overrides, call) for call in self.calls]
+
+    def gradients(
+        self,
+        module: torch.nn.Module,
+        device: torch.device,
+        params: Mapping[str, torch.Tensor],
+        overrides_of: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]],
+        loss: Callable[[torch.Tensor, int], torch.Tensor],
+    ) -> float:
+        """Re-run the span differentiably and accumulate ``d loss / d params`` into ``params[k].grad``.
+
+        Args:
+            module: the span.
+            device: where to run.
+            params: leaf tensors with ``requires_grad`` (e.g. rounding offsets), yours to update after.
+            overrides_of: ``params`` -> parameters of ``module`` to use (e.g. the fake-quantized weight), as
+                in ``outputs``; the module's other parameters take no gradient.
+            loss: (output of recorded call i, i) -> scalar; one backward per call, so one call's graph is
+                alive at a time.
+
+        Returns:
+            The summed loss over the recorded calls.
+        """
+        frozen = {k: v.detach() for k, v in module.named_parameters()}
+        total = 0.0
+        with torch.enable_grad():
+            for i, call in enumerate(self.calls):
+                value = loss(self._run(module, device, {**frozen, **overrides_of(params)}, call), i)
+                value.backward()
+                total += value.item()
+        return total
+
+    def _run(self, module: torch.nn.Module, device: torch.device, overrides: Mapping[str, Any] | None,
+             call: tuple[tuple, dict, torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
+        args, kwargs = moved(call[0], device), moved(call[1], device)
+        out = functional_call(module, dict(overrides), args, kwargs) if overrides else module(*args, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
 
     def masks(self) -> list[torch.Tensor | None]:
         return [mask for _, _, mask in self.calls]
@@ -76,3 +134,33 @@ def nbytes(value: Any) -> int:
     if isinstance(value, (tuple, list)):
         return sum(map(nbytes, value))
     return sum(map(nbytes, value.values())) if isinstance(value, dict) else 0
+
+
+@contextlib.contextmanager
+def observe_outputs(
+    model: torch.nn.Module,
+    names: Iterable[str],
+    observe: Callable[[str, torch.Tensor, torch.Tensor | None], None],
+    token_mask: Callable[[], torch.Tensor | None],
+) -> Iterator[None]:
+    """During the block, every output of the modules ``names`` goes to ``observe(name, output, token_mask)``
+    (the first element when a module returns a tuple): the outputs of a group, from the same pass as its
+    inputs (use it in ``calibrate``; the hooks are removed on exit, also on error).
+
+    Example:
+        >>> with observe_outputs(model, ["model.layers.0.mlp"], record, lambda: state.token_mask):  # doctest: +SKIP
+        ...     yield
+    """
+
+    def hook(name: str) -> Callable[..., None]:
+        def forward_hook(module: torch.nn.Module, args: tuple, out: Any) -> None:
+            observe(name, (out[0] if isinstance(out, (tuple, list)) else out).detach(), token_mask())
+
+        return forward_hook
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
