@@ -103,7 +103,8 @@ class RunState:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     report: dict[str, Any] = field(default_factory=dict)  # per-subgraph/per-module numbers, saved as JSON
     token_mask: torch.Tensor | None = None  # [batch, seq] bool of the batch being run (False = padding)
-    compute_dtype: torch.dtype | None = None  # autocast dtype of the forward passes (None: the weights' dtype)
+    # autocast dtype of the forward passes (None: the weights' dtype)
+    compute_dtype: torch.dtype | None = None
     # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
     # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
     device_budget: int | None = None
