@@ -102,6 +102,10 @@ def test_recipe_checkpoint_loads_everywhere(recipe: Path, tokenizer, tmp_path: P
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]  # (b) seqcal's own evaluation loads it
     assert "perplexity on" in result.stdout
+    # fp4 activations: evaluated in bfloat16 (asked float32), the only dtype transformers runs them in; said so
+    assert ("runs in bfloat16 only; loading it in bfloat16" in result.stderr) is bool(dtype), result.stderr[
+        -2000:
+    ]
 
 
 def test_eval_loader_reads_asymmetric_checkpoints_without_the_hint(tmp_path: Path) -> None:
