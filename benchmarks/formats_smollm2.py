@@ -1,13 +1,16 @@
-"""Perplexity of SmolLM2-135M-Instruct in the weight formats vLLM serves (NVFP4A16, block FP8), RTN and GPTQ.
+"""Perplexity of SmolLM2-135M-Instruct in the formats vLLM serves (NVFP4A16, NVFP4, block FP8), RTN and GPTQ.
 
 Calibrates on the same 128 x 512-token WikiText-2 valid windows as gptq_smollm2.py, saves each checkpoint,
 reloads it with transformers + compressed-tensors (float32) and measures WikiText-2 test perplexity on the
 first ``--eval-windows`` windows of 2048 tokens. FP8_BLOCK's 128 x 128 blocks do not fit SmolLM2 (hidden
 size 576 is not a multiple of 128: its activation groups of 128 do not divide it), so the block run uses
-64 x 64 blocks with dynamic fp8 activation groups of 64.
+64 x 64 blocks with dynamic fp8 activation groups of 64. NVFP4 (W4A4: fp4 activations too, under a calibrated
+input global scale) is evaluated in bfloat16, the only dtype compressed-tensors 0.20 runs fp4 activations in
+(``load_causal_lm`` loads it so).
 
 Usage (from the repo root, PYTHONPATH=src):
     python benchmarks/formats_smollm2.py [--runs nvfp4a16-rtn,...] [--eval-windows 20] [--data ../shared/data]
+    (a smoke run: --runs nvfp4-gptq --calib-samples 4 --eval-windows 1 --no-baseline)
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ FP8_BLOCK64 = {"group_0": {"targets": ["Linear"],
 RUNS = {  # name -> (algorithm, scheme keyword arguments)
     "nvfp4a16-rtn": ("rtn", {"scheme": "NVFP4A16"}),
     "nvfp4a16-gptq": ("gptq", {"scheme": "NVFP4A16"}),
+    "nvfp4-rtn": ("rtn", {"scheme": "NVFP4"}),
+    "nvfp4-gptq": ("gptq", {"scheme": "NVFP4"}),
     "fp8block64-rtn": ("rtn", {"config_groups": FP8_BLOCK64}),
     "fp8block64-gptq": ("gptq", {"config_groups": FP8_BLOCK64}),
 }
@@ -40,7 +45,7 @@ from safetensors.torch import load_file
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 algo, kw, tokens, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
-rows = load_file(tokens)["input_ids"]
+rows = load_file(tokens)["input_ids"][: int(sys.argv[6])]
 cls = GPTQModifier if algo == "gptq" else QuantizationModifier
 start = time.perf_counter()
 oneshot(model=sys.argv[5], dataset=[{"input_ids": r.tolist()} for r in rows], recipe=cls(ignore=["lm_head"], **kw),
@@ -78,6 +83,9 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=20)
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument(
+        "--calib-samples", type=int, default=128, help="first N of the 128 calibration windows"
+    )
+    parser.add_argument(
         "--data", type=Path, default=WIKI, help="folder with wiki.valid.raw and wiki.test.raw"
     )
     args = parser.parse_args()
@@ -98,7 +106,7 @@ def main() -> None:
         algo, kw = RUNS[name]
         out = WORK / f"formats-{name}"
         start = time.perf_counter()
-        _python(QUANTIZE, algo, json.dumps(kw), str(tokens), str(out), str(model))
+        _python(QUANTIZE, algo, json.dumps(kw), str(tokens), str(out), str(model), str(args.calib_samples))
         wall = time.perf_counter() - start
         ppl = float(_python(EVAL, str(out), test, str(args.eval_windows)).split()[0])
         results[name] = {"wall_s": round(wall, 1), "ppl": round(ppl, 2)}

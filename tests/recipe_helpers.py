@@ -22,11 +22,3 @@ def round_trip(recipe: Recipe) -> None:
 def group_weights(modifier: QuantizationModifier, group: str = "group_0") -> QuantizationArgs:
     """The weight quantization arguments of one config group."""
     return modifier.groups[group].weights
-
-
-# Recipes in recipes/ (retyped from llm-compressor's examples) that need what seqcal does not implement yet:
-# file name -> what is missing. tests/test_llmc_recipes.py expects each to be refused with that name (strict
-# xfail: the day it runs, the entry must go); the other recipe tests leave them out.
-NEEDS_MISSING = {
-    "llmc_nvfp4.yaml": "fp4 activations (NVFP4, W4A4) need a calibrated activation global scale",
-}

@@ -8,6 +8,7 @@ fake-quant where the scheme asks for it), which a reloaded checkpoint must repro
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,3 +180,35 @@ def rtn_lm_head(model: torch.nn.Module) -> QuantizedWeight:
     s, z = weight_qparams(W, num_bits=8, symmetric=True, strategy="channel")
     model.lm_head.weight.data = fake_quantize(W, s, z, num_bits=8)
     return QuantizedWeight(quantize(W, s, z, num_bits=8), s, None, None, scheme)
+
+
+def as_bfloat16(model: torch.nn.Module) -> torch.nn.Module:
+    """A bfloat16 copy of ``model`` as ``from_pretrained(dtype=torch.bfloat16)`` builds it (rotary in float32)."""
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model
+
+
+def compressed_by_compressed_tensors(
+    module: torch.nn.Module, scheme: QuantizationScheme, qparams: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own lifecycle on a copy of a fake-quantized module: initialize its qparams for
+    ``scheme``, set them to ``qparams`` (``weight_scale``, ``input_global_scale``, ...), compress it with the
+    compressor of its format; returns the module's state as its checkpoint holds it."""
+    from compressed_tensors.compressors import compress_module
+    from compressed_tensors.quantization.lifecycle import initialize_module_for_quantization
+    from compressed_tensors.utils import get_direct_state_dict
+
+    module = copy.deepcopy(module)
+    initialize_module_for_quantization(module, scheme.model_copy(deep=True))
+    for key, value in qparams.items():
+        getattr(module, key).data.copy_(value)
+    compress_module(module)
+    return {k: v for k, v in get_direct_state_dict(module).items() if v is not None}  # Linear's bias=None
+
+
+def assert_same_tensors(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], name: str) -> None:
+    """The same keys, dtypes and values (bit for bit)."""
+    assert sorted(ours) == sorted(theirs), (name, sorted(ours), sorted(theirs))
+    for key in ours:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), f"{name}.{key}"

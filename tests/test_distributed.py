@@ -55,12 +55,14 @@ def _args(model: Path, out: Path, **extra: object) -> dict:
 
 # static input scales (minmax observer: ranges averaged over the shards) besides GPTQ's Hessians
 STATIC = "recipes/gptq_w8a8_static.yaml"
+# NVFP4 input global scales (static_minmax: the shards' min of mins and max of maxes)
+NVFP4 = "GPTQModifier: {scheme: NVFP4, ignore: [lm_head], block_size: 32}"
 
 
 @pytest.mark.parametrize(
     ("arch", "recipe"),
-    [("llama", RECIPE), ("moe", RECIPE), ("llama", STATIC)],
-    ids=["llama", "moe", "llama-static"],
+    [("llama", RECIPE), ("moe", RECIPE), ("llama", STATIC), ("llama", NVFP4)],
+    ids=["llama", "moe", "llama-static", "llama-nvfp4"],
 )
 def test_same_bytes_for_1_2_and_4_processes(
     arch: str, recipe: str, request: pytest.FixtureRequest, tmp_path: Path

@@ -11,20 +11,15 @@ import torch
 from compressed_tensors.quantization import QuantizationScheme
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig, LlamaForCausalLM
 
-from recipe_helpers import NEEDS_MISSING
-from save_helpers import checkpoint_tensors
+from save_helpers import as_bfloat16, checkpoint_tensors
+from seqcal.checkpoint.config import runs_only_in_bfloat16
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.recipe.parse import parse_recipe
 
-# (recipes needing a modifier or format seqcal lacks are checked in test_llmc_recipes.py)
-RECIPES = [
-    p
-    for p in sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
-    if p.name not in NEEDS_MISSING
-]
+RECIPES = [p for p in sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))]
 VOCAB = 256
 
 
@@ -66,7 +61,8 @@ def runtime_activations(model: torch.nn.Module, out: Path, block: dict) -> conte
     empty = torch.empty(0)
     state = RunState(quantized={
         n: QuantizedWeight(empty, empty, None, None, scheme, input_scale=tensors.get(f"{n}.input_scale"),
-                           input_zero_point=tensors.get(f"{n}.input_zero_point"))
+                           input_zero_point=tensors.get(f"{n}.input_zero_point"),
+                           input_global_scale=tensors.get(f"{n}.input_global_scale"))
         for n in names
     })  # fmt: skip
     return quantized_inputs(model, state, dict.fromkeys(names, scheme))
@@ -85,6 +81,8 @@ def test_every_shipped_recipe_round_trips(recipe: Path, tmp_path: Path) -> None:
     asym = config.get("dequantize", False)  # packed asymmetric zero points (the config asks for it)
     # Asymmetric packed zero points need dequantize=True in transformers 5.24 (upstream bug, see test_save).
     extra = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if asym else {}
+    if runs_only_in_bfloat16(config):  # NVFP4 W4A4: compressed-tensors runs fp4 activations in bf16 only
+        extra["dtype"] = torch.bfloat16
     loaded = AutoModelForCausalLM.from_pretrained(out, **extra).eval()
     inputs = probe()
     if "fp8_block" in recipe.stem:  # dynamic fp8 activations in groups of 128, compressed-tensors' own
@@ -97,13 +95,17 @@ def test_every_shipped_recipe_round_trips(recipe: Path, tmp_path: Path) -> None:
             for handle in handles:
                 handle.remove()
     else:
+        # fp4 activations (NVFP4 W4A4) round differently in another dtype: compare in the dtype loaded
+        model = as_bfloat16(model) if "dtype" in extra else model
         with torch.no_grad(), runtime_activations(model, out, config):
-            want = model(**inputs).logits
+            want = model(**inputs).logits.float()
     with torch.no_grad():
-        got = loaded(**inputs).logits
-    if (
+        got = loaded(**inputs).logits.float()
+    if "dtype" in extra:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    elif (
         "nvfp4" in recipe.stem
-    ):  # compressed-tensors decompresses NVFP4 to bfloat16: weights held to bf16 precision
+    ):  # compressed-tensors decompresses NVFP4 to bfloat16: weights to bf16 precision
         torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)
     else:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -17,7 +17,13 @@ from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import preset_name_to_scheme
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from save_helpers import checkpoint_tensors, dynamic_activations, local
+from save_helpers import (
+    assert_same_tensors,
+    checkpoint_tensors,
+    compressed_by_compressed_tensors,
+    dynamic_activations,
+    local,
+)
 from seqcal.algorithms import formats
 from seqcal.checkpoint.writer import save_checkpoint
 from seqcal.entrypoint import oneshot
@@ -184,7 +190,8 @@ CASES = {  # name -> (model widths, recipe scheme, fragments of the one-sentence
     "block fit": ({"kv": 2}, "FP8_BLOCK",
                   ["block [128, 128] does not fit model.layers.0.self_attn.k_proj, whose 64 output rows",
                    "vLLM merges it with q_proj, v_proj", "add them to ignore"]),
-    "nvfp4 w4a4": ({}, "NVFP4", ["not supported yet", "use NVFP4A16"]),
+    "nvfp4 w4a4 width": (WIDE, "NVFP4", ["weight group_size 16 does not divide the inputs of 2 module(s)",
+                                         "model.layers.0.mlp.down_proj (120 inputs)", "add them to ignore"]),
 }  # fmt: skip
 
 
@@ -260,6 +267,14 @@ def test_int_weight_presets_with_dynamic_activations_reload_exactly(preset: str,
     assert (
         json.loads((tmp_path / "config.json").read_text())["quantization_config"]["format"] == "int-quantized"
     )
+    # the stored tensors are what compressed-tensors' compressor writes for the same fake-quantized module
+    saved = checkpoint_tensors(tmp_path)
+    for name in state.quantized:
+        ours = local(saved, name)
+        theirs = compressed_by_compressed_tensors(
+            model.get_submodule(name), scheme, {"weight_scale": ours["weight_scale"]}
+        )
+        assert_same_tensors(ours, theirs, name)
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(tmp_path).eval()(IDS).logits
     torch.testing.assert_close(got, ref, rtol=0, atol=0)

@@ -18,20 +18,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from recipe_helpers import NEEDS_MISSING
-from save_helpers import assert_logits_equal, checkpoint_tensors
+from save_helpers import as_bfloat16, assert_logits_equal, checkpoint_tensors
+from seqcal.checkpoint.config import runs_only_in_bfloat16
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.base import QuantizedWeight, RunState
 from seqcal.recipe.parse import parse_recipe
 from tokenizer_helpers import word_level
 
-# (recipes needing a modifier or format seqcal lacks are checked in test_llmc_recipes.py)
-RECIPES = [
-    p
-    for p in sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
-    if p.name not in NEEDS_MISSING
-]
+RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
 WORDS = [f"w{i}" for i in range(120)]
 
 
@@ -65,6 +60,7 @@ def _schemes(recipe: Path, model: torch.nn.Module, out: Path) -> tuple[RunState,
             state.quantized[name] = QuantizedWeight(
                 torch.empty(0), torch.empty(0), None, None, scheme, input_scale=tensors.get(f"{name}.input_scale"),
                 input_zero_point=tensors.get(f"{name}.input_zero_point"),
+                input_global_scale=tensors.get(f"{name}.input_global_scale"),
             )  # fmt: skip
             schemes[name] = scheme
     return state, schemes
@@ -77,16 +73,19 @@ def test_recipe_checkpoint_loads_everywhere(recipe: Path, tokenizer, tmp_path: P
     model = oneshot(model=_tiny_llama(len(tokenizer)), tokenizer=tokenizer, dataset=data, recipe=str(recipe),
                     output_dir=str(out), max_seq_length=48, num_calibration_samples=8)  # fmt: skip
     ids = torch.tensor([tokenizer(_text(20, 99))["input_ids"]])
+    block = json.loads((out / "config.json").read_text())["quantization_config"]
+    # (a) plain transformers load; NVFP4 W4A4 in bfloat16, the only dtype compressed-tensors runs it in, and
+    # compared with the calibrated model in bfloat16 (fp4 activations round differently in another dtype)
+    dtype = {"dtype": torch.bfloat16} if runs_only_in_bfloat16(block) else {}
+    model = as_bfloat16(model) if dtype else model
     with torch.no_grad(), quantized_inputs(model, *_schemes(recipe, model, out)):
-        ref = model(ids).logits
-
-    loaded = AutoModelForCausalLM.from_pretrained(out).eval()  # (a) plain transformers load
+        ref = model(ids).logits.float()
+    loaded = AutoModelForCausalLM.from_pretrained(out, **dtype).eval()
     with torch.no_grad():
-        got = loaded(ids).logits
-    if (
-        json.loads((out / "config.json").read_text())["quantization_config"]["format"]
-        == "nvfp4-pack-quantized"
-    ):
+        got = loaded(ids).logits.float()
+    if dtype:
+        assert_logits_equal(got, ref)
+    elif block["format"] == "nvfp4-pack-quantized":
         # compressed-tensors 0.20 decompresses NVFP4 weights to bfloat16 (value * scale / global_scale rounded),
         # so a float32 reload holds the calibrated weights to bf16 precision, not exactly
         torch.testing.assert_close(got, ref, rtol=0, atol=0.02 * ref.abs().max().item())
@@ -103,6 +102,10 @@ def test_recipe_checkpoint_loads_everywhere(recipe: Path, tokenizer, tmp_path: P
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]  # (b) seqcal's own evaluation loads it
     assert "perplexity on" in result.stdout
+    # fp4 activations: evaluated in bfloat16 (asked float32), the only dtype transformers runs them in; said so
+    assert ("runs in bfloat16 only; loading it in bfloat16" in result.stderr) is bool(dtype), result.stderr[
+        -2000:
+    ]
 
 
 def test_eval_loader_reads_asymmetric_checkpoints_without_the_hint(tmp_path: Path) -> None:

@@ -401,9 +401,12 @@ def test_fp8_preset_is_supported() -> None:
 # --- resume -------------------------------------------------------------------------------------------------
 
 
-def test_an_interrupted_static_run_resumes_to_the_same_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    # Replayed subgraphs must fake-quantize their inputs with the saved input scales, or every scale after
-    # them would be calibrated on other inputs than in the uninterrupted run.
+@pytest.mark.parametrize("scheme, scales", [("FP8", "input_scale"), ("NVFP4", "input_global_scale")])
+def test_an_interrupted_static_run_resumes_to_the_same_checkpoint(
+    scheme: str, scales: str, tmp_path: Path, monkeypatch
+) -> None:
+    # Replayed subgraphs must fake-quantize their inputs with the saved input scales (NVFP4: global scales),
+    # or every scale after them would be calibrated on other inputs than in the uninterrupted run.
     import seqcal.checkpoint.streaming as streaming
     from seqcal.entrypoint import oneshot
 
@@ -411,7 +414,9 @@ def test_an_interrupted_static_run_resumes_to_the_same_checkpoint(tmp_path: Path
     tiny_llama().save_pretrained(model_dir)
     data = [{"input_ids": b["input_ids"][0].tolist()} for b in batches()]
     run = dict(
-        dataset=data, recipe="QuantizationModifier: {scheme: FP8, ignore: [lm_head]}", max_seq_length=16
+        dataset=data,
+        recipe=f"QuantizationModifier: {{scheme: {scheme}, ignore: [lm_head]}}",
+        max_seq_length=16,
     )
     monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # record progress after every subgraph
     done = streaming.StreamingCheckpoint.done
@@ -428,7 +433,7 @@ def test_an_interrupted_static_run_resumes_to_the_same_checkpoint(tmp_path: Path
     oneshot(model=str(model_dir), output_dir=str(tmp_path / "killed"), resume=True, **run)
     oneshot(model=str(model_dir), output_dir=str(tmp_path / "clean"), **run)
     a, b = checkpoint_tensors(tmp_path / "killed"), checkpoint_tensors(tmp_path / "clean")
-    assert a.keys() == b.keys() and any(k.endswith("input_scale") for k in a)
+    assert a.keys() == b.keys() and any(k.endswith(scales) for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
 

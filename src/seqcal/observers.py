@@ -11,7 +11,8 @@ means the same thing here:
 
 A batch ``x [..., in]`` is reduced per qparam as llm-compressor flattens activations: ``tensor`` reduces
 everything to one value ``[1]``; ``attn_head`` (keys / values ``[tokens, heads, head_dim]``, see
-``seqcal.modifiers.kv_cache``) reduces all but the heads to ``[heads]``; ``group`` reduces tokens and the columns of each group to ``[in // group]``.
+``seqcal.modifiers.kv_cache``) reduces all but the heads to ``[heads]``; ``group`` (and ``tensor_group``, NVFP4
+inputs) reduces tokens and the columns of each group to ``[in // group]``.
 The qparams then follow compressed-tensors' ``calculate_qparams`` (``seqcal.algorithms.compute_qparams``).
 Padding tokens are left out by the caller. Dynamic activations have no observer: their qparams are computed
 from each input at run time (``seqcal.modifiers.activations``).
@@ -184,6 +185,8 @@ def check_static_input(args: QuantizationArgs, where: str) -> None:
     if _value(args.type) == "float" and not args.symmetric:
         raise ValueError(f"{where}: fp8 input activations must be symmetric; set symmetric: true")
     strategy = _value(args.strategy)
+    if strategy == "tensor_group" and _value(args.dynamic) == "local":
+        return  # NVFP4 inputs: the observed range gives the global scale, the group scales are dynamic
     if strategy not in STATIC_INPUT_STRATEGIES:
         raise ValueError(
             f"{where}: static input activations cannot use strategy {strategy!r} (compressed-tensors stores "

@@ -187,6 +187,35 @@ def nvfp4_group_scales(amax: Tensor, global_scale: Tensor) -> Tensor:
     return torch.where(scale == 0, torch.tensor(0.125, dtype=scale.dtype, device=scale.device), scale)
 
 
+def nvfp4_fake_quantize_groups(x: Tensor, global_scale: Tensor, group_size: int = 16) -> Tensor:
+    """Fake-quantize ``x [..., in]`` to NVFP4 as the runtime quantizes activations (compressed-tensors' dynamic
+    ``local`` forward, vLLM's fp4 inputs): each group of ``group_size`` columns of each token gets the fp8 scale
+    ``fp8(global * amax / 6)``, computed from the values themselves, with the calibrated ``global_scale``.
+
+    Same order of rounding as compressed-tensors: the fp8 group scale is divided by the global scale in
+    float32, ``x`` is divided by that, rounded to fp4 (saturating at +-6), multiplied back, and returned in
+    x's dtype.
+
+    Args:
+        x: activations, last dimension a multiple of ``group_size``.
+        global_scale: float32 ``[1]`` input global scale (:func:`nvfp4_global_scale` of the calibrated amax).
+        group_size: columns per local scale (16 for NVFP4).
+
+    Returns:
+        ``x`` on the NVFP4 grid, same shape and dtype.
+
+    Example:
+        >>> nvfp4_fake_quantize_groups(torch.tensor([[0.1] * 15 + [6.0]]), nvfp4_global_scale(torch.tensor(6.0)))
+        tensor([[0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 0., 6.]])
+    """
+    grouped = x.unflatten(-1, (-1, group_size))
+    global_scale = global_scale.to(device=x.device, dtype=torch.float32)
+    scale = nvfp4_group_scales(grouped.abs().amax(dim=-1), global_scale)  # [..., G], fp8-valued float32
+    effective = (scale / global_scale).unsqueeze(-1)
+    codes = round_minifloat(grouped / effective, 4)
+    return (codes.to(effective.dtype) * effective).flatten(-2).to(x.dtype)
+
+
 def _round_pow2(x: Tensor, elem_mantissa: int) -> Tensor:
     """The power of two nearest below ``x`` unless x's mantissa rounds up at ``elem_mantissa`` bits."""
     int_dtype, mantissa, exponent = _FLOAT_LAYOUT[x.dtype]

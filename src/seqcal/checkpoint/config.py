@@ -200,6 +200,23 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
     return block
 
 
+def runs_only_in_bfloat16(block: dict) -> bool:
+    """Whether transformers can run this checkpoint only in bfloat16: minifloat weights (NVFP4, MX) with
+    quantized input activations (NVFP4 W4A4, MXFP4, MXFP8). compressed-tensors 0.20 decompresses such weights
+    to bfloat16 on the fly and, as the activations are quantized, they cannot be loaded dequantized instead
+    (:func:`needs_dequantize_load`); vLLM runs them whatever the dtype.
+
+    Example:
+        >>> runs_only_in_bfloat16({"format": "nvfp4-pack-quantized", "config_groups": {"g": {"input_activations": {}}}})
+        False
+    """
+    groups = list(block.get("config_groups", {}).values())
+    return any(
+        (g.get("format") or block.get("format")) in MINIFLOAT_FORMATS and bool(g.get("input_activations"))
+        for g in groups
+    )
+
+
 def needs_dequantize_load(block: dict) -> bool:
     """Whether transformers must load this checkpoint with ``dequantize=True`` (asymmetric packed or minifloat weights).
 

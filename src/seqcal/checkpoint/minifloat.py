@@ -2,7 +2,8 @@
 
     float-quantized / naive-quantized (FP8_BLOCK)  weight fp8 [out, in], weight_scale [ceil(out/bh), ceil(in/bw)]
     nvfp4-pack-quantized (NVFP4A16)                weight_packed uint8 [out, in/2], weight_scale fp8 [out, in/16],
-                                                   weight_global_scale float32 [1]
+                                                   weight_global_scale float32 [1]; NVFP4 (W4A4) adds
+                                                   input_global_scale float32 [1] (seqcal.checkpoint.tensors)
     mxfp4-pack-quantized (MXFP4*)                  weight_packed uint8 [out, in/2], weight_scale uint8 [out, in/32]
     mxfp6-pack-quantized (MXFP6*)                  weight_packed uint8 [out, 3*in/4], weight_scale uint8
     mxfp8-quantized (MXFP8*)                       weight fp8 [out, in], weight_scale uint8 [out, in/32]

@@ -154,7 +154,7 @@ class StreamingCheckpoint:
             if qw.global_scale is not None:
                 tensors[f"{name}:global_scale"] = qw.global_scale
             # static activations: a replay fake-quantizes the module's inputs with them
-            for key in ("input_scale", "input_zero_point"):
+            for key in ("input_scale", "input_zero_point", "input_global_scale"):
                 if getattr(qw, key) is not None:
                     tensors[f"{name}:{key}"] = getattr(qw, key)
         tensors.update(self._edited(sg))
@@ -237,7 +237,8 @@ class StreamingCheckpoint:
                                  zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme,
                                  global_scale=tensors.get(f"{name}:global_scale"),
                                  input_scale=tensors.get(f"{name}:input_scale"),
-                                 input_zero_point=tensors.get(f"{name}:input_zero_point"))  # fmt: skip
+                                 input_zero_point=tensors.get(f"{name}:input_zero_point"),
+                                 input_global_scale=tensors.get(f"{name}:input_global_scale"))  # fmt: skip
             weight = self.model.get_submodule(name).weight
             fmt = weight_format(scheme)  # block fp8, NVFP4, MX
             if fmt is not None:

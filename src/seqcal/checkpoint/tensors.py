@@ -2,7 +2,8 @@
 
 ``_module_tensors`` gives a module's own state-dict entries with its quantized weight replaced by the
 tensors of its format (``weight_packed``/``weight``, ``weight_scale``, ``weight_zero_point``,
-``weight_shape``, and for static activations ``input_scale`` / ``input_zero_point``; see
+``weight_shape``, for static activations ``input_scale`` / ``input_zero_point``, for NVFP4 activations
+``input_global_scale``; see
 ``seqcal.checkpoint.writer``); the codes are checked first and the in-memory weight must equal
 their dequantization exactly. ``seqcal.checkpoint.writer.CheckpointWriter`` writes what it returns.
 
@@ -64,6 +65,12 @@ def _check_input_qparams(where: str, qw: QuantizedWeight) -> None:
             f"{where}: output activation quantization is not supported; remove output_activations"
         )
     static = inputs is not None and inputs.dynamic is False
+    nvfp4 = inputs is not None and str(getattr(inputs.dynamic, "value", inputs.dynamic)) == "local"
+    if nvfp4 != (qw.input_global_scale is not None):
+        raise ValueError(
+            f"{where}: input_global_scale must be given exactly for NVFP4 input activations (dynamic 'local'); "
+            "quantize it with a modifier given calibration data (QuantizationModifier or GPTQModifier)"
+        )
     if static and qw.input_scale is None:
         raise ValueError(
             f"{where}: the scheme has static input activations but no calibrated input_scale; quantize it "
@@ -83,7 +90,10 @@ def _compressed(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[
     w = qw.scheme.weights
     fmt = weight_format(qw.scheme)
     if fmt is not None:  # block fp8, NVFP4, MX
-        return format_tensors(_format(qw.scheme), fmt, qw.q, qw.scale, qw.zero_point, qw.global_scale)
+        out = format_tensors(_format(qw.scheme), fmt, qw.q, qw.scale, qw.zero_point, qw.global_scale)
+        if qw.input_global_scale is not None:  # NVFP4 activations: compressed-tensors' float32 [1]
+            out["input_global_scale"] = qw.input_global_scale.to(torch.float32).reshape(1)
+        return out
     out = {"weight_scale": qw.scale}
     zp = qw.zero_point
     if _format(qw.scheme) == "pack-quantized":

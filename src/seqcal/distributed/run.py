@@ -21,7 +21,9 @@ from seqcal.distributed.reduce import (
 from seqcal.distributed.shards import ShardPlan, assign_owners
 from seqcal.modifiers.base import QuantizedWeight
 
-_FIELDS = ("q", "scale", "zero_point", "g_idx", "global_scale", "input_scale", "input_zero_point")
+_FIELDS = (
+    "q", "scale", "zero_point", "g_idx", "global_scale", "input_scale", "input_zero_point", "input_global_scale"
+)  # fmt: skip
 
 
 class ShardedRun:

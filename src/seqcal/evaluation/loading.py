@@ -2,19 +2,23 @@
 
 Checkpoints written before ``quantization_config`` carried ``dequantize: true`` for asymmetric packed
 weights (see ``seqcal.checkpoint.config.needs_dequantize_load``) do not load with a plain
-``from_pretrained`` under transformers >= 5.24; this loader asks for ``dequantize=True`` for them.
+``from_pretrained`` under transformers >= 5.24; this loader asks for ``dequantize=True`` for them. Minifloat
+weights with quantized activations (NVFP4 W4A4, MXFP4) run in transformers in bfloat16 only: they are loaded so.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from seqcal.checkpoint.config import needs_dequantize_load
+from seqcal.checkpoint.config import needs_dequantize_load, runs_only_in_bfloat16
+
+logger = logging.getLogger("seqcal")
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -41,6 +45,14 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     )
     if isinstance(block, dict) and needs_dequantize_load(block) and not block.get("dequantize"):
         kwargs["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    if isinstance(block, dict) and runs_only_in_bfloat16(block) and dtype != torch.bfloat16:
+        logger.warning(
+            "seqcal: %s has fp4/MX weights with quantized activations, which transformers (compressed-tensors "
+            "0.20) runs in bfloat16 only; loading it in bfloat16 instead of %s",
+            path,
+            dtype,
+        )
+        dtype = torch.bfloat16
     with warnings.catch_warnings():  # "the quantization_config from the model will be used": intended
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()

@@ -1,9 +1,12 @@
 """Input activations of quantized Linears: calibrate static scales, fake-quantize as the runtime does.
 
 ``InputCalibration`` (owned by a quantization modifier) observes the inputs of the modules whose scheme has
-static ``input_activations``, on the same inputs the weights are calibrated on: in the one-pass cut these
-are computed with every upstream module already quantized, weights and activations. When the modifier
-compresses a module, the observer's qparams become ``QuantizedWeight.input_scale`` / ``input_zero_point``.
+static ``input_activations`` (or NVFP4's, whose global scale is calibrated), on the same inputs the weights are
+calibrated on: in the one-pass cut these are computed with every upstream module already quantized, weights
+and activations. When the modifier compresses a module, the observer's qparams become
+``QuantizedWeight.input_scale`` / ``input_zero_point``; for NVFP4 inputs (fp4, fp8 scales per 16 columns
+computed at inference, ``dynamic: local``) the observed absolute maximum becomes ``input_global_scale``, one
+value for the modules vLLM fuses (q/k/v, gate/up), as llm-compressor's ``generate_gparam`` computes it.
 
 ``quantized_inputs`` (entered by the pipeline around the calibration loop) fake-quantizes the input of every
 module once it is quantized, exactly as compressed-tensors' quantized forward (and vLLM) does: with the
@@ -27,6 +30,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from torch import Tensor
 
 from seqcal.algorithms import FP8_DTYPE, compute_qparams, quant_range
+from seqcal.algorithms.fp4 import nvfp4_fake_quantize_groups, nvfp4_global_scale
 from seqcal.observers import ActivationObserver, check_static_input, make_observer, observer_name
 
 
@@ -35,9 +39,22 @@ def _value(enum_or_str: object) -> str:
 
 
 def static_inputs(scheme: QuantizationScheme) -> QuantizationArgs | None:
-    """The scheme's input activation arguments when they are static (calibrated), else None."""
+    """The scheme's input activation arguments when they are static, else None."""
     acts = scheme.input_activations
     return acts if acts is not None and acts.dynamic is False else None
+
+
+def nvfp4_inputs(args: QuantizationArgs | None) -> bool:
+    """Whether input activations are NVFP4's: fp4, ``tensor_group``, group scales computed at inference
+    (``dynamic: local``) from a calibrated global scale."""
+    return args is not None and _value(args.dynamic) == "local" and _value(args.strategy) == "tensor_group"
+
+
+def calibrated_inputs(scheme: QuantizationScheme) -> QuantizationArgs | None:
+    """The scheme's input activation arguments when calibration data sets something of them: static scales,
+    or NVFP4's global scale. Else None (weight-only or fully dynamic)."""
+    acts = scheme.input_activations
+    return acts if static_inputs(scheme) is not None or nvfp4_inputs(acts) else None
 
 
 def check_activations(scheme: QuantizationScheme, where: str) -> None:
@@ -59,12 +76,32 @@ def check_activations(scheme: QuantizationScheme, where: str) -> None:
     acts = scheme.input_activations
     if acts is None:
         return
-    if acts.dynamic is False:
+    if _value(acts.dynamic) == "local":
+        _check_nvfp4_inputs(acts, where)
+    elif acts.dynamic is False:
         check_static_input(acts, where)
     elif acts.dynamic is not True or _value(acts.strategy) not in ("token", "tensor", "group"):
         raise ValueError(
             f"{where}: dynamic input activations with strategy {_value(acts.strategy)!r} (dynamic="
             f"{_value(acts.dynamic)}) are not supported; use strategy 'token' (W8A8, FP8_DYNAMIC) or 'tensor'"
+        )
+
+
+def _check_nvfp4_inputs(acts: QuantizationArgs, where: str) -> None:
+    """``dynamic: local`` (group scales at inference under a calibrated global scale) is NVFP4's only."""
+    nvfp4 = (_value(acts.type), acts.num_bits, _value(acts.strategy), acts.group_size) == (
+        "float", 4, "tensor_group", 16) and acts.symmetric and acts.scale_dtype in (None, FP8_DTYPE)  # fmt: skip
+    if not nvfp4:
+        raise ValueError(
+            f"{where}: input activations with dynamic 'local' are NVFP4's (fp4 float, strategy tensor_group, "
+            f"group_size 16, symmetric, fp8 scales), got {_value(acts.type)} {acts.num_bits}-bit, strategy "
+            f"{_value(acts.strategy)!r}, group_size {acts.group_size}; use the NVFP4 preset"
+        )
+    check_static_input(acts, where)  # the observer of the global scale: an unknown name lists the valid ones
+    if observer_name(acts) not in ("minmax", "static_minmax", "memoryless_minmax"):
+        raise ValueError(
+            f"{where}: NVFP4 input activations calibrate their global scale with a min-max observer; "
+            f"observer {observer_name(acts)!r} is not supported for them, use static_minmax (the preset's)"
         )
 
 
@@ -92,8 +129,11 @@ class InputCalibration:
     """
 
     def __init__(self, schemes: Mapping[str, QuantizationScheme]) -> None:
-        self.args = {n: a for n, s in schemes.items() if (a := static_inputs(s)) is not None}
+        self.args = {n: a for n, s in schemes.items() if (a := calibrated_inputs(s)) is not None}
         self.observers: dict[str, ActivationObserver] = {}
+        # NVFP4 input global scales of fused modules (q/k/v, gate/up) fixed by a sibling's finish
+        self._global_scales: dict[str, Tensor] = {}
+        self._fused: list[tuple[str, ...]] | None = None
         # the last input measured and its range per observer setting: q/k/v (gate/up) read the same tensor
         self._last: tuple[Tensor | None, int, dict[str, Any]] = (None, -1, {})
 
@@ -171,13 +211,20 @@ class InputCalibration:
     def finish(self, names: list[str], model: torch.nn.Module, state: Any) -> None:
         """Store the calibrated input qparams of ``names`` (already in ``state.quantized``) and free their
         observers. A module whose input was never seen has no static scale to save: an error naming it."""
-        for name in [n for n in names if n in self.args]:
-            observer = self.observers.pop(name, None)
+        mine = [n for n in names if n in self.args]
+        for name in mine:
+            observer = self.observers.get(name)
             if observer is None or observer.range is None:
                 raise RuntimeError(
                     f"{name}: its input was never seen during calibration, so its static input scale cannot "
                     "be calibrated; give calibration data that reaches it, or add it to ignore"
                 )
+        self._nvfp4_global_scales([n for n in mine if nvfp4_inputs(self.args[n])], model)
+        for name in mine:
+            observer = self.observers.pop(name)
+            if nvfp4_inputs(self.args[name]):
+                state.quantized[name].input_global_scale = self._global_scales.pop(name)
+                continue
             scale, zero_point = observer.qparams()
             dtype = model.get_submodule(
                 name
@@ -185,6 +232,23 @@ class InputCalibration:
             qw = state.quantized[name]
             qw.input_scale = scale.to(dtype if dtype.is_floating_point else torch.float32)
             qw.input_zero_point = None if observer.args.symmetric else zero_point
+
+    def _nvfp4_global_scales(self, names: list[str], model: torch.nn.Module) -> None:
+        """The input global scales of ``names``: ``448 * 6 / amax`` of the observed range, the largest over
+        each fused group (vLLM loads q/k/v and gate/up as one layer with one input scale)."""
+        if not names:
+            return
+        if self._fused is None:
+            from seqcal.modifiers.formats import fused_groups  # formats imports nothing from here
+
+            self._fused = fused_groups(model, [n for n, a in self.args.items() if nvfp4_inputs(a)])
+        group_of = {m: g for g in self._fused for m in g}
+        for name in [n for n in names if n not in self._global_scales]:
+            members = [m for m in group_of.get(name, (name,)) if m in self.observers]
+            ranges = [self.observers[m].range for m in members if self.observers[m].range is not None]
+            amax = torch.stack([torch.maximum(hi.max(), -lo.min()) for lo, hi in ranges]).amax()
+            scale = nvfp4_global_scale(amax)  # in the observed dtype, then float32: generate_gparam's order
+            self._global_scales.update({m: scale.clone() for m in members})  # own tensors for safetensors
 
 
 def qdq(x: Tensor, scale: Tensor, zero: Tensor | None, args: QuantizationArgs) -> Tensor:
@@ -242,6 +306,10 @@ def input_fake_quantize(x: Tensor, qw: Any) -> Tensor:
     args = qw.scheme.input_activations
     if args is None or x.numel() == 0:
         return x
+    if nvfp4_inputs(args):  # fp4 with per-token group scales under the calibrated global scale
+        if qw.input_global_scale is None:
+            return x
+        return nvfp4_fake_quantize_groups(x, qw.input_global_scale, args.group_size)
     if args.dynamic is not False:
         if (
             _value(args.type) == "float"

@@ -59,6 +59,8 @@ class QuantizedWeight:
         input_scale: calibrated static input scale ([1] per tensor, [in // group_size] per group) for schemes
             with static input activations, else None.
         input_zero_point: its zero point (int8 codes) when those activations are asymmetric, else None.
+        input_global_scale: float32 [1] calibrated global scale of NVFP4 input activations (fp4 inputs whose
+            fp8 group scales are computed at inference, ``dynamic: local``), else None.
     """
 
     q: torch.Tensor
@@ -70,6 +72,7 @@ class QuantizedWeight:
     global_scale: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
+    input_global_scale: torch.Tensor | None = None
 
 
 # How partial statistics of virtual shards combine (seqcal.distributed.reduce): elementwise, in shard order.

@@ -14,7 +14,7 @@ import torch
 from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms import fake_quantize, formats, quantize, weight_qparams
-from seqcal.modifiers.activations import InputCalibration, static_inputs
+from seqcal.modifiers.activations import InputCalibration, calibrated_inputs
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
 from seqcal.modifiers.importance import ImportanceCalibration, usable_importance, uses_importance
@@ -31,7 +31,8 @@ class QuantizationModifier(Modifier):
     Args:
         targets: module class names or ``re:`` patterns the ``scheme`` applies to (default all Linear).
         scheme: a compressed-tensors preset ("W4A16", "W8A8", "FP8_DYNAMIC", "FP8", ...) or {preset: targets};
-            static input activations (FP8, or config_groups with ``dynamic: false``) are calibrated on data.
+            static input activations (FP8, or config_groups with ``dynamic: false``) and NVFP4's input global
+            scale are calibrated on data.
         config_groups: explicit compressed-tensors config groups (instead of ``scheme``).
         ignore: modules left in full precision (class names or ``re:`` patterns), e.g. ["lm_head"].
         kv_cache_scheme: fp8 KV cache with static scales (QuantizationArgs fields: num_bits 8, type float,
@@ -79,7 +80,7 @@ class QuantizationModifier(Modifier):
         self._global_scales: dict[str, torch.Tensor] = {}
         self.inputs = InputCalibration({})
         self.importance = ImportanceCalibration({})
-        if any(static_inputs(g) or uses_importance(g) for g in self.groups.values()):
+        if any(calibrated_inputs(g) or uses_importance(g) for g in self.groups.values()):
             self.needs_calibration = (
                 True  # static input scales and imatrix_mse weights are calibrated on data
             )

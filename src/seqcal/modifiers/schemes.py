@@ -27,7 +27,8 @@ _TYPO = 0.8
 # Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights (also block-wise), fp4
 # NVFP4 and MX (fp4/fp6/fp8 with e8m0 group scales) weights, dynamic activations (declared in the checkpoint,
 # computed at inference), static activations calibrated by observers (FP8: per-tensor fp8 inputs,
-# seqcal.modifiers.activations). NVFP4 (fp4 activations with a calibrated global scale) is not among them yet.
+# seqcal.modifiers.activations), and NVFP4's fp4 activations (group scales at inference under a calibrated
+# global scale).
 SUPPORTED_PRESETS = (
     "W4A16",
     "W4A16_ASYM",
@@ -42,6 +43,7 @@ SUPPORTED_PRESETS = (
     "W7A16",
     "FP8_BLOCK",
     "NVFP4A16",
+    "NVFP4",
     "MXFP4A16",
     "MXFP4",
     "MXFP4XFP8",
@@ -133,12 +135,6 @@ def check_supported(scheme: QuantizationScheme, where: str) -> None:
         )
     check_weight_observer(weights, where)  # an unknown name or search setting, before any calibration
     _check_weight_format(weights, strategy, where)
-    acts = scheme.input_activations
-    if acts is not None and str(getattr(acts.dynamic, "value", acts.dynamic)) == "local":
-        raise ValueError(
-            f"{where}: fp4 activations (NVFP4, W4A4) need a calibrated activation global scale, which seqcal "
-            "does not compute yet (not supported yet); use NVFP4A16 for fp4 weights with 16-bit activations"
-        )
     check_activations(scheme, where)  # observers and strategies of the activations
 
 
