@@ -11,7 +11,8 @@ The executor owns hooks and state and passes them down; a modifier keeps nothing
             (or, for subgraphs cut before their modules: modifier.observe(names, x, state) per batch)
             (after each virtual shard of the batches: modifier.partial_statistics(), folded in shard order
              across shards and processes, then modifier.load_statistics(reduced); seqcal.distributed)
-        changed = modifier.compress(subgraph, model, state)
+        changed = modifier.compress(subgraph, model, state)      on the subgraph's owner; the other processes
+                                                                 get its weights and modifier.load_results(...)
         (propagation pass when any modifier changed weights)
     modifier.finalize(model, state)              once
 
@@ -203,6 +204,18 @@ class Modifier:
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         """Use what calibration gathered; return True when weights of ``subgraph`` changed."""
         return False
+
+    def results(self, subgraph: Subgraph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What ``compress`` computed besides the quantized weights (``state.quantized``, sent by the run
+        itself) that every process needs to propagate ``subgraph`` as the one that compressed it: named
+        tensors (the KV cache's ``k_scale`` / ``v_scale``). With several processes only the subgraph's owner
+        compresses; the others get these through ``load_results``."""
+        return {}
+
+    def load_results(
+        self, subgraph: Subgraph, results: dict[str, torch.Tensor], model: torch.nn.Module
+    ) -> None:
+        """Take ``results`` computed by the process that compressed ``subgraph`` (instead of ``compress``)."""
 
     # --- version 2 services (optional) ---------------------------------------------------------------------
 

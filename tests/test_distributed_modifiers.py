@@ -1,0 +1,96 @@
+"""Every modifier's statistics reduce across processes: the same checkpoint bytes for 1, 2 and 4 processes.
+
+SmoothQuant's channel ranges (a transform: reduced on every process, which each folds), SparseGPT's Hessians,
+Wanda's squared norms, imatrix_mse's sums of ``x^2`` and the KV cache's key / value ranges (their scales sent
+from each layer's owner to the other processes) go through ``Modifier.partial_statistics`` like GPTQ's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dist_helpers import data, run, start, tensor_hashes, wait_all
+from seqcal.distributed.run import ShardedRun
+
+SAMPLES = 5  # 5 shards: 2 processes run 2 and 3, 4 processes 1, 1, 1 and 2
+KV = "kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}"
+SMOOTH = "SmoothQuantModifier: {smoothing_strength: 0.5}\n"
+RECIPES = {
+    # a transform in the one-pass cut (cached inputs), then GPTQ's Hessians in the new coordinates
+    "smoothquant": SMOOTH + "GPTQModifier: {scheme: W8A16, ignore: [lm_head], block_size: 32}",
+    # the layer cut (the KV cache is observed inside attention): the transform's own pass, per shard
+    "smoothquant-kv": SMOOTH + "GPTQModifier: {scheme: W8A16, ignore: [lm_head], block_size: 32, " + KV + "}",
+    "kv-rtn": "QuantizationModifier: {scheme: W8A16, ignore: [lm_head], " + KV + "}",
+    "sparsegpt": "SparseGPTModifier: {sparsity: 0.5, mask_structure: '2:4', ignore: ['re:.*lm_head'], block_size: 32}",
+    "wanda": "WandaPruningModifier: {sparsity: 0.5, ignore: ['re:.*lm_head']}",
+    "imatrix": "QuantizationModifier: {scheme: W4A16, ignore: [lm_head], weight_observer: imatrix_mse}",
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _args(model: Path, out: Path, recipe: str) -> dict:
+    return {"model": str(model), "dataset": data(SAMPLES, 24), "recipe": recipe, "max_seq_length": 24,
+            "output_dir": str(out)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_same_bytes_for_1_and_2_processes(name: str, model_dir: Path, tmp_path: Path) -> None:
+    """Per-tensor SHA-256 of the checkpoint equal for 1 and 2 processes (4 for the layer cut with a transform)."""
+    worlds = (1, 2, 4) if name == "smoothquant-kv" else (1, 2)
+    hashes = {}
+    for world in worlds:
+        run(world, tmp_path / f"err{world}", **_args(model_dir, tmp_path / f"w{world}", RECIPES[name]))
+        hashes[world] = tensor_hashes(tmp_path / f"w{world}")
+    assert len(hashes[1]) > 10
+    if "kv" in name:
+        assert sum(k.endswith((".k_scale", ".v_scale")) for k in hashes[1]) == 4
+    for world in worlds[1:]:
+        differing = [k for k in hashes[1] if hashes[world].get(k) != hashes[1][k]]
+        assert hashes[world].keys() == hashes[1].keys() and not differing, (world, differing[:5])
+
+
+def _drop_the_last_shard(rank: int) -> None:
+    """One process, the statistics of the last shard never handed over (a reduction that misses a process)."""
+    collect = ShardedRun.collect
+
+    def collect_all_but_last(self: ShardedRun, index: int, shard: int, modifiers: list, device: torch.device):
+        if shard == self.plan.shards - 1:
+            for m in modifiers:
+                m.partial_statistics()  # taken and thrown away
+            return
+        collect(self, index, shard, modifiers, device)
+
+    ShardedRun.collect = collect_all_but_last  # in the forked child only
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_negative_control_a_missing_shard_changes_bytes(name: str, model_dir: Path, tmp_path: Path) -> None:
+    """The equality above can fail: without one shard's statistics the checkpoint differs."""
+    run(1, tmp_path / "err1", **_args(model_dir, tmp_path / "all", RECIPES[name]))
+    run(1, tmp_path / "err2", _drop_the_last_shard, **_args(model_dir, tmp_path / "missing", RECIPES[name]))
+    full, missing = tensor_hashes(tmp_path / "all"), tensor_hashes(tmp_path / "missing")
+    assert full.keys() == missing.keys()
+    assert [k for k in full if full[k] != missing[k]], "dropping a shard's statistics changed no byte"
+
+
+def test_awq_is_still_refused_with_two_processes(model_dir: Path, tmp_path: Path) -> None:
+    args = _args(model_dir, tmp_path / "out", "AWQModifier: {scheme: W4A16, ignore: [lm_head], n_grid: 4}")
+    codes = wait_all(start(2, [args] * 2, tmp_path / "err"), timeout=120)
+    assert codes == [1, 1]
+    for rank in (0, 1):
+        first = (tmp_path / "err" / f"rank{rank}.txt").read_text().splitlines()[0]
+        assert "AWQModifier gathers statistics that do not yet reduce across processes" in first, first
+    assert not (tmp_path / "out" / "config.json").exists()
