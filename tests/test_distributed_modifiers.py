@@ -93,3 +93,23 @@ def test_awq_is_still_refused_with_two_processes(model_dir: Path, tmp_path: Path
         first = (tmp_path / "err" / f"rank{rank}.txt").read_text().splitlines()[0]
         assert "AWQModifier gathers statistics that do not yet reduce across processes" in first, first
     assert not (tmp_path / "out" / "config.json").exists()
+
+
+@pytest.mark.parametrize("name", ["smoothquant-kv", "wanda"])
+def test_plan_for_several_processes_of_a_newly_reducing_recipe(
+    name: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """``seqcal plan --world-size 2`` (batch size left to the plan) prints the per-process table."""
+    import subprocess
+    import sys
+
+    from dist_helpers import env_for_cli
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPES[name] + "\n")
+    cli = [sys.executable, "-m", "seqcal.cli", "plan", "--model", str(model_dir), "--recipe", str(recipe),
+           "--num-calibration-samples", "6", "--max-seq-length", "24", "--world-size", "2"]  # fmt: skip
+    done = subprocess.run(cli, env=env_for_cli(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "2 processes, 6 virtual shards of 6 batches" in done.stdout
+    assert "total: reduced" in done.stdout
