@@ -7,14 +7,18 @@ from each layer's owner to the other processes) go through ``Modifier.partial_st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dist_helpers import data, run, start, tensor_hashes, wait_all
+from seqcal.distributed.reduce import fold, tensors_of
 from seqcal.distributed.run import ShardedRun
+from seqcal.modifiers.base import Modifier, RunState
 
 SAMPLES = 5  # 5 shards: 2 processes run 2 and 3, 4 processes 1, 1, 1 and 2
 KV = "kv_cache_scheme: {num_bits: 8, type: float, strategy: tensor, dynamic: false, symmetric: true}"
@@ -28,6 +32,8 @@ RECIPES = {
     "sparsegpt": "SparseGPTModifier: {sparsity: 0.5, mask_structure: '2:4', ignore: ['re:.*lm_head'], block_size: 32}",
     "wanda": "WandaPruningModifier: {sparsity: 0.5, ignore: ['re:.*lm_head']}",
     "imatrix": "QuantizationModifier: {scheme: W4A16, ignore: [lm_head], weight_observer: imatrix_mse}",
+    # activation sums, then the grid search's losses per candidate in a second round per mapping
+    "awq": "AWQModifier: {scheme: W4A16_ASYM, ignore: [lm_head], n_grid: 6}",
 }
 
 
@@ -85,13 +91,45 @@ def test_same_bytes_for_1_and_2_processes(name: str, model_dir: Path, tmp_path: 
     assert [k for k in missing if missing[k] != hashes[1][k]], "dropping a shard's statistics changed no byte"
 
 
-def test_awq_is_still_refused_with_two_processes(model_dir: Path, tmp_path: Path) -> None:
-    args = _args(model_dir, tmp_path / "out", "AWQModifier: {scheme: W4A16, ignore: [lm_head], n_grid: 4}")
+def _search_on_own_shards(rank: int) -> None:
+    """AWQ's second round without communication: each process scores the candidates on its own shards only."""
+
+    def local(self: RunState, per_shard: list) -> dict:
+        total = None
+        for partial in per_shard:
+            total = fold(total, partial)
+        return tensors_of(total or {})
+
+    RunState.reduce_shards = local  # in the forked child only
+
+
+def test_negative_control_awq_losses_of_one_process_change_bytes(model_dir: Path, tmp_path: Path) -> None:
+    """The second round matters: with each of 2 processes choosing its scales from its own shards' losses,
+    the checkpoint differs from one process's."""
+    run(1, tmp_path / "err1", **_args(model_dir, tmp_path / "one", RECIPES["awq"]))
+    run(2, tmp_path / "err2", _search_on_own_shards, **_args(model_dir, tmp_path / "own", RECIPES["awq"]))
+    one, own = tensor_hashes(tmp_path / "one"), tensor_hashes(tmp_path / "own")
+    assert one.keys() == own.keys()
+    assert [k for k in one if one[k] != own[k]], "choosing scales from one process's shards changed no byte"
+
+
+@dataclass
+class _Unshared(Modifier):
+    """A modifier that gathers statistics from data but hands none over (``shares_statistics`` is False)."""
+
+    name: ClassVar[str] = "UnsharedStats"
+    needs_calibration: ClassVar[bool] = True
+
+
+def test_a_modifier_whose_statistics_do_not_reduce_is_refused_with_two_processes(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    args = {**_args(model_dir, tmp_path / "out", ""), "recipe": [_Unshared()]}
     codes = wait_all(start(2, [args] * 2, tmp_path / "err"), timeout=120)
     assert codes == [1, 1]
     for rank in (0, 1):
         first = (tmp_path / "err" / f"rank{rank}.txt").read_text().splitlines()[0]
-        assert "AWQModifier gathers statistics that do not yet reduce across processes" in first, first
+        assert "UnsharedStats gathers statistics that do not yet reduce across processes" in first, first
     assert not (tmp_path / "out" / "config.json").exists()
 
 

@@ -21,6 +21,15 @@ from seqcal.distributed.reduce import (
 from seqcal.distributed.shards import ShardPlan, assign_owners
 from seqcal.modifiers.base import QuantizedWeight
 
+
+class _Nothing:
+    """Takes no statistics (a modifier whose statistics stay on the owner)."""
+
+    def load_statistics(self, reduced: dict) -> None:
+        pass
+
+
+_NOTHING = _Nothing()
 _FIELDS = ("q", "scale", "zero_point", "g_idx", "global_scale", "input_scale", "input_zero_point")
 
 
@@ -84,25 +93,61 @@ class ShardedRun:
         self, index: int, modifiers: Sequence[Any], device: torch.device, everywhere: bool = False
     ) -> None:
         """The owner of subgraph ``index`` folds the shards still to come and loads the result into the
-        modifiers; the other ranks sent theirs already (``collect``). ``everywhere``: the owner then sends the
-        fold to every rank, which loads it too (transforms: every rank folds the scales it gives into its own
-        weights and cached inputs)."""
+        modifiers; the other ranks sent theirs already (``collect``). The statistics of the modifiers that
+        ``compresses_everywhere`` (all of them with ``everywhere``: the transforms, which every rank folds into
+        its own weights and cached inputs) are then sent to every rank, which loads them too."""
         if not self.plan.shards_of(self.group.rank):
             self._start(index)  # a rank without shards collects nothing
         if self.owns(index):
             self._fold_until(self.plan.shards, index, device)
-        if everywhere and self.group.world_size > 1:
-            data = partial_to_bytes(self._total or {}) if self.owns(index) else None
+        shared = [
+            i for i, m in enumerate(modifiers) if everywhere or getattr(m, "compresses_everywhere", False)
+        ]
+        if shared and self.group.world_size > 1:
+            data = None
+            if self.owns(index):  # sent before any modifier takes (and may scale in place) its statistics
+                prefixes = tuple(f"{i}/" for i in shared)
+                data = partial_to_bytes(
+                    {k: v for k, v in (self._total or {}).items() if k.startswith(prefixes)}
+                )
             data = self.group.broadcast(
                 data, self.owners[index], f"sending the statistics of subgraph {index}"
             )
             if not self.owns(index):
-                self._total = partial_from_bytes(data, device)
-        if self.owns(index) or everywhere:
+                load_statistics([m if i in shared else _NOTHING for i, m in enumerate(modifiers)],
+                                partial_from_bytes(data, device))  # fmt: skip
+        if self.owns(index):
             load_statistics(modifiers, self._total)
         self._total = None
         self.traffic[-1]["reduce_bytes"] = self.group.bytes_sent - self.traffic[-1]["reduce_bytes"]
         self.traffic[-1]["reduce_seconds"] = self.group.comm_seconds - self.traffic[-1]["reduce_seconds"]
+
+    def reduce_round(
+        self, per_shard: Sequence[Partial], device: torch.device
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """One more reduction of the current subgraph (``RunState.reduce_shards``): ``per_shard`` holds a partial
+        per local shard; the owner folds all shards in shard order and sends the fold to every rank."""
+        index = self.traffic[-1]["subgraph"]
+        what = f"reducing more statistics of subgraph {index}"
+        mine = self.plan.shards_of(self.group.rank)
+        if len(per_shard) != len(mine):
+            raise ValueError(f"reduce_round: {len(per_shard)} partials for this rank's {len(mine)} shards")
+        if not self.owns(index):
+            for partial in per_shard:
+                self.group.send(partial_to_bytes(partial), self.owners[index], what)
+            return tensors_of(
+                partial_from_bytes(self.group.broadcast(None, self.owners[index], what), device)
+            )
+        total: Partial | None = None
+        for shard in range(self.plan.shards):
+            if shard in mine:
+                partial = per_shard[shard - mine.start]
+            else:
+                partial = partial_from_bytes(self.group.recv(self.plan.rank_of(shard), what), device)
+            total = fold(total, partial)
+        if self.group.world_size > 1:
+            self.group.broadcast(partial_to_bytes(total or {}), self.group.rank, what)
+        return tensors_of(total or {})
 
     def _start(self, index: int) -> None:
         self._total, self._next = None, 0

@@ -296,9 +296,11 @@ def _compress(
     with prof.span("communication", f"reduce {label}", subgraph=sg.index):
         sharding.reduce(sg.index, modifiers, state.device)
     before, changed = {*state.quantized, *state.sparsity}, False
-    if sharding.owns(sg.index):
+    owner = sharding.owns(sg.index)  # the others compress only where a modifier compresses everywhere (AWQ)
+    if owner or any(getattr(m, "compresses_everywhere", False) for m in modifiers):
         with prof.span("compress", label, subgraph=sg.index):
-            changed = any([m.compress(sg, runner.model, state) for m in modifiers])
+            changed = any([m.compress(sg, runner.model, state) for m in modifiers
+                           if owner or getattr(m, "compresses_everywhere", False)])  # fmt: skip
     names = [n for n in {**state.quantized, **state.sparsity} if n not in before]  # quantized or pruned
     with prof.span("communication", f"share {label}", subgraph=sg.index):
         return (

@@ -122,6 +122,27 @@ class RunState:
     folds: list[Fold] = field(default_factory=list)  # scales folded so far, in order (``fold``)
     edited: set[str] = field(default_factory=set)  # producers whose weights a fold changed (saved, kept)
 
+    def reduce_shards(
+        self, per_shard: list[dict[str, dict[str, Statistic]]]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """A further round of reduction, inside ``compress`` of a modifier that ``compresses_everywhere``: one
+        partial per virtual shard of this process (in order), folded in shard order over every process, and
+        the result returned on every process (AWQ's grid-search losses). Every process must call it the same
+        number of times, in the same order.
+
+        Example:
+            >>> RunState().reduce_shards([{"l": {"s": Statistic(torch.ones(2))}}])["l"]["s"]
+            tensor([1., 1.])
+        """
+        if self.sharding is not None:
+            return self.sharding.reduce_round(per_shard, self.device)
+        from seqcal.distributed.reduce import fold, tensors_of  # reduce imports this module
+
+        total = None
+        for partial in per_shard:
+            total = fold(total, partial)
+        return tensors_of(total or {})
+
     def fold(self, model: torch.nn.Module, mapping: Mapping, scales: torch.Tensor) -> Fold:
         """Fold smoothing ``scales`` into ``mapping`` (``seqcal.mappings.fold_scales``) and record it, so the
         pipeline moves the group's cached inputs and other modifiers' statistics to the new coordinates.
@@ -194,6 +215,11 @@ class Modifier:
 
     def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take the statistics of every shard, combined (``partial_statistics``' keys), before ``compress``."""
+
+    # True: ``compress`` runs on every process, not only on the subgraph's owner, with this modifier's statistics
+    # loaded on every process; it may reduce more in between (``RunState.reduce_shards``: AWQ's search losses)
+    # and must do the same on every process (folds, weights), which the owner's weights then overwrite.
+    compresses_everywhere: ClassVar[bool] = False
 
     def shares_statistics(self) -> bool:
         """True when every statistic this modifier gathers from data goes through ``partial_statistics``, so
