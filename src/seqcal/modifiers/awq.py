@@ -33,8 +33,9 @@ class AWQModifier(QuantizationModifier):
         duo_scaling: True (activations and weights), False (activations only) or "both" (half the grid each).
         n_grid: grid points of the scale search.
         offload_device: where the cached span inputs wait ("cpu"), None: where they were computed.
-        max_chunk_memory: bytes of cached inputs per span the search may keep; later batches are left out of
-            the search (never out of the activation statistics).
+        max_chunk_memory: bytes of cached inputs per span the search may keep, split evenly over the virtual
+            shards (each keeps its first batches within its share); later batches are left out of the search
+            (never out of the activation statistics).
 
     Example:
         >>> AWQModifier(scheme="W4A16_ASYM", ignore=["lm_head"], duo_scaling="both")  # doctest: +SKIP
