@@ -7,6 +7,7 @@ from each layer's owner to the other processes) go through ``Modifier.partial_st
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -16,8 +17,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dist_helpers import data, run, start, tensor_hashes, wait_all
+from seqcal.distributed.plan import world_rows
 from seqcal.distributed.reduce import fold, tensors_of
 from seqcal.distributed.run import ShardedRun
+from seqcal.entrypoint import oneshot
 from seqcal.modifiers.base import Modifier, RunState
 
 SAMPLES = 5  # 5 shards: 2 processes run 2 and 3, 4 processes 1, 1, 1 and 2
@@ -67,8 +70,8 @@ def _drop_the_last_shard(rank: int) -> None:
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_same_bytes_for_1_and_2_processes(name: str, model_dir: Path, tmp_path: Path) -> None:
-    """Per-tensor SHA-256 of the checkpoint equal for 1 and 2 processes (4 for the layer cut with a transform);
-    negative control: without the last shard's statistics some tensor differs, so the equality can fail."""
+    """Per-tensor SHA-256 of the checkpoint equal for 1 and 2 processes (4 for the layer cut with a transform),
+    with the owners ``seqcal plan`` predicts; negative control: without the last shard's statistics some tensor differs, so the equality can fail."""
     worlds = (1, 2, 4) if name == "smoothquant-kv" else (1, 2)
     hashes = {}
     for world in worlds:
@@ -80,6 +83,11 @@ def test_same_bytes_for_1_and_2_processes(name: str, model_dir: Path, tmp_path: 
     for world in worlds[1:]:
         differing = [k for k in hashes[1] if hashes[world].get(k) != hashes[1][k]]
         assert hashes[world].keys() == hashes[1].keys() and not differing, (world, differing[:5])
+    report = json.loads((tmp_path / "w2" / "quantization_report.json").read_text())["distributed"]
+    plan = oneshot(model=str(model_dir), recipe=RECIPES[name], num_calibration_samples=SAMPLES, max_seq_length=24,
+                   dry_run=True, dataset=[])  # fmt: skip
+    assert [r["owner"] for r in world_rows(plan, 2, 8, SAMPLES, plan.dtype_bytes)] == report["owners"]
+    assert set(report["owners"]) == {0, 1}  # the solves are spread
     run(
         1,
         tmp_path / "err_missing",

@@ -254,15 +254,16 @@ def _unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict, modi
 
 
 def solve_costs(subgraphs: Sequence[Any], modifiers: Sequence[Any], model: torch.nn.Module) -> list[float]:
-    """Estimated solve cost of each subgraph: ``out * in^2 + in^3`` per quantized Linear (GPTQ's column loop
-    and the inverse of its Hessian); shapes are read from the model (parameters on meta too)."""
+    """Estimated solve cost of each subgraph: ``out * in^2 + in^3`` per quantized or pruned Linear (GPTQ's and
+    SparseGPT's column loop and the inverse of the Hessian); shapes are read from the model (parameters on
+    meta too)."""
     costs = []
     for sg in subgraphs:
         cost = 0.0
-        for m in modifiers:
-            for name in m.modules_in(sg) if hasattr(m, "modules_in") else []:
-                out_features, in_features = model.get_submodule(name).weight.shape[:2]
-                cost += float(out_features) * in_features**2 + float(in_features) ** 3
+        # each module once: a transform's consumers are its quantizer's modules too (SmoothQuant, GPTQ)
+        for name in dict.fromkeys(n for m in modifiers if hasattr(m, "modules_in") for n in m.modules_in(sg)):
+            out_features, in_features = model.get_submodule(name).weight.shape[:2]
+            cost += float(out_features) * in_features**2 + float(in_features) ** 3
         costs.append(cost)
     return costs
 
