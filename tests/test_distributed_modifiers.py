@@ -70,9 +70,9 @@ def _drop_the_last_shard(rank: int) -> None:
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_same_bytes_for_1_and_2_processes(name: str, model_dir: Path, tmp_path: Path) -> None:
-    """Per-tensor SHA-256 of the checkpoint equal for 1 and 2 processes (4 for the layer cut with a transform),
+    """Per-tensor SHA-256 of the checkpoint equal for 1 and 2 processes (and 4 for the KV cache's layer cut),
     with the owners ``seqcal plan`` predicts; negative control: without the last shard's statistics some tensor differs, so the equality can fail."""
-    worlds = (1, 2, 4) if name == "smoothquant-kv" else (1, 2)
+    worlds = (1, 2, 4) if name == "kv-rtn" else (1, 2)  # 4 processes where a run is cheapest
     hashes = {}
     for world in worlds:
         run(world, tmp_path / f"err{world}", **_args(model_dir, tmp_path / f"w{world}", RECIPES[name]))
@@ -141,10 +141,7 @@ def test_a_modifier_whose_statistics_do_not_reduce_is_refused_with_two_processes
     assert not (tmp_path / "out" / "config.json").exists()
 
 
-@pytest.mark.parametrize("name", ["smoothquant-kv", "wanda"])
-def test_plan_for_several_processes_of_a_newly_reducing_recipe(
-    name: str, model_dir: Path, tmp_path: Path
-) -> None:
+def test_plan_for_several_processes_of_a_newly_reducing_recipe(model_dir: Path, tmp_path: Path) -> None:
     """``seqcal plan --world-size 2`` (batch size left to the plan) prints the per-process table."""
     import subprocess
     import sys
@@ -152,7 +149,7 @@ def test_plan_for_several_processes_of_a_newly_reducing_recipe(
     from dist_helpers import env_for_cli
 
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPES[name] + "\n")
+    recipe.write_text(RECIPES["smoothquant-kv"] + "\n")
     cli = [sys.executable, "-m", "seqcal.cli", "plan", "--model", str(model_dir), "--recipe", str(recipe),
            "--num-calibration-samples", "6", "--max-seq-length", "24", "--world-size", "2"]  # fmt: skip
     done = subprocess.run(cli, env=env_for_cli(), capture_output=True, text=True, timeout=120)
