@@ -159,23 +159,6 @@ def test_more_processes_than_samples_is_refused_on_every_rank(llama_dir: Path, t
         assert "4 processes but only 3 virtual shards (3 calibration batches" in first, first
 
 
-def test_a_modifier_whose_statistics_do_not_reduce_is_refused_with_two_processes(
-    llama_dir: Path, tmp_path: Path
-) -> None:
-    smooth = (
-        "SmoothQuantModifier: {smoothing_strength: 0.5}\nGPTQModifier: {scheme: W8A16, ignore: [lm_head]}\n"
-    )
-    args = {**_args(llama_dir, tmp_path / "out"), "recipe": smooth}
-    codes = wait_all(start(2, [args] * 2, tmp_path / "err"), timeout=120)
-    assert codes == [1, 1]
-    for rank in (0, 1):
-        first = (tmp_path / "err" / f"rank{rank}.txt").read_text().splitlines()[0]
-        assert "SmoothQuantModifier gathers statistics that do not yet reduce across processes" in first, (
-            first
-        )
-    assert not (tmp_path / "out" / "config.json").exists()
-
-
 def test_shard_plan_does_not_depend_on_the_world_size() -> None:
     for world in (1, 2, 3, 7):
         plan = ShardPlan(num_batches=7, num_shards=8, world_size=world)

@@ -140,7 +140,8 @@ def test_qwen3_scales_read_keys_after_the_k_norm() -> None:
 
 def test_minmax_observer_is_a_moving_average_over_batches() -> None:
     """The default observer (minmax) averages each batch's min and max with constant 0.01, as
-    llm-compressor's; the scale is then the larger magnitude of the two / 448."""
+    llm-compressor's; the scale is then the larger magnitude of the two / 448. (One virtual shard: across
+    shards the per-shard ranges are averaged, as for static input observers; see the next test.)"""
     model = tiny_llama()
     lo = hi = None
     with torch.no_grad():
@@ -152,7 +153,26 @@ def test_minmax_observer_is_a_moving_average_over_batches() -> None:
             lo = b_lo if lo is None else lo * 0.99 + b_lo * 0.01
             hi = b_hi if hi is None else hi * 0.99 + b_hi * 0.01
     modifier = QuantizationModifier(targets=["lm_head"], scheme="FP8_DYNAMIC", kv_cache_scheme=kv())
-    calibrate(model, modifier)
+    calibrate(model, modifier, num_shards=1)
+    expected = torch.maximum(lo.abs(), hi.abs()).reshape(1) / FP8_MAX
+    torch.testing.assert_close(model.model.layers[0].self_attn.v_scale, expected, rtol=1e-6, atol=0)
+
+
+def test_minmax_observer_averages_the_ranges_of_the_virtual_shards() -> None:
+    """With a shard per batch, the key / value range is the mean of the shards' ranges (the reduction that
+    makes the scales independent of the number of processes)."""
+    model = tiny_llama()
+    los, his = [], []
+    with torch.no_grad():
+        for batch in batches():
+            cache = DynamicCache(config=model.config)
+            model(**batch, cache=cache, use_cache=True)
+            values = cache.layers[0].values.transpose(1, 2)[batch["attention_mask"].bool()]
+            los.append(values.min())
+            his.append(values.max())
+    modifier = QuantizationModifier(targets=["lm_head"], scheme="FP8_DYNAMIC", kv_cache_scheme=kv())
+    calibrate(model, modifier, num_shards=len(batches()))
+    lo, hi = sum(los) / len(los), sum(his) / len(his)
     expected = torch.maximum(lo.abs(), hi.abs()).reshape(1) / FP8_MAX
     torch.testing.assert_close(model.model.layers[0].self_attn.v_scale, expected, rtol=1e-6, atol=0)
 

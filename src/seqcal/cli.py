@@ -398,7 +398,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.world_size > 1:
         from seqcal.distributed.plan import plan_world
 
-        batches = -(-args.num_calibration_samples // (1 if args.batch_size == "auto" else args.batch_size))
+        batches = -(-args.num_calibration_samples // plan.batch_size)  # the plan's (also when chosen)
         print("\n" + plan_world(plan, args.world_size, args.num_shards, batches, plan.dtype_bytes))
     return 0
 

@@ -242,6 +242,7 @@ def plan_memory(
     device_on_host: bool = True,
     resident_weights: int = 0,
     device_budget: int | None = None,
+    solved: set[str] | None = None,
 ) -> MemoryPlan:
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
@@ -250,6 +251,8 @@ def plan_memory(
         device_on_host: the execution device is the cpu, so the device's share is resident memory too.
         resident_weights: bytes of weights that stay in RAM all along (a model loaded in RAM, not offloaded).
         device_budget: max_device_memory; GPTQ's stacked solves are sized from it (``solve_chunks``).
+        solved: the modules whose solves set the owners of a run over several processes (``solve_cost``): the
+            quantized ones and the pruned ones (None: ``quantized``).
     """
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
@@ -286,8 +289,9 @@ def plan_memory(
         codes = sum(n_in * sum(outs) for (_, n_in), outs in groups.items())
         save = 2 * written.get(sg.index, 0) + 2 * codes  # tensors as written + the resume file's int8 codes
         row.quantized_numel = codes
+        solves = groups if solved is None else _solve_groups(model, sg, solved)
         row.solve_cost = sum(
-            float(o) * n_in**2 + float(n_in) ** 3 for (_, n_in), outs in groups.items() for o in outs
+            float(o) * n_in**2 + float(n_in) ** 3 for (_, n_in), outs in solves.items() for o in outs
         )
         row.host = (
             PROCESS_BASELINE + resident_weights + during + max(row.device_peak if device_on_host else 0, save)
@@ -407,7 +411,8 @@ def make_plan(
                          f"{str(err)[:200]})")  # fmt: skip
         kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
                       disk_cache=disk_cache, device_on_host=on_host, resident_weights=resident,
-                      device_budget=max_device_memory)  # fmt: skip
+                      device_budget=max_device_memory,
+                      solved=quantized | {n for m in modifiers for n in getattr(m, "pruned", {})})  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,
                            widest=widest, **kwargs)  # fmt: skip
         if auto:

@@ -141,12 +141,30 @@ def search_scales(
     Raises:
         FloatingPointError: no grid point gave a finite loss (NaN or inf in the span's output).
     """
+    return search_all_scales(lambda candidates: [float(loss(s)) for s in candidates], x_mean, w_mean, n_grid,
+                             duo_scaling)  # fmt: skip
+
+
+def search_all_scales(
+    losses: Callable[[list[Tensor]], list[float]],
+    x_mean: Tensor,
+    w_mean: Tensor | None,
+    n_grid: int = 20,
+    duo_scaling: bool | str = True,
+) -> ScaleSearch:
+    """``search_scales`` with every candidate scored at once: ``losses`` maps the candidates (in
+    ``grid_points`` order) to their losses, so that a caller may add them up over several processes first.
+
+    Example:
+        >>> search_all_scales(lambda c: [float((s - 2).abs().sum()) for s in c], torch.ones(4), None, 5, False).ratio
+        0.0
+    """
+    points = grid_points(n_grid, duo_scaling)
+    candidates = [awq_scales(x_mean, w_mean, ratio, duo) for ratio, duo in points]
+    values = [float(v) for v in losses(candidates)]
     best: ScaleSearch | None = None
-    history: list[tuple[float, bool, float]] = []
-    for ratio, duo in grid_points(n_grid, duo_scaling):
-        s = awq_scales(x_mean, w_mean, ratio, duo)
-        value = float(loss(s))
-        history.append((ratio, duo, value))
+    history = [(ratio, duo, value) for (ratio, duo), value in zip(points, values)]
+    for (ratio, duo), s, value in zip(points, candidates, values):
         if value == value and value != float("inf") and (best is None or value < best.loss):
             best = ScaleSearch(s.clone(), value, ratio, duo, history[0][2])
     if best is None:

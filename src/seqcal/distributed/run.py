@@ -21,6 +21,15 @@ from seqcal.distributed.reduce import (
 from seqcal.distributed.shards import ShardPlan, assign_owners
 from seqcal.modifiers.base import QuantizedWeight
 
+
+class _Nothing:
+    """Takes no statistics (a modifier whose statistics stay on the owner)."""
+
+    def load_statistics(self, reduced: dict) -> None:
+        pass
+
+
+_NOTHING = _Nothing()
 _FIELDS = (
     "q", "scale", "zero_point", "g_idx", "global_scale", "input_scale", "input_zero_point", "input_global_scale"
 )  # fmt: skip
@@ -82,17 +91,65 @@ class ShardedRun:
         else:
             self.group.send(partial_to_bytes(partial), self.owners[index], self._what(index))
 
-    def reduce(self, index: int, modifiers: Sequence[Any], device: torch.device) -> None:
+    def reduce(
+        self, index: int, modifiers: Sequence[Any], device: torch.device, everywhere: bool = False
+    ) -> None:
         """The owner of subgraph ``index`` folds the shards still to come and loads the result into the
-        modifiers; the other ranks sent theirs already (``collect``)."""
+        modifiers; the other ranks sent theirs already (``collect``). The statistics of the modifiers that
+        ``compresses_everywhere`` (all of them with ``everywhere``: the transforms, which every rank folds into
+        its own weights and cached inputs) are then sent to every rank, which loads them too."""
         if not self.plan.shards_of(self.group.rank):
             self._start(index)  # a rank without shards collects nothing
         if self.owns(index):
             self._fold_until(self.plan.shards, index, device)
+        shared = [
+            i for i, m in enumerate(modifiers) if everywhere or getattr(m, "compresses_everywhere", False)
+        ]
+        if shared and self.group.world_size > 1:
+            data = None
+            if self.owns(index):  # sent before any modifier takes (and may scale in place) its statistics
+                prefixes = tuple(f"{i}/" for i in shared)
+                data = partial_to_bytes(
+                    {k: v for k, v in (self._total or {}).items() if k.startswith(prefixes)}
+                )
+            data = self.group.broadcast(
+                data, self.owners[index], f"sending the statistics of subgraph {index}"
+            )
+            if not self.owns(index):
+                load_statistics([m if i in shared else _NOTHING for i, m in enumerate(modifiers)],
+                                partial_from_bytes(data, device))  # fmt: skip
+        if self.owns(index):
             load_statistics(modifiers, self._total)
         self._total = None
         self.traffic[-1]["reduce_bytes"] = self.group.bytes_sent - self.traffic[-1]["reduce_bytes"]
         self.traffic[-1]["reduce_seconds"] = self.group.comm_seconds - self.traffic[-1]["reduce_seconds"]
+
+    def reduce_round(
+        self, per_shard: Sequence[Partial], device: torch.device
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """One more reduction of the current subgraph (``RunState.reduce_shards``): ``per_shard`` holds a partial
+        per local shard; the owner folds all shards in shard order and sends the fold to every rank."""
+        index = self.traffic[-1]["subgraph"]
+        what = f"reducing more statistics of subgraph {index}"
+        mine = self.plan.shards_of(self.group.rank)
+        if len(per_shard) != len(mine):
+            raise ValueError(f"reduce_round: {len(per_shard)} partials for this rank's {len(mine)} shards")
+        if not self.owns(index):
+            for partial in per_shard:
+                self.group.send(partial_to_bytes(partial), self.owners[index], what)
+            return tensors_of(
+                partial_from_bytes(self.group.broadcast(None, self.owners[index], what), device)
+            )
+        total: Partial | None = None
+        for shard in range(self.plan.shards):
+            if shard in mine:
+                partial = per_shard[shard - mine.start]
+            else:
+                partial = partial_from_bytes(self.group.recv(self.plan.rank_of(shard), what), device)
+            total = fold(total, partial)
+        if self.group.world_size > 1:
+            self.group.broadcast(partial_to_bytes(total or {}), self.group.rank, what)
+        return tensors_of(total or {})
 
     def _start(self, index: int) -> None:
         self._total, self._next = None, 0
@@ -110,15 +167,25 @@ class ShardedRun:
     def _what(index: int) -> str:
         return f"reducing the statistics of subgraph {index}"
 
-    def share(self, index: int, src: int, names: Sequence[str], model: torch.nn.Module, state: Any) -> bool:
+    def share(self, index: int, src: int, names: Sequence[str], model: torch.nn.Module, state: Any,
+              modifiers: Sequence[Any] = (), subgraph: Any = None) -> bool:  # fmt: skip
         """Send the compressed modules ``names`` of subgraph ``index`` from ``src`` to every rank, which puts
-        them into ``state.quantized`` and the model's weights. Returns whether any module was quantized."""
+        them into ``state.quantized`` and the model's weights, and the ``modifiers``' other ``results`` of
+        ``subgraph`` (``load_results`` on the other ranks). Returns whether anything was sent."""
         if self.group.world_size == 1:
             return bool(names)
         seconds = self.group.comm_seconds
-        payload = _pack(names, model, state) if self.group.rank == src else None
+        payload = None
+        if self.group.rank == src:
+            results = {i: m.results(subgraph, model) for i, m in enumerate(modifiers)} if subgraph else {}
+            payload = _pack(names, model, state, results)
         data = self.group.broadcast(payload, src, f"sending the weights of subgraph {index}")
-        got = _unpack(data, model, state, self.schemes) if self.group.rank != src else list(names)
+        # the source compressed: whether its weights changed is its own ``compress``' answer
+        got = (
+            _unpack(data, model, state, self.schemes, modifiers, subgraph)
+            if self.group.rank != src
+            else names
+        )
         row = (
             self.traffic[-1]
             if self.traffic and self.traffic[-1]["subgraph"] == index
@@ -147,43 +214,58 @@ def load_statistics(modifiers: Sequence[Any], total: Partial | None) -> None:
         m.load_statistics({k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)})
 
 
-def _pack(names: Sequence[str], model: torch.nn.Module, state: Any) -> bytes:
+def _pack(
+    names: Sequence[str], model: torch.nn.Module, state: Any, results: dict[int, dict[str, torch.Tensor]]
+) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"log": [], "modules": {}}
-    for name in names:
-        qw = state.quantized[name]
-        for f in _FIELDS:
+    for name in names:  # quantized, pruned, or both
+        qw = state.quantized.get(name)
+        for f in _FIELDS if qw is not None else ():
             if getattr(qw, f) is not None:
                 tensors[f"{name}|{f}"] = getattr(qw, f)
         tensors[f"{name}|weight"] = model.get_submodule(name).weight.data
-        meta["modules"][name] = {"loss": qw.loss, "errors": state.module_errors.get(name, {})}
+        meta["modules"][name] = {"quantized": qw is not None, "loss": qw.loss if qw is not None else None,
+                                 "sparsity": state.sparsity.get(name), "errors": state.module_errors.get(name, {})}  # fmt: skip
+    for i, named in results.items():  # a modifier's results: "@<its position>|<name>"
+        tensors.update({f"@{i}|{key}": tensor for key, tensor in named.items()})
     meta["log"] = [line for line in state.log if any(line.startswith(n) for n in names)]
     return named_to_bytes(tensors, {"seqcal": json.dumps(meta)})
 
 
-def _unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict) -> list[str]:
+def _unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict, modifiers: Sequence[Any] = (),
+            subgraph: Any = None) -> list[str]:  # fmt: skip
     tensors, raw = named_from_bytes(data)
     meta = json.loads(raw["seqcal"])
     for name, info in meta["modules"].items():
         weight = model.get_submodule(name).weight
         weight.data = tensors[f"{name}|weight"].to(weight.device)
-        fields = {f: tensors.get(f"{name}|{f}") for f in _FIELDS}
-        state.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])
+        if info["quantized"]:
+            fields = {f: tensors.get(f"{name}|{f}") for f in _FIELDS}
+            state.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])
+        if info["sparsity"] is not None:
+            state.sparsity[name] = info["sparsity"]
         state.module_errors.setdefault(name, {}).update(info["errors"])
     state.log.extend(line for line in meta["log"] if line not in state.log)
-    return list(meta["modules"])
+    results = [k for k in tensors if k.startswith("@")]
+    for i, m in enumerate(modifiers):
+        named = {k.partition("|")[2]: tensors[k] for k in results if k.partition("|")[0] == f"@{i}"}
+        if named:
+            m.load_results(subgraph, named, model)
+    return [*meta["modules"], *results]
 
 
 def solve_costs(subgraphs: Sequence[Any], modifiers: Sequence[Any], model: torch.nn.Module) -> list[float]:
-    """Estimated solve cost of each subgraph: ``out * in^2 + in^3`` per quantized Linear (GPTQ's column loop
-    and the inverse of its Hessian); shapes are read from the model (parameters on meta too)."""
+    """Estimated solve cost of each subgraph: ``out * in^2 + in^3`` per quantized or pruned Linear (GPTQ's and
+    SparseGPT's column loop and the inverse of the Hessian); shapes are read from the model (parameters on
+    meta too)."""
     costs = []
     for sg in subgraphs:
         cost = 0.0
-        for m in modifiers:
-            for name in m.modules_in(sg) if hasattr(m, "modules_in") else []:
-                out_features, in_features = model.get_submodule(name).weight.shape[:2]
-                cost += float(out_features) * in_features**2 + float(in_features) ** 3
+        # each module once: a transform's consumers are its quantizer's modules too (SmoothQuant, GPTQ)
+        for name in dict.fromkeys(n for m in modifiers if hasattr(m, "modules_in") for n in m.modules_in(sg)):
+            out_features, in_features = model.get_submodule(name).weight.shape[:2]
+            cost += float(out_features) * in_features**2 + float(in_features) ** 3
         costs.append(cost)
     return costs
 

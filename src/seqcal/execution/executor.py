@@ -295,13 +295,18 @@ def _compress(
             return any([m.compress(sg, runner.model, state) for m in modifiers])
     with prof.span("communication", f"reduce {label}", subgraph=sg.index):
         sharding.reduce(sg.index, modifiers, state.device)
-    before, changed = set(state.quantized), False
-    if sharding.owns(sg.index):
+    before, changed = {*state.quantized, *state.sparsity}, False
+    owner = sharding.owns(sg.index)  # the others compress only where a modifier compresses everywhere (AWQ)
+    if owner or any(getattr(m, "compresses_everywhere", False) for m in modifiers):
         with prof.span("compress", label, subgraph=sg.index):
-            changed = any([m.compress(sg, runner.model, state) for m in modifiers])
-    names = [n for n in state.quantized if n not in before]
+            changed = any([m.compress(sg, runner.model, state) for m in modifiers
+                           if owner or getattr(m, "compresses_everywhere", False)])  # fmt: skip
+    names = [n for n in {**state.quantized, **state.sparsity} if n not in before]  # quantized or pruned
     with prof.span("communication", f"share {label}", subgraph=sg.index):
-        return sharding.share(sg.index, sharding.owners[sg.index], names, runner.model, state) or changed
+        return (
+            sharding.share(sg.index, sharding.owners[sg.index], names, runner.model, state, modifiers, sg)
+            or changed
+        )
 
 
 def _autocast(state: Any) -> contextlib.AbstractContextManager:
@@ -354,8 +359,8 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
             return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof)
         transforms, modifiers = split_transforms(modifiers)  # transforms fold before the others observe
         if transforms:
-            run = lambda: _pass(runner, sg, batches, cache, state, None, prof, "calibration")  # noqa: E731
-            transform_with_hooks(runner.model, sg, run, transforms, modifiers, state)
+            run = lambda ix: _pass(runner, sg, batches, cache, state, None, prof, "calibration", ix)  # noqa: E731
+            transform_with_hooks(runner.model, sg, run, len(batches), transforms, modifiers, state)
         full: dict[int, Any] = {}
         for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
             with contextlib.ExitStack() as stack:

@@ -78,19 +78,25 @@ def transform_from_inputs(model: torch.nn.Module, sg: Any, cache: Any, masks: Se
                           transforms: Sequence[Any], others: Sequence[Any], state: Any) -> None:  # fmt: skip
     """One-pass cut: the transforms observe ``sg``'s cached group inputs and fold; the inputs are rewritten.
 
+    Their statistics are gathered per virtual shard and reduced on every process (``reduce_statistics``), so
+    that every process folds the same scales.
+
     Args:
         masks: the token mask of each batch (``state.token_mask`` while observing).
     """
     active = [t for t in transforms if owns(t, sg)]
     if not active:
         return
-    for b, mask in enumerate(masks):
-        state.token_mask = mask
-        for source, names in sg.target_inputs.items():
-            x = cache.fetch(b, source)
-            for t in active:
-                t.observe(names, x, state)
+    for k, shard in enumerate(_shards(state, len(masks))):
+        for b in shard:
+            state.token_mask = masks[b]
+            for source, names in sg.target_inputs.items():
+                x = cache.fetch(b, source)
+                for t in active:
+                    t.observe(names, x, state)
+        _collect(state, sg, k, active)
     state.token_mask = None
+    reduce_statistics(state, sg, active)
     start = len(state.folds)
     for t in active:
         t.compress(sg, model, state)
@@ -102,24 +108,45 @@ def transform_from_inputs(model: torch.nn.Module, sg: Any, cache: Any, masks: Se
         notify(fold, others, model, state)
 
 
-def transform_with_hooks(model: torch.nn.Module, sg: Any, run_pass: Callable[[], None], transforms: Sequence[Any],
-                         others: Sequence[Any], state: Any) -> None:  # fmt: skip
-    """Layer cut: one calibration pass with only the transforms' hooks, then they fold (before any other
-    modifier's hooks see the layer, which the next pass runs in the new coordinates)."""
+def transform_with_hooks(model: torch.nn.Module, sg: Any, run_pass: Callable[[Sequence[int]], None], num_batches: int,
+                         transforms: Sequence[Any], others: Sequence[Any], state: Any) -> None:  # fmt: skip
+    """Layer cut: one calibration pass with only the transforms' hooks (a shard at a time, ``run_pass`` runs the
+    batches at the given indices), then they fold (before any other modifier's hooks see the layer, which the
+    next pass runs in the new coordinates)."""
     import contextlib
 
     active = [t for t in transforms if owns(t, sg)]
     if not active:
         return
-    with contextlib.ExitStack() as stack:
-        for t in active:
-            stack.enter_context(t.calibrate(sg, model, state))
-        run_pass()
+    for k, shard in enumerate(_shards(state, num_batches)):
+        with contextlib.ExitStack() as stack:
+            for t in active:
+                stack.enter_context(t.calibrate(sg, model, state))
+            run_pass(shard)
+        _collect(state, sg, k, active)
+    reduce_statistics(state, sg, active)
     start = len(state.folds)
     for t in active:
         t.compress(sg, model, state)
     for fold in state.folds[start:]:
         notify(fold, others, model, state)
+
+
+def _shards(state: Any, num_batches: int) -> list[range]:
+    """This process's virtual shards as ranges of its batches (all batches at once without sharding)."""
+    return list(state.sharding.local_shards()) if state.sharding is not None else [range(num_batches)]
+
+
+def _collect(state: Any, sg: Any, shard: int, transforms: Sequence[Any]) -> None:
+    if state.sharding is not None:
+        state.sharding.collect(sg.index, shard, transforms, state.device)
+
+
+def reduce_statistics(state: Any, sg: Any, transforms: Sequence[Any]) -> None:
+    """The transforms' statistics of every shard, folded in shard order, loaded on every process: each folds
+    the same scales into its own copy of the weights and rewrites its own cached inputs."""
+    if state.sharding is not None:
+        state.sharding.reduce(sg.index, transforms, state.device, everywhere=True)
 
 
 def notify(fold: Fold, others: Sequence[Any], model: torch.nn.Module, state: Any) -> None:

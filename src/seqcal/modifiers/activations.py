@@ -117,6 +117,34 @@ def real_tokens(x: Tensor, mask: Tensor | None) -> Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def observer_statistics(observer: ActivationObserver) -> dict[str, Any]:
+    """One shard's range of ``observer`` as statistics (``Modifier.partial_statistics``), copied.
+
+    ``static_minmax`` reduces exactly (min of the mins, max of the maxes); the moving-average and memoryless
+    observers depend on the order of batches, so across shards their ranges are averaged (one shard: exactly
+    the observer's own range). Static input observers and the KV cache's observers share this form.
+
+    Example:
+        >>> observer_statistics(observer)["hi"].reduce  # doctest: +SKIP
+        'max'
+    """
+    from seqcal.modifiers.base import Statistic  # base imports nothing from here; avoids a cycle on load
+
+    lo, hi = (t.clone() for t in observer.range)  # q/k/v share one measured range: folds add in place
+    if observer_name(observer.args) == "static_minmax":
+        return {"lo": Statistic(lo, "min"), "hi": Statistic(hi, "max")}
+    return {"lo": Statistic(lo), "hi": Statistic(hi), "shards": Statistic(torch.ones(1, dtype=torch.float64))}
+
+
+def observer_from_statistics(observer: ActivationObserver, stats: Mapping[str, Tensor]) -> ActivationObserver:
+    """The fresh ``observer`` given the range of every shard combined (``observer_statistics``' form)."""
+    shards = float(stats["shards"].item()) if "shards" in stats else 1.0
+    observer.range = (
+        (stats["lo"] / shards, stats["hi"] / shards) if shards != 1.0 else (stats["lo"], stats["hi"])
+    )
+    return observer
+
+
 class InputCalibration:
     """Observers of the static input activations of a modifier's modules.
 
@@ -161,24 +189,9 @@ class InputCalibration:
             observer.update(tokens, measured[key])
 
     def partial_statistics(self) -> dict[str, dict[str, Any]]:
-        """The observed ranges of this shard (``Modifier.partial_statistics``), then forgotten.
-
-        ``static_minmax`` reduces exactly (min of the mins, max of the maxes); the moving-average and
-        memoryless observers depend on the order of batches, so across shards their ranges are averaged
-        (one shard: exactly the observer's own range).
-        """
-        from seqcal.modifiers.base import Statistic  # base imports nothing from here; avoids a cycle on load
-
-        out: dict[str, dict[str, Any]] = {}
-        for name, observer in self.observers.items():
-            if observer.range is None:
-                continue
-            lo, hi = (t.clone() for t in observer.range)  # q/k/v share one measured range: folds add in place
-            if observer_name(observer.args) == "static_minmax":
-                out[f"input:{name}"] = {"lo": Statistic(lo, "min"), "hi": Statistic(hi, "max")}
-            else:
-                ones = torch.ones(1, dtype=torch.float64)
-                out[f"input:{name}"] = {"lo": Statistic(lo), "hi": Statistic(hi), "shards": Statistic(ones)}
+        """The observed ranges of this shard (``Modifier.partial_statistics``; ``observer_statistics``), then
+        forgotten."""
+        out = {f"input:{n}": observer_statistics(o) for n, o in self.observers.items() if o.range is not None}
         self.observers.clear()
         self._last = (None, -1, {})
         return out
@@ -186,13 +199,9 @@ class InputCalibration:
     def load_statistics(self, reduced: dict[str, dict[str, Tensor]]) -> None:
         """Observers holding the ranges of every shard combined (``partial_statistics``' keys)."""
         for key, stats in reduced.items():
-            if not key.startswith("input:"):
-                continue
-            observer = make_observer(self.args[key[len("input:") :]])
-            shards = float(stats["shards"].item()) if "shards" in stats else 1.0
-            observer.range = (stats["lo"] / shards, stats["hi"] / shards) if shards != 1.0 else (
-                stats["lo"], stats["hi"])  # fmt: skip
-            self.observers[key[len("input:") :]] = observer
+            if key.startswith("input:"):
+                name = key[len("input:") :]
+                self.observers[name] = observer_from_statistics(make_observer(self.args[name]), stats)
 
     @contextlib.contextmanager
     def hooks(self, names: list[str], model: torch.nn.Module, state: Any) -> Iterator[None]:

@@ -13,11 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from seqcal.algorithms.awq import DUO_SCALING, add_channel_abs, masked_mse, search_scales, weight_mean
+from seqcal.algorithms.awq import DUO_SCALING, add_channel_abs, masked_mse, search_all_scales, weight_mean
 from seqcal.mappings import resolve_mappings
 from seqcal.modifiers._awq_mappings import AWQMapping, from_mapping, resolve
 from seqcal.modifiers.activations import InputCalibration, real_tokens
-from seqcal.modifiers.base import RunState
+from seqcal.modifiers.base import RunState, Statistic
 from seqcal.modifiers.quantization import QuantizationModifier, fake_quantized, quant_kwargs
 from seqcal.modifiers.spans import SpanCache
 from seqcal.tracing.partition import Subgraph
@@ -33,8 +33,9 @@ class AWQModifier(QuantizationModifier):
         duo_scaling: True (activations and weights), False (activations only) or "both" (half the grid each).
         n_grid: grid points of the scale search.
         offload_device: where the cached span inputs wait ("cpu"), None: where they were computed.
-        max_chunk_memory: bytes of cached inputs per span the search may keep; later batches are left out of
-            the search (never out of the activation statistics).
+        max_chunk_memory: bytes of cached inputs per span the search may keep, split evenly over the virtual
+            shards (each keeps its first batches within its share); later batches are left out of the search
+            (never out of the activation statistics).
 
     Example:
         >>> AWQModifier(scheme="W4A16_ASYM", ignore=["lm_head"], duo_scaling="both")  # doctest: +SKIP
@@ -97,8 +98,33 @@ class AWQModifier(QuantizationModifier):
         """Without explicit mappings, ``prepare`` derives them from the traced graph."""
         return self.mappings is None
 
+    compresses_everywhere: ClassVar[bool] = True  # every process scores the candidates on its own shards
+
     def shares_statistics(self) -> bool:
-        return False  # its activation means and span records stay in the process that gathered them
+        """The activation sums reduce (``awq:``), and the grid search's losses in a second round per mapping
+        (``RunState.reduce_shards``); the span records stay where they were recorded."""
+        return True
+
+    def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
+        """This shard's ``sum |x|`` per channel and tokens of each mapping not folded yet (``awq:<smooth>``),
+        and what ``QuantizationModifier`` gathers; the span records start the next shard."""
+        out = super().partial_statistics()
+        for smooth, stat in self._stats.items():
+            if stat is not None and stat[0] is not None:
+                out[f"awq:{smooth}"] = {
+                    "sum": Statistic(stat[0]),
+                    "tokens": Statistic(torch.tensor([stat[1]])),
+                }
+                self._stats[smooth] = [None, 0]
+        for span in self._spans.values():
+            span.end_shard()
+        return out
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
+        super().load_statistics(reduced)
+        for key, stats in reduced.items():
+            if key.startswith("awq:"):
+                self._stats[key[len("awq:") :]] = [stats["sum"], int(stats["tokens"].item())]
 
     def prepare(self, graph: Any, model: torch.nn.Module, state: RunState) -> None:
         if self.mappings is not None or graph is None:  # explicit, or untraceable: llm-compressor's defaults
@@ -132,8 +158,9 @@ class AWQModifier(QuantizationModifier):
                 handles.append(balance.register_forward_pre_hook(self._stat_hook(m.smooth, state)))
                 if m.parent not in hooked:  # mappings sharing a span record its calls once
                     hooked.add(m.parent)
-                    span = self._spans.setdefault(
-                        m.parent, SpanCache(self.max_chunk_memory, self.offload_device)
+                    shards = state.sharding.plan.shards if state.sharding is not None else 1
+                    span = self._spans.setdefault(  # max_chunk_memory split over the virtual shards
+                        m.parent, SpanCache(max(1, self.max_chunk_memory // shards), self.offload_device)
                     )
                     hook = span.hook(lambda: state.token_mask)
                     handles.append(
@@ -166,7 +193,7 @@ class AWQModifier(QuantizationModifier):
             for name in m.balance:
                 state.module_errors.setdefault(name, {}).update(
                     awq_loss=result.loss, awq_initial_loss=result.initial_loss, awq_ratio=result.ratio,
-                    awq_batches=len(self._spans[m.parent].calls))  # fmt: skip
+                    awq_batches=self._calls)  # fmt: skip
         for parent in {
             m.parent for m in self._mappings if m.smooth in self._stats and not self._stats[m.smooth]
         }:
@@ -184,14 +211,30 @@ class AWQModifier(QuantizationModifier):
         references = span.outputs(parent, state.device)  # the float span's output
         quantized = {n: model.get_submodule(n).weight for n in m.balance if n in self.modules}
         originals = {n: w.data.clone() for n, w in quantized.items()}
+        local = (
+            len(state.sharding.plan.shards_of(state.sharding.group.rank)) if state.sharding is not None else 1
+        )
 
-        def loss(s: torch.Tensor) -> float:  # Q(W s) / s in place of each quantized balance weight
-            for n, w in quantized.items():
-                view = s.to(w.device, torch.float32).view(1, -1)
-                w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
-            outputs = span.outputs(parent, state.device)
-            sums = [masked_mse(r, o, mask) for r, o, mask in zip(references, outputs, span.masks())]
-            return sum(e for e, _ in sums) / max(sum(n for _, n in sums), 1)
+        def losses(candidates: list[torch.Tensor]) -> list[float]:
+            """Every candidate's output MSE over every process's shards: per local shard the sums of squared
+            errors and elements, folded in shard order (``RunState.reduce_shards``)."""
+            errors = torch.zeros(local, len(candidates), dtype=torch.float64)
+            elements = torch.zeros(local, dtype=torch.int64)
+            for c, s in enumerate(candidates):  # Q(W s) / s in place of each quantized balance weight
+                for n, w in quantized.items():
+                    view = s.to(w.device, torch.float32).view(1, -1)
+                    w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
+                outputs = span.outputs(parent, state.device)
+                for shard, r, o, mask in zip(span.shards, references, outputs, span.masks()):
+                    error, count = masked_mse(r, o, mask)
+                    errors[shard, c] += error
+                    elements[shard] += count if c == 0 else 0
+            per_shard = [{"awq_loss": {"errors": Statistic(errors[k]), "elements": Statistic(elements[k : k + 1]),
+                                       "calls": Statistic(torch.tensor([span.shards.count(k)]))}}
+                         for k in range(local)]  # fmt: skip
+            total = state.reduce_shards(per_shard)["awq_loss"]
+            self._calls = int(total["calls"].item())
+            return (total["errors"] / max(int(total["elements"].item()), 1)).tolist()
 
         scheme = self.modules[next(iter(quantized))]
         group = (
@@ -202,7 +245,7 @@ class AWQModifier(QuantizationModifier):
         weights = [model.get_submodule(n).weight for n in m.balance]
         w_mean = weight_mean(weights, group) if self.duo_scaling is not False else None
         try:
-            return search_scales(loss, x_mean.to(state.device), w_mean, self.n_grid, self.duo_scaling)
+            return search_all_scales(losses, x_mean.to(state.device), w_mean, self.n_grid, self.duo_scaling)
         finally:
             for n, w in quantized.items():
                 w.data = originals[n]

@@ -11,7 +11,8 @@ The executor owns hooks and state and passes them down; a modifier keeps nothing
             (or, for subgraphs cut before their modules: modifier.observe(names, x, state) per batch)
             (after each virtual shard of the batches: modifier.partial_statistics(), folded in shard order
              across shards and processes, then modifier.load_statistics(reduced); seqcal.distributed)
-        changed = modifier.compress(subgraph, model, state)
+        changed = modifier.compress(subgraph, model, state)      on the subgraph's owner; the other processes
+                                                                 get its weights and modifier.load_results(...)
         (propagation pass when any modifier changed weights)
     modifier.finalize(model, state)              once
 
@@ -123,6 +124,27 @@ class RunState:
     folds: list[Fold] = field(default_factory=list)  # scales folded so far, in order (``fold``)
     edited: set[str] = field(default_factory=set)  # producers whose weights a fold changed (saved, kept)
 
+    def reduce_shards(
+        self, per_shard: list[dict[str, dict[str, Statistic]]]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """A further round of reduction, inside ``compress`` of a modifier that ``compresses_everywhere``: one
+        partial per virtual shard of this process (in order), folded in shard order over every process, and
+        the result returned on every process (AWQ's grid-search losses). Every process must call it the same
+        number of times, in the same order.
+
+        Example:
+            >>> RunState().reduce_shards([{"l": {"s": Statistic(torch.ones(2))}}])["l"]["s"]
+            tensor([1., 1.])
+        """
+        if self.sharding is not None:
+            return self.sharding.reduce_round(per_shard, self.device)
+        from seqcal.distributed.reduce import fold, tensors_of  # reduce imports this module
+
+        total = None
+        for partial in per_shard:
+            total = fold(total, partial)
+        return tensors_of(total or {})
+
     def fold(self, model: torch.nn.Module, mapping: Mapping, scales: torch.Tensor) -> Fold:
         """Fold smoothing ``scales`` into ``mapping`` (``seqcal.mappings.fold_scales``) and record it, so the
         pipeline moves the group's cached inputs and other modifiers' statistics to the new coordinates.
@@ -196,6 +218,11 @@ class Modifier:
     def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
         """Take the statistics of every shard, combined (``partial_statistics``' keys), before ``compress``."""
 
+    # True: ``compress`` runs on every process, not only on the subgraph's owner, with this modifier's statistics
+    # loaded on every process; it may reduce more in between (``RunState.reduce_shards``: AWQ's search losses)
+    # and must do the same on every process (folds, weights), which the owner's weights then overwrite.
+    compresses_everywhere: ClassVar[bool] = False
+
     def shares_statistics(self) -> bool:
         """True when every statistic this modifier gathers from data goes through ``partial_statistics``, so
         that several processes give the one-process result. False (the default) makes a run with more than
@@ -205,6 +232,18 @@ class Modifier:
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         """Use what calibration gathered; return True when weights of ``subgraph`` changed."""
         return False
+
+    def results(self, subgraph: Subgraph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """What ``compress`` computed besides the quantized weights (``state.quantized``, sent by the run
+        itself) that every process needs to propagate ``subgraph`` as the one that compressed it: named
+        tensors (the KV cache's ``k_scale`` / ``v_scale``). With several processes only the subgraph's owner
+        compresses; the others get these through ``load_results``."""
+        return {}
+
+    def load_results(
+        self, subgraph: Subgraph, results: dict[str, torch.Tensor], model: torch.nn.Module
+    ) -> None:
+        """Take ``results`` computed by the process that compressed ``subgraph`` (instead of ``compress``)."""
 
     # --- version 2 services (optional) ---------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from seqcal.algorithms.smoothing import smoothed_hessian
 from seqcal.experts import every_token
 from seqcal.modifiers.base import Fold, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import weight_format
-from seqcal.modifiers.hessians import SharedInputs, _Accumulator, add_hessian
+from seqcal.modifiers.hessians import SharedInputs, add_hessian
 from seqcal.modifiers.importance import usable_importance, uses_importance
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
@@ -125,35 +125,13 @@ class GPTQModifier(QuantizationModifier):
                 acc.H = smoothed_hessian(acc.H, fold.scales)
 
     def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
-        """Per shared Hessian ``hessian:<modules>``: ``H`` as a sum (the running mean times its tokens) and
-        ``tokens``; both add across shards. Static input ranges as ``InputCalibration`` gives them."""
-        out = super().partial_statistics()
-        sharing: dict[int, tuple[_Accumulator, list[str]]] = {}
-        for name, acc in self._inputs.acc.items():
-            if acc.H is not None:
-                sharing.setdefault(id(acc), (acc, []))[1].append(name)
-        for acc, names in sharing.values():
-            if acc.upper:
-                symmetrize_upper(acc.H)
-            tokens = torch.tensor([acc.n], dtype=torch.int64)
-            out["hessian:" + ",".join(sorted(names))] = {
-                "H": Statistic(acc.H.mul_(acc.n)),
-                "tokens": Statistic(tokens),
-            }
-        self._inputs.acc.clear()
-        return out
-
-    def shares_statistics(self) -> bool:
-        """Hessians and static input ranges reduce across processes; imatrix_mse reads the reduced Hessian."""
-        return self.kv is None
+        """Per shared Hessian ``hessian:<modules>`` (``SharedInputs.partial_statistics``), the static input
+        ranges and the KV cache's ranges as ``QuantizationModifier`` gives them."""
+        return {**super().partial_statistics(), **self._inputs.partial_statistics("hessian")}
 
     def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
         super().load_statistics(reduced)
-        for key, stats in reduced.items():
-            if key.startswith("hessian:"):
-                n = int(stats["tokens"].item())
-                acc = _Accumulator(H=stats["H"].div_(max(n, 1)), n=n)
-                self._inputs.acc.update(dict.fromkeys(key[len("hessian:") :].split(","), acc))
+        self._inputs.load_statistics(reduced, "hessian")
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]

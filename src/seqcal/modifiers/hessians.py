@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from seqcal.algorithms import accumulate_hessian
+from seqcal.algorithms import accumulate_hessian, symmetrize_upper
 from seqcal.modifiers.activations import real_tokens
-from seqcal.modifiers.base import RunState
+from seqcal.modifiers.base import RunState, Statistic
 
 
 @dataclass
@@ -104,3 +104,35 @@ class SharedInputs:
             acc = _Accumulator()
             self.acc.update(dict.fromkeys(names, acc))
         self.add(acc, real_tokens(x.detach(), state.token_mask))
+
+    def partial_statistics(self, kind: str) -> dict[str, dict[str, Statistic]]:
+        """This shard's accumulators (``Modifier.partial_statistics``), then forgotten: per shared accumulator
+        ``<kind>:<modules>``, ``H`` as a sum (the running mean times its tokens) and ``tokens``; both add across
+        shards.
+
+        Args:
+            kind: what the accumulators hold ("hessian", "norms"), the start of each key.
+        """
+        sharing: dict[int, tuple[_Accumulator, list[str]]] = {}
+        for name, acc in self.acc.items():
+            if acc.H is not None:
+                sharing.setdefault(id(acc), (acc, []))[1].append(name)
+        out = {}
+        for acc, names in sharing.values():
+            if acc.upper:
+                symmetrize_upper(acc.H)
+            tokens = torch.tensor([acc.n], dtype=torch.int64)
+            out[f"{kind}:" + ",".join(sorted(names))] = {
+                "H": Statistic(acc.H.mul_(acc.n)),
+                "tokens": Statistic(tokens),
+            }
+        self.acc.clear()
+        return out
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]], kind: str) -> None:
+        """Accumulators holding every shard's statistics combined (``partial_statistics``' keys of ``kind``)."""
+        for key, stats in reduced.items():
+            if key.startswith(f"{kind}:"):
+                n = int(stats["tokens"].item())
+                acc = _Accumulator(H=stats["H"].div_(max(n, 1)), n=n)
+                self.acc.update(dict.fromkeys(key[len(kind) + 1 :].split(","), acc))

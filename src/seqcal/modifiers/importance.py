@@ -109,6 +109,23 @@ class ImportanceCalibration:
                 handle.remove()
             self._last = (None, -1, None)  # release the last batch's activations
 
+    def partial_statistics(self) -> dict[str, dict[str, Any]]:
+        """This shard's sums (``Modifier.partial_statistics``), then forgotten: per module ``importance:<name>``,
+        ``sum`` (of ``x_j^2``, float32) and ``tokens``; both add across shards."""
+        from seqcal.modifiers.base import Statistic  # base imports nothing from here; avoids a cycle on load
+
+        out = {f"importance:{name}": {"sum": Statistic(total), "tokens": Statistic(torch.tensor([count]))}
+               for name, (total, count) in self.sums.items()}  # fmt: skip
+        self.sums.clear()
+        self._last = (None, -1, None)
+        return out
+
+    def load_statistics(self, reduced: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """The sums of every shard combined (``partial_statistics``' keys), for ``mean_square``."""
+        for key, stats in reduced.items():
+            if key.startswith("importance:"):
+                self.sums[key[len("importance:") :]] = (stats["sum"], int(stats["tokens"].item()))
+
     def mean_square(self, name: str) -> Tensor | None:
         """``E[x_j^2]`` ``[in]`` of ``name``'s inputs (its sums are freed), or None when none was seen."""
         total, count = self.sums.pop(name, (None, 0))

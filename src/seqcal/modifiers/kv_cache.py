@@ -249,6 +249,41 @@ class KVCacheCalibration:
 
         return hook
 
+    def partial_statistics(self) -> dict[str, dict[str, Any]]:
+        """This shard's key and value ranges (``Modifier.partial_statistics``), then forgotten: per attention
+        module and kind ``kv:<module>:k`` / ``kv:<module>:v``, as ``activations.observer_statistics`` gives them."""
+        from seqcal.modifiers.activations import observer_statistics  # activations imports nothing from here
+
+        out = {f"kv:{name}:{kind}": observer_statistics(o) for (name, kind), o in self.observers.items()
+               if o.range is not None}  # fmt: skip
+        self.observers.clear()
+        return out
+
+    def load_statistics(self, reduced: dict[str, dict[str, Tensor]]) -> None:
+        """Observers holding the ranges of every shard combined (``partial_statistics``' keys)."""
+        from seqcal.modifiers.activations import observer_from_statistics
+
+        for key, stats in reduced.items():
+            if key.startswith("kv:"):
+                name, _, kind = key[len("kv:") :].rpartition(":")
+                fresh = OBSERVERS[observer_name(self.args)](self.args)
+                self.observers[(name, kind)] = observer_from_statistics(fresh, stats)
+
+    def scales_of(self, modules: list[str], model: torch.nn.Module) -> dict[str, Tensor]:
+        """``<attention>.k_scale`` / ``.v_scale`` of the calibrated attention modules inside ``modules`` (what the
+        process that calibrated them hands to the others, ``load_scales``)."""
+        prefixes = tuple(m + "." for m in modules if m)
+        names = [n for n in self.finished if n in modules or "" in modules or n.startswith(prefixes)]
+        return {f"{n}.{kind}_scale": getattr(model.get_submodule(n), f"{kind}_scale") for n in sorted(names)
+                for kind in ("k", "v")}  # fmt: skip
+
+    def load_scales(self, scales: dict[str, Tensor], model: torch.nn.Module) -> None:
+        """Take ``scales_of``' scales calibrated by another process: stored, and the modules count as finished."""
+        for key, scale in scales.items():
+            name, _, buffer = key.rpartition(".")
+            model.get_submodule(name).register_buffer(buffer, scale.cpu())
+            self.finished.add(name)
+
     def finish(self, modules: list[str], model: torch.nn.Module) -> bool:
         """Store the calibrated ``k_scale`` / ``v_scale`` of the attention modules in ``modules``; True when
         there were some (their keys and values are quantized from now on: the subgraph must run again).

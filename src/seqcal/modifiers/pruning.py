@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from seqcal.algorithms.sparsity import lowest_mask, nm_mask, parse_mask_structure, sparsity_of
-from seqcal.modifiers.base import Modifier, RunState
+from seqcal.modifiers.base import Modifier, RunState, Statistic
 from seqcal.modifiers.hessians import SharedInputs
 from seqcal.modifiers.schemes import _check_patterns, matches_target
 from seqcal.tracing.partition import Subgraph
@@ -32,6 +32,9 @@ class PruningModifier(Modifier):
     name: ClassVar[str] = "PruningModifier"
     needs_calibration: ClassVar[bool] = True
     input_only: ClassVar[bool] = True  # the statistics need only each Linear's input
+    statistic: ClassVar[str] = (
+        "inputs"  # what the subclass accumulates per input (the keys of its statistics)
+    )
     sparsity: float | list[float] | None = None
     sparsity_profile: str | None = None
     mask_structure: str = "0:0"
@@ -149,6 +152,18 @@ class PruningModifier(Modifier):
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         self._inputs.observe([n for n in names if n in self.pruned and n not in state.sparsity], x, state)
+
+    def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
+        """Per shared accumulator (``SharedInputs.partial_statistics``): SparseGPT's Hessians, Wanda's squared
+        norms, each as a sum with its tokens."""
+        return self._inputs.partial_statistics(self.statistic)
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
+        self._inputs.load_statistics(reduced, self.statistic)
+
+    def shares_statistics(self) -> bool:
+        """The input statistics reduce across processes (``partial_statistics``)."""
+        return True
 
     def magnitude_prune(self, name: str, model: torch.nn.Module, state: RunState) -> None:
         """A module never called during calibration: pruned by weight magnitude, and the log says so."""

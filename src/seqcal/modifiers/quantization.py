@@ -135,9 +135,8 @@ class QuantizationModifier(Modifier):
             yield
 
     def shares_statistics(self) -> bool:
-        """Weights and static input ranges reduce across processes; imatrix_mse's E[x^2] and KV-cache scales
-        do not yet."""
-        return self.kv is None and not self.importance
+        """Static input ranges, imatrix_mse's sums of ``x^2`` and the KV cache's ranges reduce across processes."""
+        return True
 
     def kv_hooks(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Any:
         """Observe the keys and values of the subgraph's attention modules (kv_cache_scheme), else nothing."""
@@ -155,10 +154,25 @@ class QuantizationModifier(Modifier):
         self.importance.observe(names, x, state)
 
     def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
-        return self.inputs.partial_statistics()
+        """Static input ranges (``input:``), imatrix_mse's sums (``importance:``), key / value ranges (``kv:``)."""
+        kv = self.kv.partial_statistics() if self.kv is not None else {}
+        return {**self.inputs.partial_statistics(), **self.importance.partial_statistics(), **kv}
 
     def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
         self.inputs.load_statistics(reduced)
+        self.importance.load_statistics(reduced)
+        if self.kv is not None:
+            self.kv.load_statistics(reduced)
+
+    def results(self, subgraph: Subgraph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The KV cache's scales calibrated in ``subgraph`` (kv_cache_scheme), else none."""
+        return self.kv.scales_of(subgraph.modules, model) if self.kv is not None else {}
+
+    def load_results(
+        self, subgraph: Subgraph, results: dict[str, torch.Tensor], model: torch.nn.Module
+    ) -> None:
+        if self.kv is not None:
+            self.kv.load_scales(results, model)
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]

@@ -21,7 +21,7 @@ from torch import fx
 from seqcal.algorithms.smoothing import ChannelRange, smoothing_scales, update_channel_range
 from seqcal.mappings import Mapping, explicit_mappings, resolve_mappings
 from seqcal.modifiers.activations import real_tokens
-from seqcal.modifiers.base import Modifier, RunState
+from seqcal.modifiers.base import Modifier, RunState, Statistic
 from seqcal.tracing.partition import Subgraph
 
 logger = logging.getLogger("seqcal")
@@ -115,6 +115,25 @@ class SmoothQuantModifier(Modifier):
             if m.consumers[0] in names and m.producer not in state.edited:
                 X = real_tokens(x.detach(), state.token_mask)  # [tokens, in]
                 self._ranges[m.consumers[0]] = update_channel_range(self._ranges.get(m.consumers[0]), X)
+
+    def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
+        """This shard's per-channel ranges, then forgotten: per mapping ``range:<first consumer>``, ``lo`` (a
+        min) and ``hi`` (a max), exact in any order."""
+        out = {
+            f"range:{c}": {"lo": Statistic(lo, "min"), "hi": Statistic(hi, "max")}
+            for c, (lo, hi) in self._ranges.items()
+        }
+        self._ranges = {}
+        return out
+
+    def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
+        for key, stats in reduced.items():
+            if key.startswith("range:"):
+                self._ranges[key[len("range:") :]] = (stats["lo"], stats["hi"])
+
+    def shares_statistics(self) -> bool:
+        """The ranges reduce across processes (min / max, ``partial_statistics``)."""
+        return True
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:

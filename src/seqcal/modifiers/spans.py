@@ -12,8 +12,9 @@ while the calibration pass runs; then, in ``compress``:
   learned rounding: examples/learned_rounding.py).
 
 ``observe_outputs`` hands a pass's module outputs to a modifier (the outputs of a group). The cache keeps
-calls until they would pass ``max_bytes`` (always at least one), so the memory a search holds is bounded;
-the span is inside the onloaded subgraph, so re-runs stay within the run's memory bound.
+calls of each virtual shard (``end_shard`` starts the next) until they would pass ``max_bytes`` (always at
+least one per shard), so the memory a search holds is bounded and which calls it holds does not depend on the
+processes; the span is inside the onloaded subgraph, so re-runs stay within the run's memory bound.
 
 Example:
     >>> cache = SpanCache(max_bytes=1 << 30)  # doctest: +SKIP
@@ -42,8 +43,10 @@ class SpanCache:
     def __init__(self, max_bytes: int, device: str | torch.device | None = None) -> None:
         self.max_bytes, self.device = max_bytes, device
         self.calls: list[tuple[tuple, dict, torch.Tensor | None]] = []
-        self.nbytes = 0
+        self.shards: list[int] = []  # the (local) virtual shard of each call
+        self.nbytes = 0  # of the current shard's calls
         self.dropped = 0
+        self._shard = 0
 
     def hook(self, token_mask: Callable[[], torch.Tensor | None]) -> Callable[..., None]:
         """A forward pre-hook (``with_kwargs=True``) that records each call; ``token_mask`` gives its mask."""
@@ -51,13 +54,19 @@ class SpanCache:
         def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             call = moved((args, kwargs, token_mask()), self.device)
             size = nbytes(call)
-            if self.calls and self.nbytes + size > self.max_bytes:
+            if self.shards and self.shards[-1] == self._shard and self.nbytes + size > self.max_bytes:
                 self.dropped += 1
                 return
             self.calls.append(call)
+            self.shards.append(self._shard)
             self.nbytes += size
 
         return record
+
+    def end_shard(self) -> None:
+        """The calls recorded from now on belong to the next virtual shard (with a budget of their own)."""
+        self._shard += 1
+        self.nbytes = 0
 
     def outputs(
         self,

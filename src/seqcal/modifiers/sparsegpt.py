@@ -39,6 +39,7 @@ class SparseGPTModifier(PruningModifier):
     """
 
     name: ClassVar[str] = "SparseGPTModifier"
+    statistic: ClassVar[str] = "hessian"
     block_size: int = 128
     dampening_frac: float | None = 0.01
     preserve_sparsity_mask: bool = False

@@ -26,6 +26,7 @@ class WandaPruningModifier(PruningModifier):
     """
 
     name: ClassVar[str] = "WandaPruningModifier"
+    statistic: ClassVar[str] = "norms"
 
     def _add(self, acc: Any, X: torch.Tensor) -> None:
         acc.H, acc.n = accumulate_sq_norms(acc.H, X, acc.n)  # H holds the [in] mean squared inputs here
