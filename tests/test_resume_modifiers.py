@@ -2,8 +2,8 @@
 tensor, the checkpoint of a run that was never interrupted.
 
 Replaying a finished subgraph must put back every weight a modifier changed, not only the quantized ones:
-pruned-only weights (SparseGPT, Wanda without quantization), smoothing scales folded into norms and producers
-(SmoothQuant, AWQ). Otherwise the downstream subgraphs calibrate on the wrong inputs and the checkpoint is
+pruned-only weights (SparseGPT, Wanda without quantization), smoothing scales folded into norms, producers and
+consumers (SmoothQuant, AWQ), calibrated k_scale / v_scale buffers (kv_cache_scheme). Otherwise the downstream subgraphs calibrate on the wrong inputs and the checkpoint is
 silently wrong. The stops land at several points (after the first subgraph, midway, before the last).
 """
 
