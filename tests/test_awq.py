@@ -25,12 +25,12 @@ ASYM = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "i
                                                        "strategy": "group", "group_size": GROUP}}}  # fmt: skip
 
 
-def tiny_llama(layers: int = 2, outliers: bool = True) -> LlamaForCausalLM:
+def tiny_llama(layers: int = 2, outliers: bool = True, kv_heads: int = 2) -> LlamaForCausalLM:
     """Random weights; a few norm channels 20x larger, so activations have outlier channels as trained LLMs do."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+        num_key_value_heads=kv_heads, max_position_embeddings=64,
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval()
     if outliers:
@@ -131,6 +131,28 @@ def test_search_picks_the_grid_scale_with_the_lowest_loss() -> None:
     W = down.weight.detach() * s  # the folded weight, then round-to-nearest
     scale, zp = weight_qparams(W, num_bits=4, symmetric=False, strategy="group", group_size=GROUP)
     torch.testing.assert_close(report.weight.data, fake_quantize(W, scale, zp, num_bits=4, group_size=GROUP))
+
+
+def test_v_proj_to_o_proj_derived_from_the_graph_picks_the_brute_force_scale() -> None:
+    # Without grouped kv heads the graph gives v_proj -> o_proj through attention and its KV-cache write (as
+    # llm-compressor's default mappings); o_proj reads the float attention output in the first layer.
+    model, original = tiny_llama(1, kv_heads=4), tiny_llama(1, kv_heads=4)
+    captured: list[torch.Tensor] = []
+    o_proj = original.model.layers[0].self_attn.o_proj
+    handle = o_proj.register_forward_pre_hook(lambda _m, args: captured.append(args[0].reshape(-1, 64)))
+    data = token_data()
+    with torch.no_grad():
+        original(torch.tensor([row["input_ids"] for row in data]))
+    handle.remove()
+    ratio, loss, s = _brute_force(torch.cat(captured), o_proj.weight.detach(), n_grid=8)
+    oneshot(model=model, dataset=data, recipe=AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=8),
+            max_seq_length=32)  # fmt: skip
+    errors = _errors(model)["model.layers.0.self_attn.o_proj"]
+    assert errors["awq_ratio"] == pytest.approx(ratio) and errors["awq_loss"] == pytest.approx(loss, rel=1e-4)
+    W = o_proj.weight.detach() * s  # the folded weight, then round-to-nearest
+    scale, zp = weight_qparams(W, num_bits=4, symmetric=False, strategy="group", group_size=GROUP)
+    quantized = model.model.layers[0].self_attn.o_proj.weight.data
+    torch.testing.assert_close(quantized, fake_quantize(W, scale, zp, num_bits=4, group_size=GROUP))
 
 
 def _errors(model: torch.nn.Module) -> dict:
@@ -307,31 +329,6 @@ def test_the_next_layer_calibrates_on_the_awq_quantized_layer_output() -> None:
         floating = tiny_llama()(ids, output_hidden_states=True).hidden_states[1]
     torch.testing.assert_close(seen[-1], quantized, rtol=1e-5, atol=1e-5)  # layer 1 ran on layer 0 quantized
     assert not torch.allclose(seen[-1], floating, atol=1e-3)
-
-
-def test_an_interrupted_awq_run_is_refused_on_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import seqcal.checkpoint.streaming as streaming
-
-    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # record progress after every subgraph
-    done = streaming.StreamingCheckpoint.done
-
-    def interrupted(self, sg):  # the run stops after its first layer is on disk
-        done(self, sg)
-        if sg.index >= 1:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", interrupted)
-    out, recipe = tmp_path / "out", AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=4)
-    with pytest.raises(KeyboardInterrupt):
-        oneshot(
-            model=tiny_llama(), dataset=token_data(2), recipe=recipe, output_dir=str(out), max_seq_length=32
-        )
-    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", done)
-    with pytest.raises(
-        streaming.ResumeError, match="interrupted run of AWQModifier, which cannot be resumed"
-    ):
-        oneshot(model=tiny_llama(), dataset=token_data(2), recipe=recipe, output_dir=str(out), max_seq_length=32,
-                resume=True)  # fmt: skip
 
 
 def test_a_model_read_from_disk_gives_the_checkpoint_of_the_model_in_memory(tmp_path: Path) -> None:

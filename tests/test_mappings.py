@@ -9,7 +9,14 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from seqcal.execution.transforms import linear_graph
-from seqcal.mappings import Mapping, derive_mappings, explicit_mappings, resolve_mappings
+from seqcal.kv_writes import cache_write_names
+from seqcal.mappings import (
+    Mapping,
+    derive_mappings,
+    explicit_mappings,
+    fold_scales,
+    resolve_mappings,
+)
 from zoo import ARCHS
 
 
@@ -196,3 +203,86 @@ def test_an_explicit_offset_norm_is_refused() -> None:
     model = ARCHS["gemma"].build()
     with pytest.raises(ValueError, match="offset norm"):
         explicit_mappings(model, [[["re:.*q_proj"], "re:.*input_layernorm"]])
+
+
+# --- v_proj -> o_proj through transformers' attention (its KV-cache write is an opaque statement) ----------
+
+
+def tiny_llama(kv_heads: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64)  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+IDS = torch.tensor([[(7 * i + 3 * j) % 128 for i in range(16)] for j in range(2)])
+
+
+def test_hf_llama_maps_v_proj_to_o_proj_through_the_cache_write_and_the_fold_is_exact() -> None:
+    model = tiny_llama(kv_heads=4)
+    mappings, skipped = derive_mappings(model, linear_graph(model, {"input_ids": IDS[:1, :8]}))
+    for i in range(2):
+        p = f"model.layers.{i}.self_attn"
+        assert Mapping(f"{p}.v_proj", (f"{p}.o_proj",), "linear") in mappings, skipped
+    with torch.no_grad():
+        reference = model(IDS).logits
+        g = torch.Generator().manual_seed(0)
+        for m in mappings:
+            width = model.get_submodule(m.consumers[0]).in_features
+            fold_scales(model, m, torch.rand(width, generator=g) * 4 + 0.25)
+        o_proj = tiny_llama(4).model.layers[0].self_attn.o_proj.weight
+        assert not torch.equal(model.model.layers[0].self_attn.o_proj.weight, o_proj)
+        after = model(IDS).logits
+        # the same with a KV cache holding the first half: the write concatenates the scaled past values
+        cached = model(IDS[:, :8], use_cache=True)
+        tail = model(IDS[:, 8:], cache=cached.past_key_values, use_cache=True).logits
+    assert (after - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert (tail - reference[:, 8:]).abs().max() <= 1e-5 * reference.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+def test_v_proj_to_o_proj_is_derived_exactly_when_each_kv_head_serves_one_query_head(arch: str) -> None:
+    model, graph = zoo_graph(arch)
+    mappings, skipped = derive_mappings(model, graph)
+    attention = model.model.layers[0].self_attn
+    p = "model.layers.0.self_attn"
+    if attention.num_key_value_groups == 1:
+        assert Mapping(f"{p}.v_proj", (f"{p}.o_proj",), "linear") in mappings
+    else:  # llm-compressor skips it too: v_proj's rows are fewer than o_proj's columns
+        reason = next(s.reason for s in skipped if s.consumers == (f"{p}.o_proj",))
+        assert "grouped kv heads" in reason and f"{attention.num_key_value_groups} query heads" in reason
+
+
+def test_gqa_llama_skips_v_proj_to_o_proj_naming_the_groups() -> None:
+    model = tiny_llama(kv_heads=2)
+    mappings, skipped = derive_mappings(model, linear_graph(model, {"input_ids": IDS[:1, :8]}))
+    assert not [m for m in mappings if m.producer.endswith("v_proj")]
+    reason = next(s.reason for s in skipped if s.consumers == ("model.layers.0.self_attn.o_proj",))
+    assert reason == "grouped kv heads (repeat_kv): 2 query heads read each kv head"
+
+
+@pytest.mark.parametrize(
+    ("code", "names"),
+    [
+        ("if cache is not None:\n    k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)", ("k", "v")),
+        (
+            "if past_key_value is not None:\n    cache_kwargs = {'sin': sin, 'cos': cos}\n"
+            "    key_states, value_states = past_key_value.update(key_states, value_states, self.layer_idx, "
+            "cache_kwargs)",
+            ("key_states", "value_states"),
+        ),
+        ("if cache is not None:\n    k, v = cache.update(v, k, self.layer_idx)", ()),  # swapped: not a write
+        (
+            "if cache is not None:\n    k, v = other.update(k, v, self.layer_idx)",
+            (),
+        ),  # another object's update
+        ("if cache is not None:\n    k, v = cache.update(k, v, 0)\nelse:\n    k = k * 2", ()),  # else branch
+        ("if cache is not None:\n    k, v = cache.update(k, v, 0)\n    v = v * 2", ()),  # more than the write
+        ("if cache:\n    k, v = cache.update(k, v, 0)", ()),
+        ("attn_output = attn_output.reshape(*input_shape, -1).contiguous()", ()),
+    ],
+)
+def test_cache_write_statements_are_recognized_exactly(code: str, names: tuple[str, ...]) -> None:
+    assert cache_write_names(code) == names

@@ -3,7 +3,8 @@
 A *mapping* pairs a producer with the consumers that read its output directly: a norm (RMSNorm, LayerNorm)
 before q/k/v or gate/up (kind ``"norm"``: scales fold into its weight and bias), or a Linear whose output
 rows reach the next Linear through operations that act on each channel linearly (kind ``"linear"``:
-v_proj -> attention -> o_proj, up_proj -> act(gate) * up -> down_proj). Folding ``s`` into a mapping
+v_proj -> attention -> o_proj, through transformers' KV-cache write (``seqcal.kv_writes``), and
+up_proj -> act(gate) * up -> down_proj). Folding ``s`` into a mapping
 (:func:`fold_scales`) divides the producer's output by ``s`` and multiplies the consumers' input columns by
 ``s``: the float model computes the same function, and the consumers now read ``X / s``.
 
@@ -34,6 +35,7 @@ import torch
 from torch import fx
 
 from seqcal.algorithms.smoothing import divide_producer, multiply_consumer
+from seqcal.kv_writes import cache_write_input, kv_groups
 
 logger = logging.getLogger("seqcal")
 
@@ -184,6 +186,7 @@ def _walk(node: fx.Node, modules: dict) -> tuple[str, bool] | str:
     or the reason the algebra breaks."""
     attention = False
     while True:
+        tuple_part = False  # a getitem of a tuple: siblings read its other parts
         if node.op == "call_module":
             module = modules.get(str(node.target))
             if isinstance(module, torch.nn.Linear):
@@ -197,7 +200,8 @@ def _walk(node: fx.Node, modules: dict) -> tuple[str, bool] | str:
         if node.op == "call_method" and node.target in _TRANSPARENT_METHODS:
             nxt: Any = node.args[0]
         elif node.op == "call_function" and node.target is operator.getitem:
-            nxt = node.args[0]
+            written = cache_write_input(node)  # the keys or values a KV-cache write hands back
+            nxt, tuple_part = (written, False) if written is not None else (node.args[0], True)
         elif node.op == "call_function" and (site := getattr(node.target, "site", None)) is not None:
             if not _RESHAPE_SOURCE.match(getattr(site, "source", "")):
                 return f"opaque code `{getattr(site, 'source', '?')}` lies between (not known to be linear per channel)"
@@ -210,6 +214,8 @@ def _walk(node: fx.Node, modules: dict) -> tuple[str, bool] | str:
                 2 if node.target is torch.nn.functional.scaled_dot_product_attention else 3
             )  # HF: (module, q, k, v)
             nxt, attention = node.kwargs.get("value", node.args[at] if len(node.args) > at else None), True
+            if at == 3 and (groups := kv_groups(node.args[0], modules)) != 1:
+                return f"grouped kv heads (repeat_kv): {groups} query heads read each kv head"
         elif node.op == "call_function" and node.target in (operator.mul, torch.mul):
             return _through_product(node, modules)
         elif node.op == "call_function" and node.target in (operator.add, torch.add, operator.iadd):
@@ -218,9 +224,6 @@ def _walk(node: fx.Node, modules: dict) -> tuple[str, bool] | str:
             return f"{node.op} {name or node.target} ({node.name}) lies between (not known to be linear per channel)"
         if not isinstance(nxt, fx.Node):
             return f"{node.name} has no tensor input to follow"
-        tuple_part = (
-            node.op == "call_function" and node.target is operator.getitem
-        )  # siblings read other parts
         if not tuple_part and len([u for u in nxt.users if not _shape_query(u)]) > 1:
             return f"the value {nxt.name} is also read elsewhere (a branch between producer and consumer)"
         node = nxt

@@ -157,45 +157,80 @@ class StreamingCheckpoint:
             for key in ("input_scale", "input_zero_point", "input_global_scale"):
                 if getattr(qw, key) is not None:
                     tensors[f"{name}:{key}"] = getattr(qw, key)
-        tensors.update(self._edited(sg))
+        edited, metadata = self._edited(sg)
+        tensors.update(edited)
         folder = self.path / RESUME_DIR
         folder.mkdir(exist_ok=True)
         if tensors:
-            save_file(
-                {k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / f"{sg.index}.st")
-            )
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / f"{sg.index}.st"),
+                      metadata=metadata)  # fmt: skip
         self.last = sg.index
         if self.writer.pending_bytes >= self.checkpoint_bytes:
             self._record(sg.index)
         self._trim(mine)
 
     def _restore_edited(self) -> None:
-        """Put back every producer a transform changed in the finished subgraphs, before the first replay: the
-        producer runs in an earlier subgraph than the consumers whose file holds it."""
+        """Put back every module a modifier changed in the finished subgraphs (besides the quantized ones), before
+        the first replay: a folded producer runs in an earlier subgraph than the consumers whose file holds it.
+        Files are read in subgraph order, so a module saved by several subgraphs gets its last value."""
         if self._edited_restored:
             return
         self._edited_restored = True
-        for file in sorted((self.path / RESUME_DIR).glob("*.st")):
+        files = sorted(
+            (self.path / RESUME_DIR).glob("*.st"), key=lambda f: int(f.stem) if f.stem.isdigit() else -1
+        )
+        for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for key in [k for k in f.keys() if ":param:" in k]:
                     name, _, param = key.partition(":param:")
-                    target, value = getattr(self.model.get_submodule(name), param), f.get_tensor(key)
-                    if (
-                        target.device.type == "meta" and self.weights is not None
-                    ):  # offloaded: onloaded from here
-                        self.weights.store.overrides[f"{name}.{param}"] = value
-                    else:
-                        target.data = value.to(target.device)
-                    self.state.edited.add(name)
+                    self._put_back(name, param, f.get_tensor(key))
+                self._restore_records(f.metadata() or {})
 
-    def _edited(self, sg: Subgraph) -> dict[str, torch.Tensor]:
-        """The parameters of producers a transform changed while ``sg`` ran (folded smoothing scales): a replay
-        puts them back, as it puts back the quantized weights."""
+    def _put_back(self, name: str, param: str, value: torch.Tensor) -> None:
+        """One saved parameter or buffer of module ``name`` back into the model (or its offloaded store)."""
+        module = self.model.get_submodule(name)
+        target = getattr(module, param)
+        if param in module._buffers:
+            module._buffers[param] = value.to(target.device)
+        elif target.device.type == "meta" and self.weights is not None:  # offloaded: onloaded from here
+            self.weights.store.overrides[f"{name}.{param}"] = value
+        else:
+            target.data = value.to(target.device)
+        self.state.changed.add(name)
+
+    def _restore_records(self, metadata: Mapping[str, str]) -> None:
+        """The run state's records of the restored modules: folded producers, pruned modules and their sparsity
+        (``config.json``'s sparsity_config lists them)."""
+        self.state.edited.update(json.loads(metadata.get("edited", "[]")))
+        for name, (structure, sparsity) in json.loads(metadata.get("sparsity", "{}")).items():
+            self.state.sparsity[name] = structure
+            if sparsity is not None:
+                self.state.module_errors.setdefault(name, {})["sparsity"] = sparsity
+
+    def _edited(self, sg: Subgraph) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """The parameters and buffers of every module of ``sg`` a modifier changed in place (``RunState.
+        changed_modules``: folded smoothing scales, pruned weights, calibrated buffers) that ``state.quantized``
+        does not hold, and the records a replay needs about them; a replay puts them back with the quantized
+        weights, so downstream subgraphs see what the interrupted run gave them."""
         out = {}
-        for name in [n for n in self.state.edited if self._in(n, sg) and n not in self.state.quantized]:
-            for param, value in self.model.get_submodule(name).named_parameters(recurse=False):
+        names = sorted(
+            n for n in self.state.changed_modules() if self._in(n, sg) and n not in self.state.quantized
+        )
+        for name in names:
+            module = self.model.get_submodule(name)
+            for param, value in [
+                *module.named_parameters(recurse=False),
+                *module.named_buffers(recurse=False),
+            ]:
                 out[f"{name}:param:{param}"] = value.detach()
-        return out
+        mine = [n for n in self.state.changed_modules() if self._in(n, sg)]
+        sparsity = {
+            n: [self.state.sparsity[n], self.state.module_errors.get(n, {}).get("sparsity")]
+            for n in mine if n in self.state.sparsity
+        }  # fmt: skip
+        metadata = {"edited": json.dumps(sorted(n for n in mine if n in self.state.edited)),
+                    "sparsity": json.dumps(sparsity)}  # fmt: skip
+        return out, metadata
 
     def _trim(self, names: Any) -> None:
         """Drop the codes of modules already on disk: only their scheme is needed (for config.json).

@@ -245,6 +245,9 @@ def calibrate_subgraphs(
             if replay:
                 with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
                     _restore(sg, restore, runner.model, state)
+                for m in modifiers:  # their records of what the interrupted run did to it
+                    if hasattr(m, "replayed"):
+                        m.replayed(sg, runner.model, state)
                 if sg.outputs and calibrating:
                     with torch.no_grad():
                         _pass(runner, sg, batches, cache, state, None, prof, "propagation")

@@ -44,7 +44,6 @@ class AWQModifier(QuantizationModifier):
     name: ClassVar[str] = "AWQModifier"
     needs_calibration: ClassVar[bool] = True
     input_only: ClassVar[bool] = False  # re-runs whole spans (self_attn, mlp) on their cached arguments
-    resumable: ClassVar[bool] = False  # the folded norms of replayed subgraphs are not restored
     mappings: list[Any] | None = None
     duo_scaling: bool | str = True
     n_grid: int = 20
@@ -199,6 +198,14 @@ class AWQModifier(QuantizationModifier):
         }:
             self._spans.pop(parent, None)  # every mapping of this span is folded
         return super().compress(subgraph, model, state)
+
+    def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
+        prefixes = tuple(subgraph.modules)
+        inside = lambda n: n in prefixes or n.startswith(tuple(p + "." for p in prefixes))  # noqa: E731
+        for m in self._mappings:  # folded by the interrupted run; the checkpoint put the folded weights back
+            if inside(m.parent) and inside(m.smooth):
+                self._stats[m.smooth] = None
+        super().replayed(subgraph, model, state)
 
     def finalize(self, model: torch.nn.Module, state: RunState) -> None:
         missed = [m.smooth for m in self._mappings if m.smooth not in self._stats]

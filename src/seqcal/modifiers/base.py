@@ -14,6 +14,7 @@ The executor owns hooks and state and passes them down; a modifier keeps nothing
         changed = modifier.compress(subgraph, model, state)      on the subgraph's owner; the other processes
                                                                  get its weights and modifier.load_results(...)
         (propagation pass when any modifier changed weights)
+        (a resumed run's finished subgraphs: their saved weights put back, then modifier.replayed(subgraph, ...))
     modifier.finalize(model, state)              once
 
 Version 2 adds services a modifier declares it needs (all optional, see docs/modifiers.md):
@@ -123,6 +124,15 @@ class RunState:
     kv_cache_scheme: Any = None
     folds: list[Fold] = field(default_factory=list)  # scales folded so far, in order (``fold``)
     edited: set[str] = field(default_factory=set)  # producers whose weights a fold changed (saved, kept)
+    # Every other module whose parameters or buffers a modifier changed in place, outside ``quantized``
+    # (consumers of a fold, calibrated buffers): see ``changed_modules``.
+    changed: set[str] = field(default_factory=set)
+
+    def changed_modules(self) -> set[str]:
+        """Every module whose weights a modifier changed: quantized, folded into (producer or consumer), pruned,
+        or marked in ``changed``. A resumed run puts them all back when it replays a finished subgraph, and
+        offloaded weights are copied back to the host for them."""
+        return {*self.quantized, *self.edited, *self.sparsity, *self.changed}
 
     def reduce_shards(
         self, per_shard: list[dict[str, dict[str, Statistic]]]
@@ -162,6 +172,7 @@ class RunState:
         record = Fold(mapping, scales.detach().float())
         self.folds.append(record)
         self.edited.add(mapping.producer)
+        self.changed.update(mapping.consumers)  # their columns were scaled: not the model's weights any more
         return record
 
 
@@ -181,8 +192,8 @@ class Modifier:
     # True: calibration needs only the inputs of the modifier's own modules (``observe``), so the pipeline
     # may cut subgraphs before those modules and run each subgraph once instead of twice.
     input_only: ClassVar[bool] = False
-    # False: an interrupted run cannot be resumed, because replaying a finished subgraph restores only its
-    # quantized weights and this modifier changes others too (AWQ's scales folded into norms).
+    # False: an interrupted run cannot be resumed, because this modifier changes weights that a replayed
+    # subgraph cannot put back (neither quantized nor recorded in ``RunState.changed_modules``).
     resumable: ClassVar[bool] = True
 
     @classmethod
@@ -267,6 +278,10 @@ class Modifier:
         """Another modifier folded ``fold.scales`` into ``fold.mapping``: statistics this modifier already
         holds for its consumers must move to the new coordinates (inputs ``X / scales``). The default holds
         none; a modifier that cannot move its statistics exactly raises RuntimeError naming them."""
+
+    def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
+        """A resumed run put back ``subgraph`` as an interrupted run finished it (its saved weights, buffers and
+        ``state`` records) instead of calibrating it: note its modules as done, as ``compress`` would have."""
 
     def finalize(self, model: torch.nn.Module, state: RunState) -> None:
         """Last step after all subgraphs (e.g. remove leftover state)."""

@@ -175,7 +175,7 @@ class GPTQModifier(QuantizationModifier):
                     errors = state.module_errors.setdefault(name, {})
                     errors["gptq_seconds"], errors["solve_chunks"] = seconds, len(chunks)
         self.inputs.finish(names, model, state)
-        return self.kv_finish(subgraph, model) or bool(names)
+        return self.kv_finish(subgraph, model, state) or bool(names)
 
     def _chunk_limit(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> int:
         """Bytes one stacked solve of ``subgraph`` may take: from the device budget when the run has one,

@@ -144,10 +144,17 @@ class QuantizationModifier(Modifier):
             return contextlib.nullcontext()
         return self.kv.hooks(subgraph.modules, model, state)
 
-    def kv_finish(self, subgraph: Subgraph, model: torch.nn.Module) -> bool:
+    def kv_finish(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         """Store k_scale / v_scale of the subgraph's attention modules (kv_cache_scheme); True when some were:
         their fp8 keys and values change the subgraph's outputs, which the propagation pass recomputes."""
-        return self.kv is not None and self.kv.finish(subgraph.modules, model)
+        if self.kv is None:
+            return False
+        state.changed.update(self.kv.modules_in(subgraph.modules))  # their buffers: put back on a replay
+        return self.kv.finish(subgraph.modules, model)
+
+    def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
+        if self.kv is not None:  # their k_scale / v_scale are back: keys and values are fp8 from here on
+            self.kv.finished.update(self.kv.modules_in(subgraph.modules))
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         self.inputs.observe([n for n in names if n in self.modules], x, state)
@@ -186,7 +193,7 @@ class QuantizationModifier(Modifier):
                 module, scheme, self._global_scales.get(name), importance=importance
             )
         self.inputs.finish(names, model, state)
-        return self.kv_finish(subgraph, model) or bool(names)
+        return self.kv_finish(subgraph, model, state) or bool(names)
 
     def prepare_global_scales(self, model: torch.nn.Module, names: list[str]) -> None:
         """NVFP4: fix the global scale of ``names`` (shared across each fused group) before any is quantized."""

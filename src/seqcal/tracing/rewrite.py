@@ -48,6 +48,11 @@ class OpaqueSite:
     reason: str  # why it is opaque
     source: str  # first line of the statements, for reports
     touched: tuple[str, ...]  # attributes of ``self`` the statements read (submodules used at run time)
+    # The helper's argument names (the call_function node's args, in order) and the names it returns (item i
+    # of its result), and the statements' code: what reads the graph through the site (seqcal.mappings).
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    code: str = ""
 
 
 @dataclass
@@ -316,6 +321,9 @@ class _BodyRewriter:
             reason=_reason(stmts),
             source=ast.unparse(stmts[0]).splitlines()[0][:120],
             touched=tuple(sorted(names.self_attrs)),
+            inputs=tuple(inputs),
+            outputs=tuple(outputs) if not (top and names.has_return) else (),
+            code="\n".join(ast.unparse(stmt) for stmt in stmts),
         )
         invoke = call(
             f"{_PREFIX}opaque",
