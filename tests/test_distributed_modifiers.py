@@ -167,3 +167,35 @@ def test_plan_for_several_processes_of_a_newly_reducing_recipe(model_dir: Path, 
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 processes, 6 virtual shards of 6 batches" in done.stdout
     assert "total: reduced" in done.stdout
+
+
+class _Stopped(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", ["wanda", "smoothquant-kv"])
+def test_a_stopped_run_resumed_by_two_processes_gives_the_uninterrupted_bytes(
+    name: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replayed subgraphs' changes besides quantized weights (pruned weights, folded norms, k_scale /
+    v_scale) reach every process: without them the other process would calibrate on another model."""
+    import seqcal.checkpoint.streaming as streaming
+
+    run(1, tmp_path / "err_clean", **_args(model_dir, tmp_path / "clean", RECIPES[name]))
+    total = len(json.loads((tmp_path / "clean" / "quantization_report.json").read_text())["subgraphs"])
+    out, calls = tmp_path / "stopped", []
+    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # progress recorded after every subgraph
+    done = streaming.StreamingCheckpoint.done
+
+    def stops(self: streaming.StreamingCheckpoint, sg: object) -> None:
+        done(self, sg)
+        calls.append(sg)
+        if len(calls) == total // 2:
+            raise _Stopped  # as a crash midway would
+
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", stops)
+    with pytest.raises(_Stopped):
+        oneshot(**_args(model_dir, out, RECIPES[name]))
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", done)
+    run(2, tmp_path / "err_resume", **_args(model_dir, out, RECIPES[name]), resume=True)
+    assert tensor_hashes(out) == tensor_hashes(tmp_path / "clean")

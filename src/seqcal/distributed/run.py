@@ -219,14 +219,21 @@ def _pack(
 ) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"log": [], "modules": {}}
-    for name in names:  # quantized, pruned, or both
+    for name in names:  # quantized, pruned, folded into, or with calibrated buffers
         qw = state.quantized.get(name)
         for f in _FIELDS if qw is not None else ():
             if getattr(qw, f) is not None:
                 tensors[f"{name}|{f}"] = getattr(qw, f)
-        tensors[f"{name}|weight"] = model.get_submodule(name).weight.data
+        module = model.get_submodule(name)
+        if hasattr(module, "weight"):
+            tensors[f"{name}|weight"] = module.weight.data
+        # the module's other tensors a modifier may have changed (a folded bias, k_scale / v_scale buffers)
+        for key, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            if key != "weight" and tensor is not None:
+                tensors[f"{name}|.{key}"] = tensor.data
         meta["modules"][name] = {"quantized": qw is not None, "loss": qw.loss if qw is not None else None,
-                                 "sparsity": state.sparsity.get(name), "errors": state.module_errors.get(name, {})}  # fmt: skip
+                                 "sparsity": state.sparsity.get(name), "errors": state.module_errors.get(name, {}),
+                                 "edited": name in state.edited, "changed": name in state.changed}  # fmt: skip
     for i, named in results.items():  # a modifier's results: "@<its position>|<name>"
         tensors.update({f"@{i}|{key}": tensor for key, tensor in named.items()})
     meta["log"] = [line for line in state.log if any(line.startswith(n) for n in names)]
@@ -238,8 +245,16 @@ def _unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict, modi
     tensors, raw = named_from_bytes(data)
     meta = json.loads(raw["seqcal"])
     for name, info in meta["modules"].items():
-        weight = model.get_submodule(name).weight
-        weight.data = tensors[f"{name}|weight"].to(weight.device)
+        module = model.get_submodule(name)
+        for key in [k for k in tensors if k.startswith(f"{name}|")]:
+            local = key.partition("|")[2]
+            if local == "weight" or local.startswith("."):
+                target = getattr(module, local.lstrip("."))
+                target.data = tensors[key].to(target.device)
+        if info.get("edited"):
+            state.edited.add(name)
+        if info.get("changed"):
+            state.changed.add(name)
         if info["quantized"]:
             fields = {f: tensors.get(f"{name}|{f}") for f in _FIELDS}
             state.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])

@@ -274,12 +274,15 @@ def _restore(
     sg: Subgraph, restore: Callable[[Subgraph], None] | None, model: torch.nn.Module, state: Any
 ) -> None:
     """Put a finished subgraph's saved weights back; with several processes the one that writes the checkpoint
-    reads them and sends them to the others."""
-    before = set(state.quantized)
+    reads them and sends them to the others: every module a modifier changed (quantized, pruned, folded into,
+    calibrated buffers), or the others would replay a different model than the one the checkpoint holds."""
     if restore is not None:
         restore(sg)
     if state.sharding is not None:
-        state.sharding.share(sg.index, 0, [n for n in state.quantized if n not in before], model, state)
+        inside = tuple(sg.modules)
+        restored = [n for n in sorted(state.changed_modules()) if n.startswith(inside) and
+                    (n in inside or n.startswith(tuple(p + "." for p in inside)))]  # fmt: skip
+        state.sharding.share(sg.index, 0, restored, model, state)
 
 
 def _shards(state: Any, num_batches: int) -> list[range]:
