@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 import gptq_smollm2
-from gptq_smollm2 import PEER, ROOT, SEQCAL, WORK, perplexity, run_and_evaluate
+from gptq_smollm2 import PEER, ROOT, SEQCAL, VENV, WORK, perplexity, run_and_evaluate
 
 RUNS = {
     "seqcal-rtn": [*SEQCAL, "--algo", "rtn"],
@@ -50,7 +50,7 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     tokens = WORK / "calib_128x512.safetensors"
     if not tokens.exists():
-        subprocess.run([".venv/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
+        subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(WIKI / "wiki.valid.raw"), "--samples", "128", "--seq", "512", "--out", str(tokens)],
                        cwd=ROOT, check=True)  # fmt: skip
     results = {}

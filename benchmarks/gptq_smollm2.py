@@ -58,9 +58,10 @@ def measure(cmd: list[str]) -> tuple[float, float, float, str]:
 
 def perplexity(checkpoint: Path, windows: int | None) -> float:
     code = (
-        "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
+        "import sys, torch; from transformers import AutoTokenizer;"
+        "from seqcal.evaluation.loading import load_causal_lm;"
         "from seqcal.evaluation.perplexity import perplexity, load_eval_text;"
-        f"m = AutoModelForCausalLM.from_pretrained({str(checkpoint)!r}, dtype=torch.float32).eval();"
+        f"m = load_causal_lm({str(checkpoint)!r}, torch.float32);"
         f"t = AutoTokenizer.from_pretrained({str(checkpoint)!r});"
         f"r = perplexity(m, t, load_eval_text({str(WIKI / 'wiki.test.raw')!r}), seq_len=2048, "
         f"max_windows={windows!r}, progress=False); print(r.ppl, r.windows)"

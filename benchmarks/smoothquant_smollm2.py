@@ -14,7 +14,7 @@ import argparse
 import json
 import subprocess
 
-from gptq_smollm2 import PEER, ROOT, SEQCAL, WIKI, WORK, perplexity, run_and_evaluate
+from gptq_smollm2 import PEER, ROOT, SEQCAL, VENV, WIKI, WORK, perplexity, run_and_evaluate
 
 RECIPES = ROOT / "recipes"
 RUNS = {
@@ -34,6 +34,7 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=None, help="default: the whole test set")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unquantized model's perplexity")
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 
@@ -41,11 +42,13 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     tokens = WORK / f"calib_{args.samples}x{args.seq}.safetensors"
     if not tokens.exists():
-        subprocess.run([".venv/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
+        subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
                         "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
-    results = {"fp32 (unquantized)": {"ppl": round(perplexity(model, args.eval_windows), 2)}}
-    print(f"{'fp32 (unquantized)':<18} ppl {results['fp32 (unquantized)']['ppl']:7.2f}", flush=True)
+    results = {}
+    if not args.no_baseline:
+        results["fp32 (unquantized)"] = {"ppl": round(perplexity(model, args.eval_windows), 2)}
+        print(f"{'fp32 (unquantized)':<18} ppl {results['fp32 (unquantized)']['ppl']:7.2f}", flush=True)
     for name in args.runs.split(","):
         out = WORK / name
         cmd = [*RUNS[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]

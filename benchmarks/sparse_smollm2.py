@@ -16,10 +16,10 @@ import subprocess
 from pathlib import Path
 
 import gptq_smollm2
-from gptq_smollm2 import ROOT, WORK, run_and_evaluate
+from gptq_smollm2 import PEER, ROOT, VENV, WORK, run_and_evaluate
 
 RECIPES = {"sgpt24": "recipes/sparsegpt_2of4.yaml", "sgpt24-w4g64": "recipes/sparsegpt_2of4_w4a16_g64.yaml"}
-TOOLS = {"seqcal": [".venv/bin/python"], "llmc": [".peer-venv/bin/python"]}
+TOOLS = {"seqcal": [f"{VENV}/bin/python"], "llmc": [PEER[0]]}
 RUNS = {f"{tool}-{name}": (tool, recipe) for name, recipe in RECIPES.items() for tool in TOOLS}
 
 
@@ -40,7 +40,7 @@ def main() -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     tokens = WORK / f"calib_{args.samples}x{args.seq}.safetensors"
     if not tokens.exists():
-        subprocess.run([".venv/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
+        subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
                         "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
     results = {}
