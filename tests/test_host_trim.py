@@ -14,11 +14,9 @@ import torch
 
 from seqcal.execution.host import free_mkl_buffers, limit_onednn_cache
 
-# In a fresh process: the heap in use (glibc's mallinfo2) before and after GPTQ-sized Cholesky
-# factorizations and Hessian products, once everything they returned is freed and the host memory trimmed.
-SCRIPT = textwrap.dedent("""
+# Run in a fresh process: the heap in use as glibc counts it (mallinfo2), and the trim under test.
+HEAP = textwrap.dedent("""
     import ctypes
-    import torch
     from seqcal.execution.host import trim_host_memory
 
     class Info(ctypes.Structure):
@@ -31,7 +29,12 @@ SCRIPT = textwrap.dedent("""
     def in_use():
         info = libc.mallinfo2()
         return info.uordblks + info.hblkhd
+""")
 
+# The heap in use before and after GPTQ-sized Cholesky factorizations and Hessian products, once everything
+# they returned is freed and the host memory trimmed.
+SCRIPT = HEAP + textwrap.dedent("""
+    import torch
     trim_host_memory()
     before = in_use()
     for n in (1024, 512, 768, 1024):  # the input widths of one layer's projections
@@ -43,28 +46,18 @@ SCRIPT = textwrap.dedent("""
     print(in_use() - before)
 """)
 
-
-# In a fresh process: the heap in use after bf16 matmuls of 300 token counts (what routed experts produce),
-# with the caches capped by ``limit_onednn_cache`` first ("cap") or left at the libraries' defaults.
-SHAPES_SCRIPT = textwrap.dedent("""
-    import ctypes, sys
+# The heap in use after bf16 matmuls of 300 token counts (what routed experts produce), with the caches
+# capped by ``limit_onednn_cache`` first ("cap") or left at the libraries' defaults.
+SHAPES_SCRIPT = (
+    textwrap.dedent("""
+    import sys
     if sys.argv[1] == "cap":
         from seqcal.execution.host import limit_onednn_cache
         limit_onednn_cache()
+""")
+    + HEAP
+    + textwrap.dedent("""
     import torch
-    from seqcal.execution.host import trim_host_memory
-
-    class Info(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype = Info
-
-    def in_use():
-        info = libc.mallinfo2()
-        return info.uordblks + info.hblkhd
-
     w = torch.randn(256, 128, dtype=torch.bfloat16)
     torch.nn.functional.linear(torch.randn(3, 128, dtype=torch.bfloat16), w)
     trim_host_memory()
@@ -74,6 +67,7 @@ SHAPES_SCRIPT = textwrap.dedent("""
     trim_host_memory()
     print(in_use() - before)
 """)
+)
 
 
 def _glibc_with_mallinfo2() -> bool:
