@@ -95,18 +95,21 @@ def main() -> None:
         results["bf16 (unquantized)"] = {"ppl": round(ppl, 3), "windows": n}
         print(f"{'bf16 (unquantized)':<18} ppl {ppl:.3f} ({n} windows)", flush=True)
         results_path.write_text(json.dumps(results, indent=1))
-    for name in args.runs.split(","):
+    names = args.runs.split(",")
+    for name in names:  # quantize every run first, then evaluate: timings survive a cut-short evaluation
         tool, recipe = RUNS[name]
         python = str(args.peer_python) if tool == "llmc" else sys.executable
-        out = WORK / f"nvfp4-{name}"
         cmd = [python, "benchmarks/_run_kv_recipe.py", "--tool", tool, "--recipe", recipe,
-               "--model", str(model), "--tokens", str(tokens), "--out", str(out)]  # fmt: skip
+               "--model", str(model), "--tokens", str(tokens), "--out", str(WORK / f"nvfp4-{name}")]  # fmt: skip
         wall, cpu, rss, last = measure(cmd)
-        ppl, n = evaluate(out, args.eval_windows, args.data)
         results[name] = {"cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "peak_rss_gb": round(rss, 2),
-                         "ppl": round(ppl, 3), "windows": n, "tool_reported": last}  # fmt: skip
-        print(f"{name:<18} cpu {cpu:6.1f} s  wall {wall:6.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:.3f}  "
-              f"({n} windows)", flush=True)  # fmt: skip
+                         "tool_reported": last}  # fmt: skip
+        print(f"{name:<18} cpu {cpu:6.1f} s  wall {wall:6.1f} s  peak RSS {rss:5.2f} GB", flush=True)
+        results_path.write_text(json.dumps(results, indent=1))
+    for name in names:
+        ppl, n = evaluate(WORK / f"nvfp4-{name}", args.eval_windows, args.data)
+        results[name].update(ppl=round(ppl, 3), windows=n)
+        print(f"{name:<18} ppl {ppl:.3f} ({n} windows)", flush=True)
         results_path.write_text(json.dumps(results, indent=1))
 
 
