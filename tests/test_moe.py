@@ -166,6 +166,35 @@ GPTQModifier:
     assert len(packed) == 4 * 3  # the one MoE layer's 4 experts
 
 
+def test_a_parameter_of_the_base_model_does_not_pull_every_layer_into_the_first_subgraph(
+    tmp_path: Path,
+) -> None:
+    """Zaya's base model holds an input scale and bias of its own, read beside its layers: the first subgraph
+    used to take the whole base model (onloading every layer, and GPTQ solving layer 1 there, before its
+    calibration, round to nearest); each layer now stays in its own subgraph and is calibrated."""
+    autozoo = pytest.importorskip("autozoo")
+    arch = autozoo.candidates().get("zaya")
+    if arch is None:
+        pytest.skip("this transformers has no Zaya")
+    autozoo.build(arch).save_pretrained(tmp_path / "src")
+    recipe = """
+GPTQModifier:
+  ignore: [lm_head]
+  config_groups:
+    group_0:
+      targets: [Linear]
+      weights: {num_bits: 8, type: int, symmetric: true, strategy: channel}
+"""
+    oneshot(model=str(tmp_path / "src"), dataset=data(2, 16), recipe=recipe, output_dir=str(tmp_path / "out"))
+    report = json.loads((tmp_path / "out" / "quantization_report.json").read_text())
+    assert not [line for line in report["log"] if "never called" in line], report["log"][:3]
+    packed = [
+        k for k in checkpoint_tensors(tmp_path / "out") if ".experts." in k and k.endswith("weight_packed")
+    ]
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    assert len(packed) == config["num_hidden_layers"] * config["num_experts"] * 3
+
+
 class StackedExperts(torch.nn.Module):
     """Experts stacked in a 3-D parameter by a class transformers' experts decorator did not build."""
 

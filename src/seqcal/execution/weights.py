@@ -172,10 +172,12 @@ def restore_in_memory(model: torch.nn.Module, store: WeightStore) -> None:
 
 
 def params_under(model: torch.nn.Module, modules: Iterable[str]) -> list[str]:
-    """Names of the parameters held by ``modules`` (qualified module names) and their children."""
+    """Names of the parameters held by ``modules`` (qualified module names) and their children; a parameter's
+    own name in ``modules`` stands for itself (``tracing.partition``: a container's direct parameter)."""
+    modules = set(modules)
     prefixes = tuple(m + "." for m in modules if m)
     names = [n for n, _ in model.named_parameters()]
-    return [n for n in names if n.startswith(prefixes)] if "" not in set(modules) else names
+    return [n for n in names if n.startswith(prefixes) or n in modules] if "" not in modules else names
 
 
 def onload(model: torch.nn.Module, store: WeightStore, names: Iterable[str], device: torch.device) -> None:

@@ -135,6 +135,7 @@ def _cuts_before(graph: fx.Graph, targets: Sequence[str]) -> list[list[fx.Node]]
 def _modules_of(nodes: Sequence[fx.Node], module_names: dict[int, str]) -> list[str]:
     used: list[str] = []
     modules = set(module_names.values())
+    parents = {m.rsplit(".", 1)[0] if "." in m else "" for m in modules if m}
     for node in nodes:
         if node.op == "call_module":
             used.append(str(node.target))
@@ -149,8 +150,11 @@ def _modules_of(nodes: Sequence[fx.Node], module_names: dict[int, str]) -> list[
                 # A module passed as a value (the attention module handed to sdpa_attention_forward) is
                 # itself what is used; only a parameter or buffer stands for its owner. Its parent would
                 # onload the whole layer for the q/k/v subgraph.
+                # A parameter of a module that holds others (ZayaModel's input scale, beside its layers) stands
+                # for itself: its owner would pull every layer into this subgraph.
                 target = str(arg.target)
-                used.append(target if target in modules else target.rsplit(".", 1)[0])
+                owner = target.rsplit(".", 1)[0] if "." in target else ""
+                used.append(target if target in modules or owner in parents else owner)
     return list(dict.fromkeys(used))
 
 
