@@ -195,6 +195,37 @@ GPTQModifier:
     assert len(packed) == config["num_hidden_layers"] * config["num_experts"] * 3
 
 
+def test_a_checkpoint_transformers_merges_on_load_is_refused_offloaded_with_the_way_that_works(
+    tmp_path: Path,
+) -> None:
+    """Kimi-Linear's checkpoint stores q/k/v_conv1d that transformers concatenates into conv1d as it loads:
+    the offloaded loader says so and what to do; the model loaded in memory quantizes every expert."""
+    from seqcal.errors import ModelLoadError
+
+    autozoo = pytest.importorskip("autozoo")
+    arch = autozoo.candidates().get("kimi_linear")
+    if arch is None:
+        pytest.skip("this transformers has no Kimi-Linear")
+    autozoo.build(arch).save_pretrained(tmp_path / "src")
+    recipe = (
+        "GPTQModifier: {ignore: [lm_head], config_groups: {g: {targets: [Linear], weights: {num_bits: 8, "
+        "type: int, symmetric: true, strategy: channel}}}}"
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"conv1d\.weight from several checkpoint tensors .*from_pretrained"
+    ):
+        oneshot(
+            model=str(tmp_path / "src"), dataset=data(2, 16), recipe=recipe, output_dir=str(tmp_path / "a")
+        )
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "src")
+    oneshot(model=model, dataset=data(2, 16), recipe=recipe, output_dir=str(tmp_path / "b"))
+    packed = [
+        k for k in checkpoint_tensors(tmp_path / "b") if ".experts." in k and k.endswith("weight_packed")
+    ]
+    experts = sum(1 for n, _ in model.named_modules() if n.endswith(".experts"))
+    assert experts and len(packed) == experts * model.config.num_experts * 3
+
+
 class StackedExperts(torch.nn.Module):
     """Experts stacked in a 3-D parameter by a class transformers' experts decorator did not build."""
 

@@ -54,7 +54,10 @@ class ModelLoadError(SeqcalError, OSError):
 
     @classmethod
     def wrap(cls, source: object, exc: BaseException) -> ModelLoadError:
-        """The error for ``exc`` raised while loading ``source``: what failed, where, and what to check."""
+        """The error for ``exc`` raised while loading ``source``: what failed, where, and what to check (an
+        error of this kind already says all of it and is returned as it is)."""
+        if isinstance(exc, cls):
+            return exc
         what = one_line(exc).splitlines()[0][:300]
         return cls(
             f"{source}: cannot load the model ({type(exc).__name__}: {what}); check that the directory is a "

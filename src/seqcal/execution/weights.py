@@ -28,6 +28,7 @@ from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 
+from seqcal.errors import ModelLoadError
 from seqcal.execution.host import trim_host_memory
 
 
@@ -110,11 +111,37 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     # tied parameters share one object; a name absent from the files reads it under the stored name
     store.aliases.update({n: first for n, first in _tied_names(model).items() if not store.has(n)})
     missing = [n for n in params if not store.has(n)]
+    merged = _merged_on_load(model, missing)
+    if merged:
+        raise ModelLoadError(
+            f"{path}: {type(model).__name__} builds {merged[0]} from several checkpoint tensors ({merged[1]}) "
+            "that transformers merges as it loads, which seqcal's offloaded loader does not do yet; pass the model "
+            "loaded in memory to oneshot (model=AutoModelForCausalLM.from_pretrained(path)), which holds all its "
+            "weights in RAM"
+        )
     if missing:
         raise KeyError(
             f"{path}: checkpoint lacks parameters {missing[:5]}; is it the model's own checkpoint?"
         )
     return model.eval(), store
+
+
+def _merged_on_load(model: torch.nn.Module, missing: list[str]) -> tuple[str, str] | None:
+    """A missing parameter that one of transformers' weight converters builds from several checkpoint tensors
+    (Kimi-Linear's ``conv1d`` from ``q/k/v_conv1d``): (its name, the converter's sources), else None."""
+    import re
+
+    from seqcal.experts.layout import weight_conversions
+
+    for conv in weight_conversions(model) if missing else ():
+        sources = list(conv.source_patterns)
+        if len(sources) < 2:
+            continue
+        for target in conv.target_patterns:
+            hit = next((n for n in missing if re.search(target, n)), None)
+            if hit is not None:
+                return hit, ", ".join(sources)
+    return None
 
 
 def _map_experts(model: torch.nn.Module, store: WeightStore) -> None:
