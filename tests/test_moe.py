@@ -147,18 +147,19 @@ def test_offloaded_store_reads_each_expert(arch: str, tmp_path: Path) -> None:
         assert torch.equal(store.read(name), want[name].detach()), name
 
 
+def channel_gptq(bits: int) -> str:
+    """GPTQ of every Linear but lm_head, int per output channel (fits any width of a tiny model)."""
+    return (
+        "GPTQModifier: {ignore: [lm_head], config_groups: {group_0: {targets: [Linear], weights: "
+        f"{{num_bits: {bits}, type: int, symmetric: true, strategy: channel}}}}}}}}"
+    )
+
+
 def test_offloaded_jamba_checks_its_partition(tmp_path: Path) -> None:
     """Jamba's Mamba mixer reads ``dt_proj.bias`` without calling ``dt_proj``: the check of the partition
     against the model's own forward, on offloaded weights, onloads a whole layer around its call."""
     ARCHS["jamba"].build().save_pretrained(tmp_path / "src")
-    recipe = """
-GPTQModifier:
-  ignore: [lm_head]
-  config_groups:
-    group_0:
-      targets: [Linear]
-      weights: {num_bits: 4, type: int, symmetric: true, strategy: channel}
-"""
+    recipe = channel_gptq(4)
     oneshot(model=str(tmp_path / "src"), dataset=data(2, 16), recipe=recipe, output_dir=str(tmp_path / "out"))
     packed = [
         k for k in checkpoint_tensors(tmp_path / "out") if ".experts." in k and k.endswith("weight_packed")
@@ -177,14 +178,7 @@ def test_a_parameter_of_the_base_model_does_not_pull_every_layer_into_the_first_
     if arch is None:
         pytest.skip("this transformers has no Zaya")
     autozoo.build(arch).save_pretrained(tmp_path / "src")
-    recipe = """
-GPTQModifier:
-  ignore: [lm_head]
-  config_groups:
-    group_0:
-      targets: [Linear]
-      weights: {num_bits: 8, type: int, symmetric: true, strategy: channel}
-"""
+    recipe = channel_gptq(8)
     oneshot(model=str(tmp_path / "src"), dataset=data(2, 16), recipe=recipe, output_dir=str(tmp_path / "out"))
     report = json.loads((tmp_path / "out" / "quantization_report.json").read_text())
     assert not [line for line in report["log"] if "never called" in line], report["log"][:3]
@@ -207,10 +201,7 @@ def test_a_checkpoint_transformers_merges_on_load_is_refused_offloaded_with_the_
     if arch is None:
         pytest.skip("this transformers has no Kimi-Linear")
     autozoo.build(arch).save_pretrained(tmp_path / "src")
-    recipe = (
-        "GPTQModifier: {ignore: [lm_head], config_groups: {g: {targets: [Linear], weights: {num_bits: 8, "
-        "type: int, symmetric: true, strategy: channel}}}}"
-    )
+    recipe = channel_gptq(8)
     with pytest.raises(
         ModelLoadError, match=r"conv1d\.weight from several checkpoint tensors .*from_pretrained"
     ):
