@@ -279,9 +279,7 @@ def _restore(
     if restore is not None:
         restore(sg)
     if state.sharding is not None:
-        inside = tuple(sg.modules)
-        restored = [n for n in sorted(state.changed_modules()) if n.startswith(inside) and
-                    (n in inside or n.startswith(tuple(p + "." for p in inside)))]  # fmt: skip
+        restored = [n for n in sorted(state.changed_modules()) if sg.holds(n)]
         state.sharding.share(sg.index, 0, restored, model, state)
 
 

@@ -123,8 +123,7 @@ class QuantizationModifier(Modifier):
         """
         if subgraph.target_inputs:
             return [n for n in self.modules if n in set(subgraph.targets)]
-        prefixes = tuple(subgraph.modules)
-        return [n for n in self.modules if n in prefixes or n.startswith(tuple(p + "." for p in prefixes))]
+        return [n for n in self.modules if subgraph.holds(n)]
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:

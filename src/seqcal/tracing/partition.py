@@ -37,6 +37,10 @@ class Subgraph:
     returns: bool = False
     target_inputs: dict[str, list[str]] = field(default_factory=dict)
 
+    def holds(self, name: str) -> bool:
+        """Whether module ``name`` is one of ``modules`` or inside one of them."""
+        return name in self.modules or name.startswith(tuple(m + "." for m in self.modules))
+
 
 class OnePassError(ValueError):
     """The graph cannot be cut before its targets; the message says why (the caller cuts after them)."""
