@@ -80,7 +80,8 @@ class SubgraphList(Sequence[Subgraph]):
         """
         tensors = self.check_inputs(inputs)
         owned = cache is None
-        cache = cache or ActivationCache(offload="cpu", device=model_device(self.model))
+        if owned:  # not `cache or ...`: an empty cache is falsy (it has a length)
+            cache = ActivationCache(offload="cpu", device=model_device(self.model))
         try:
             with torch.no_grad():
                 outputs = run_subgraphs(
