@@ -112,12 +112,11 @@ def _solve_groups(
     for a subgraph cut before them, else every quantized module under its modules.
     """
     groups: dict[tuple[str, int], list[int]] = {}
-    prefixes = tuple(m + "." for m in sg.modules)
     shared = shared_expert_inputs(model)
     for name, module in model.named_modules():
         if name not in quantized:
             continue
-        if name in sg.targets if sg.target_inputs else (name in sg.modules or name.startswith(prefixes)):
+        if name in sg.targets if sg.target_inputs else sg.holds(name):
             key = (shared.get(name, name.rpartition(".")[0]), module.in_features)
             groups.setdefault(key, []).append(module.out_features)
     return groups

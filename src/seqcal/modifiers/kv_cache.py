@@ -32,6 +32,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from torch import Tensor
 
 from seqcal.observers import OBSERVERS, ActivationObserver, observer_name
+from seqcal.tracing.partition import within
 
 KV_STRATEGIES = ("tensor", "attn_head")
 # The attention forward's cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before it.
@@ -205,11 +206,7 @@ class KVCacheCalibration:
 
     def modules_in(self, modules: list[str]) -> list[str]:
         """The attention modules inside the subgraph modules ``modules`` not calibrated yet."""
-        prefixes = tuple(m + "." for m in modules if m)
-        return [
-            n for n in self.modules
-            if n not in self.finished and (n in modules or "" in modules or n.startswith(prefixes))
-        ]  # fmt: skip
+        return [n for n in self.modules if n not in self.finished and within(n, modules)]
 
     def _observe(self, name: str, state: Any) -> Any:
         def observe(keys: Tensor, values: Tensor) -> None:
@@ -272,8 +269,7 @@ class KVCacheCalibration:
     def scales_of(self, modules: list[str], model: torch.nn.Module) -> dict[str, Tensor]:
         """``<attention>.k_scale`` / ``.v_scale`` of the calibrated attention modules inside ``modules`` (what the
         process that calibrated them hands to the others, ``load_scales``)."""
-        prefixes = tuple(m + "." for m in modules if m)
-        names = [n for n in self.finished if n in modules or "" in modules or n.startswith(prefixes)]
+        names = [n for n in self.finished if within(n, modules)]
         return {f"{n}.{kind}_scale": getattr(model.get_submodule(n), f"{kind}_scale") for n in sorted(names)
                 for kind in ("k", "v")}  # fmt: skip
 
