@@ -16,11 +16,9 @@ The model is built on the meta device and traced (no weights needed), then per s
               sits in RAM
     disk    = the checkpoint (quantized widths) and, with the disk cache tier, the activation cache
 
-The size of every value crossing a subgraph boundary is measured, not guessed: the subgraphs run on three
-tiny batches (4, 8 and 16 tokens per row) with stand-in weights (zero-stride zeros: no memory, no weight
-read), and each value's bytes are extrapolated to ``seq_len`` with the quadratic through the three sizes
-(exact for sizes linear in the tokens, like hidden states, or quadratic, like attention masks). If that run
-fails the plan falls back to sizes from the config (hidden, intermediate) and says so.
+The size of every value crossing a subgraph boundary is measured, not guessed (``seqcal.plan_values``:
+the subgraphs run on tiny batches with stand-in weights). If that run fails the plan falls back to sizes
+from the config (hidden, intermediate) and says so.
 
 Given ``max_device_memory``, a subgraph that would not fit makes the plan retry with finer targets (the
 children of the layer class: attention, MLP) and report the switch.
@@ -28,8 +26,7 @@ children of the layer class: attention, MLP) and report the switch.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,13 +36,13 @@ from seqcal.data.autobatch import AUTO
 from seqcal.execution.weights import params_under
 from seqcal.experts import shared_expert_inputs
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
+from seqcal.plan_values import measure_values
 from seqcal.tracing.partition import Subgraph
 
 # Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
 # model skeleton on meta, trace and batches (measured on this machine: 0.34 GiB after the imports, 0.36 GiB
 # at the first onload; benchmarks/RESULTS.md). A CUDA context adds its own host memory on top.
 PROCESS_BASELINE = 370 * 1024**2
-PROBE_TOKENS = (4, 8, 16)  # tokens per row of the stand-in runs that measure the crossing values
 
 
 @dataclass
@@ -112,12 +109,11 @@ def _solve_groups(
     for a subgraph cut before them, else every quantized module under its modules.
     """
     groups: dict[tuple[str, int], list[int]] = {}
-    prefixes = tuple(m + "." for m in sg.modules)
     shared = shared_expert_inputs(model)
     for name, module in model.named_modules():
         if name not in quantized:
             continue
-        if name in sg.targets if sg.target_inputs else (name in sg.modules or name.startswith(prefixes)):
+        if name in sg.targets if sg.target_inputs else sg.holds(name):
             key = (shared.get(name, name.rpartition(".")[0]), module.in_features)
             groups.setdefault(key, []).append(module.out_features)
     return groups
@@ -142,71 +138,6 @@ def _solve_bytes(groups: dict[tuple[str, int], list[int]], dtype_bytes: int, lim
         columns = n_in**2 * 4 + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
         peak = max(peak, inverse, columns)
     return peak, most
-
-
-@contextlib.contextmanager
-def _stand_in_weights(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """Parameters on meta become zero-stride zeros for the block: shapes without memory or weight reads."""
-    swapped = []
-    try:
-        for module in model.modules():
-            for leaf, p in list(module._parameters.items()):
-                if p is not None and p.device.type == "meta":
-                    zeros = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
-                    module._parameters[leaf] = torch.nn.Parameter(zeros, requires_grad=False)
-                    swapped.append((module, leaf, p))
-        yield
-    finally:
-        for module, leaf, p in swapped:
-            module._parameters[leaf] = p
-
-
-def _quadratic_at(xs: tuple[int, ...], ys: list[int], x: int) -> int:
-    """The quadratic through three points, evaluated at ``x`` (Lagrange form), never below 0."""
-    (x0, x1, x2), (y0, y1, y2) = xs, ys
-    value = (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
-             + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))  # fmt: skip
-    return max(int(round(value)), 0)
-
-
-def measure_values(subgraphs: Any, batch_size: int, seq_len: int) -> tuple[dict[str, int], dict[int, int]]:
-    """Bytes per batch of each value crossing a boundary, and of each subgraph's largest intermediate.
-
-    Runs ``subgraphs`` (a SubgraphList) on ``PROBE_TOKENS``-long zero batches with stand-in weights and
-    extrapolates every size to ``seq_len`` tokens per row (module docstring).
-
-    Returns:
-        (value name -> bytes, subgraph index -> bytes of its largest node output).
-
-    Example:
-        >>> values, widest = measure_values(trace_subgraphs(model, sample), 1, 2048)  # doctest: +SKIP
-    """
-    from seqcal.execution.executor import GraphRunner
-    from seqcal.report.profile import tensor_bytes
-    from seqcal.tracing.subgraphs import model_device
-
-    runner, device = GraphRunner(subgraphs.model), model_device(subgraphs.model)
-    sizes: dict[str, list[int]] = {}
-    widest: dict[int, list[int]] = {}
-    for tokens in PROBE_TOKENS:
-        ids = torch.zeros(batch_size, tokens, dtype=torch.long, device=device)
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        env = {node: inputs[key] for key, node in subgraphs.placeholders.items() if key in inputs}
-        for node in env:
-            sizes.setdefault(node, []).append(tensor_bytes(env[node]))
-        with torch.no_grad(), _stand_in_weights(subgraphs.model, device):
-            for sg in subgraphs:
-                local = dict(env)
-                runner.run(sg, local)
-                produced = [tensor_bytes(local[n.name]) for n in sg.nodes if n.name in local]
-                widest.setdefault(sg.index, []).append(max(produced, default=0))
-                for name in sg.outputs:
-                    env[name] = local[name]
-                    sizes.setdefault(name, []).append(tensor_bytes(local[name]))
-                for name in sg.frees:
-                    env.pop(name, None)
-    values = {n: _quadratic_at(PROBE_TOKENS, ys, seq_len) for n, ys in sizes.items() if len(ys) == 3}
-    return values, {i: _quadratic_at(PROBE_TOKENS, ys, seq_len) for i, ys in widest.items()}
 
 
 def _owned_bytes(model: torch.nn.Module, subgraphs: list[Subgraph], quantized: set[str], dtype_bytes: int,

@@ -136,7 +136,7 @@ class StreamingCheckpoint:
                 continue
             owner[name] = -1
             for sg in subgraphs:
-                if any(name == m or name.startswith(m + ".") or not m for m in sg.modules):
+                if sg.holds(name):
                     owner[name] = sg.index
         return owner
 
@@ -244,7 +244,7 @@ class StreamingCheckpoint:
             self.state.quantized[name] = replace(qw, q=empty, scale=empty, zero_point=None, g_idx=None)
 
     def _in(self, name: str, sg: Subgraph) -> bool:
-        return any(name == m or name.startswith(m + ".") or not m for m in sg.modules)
+        return sg.holds(name)
 
     def restore(self, sg: Subgraph, schemes: dict[str, Any]) -> None:
         """Put ``sg``'s saved quantized weights back into the model (replaying a finished subgraph).

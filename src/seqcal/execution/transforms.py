@@ -48,7 +48,7 @@ def prepare_modifiers(model: torch.nn.Module, subgraphs: Any, sample: Mapping[st
         m.prepare(graph, model, state)
         for sg in subgraphs:
             for name in m.upstream(sg):
-                if not any(name == p or name.startswith(p + ".") for p in sg.modules):
+                if not sg.holds(name):
                     sg.modules.append(name)
 
 

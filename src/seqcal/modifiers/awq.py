@@ -144,13 +144,12 @@ class AWQModifier(QuantizationModifier):
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
-        prefixes = tuple(subgraph.modules)
-        inside = lambda n: n in prefixes or n.startswith(tuple(p + "." for p in prefixes))  # noqa: E731
         handles, hooked = [], set()
         try:
             # entered once per virtual shard of the calibration set: statistics and span records carry over
             for m in self._mappings:
-                if self._stats.get(m.smooth, 0) is None or not (inside(m.parent) and inside(m.smooth)):
+                inside = subgraph.holds(m.parent) and subgraph.holds(m.smooth)
+                if self._stats.get(m.smooth, 0) is None or not inside:
                     continue  # folded already, or not (wholly) in this subgraph
                 self._stats.setdefault(m.smooth, [None, 0])
                 balance = model.get_submodule(m.balance[0])  # all balance layers read the same input
@@ -200,10 +199,8 @@ class AWQModifier(QuantizationModifier):
         return super().compress(subgraph, model, state)
 
     def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
-        prefixes = tuple(subgraph.modules)
-        inside = lambda n: n in prefixes or n.startswith(tuple(p + "." for p in prefixes))  # noqa: E731
         for m in self._mappings:  # folded by the interrupted run; the checkpoint put the folded weights back
-            if inside(m.parent) and inside(m.smooth):
+            if subgraph.holds(m.parent) and subgraph.holds(m.smooth):
                 self._stats[m.smooth] = None
         super().replayed(subgraph, model, state)
 

@@ -9,6 +9,8 @@ and after any k-norm, with exactly the tensors the attention kernel reads and th
 calibration pass, a forward pre-hook gives each attention module a stand-in cache whose ``update`` shows
 those tensors to an observer and returns them unchanged; no other module and no global registry is touched.
 This is what compressed-tensors does as well (its ``QuantizedKVCache``), so the scales mean what vLLM reads.
+The stand-in cache and the hooks that fake-quantize the keys and values with the scales are in
+``seqcal.modifiers.kv_hooks``.
 
 Saved as compressed-tensors / llm-compressor write them: ``<attention>.k_scale`` and ``<attention>.v_scale``
 in the dtype of the attention's weights, shape ``[1]`` (tensor) or ``[num_kv_heads, 1, 1]`` (attn_head),
@@ -23,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,11 +32,32 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from torch import Tensor
 
+from seqcal.modifiers.kv_hooks import (
+    CACHE_ARGUMENTS,
+    ObservingCache,
+    cache_argument,
+    checkpoint_kv_scales,
+    fake_quantized_kv,
+    quantized_kv,
+)
 from seqcal.observers import OBSERVERS, ActivationObserver, observer_name
+from seqcal.tracing.partition import within
+
+# the hooks that apply the scales live in kv_hooks; they are still imported from here
+__all__ = [
+    "CACHE_ARGUMENTS",
+    "KV_PROJECTIONS",
+    "KV_STRATEGIES",
+    "SUPPORTED",
+    "KVCacheCalibration",
+    "attention_modules",
+    "checkpoint_kv_scales",
+    "fake_quantized_kv",
+    "kv_cache_args",
+    "quantized_kv",
+]
 
 KV_STRATEGIES = ("tensor", "attn_head")
-# The attention forward's cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before it.
-CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
 # Children that make a module an attention whose keys and values are cached (compressed-tensors' list).
 KV_PROJECTIONS = ("k_proj", "v_proj", "qkv_proj", "kv_b_proj")
 SUPPORTED = (
@@ -90,14 +112,6 @@ def kv_cache_args(spec: Any, where: str) -> QuantizationArgs:
     return args
 
 
-def _cache_argument(module: torch.nn.Module) -> str | None:
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return None
-    return next((p for p in CACHE_ARGUMENTS if p in params), None)
-
-
 def attention_modules(model: torch.nn.Module, where: str) -> dict[str, str]:
     """Attention modules whose keys and values are cached: name -> the forward's cache argument.
 
@@ -114,7 +128,7 @@ def attention_modules(model: torch.nn.Module, where: str) -> dict[str, str]:
             continue
         if not any(isinstance(getattr(module, p, None), torch.nn.Module) for p in KV_PROJECTIONS):
             continue
-        argument = _cache_argument(module)
+        argument = cache_argument(module)
         if argument is None:
             raise ValueError(
                 f"{where}: kv_cache_scheme cannot be calibrated on {name} ({type(module).__name__}): its forward "
@@ -129,35 +143,6 @@ def attention_modules(model: torch.nn.Module, where: str) -> dict[str, str]:
             "remove kv_cache_scheme from the recipe for this model"
         )
     return found
-
-
-class _ObservingCache:
-    """Stands in for the cache an attention module updates: shows the new keys and values to ``observe`` (or
-    replaces them by what it returns, for fake quantization) and passes them on (to the real cache, when the
-    model was given one)."""
-
-    def __init__(self, observe: Any, cache: Any) -> None:
-        self._observe = observe
-        self._cache = cache
-
-    def update(
-        self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[Tensor, Tensor]:
-        replaced = self._observe(key_states, value_states)
-        if replaced is not None:
-            key_states, value_states = replaced
-        if self._cache is not None:
-            return self._cache.update(key_states, value_states, *args, **kwargs)
-        return key_states, value_states
-
-    def __getattr__(self, name: str) -> Any:
-        cache = self.__dict__.get("_cache")
-        if cache is None:
-            raise AttributeError(
-                f"the attention module read {name!r} of its cache; seqcal observes keys and values only "
-                "through cache.update(...)"
-            )
-        return getattr(cache, name)
 
 
 def _tokens(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -205,11 +190,7 @@ class KVCacheCalibration:
 
     def modules_in(self, modules: list[str]) -> list[str]:
         """The attention modules inside the subgraph modules ``modules`` not calibrated yet."""
-        prefixes = tuple(m + "." for m in modules if m)
-        return [
-            n for n in self.modules
-            if n not in self.finished and (n in modules or "" in modules or n.startswith(prefixes))
-        ]  # fmt: skip
+        return [n for n in self.modules if n not in self.finished and within(n, modules)]
 
     def _observe(self, name: str, state: Any) -> Any:
         def observe(keys: Tensor, values: Tensor) -> None:
@@ -244,7 +225,7 @@ class KVCacheCalibration:
 
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             kwargs = dict(kwargs)
-            kwargs[argument] = _ObservingCache(observe, kwargs.get(argument))
+            kwargs[argument] = ObservingCache(observe, kwargs.get(argument))
             return args, kwargs
 
         return hook
@@ -272,8 +253,7 @@ class KVCacheCalibration:
     def scales_of(self, modules: list[str], model: torch.nn.Module) -> dict[str, Tensor]:
         """``<attention>.k_scale`` / ``.v_scale`` of the calibrated attention modules inside ``modules`` (what the
         process that calibrated them hands to the others, ``load_scales``)."""
-        prefixes = tuple(m + "." for m in modules if m)
-        names = [n for n in self.finished if n in modules or "" in modules or n.startswith(prefixes)]
+        names = [n for n in self.finished if within(n, modules)]
         return {f"{n}.{kind}_scale": getattr(model.get_submodule(n), f"{kind}_scale") for n in sorted(names)
                 for kind in ("k", "v")}  # fmt: skip
 
@@ -315,97 +295,3 @@ def _scale_dtype(module: torch.nn.Module) -> torch.dtype:
     """compressed-tensors keeps k_scale / v_scale in the dtype of the attention's weights (float16 if not float)."""
     dtype = next((p.dtype for p in module.parameters()), torch.float32)
     return dtype if dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else torch.float16
-
-
-@contextlib.contextmanager
-def fake_quantized_kv(model: torch.nn.Module, scales: dict[str, tuple[Tensor, Tensor]]) -> Iterator[None]:
-    """Run the attention modules in ``scales`` with their cached keys and values fake-quantized to fp8 with
-    the static scales, as vLLM's fp8 KV cache stores them (``x / scale`` cast to float8_e4m3fn, times scale).
-
-    transformers 5.24 with compressed-tensors 0.20 loads a checkpoint's ``k_scale`` / ``v_scale`` as unexpected
-    keys and runs the cache unquantized (its attention's cache argument is now ``cache``, which
-    compressed-tensors does not look for); this emulates the KV cache for evaluation. Hooks are removed on exit.
-
-    Args:
-        model: the model.
-        scales: attention module name -> (k_scale, v_scale), each [1] or [kv_heads, 1, 1].
-
-    Example:
-        >>> with fake_quantized_kv(model, {"model.layers.0.self_attn": (k, v)}):  # doctest: +SKIP
-        ...     model(ids)
-    """
-    handles = []
-    try:
-        for name, (k_scale, v_scale) in scales.items():
-            module = model.get_submodule(name)
-            argument = _cache_argument(module)
-            if argument is None:
-                raise ValueError(f"fake_quantized_kv: {name} takes none of {', '.join(CACHE_ARGUMENTS)}")
-            handles.append(
-                module.register_forward_pre_hook(
-                    _quantizing_hook(argument, k_scale, v_scale), with_kwargs=True
-                )
-            )
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _quantizing_hook(argument: str, k_scale: Tensor, v_scale: Tensor) -> Any:
-    from seqcal.modifiers.activations import qdq  # activations imports nothing from here
-
-    fp8 = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
-
-    def quantize(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
-        # scales [1] or [kv_heads, 1, 1] broadcast against [batch, kv_heads, seq, head_dim]
-        k = qdq(keys, k_scale.to(keys.device, keys.dtype), None, fp8).to(keys.dtype)
-        return k, qdq(values, v_scale.to(values.device, values.dtype), None, fp8).to(values.dtype)
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return args, {**kwargs, argument: _ObservingCache(quantize, kwargs.get(argument))}
-
-    return hook
-
-
-def checkpoint_kv_scales(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
-    """Attention module name -> (k_scale, v_scale) from a checkpoint's tensors (empty when it has none)."""
-    names = [k.removesuffix(".k_scale") for k in tensors if k.endswith(".k_scale")]
-    return {n: (tensors[f"{n}.k_scale"], tensors[f"{n}.v_scale"]) for n in names if f"{n}.v_scale" in tensors}
-
-
-@contextlib.contextmanager
-def quantized_kv(model: torch.nn.Module, modifiers: list[Any]) -> Iterator[None]:
-    """Fake-quantize the keys and values of every attention module once its k_scale / v_scale are calibrated
-    (entered by the pipeline around the calibration loop): later passes, the propagation pass of its own layer
-    included, feed downstream layers what an fp8 KV cache gives them. Before that, calibration sees raw keys.
-
-    Args:
-        model: the model being calibrated.
-        modifiers: the run's modifiers; those with a ``kv`` (KVCacheCalibration) take part.
-
-    Example:
-        >>> with quantized_kv(model, modifiers):  # doctest: +SKIP
-        ...     calibrate_subgraphs(...)
-    """
-    handles = []
-    try:
-        for kv in [m.kv for m in modifiers if getattr(m, "kv", None) is not None]:
-            for name, argument in kv.modules.items():
-                module = model.get_submodule(name)
-                handles.append(
-                    module.register_forward_pre_hook(_when_finished(kv, name, argument), with_kwargs=True)
-                )
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _when_finished(kv: KVCacheCalibration, name: str, argument: str) -> Any:
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if name not in kv.finished:
-            return None
-        return _quantizing_hook(argument, module.k_scale, module.v_scale)(module, args, kwargs)
-
-    return hook

@@ -141,8 +141,7 @@ class PruningModifier(Modifier):
         """The modules this modifier prunes that ``subgraph`` uses (as ``QuantizationModifier.modules_in``)."""
         if subgraph.target_inputs:
             return [n for n in self.pruned if n in set(subgraph.targets)]
-        prefixes = tuple(subgraph.modules)
-        return [n for n in self.pruned if n in prefixes or n.startswith(tuple(p + "." for p in prefixes))]
+        return [n for n in self.pruned if subgraph.holds(n)]
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:

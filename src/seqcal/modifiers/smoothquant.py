@@ -100,9 +100,7 @@ class SmoothQuantModifier(Modifier):
         if subgraph.target_inputs:
             targets = set(subgraph.targets)
             return [m for m in self.resolved if set(m.consumers) <= targets]
-        prefixes = tuple(p + "." for p in subgraph.modules if p)
-        return [m for m in self.resolved if all(c.startswith(prefixes) or c in subgraph.modules
-                                                for c in m.consumers)]  # fmt: skip
+        return [m for m in self.resolved if all(subgraph.holds(c) for c in m.consumers)]
 
     def modules_in(self, subgraph: Subgraph) -> list[str]:
         return [c for m in self._in(subgraph) for c in m.consumers]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch import fx
@@ -38,8 +38,32 @@ class Subgraph:
     target_inputs: dict[str, list[str]] = field(default_factory=dict)
 
     def holds(self, name: str) -> bool:
-        """Whether module ``name`` is one of ``modules`` or inside one of them."""
-        return name in self.modules or name.startswith(tuple(m + "." for m in self.modules))
+        """Whether module ``name`` is one of ``modules`` or inside one of them (``within``)."""
+        return within(name, self.modules)
+
+
+def within(name: str, modules: Collection[str]) -> bool:
+    """Whether module ``name`` is one of ``modules`` or inside one of them.
+
+    The root module ``""`` holds every module: a subgraph that uses it onloads every weight
+    (``execution.weights.params_under``), so the checkpoint writes, and a replay puts back, every module with it.
+
+    Args:
+        name: a qualified module (or parameter) name.
+        modules: qualified module names, as ``Subgraph.modules``.
+
+    Returns:
+        True when ``name`` is in ``modules``, starts with one of them and a dot, or ``modules`` holds ``""``.
+
+    Example:
+        >>> within("model.layers.0.mlp", ["model.layers.0"]), within("model.layers.00", ["model.layers.0"])
+        (True, False)
+        >>> within("lm_head", [""])
+        True
+    """
+    if name in modules or "" in modules:
+        return True
+    return name.startswith(tuple(m + "." for m in modules))
 
 
 class OnePassError(ValueError):

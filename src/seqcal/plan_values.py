@@ -1,0 +1,86 @@
+"""Sizes of the values crossing subgraph boundaries, for the memory plan (``seqcal.plan``), measured without
+reading a weight.
+
+The subgraphs run on three tiny batches (4, 8 and 16 tokens per row) with stand-in weights (zero-stride
+zeros: no memory, no weight read), and each value's bytes are extrapolated to ``seq_len`` with the quadratic
+through the three sizes (exact for sizes linear in the tokens, like hidden states, or quadratic, like
+attention masks).
+
+Example:
+    >>> values, widest = measure_values(trace_subgraphs(model, sample), 1, 2048)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+PROBE_TOKENS = (4, 8, 16)  # tokens per row of the stand-in runs that measure the crossing values
+
+
+@contextlib.contextmanager
+def _stand_in_weights(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Parameters on meta become zero-stride zeros for the block: shapes without memory or weight reads."""
+    swapped = []
+    try:
+        for module in model.modules():
+            for leaf, p in list(module._parameters.items()):
+                if p is not None and p.device.type == "meta":
+                    zeros = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+                    module._parameters[leaf] = torch.nn.Parameter(zeros, requires_grad=False)
+                    swapped.append((module, leaf, p))
+        yield
+    finally:
+        for module, leaf, p in swapped:
+            module._parameters[leaf] = p
+
+
+def _quadratic_at(xs: tuple[int, ...], ys: list[int], x: int) -> int:
+    """The quadratic through three points, evaluated at ``x`` (Lagrange form), never below 0."""
+    (x0, x1, x2), (y0, y1, y2) = xs, ys
+    value = (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+             + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))  # fmt: skip
+    return max(int(round(value)), 0)
+
+
+def measure_values(subgraphs: Any, batch_size: int, seq_len: int) -> tuple[dict[str, int], dict[int, int]]:
+    """Bytes per batch of each value crossing a boundary, and of each subgraph's largest intermediate.
+
+    Runs ``subgraphs`` (a SubgraphList) on ``PROBE_TOKENS``-long zero batches with stand-in weights and
+    extrapolates every size to ``seq_len`` tokens per row (module docstring).
+
+    Returns:
+        (value name -> bytes, subgraph index -> bytes of its largest node output).
+
+    Example:
+        >>> values, widest = measure_values(trace_subgraphs(model, sample), 1, 2048)  # doctest: +SKIP
+    """
+    from seqcal.execution.executor import GraphRunner
+    from seqcal.report.profile import tensor_bytes
+    from seqcal.tracing.subgraphs import model_device
+
+    runner, device = GraphRunner(subgraphs.model), model_device(subgraphs.model)
+    sizes: dict[str, list[int]] = {}
+    widest: dict[int, list[int]] = {}
+    for tokens in PROBE_TOKENS:
+        ids = torch.zeros(batch_size, tokens, dtype=torch.long, device=device)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        env = {node: inputs[key] for key, node in subgraphs.placeholders.items() if key in inputs}
+        for node in env:
+            sizes.setdefault(node, []).append(tensor_bytes(env[node]))
+        with torch.no_grad(), _stand_in_weights(subgraphs.model, device):
+            for sg in subgraphs:
+                local = dict(env)
+                runner.run(sg, local)
+                produced = [tensor_bytes(local[n.name]) for n in sg.nodes if n.name in local]
+                widest.setdefault(sg.index, []).append(max(produced, default=0))
+                for name in sg.outputs:
+                    env[name] = local[name]
+                    sizes.setdefault(name, []).append(tensor_bytes(local[name]))
+                for name in sg.frees:
+                    env.pop(name, None)
+    values = {n: _quadratic_at(PROBE_TOKENS, ys, seq_len) for n, ys in sizes.items() if len(ys) == 3}
+    return values, {i: _quadratic_at(PROBE_TOKENS, ys, seq_len) for i, ys in widest.items()}
