@@ -236,7 +236,7 @@ def _run(
                         stream.done(sg)
                 if weights is None:
                     return None
-                changed = [n for n in state.changed_modules() if any(n.startswith(m) for m in sg.modules)]
+                changed = [n for n in state.changed_modules() if sg.holds(n)]
                 return weights.release(sg, changed)  # bytes copied back to the host
 
             with contextlib.ExitStack() as stack:
