@@ -126,7 +126,6 @@ def _inverse_hessian_factor(
         raise GPTQNumericalError("Hessian contains NaN or inf (inputs overflowed?); use RTN for this module")
     mean_diag = Hp.diagonal().mean().item()
     n = H.shape[0]
-    flip = torch.arange(n - 1, -1, -1, device=H.device)
     steps: list[float] = []  # diagonal increments so far; each attempt applies them all, in order
     applied = 0.0
     for retry in range(max_retries + 1):
@@ -147,7 +146,9 @@ def _inverse_hessian_factor(
             inv = torch.eye(n, dtype=Lr.dtype, device=Lr.device).t()
             torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
             del Lr
-            Hinv = inv[flip[:, None], flip]  # P Lr^-1 P, row-major
+            # P Lr^-1 P, row-major: flip keeps inv's column-major layout, contiguous() makes it row-major (same
+            # values as a gather, a quarter of its time: 13 vs 51 ms at 1536^2 on one CPU thread)
+            Hinv = inv.flip(0, 1).contiguous()
             del inv
             if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
                 return Hinv, frac, retry
