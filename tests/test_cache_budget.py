@@ -258,7 +258,8 @@ def test_different_content_is_never_shared(
     cache = make_cache(tier, tmp_path, monkeypatch)
     a = torch.arange(256, dtype=torch.uint8).repeat(4)
     b = a.clone()
-    b[0], b[1] = a[1], a[0]  # same byte sums in every chunk: equal checksums, different bytes
+    words = b.view(torch.int64)  # two 8-byte words of one chunk swapped: equal checksums, different bytes
+    words[0], words[1] = a.view(torch.int64)[1], a.view(torch.int64)[0]
     assert _checksum(a) == _checksum(b) and not torch.equal(a, b)
     cache.put(0, "x", a)
     one = held(cache)
