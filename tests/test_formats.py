@@ -86,6 +86,10 @@ def test_block_scales_cover_partial_blocks() -> None:
 def test_minifloat_rounding_and_packing_match_compressed_tensors() -> None:
     x = torch.cat([torch.arange(-8, 8, 0.0625), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0])])
     assert torch.equal(round_fp4(x), FP4_E2M1_DATA.cast_to_fp4(x.clamp(-6, 6)))  # ties included
+    for dtype in (torch.bfloat16, torch.float16):  # rounded in float32, returned in the input's dtype
+        assert torch.equal(round_fp4(x.to(dtype)), FP4_E2M1_DATA.cast_to_fp4(x.clamp(-6, 6)).to(dtype))
+    edges = torch.tensor([float("inf"), -float("inf"), 1e30, 6.5, 1e-40, 0.2500001, 0.2499999])
+    assert torch.equal(round_fp4(edges), torch.tensor([6.0, -6.0, 6.0, 6.0, 0.0, 0.5, 0.0]))
     assert torch.equal(round_fp6(x.clamp(-7.5, 7.5)), FP6_E2M3_DATA.cast_to_fp6(x.clamp(-7.5, 7.5)))
     v4 = round_fp4(torch.randn(6, 32) * 3)
     v6 = round_fp6((torch.randn(6, 32) * 3).clamp(-7.5, 7.5))

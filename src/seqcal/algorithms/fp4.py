@@ -62,8 +62,8 @@ def _round_fp4_(y: Tensor) -> Tensor:
     allocates a tensor per boundary and was seven times slower (fake-quantizing fp4 activations
     dominated NVFP4 calibration). A negative zero stays negative; it compares equal to zero.
     """
-    field = (y.view(torch.int32) >> 23).bitwise_and_(0xFF).clamp_(127, 129)  # biased exponent of |y|
-    step = field.sub_(1).bitwise_left_shift_(23).view(torch.float32)  # 2 ** (exponent - 1): 0.5, 1 or 2
+    power = (y.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2 ** floor(log2 |y|), 0 for 0
+    step = power.clamp_(1.0, 4.0).mul_(0.5)  # 0.5, 1 or 2
     return y.div_(step).round_().mul_(step).clamp_(-MINIFLOAT_MAX[4], MINIFLOAT_MAX[4])
 
 
@@ -231,10 +231,20 @@ def nvfp4_fake_quantize_groups(x: Tensor, global_scale: Tensor, group_size: int 
     """
     grouped = x.unflatten(-1, (-1, group_size))
     global_scale = global_scale.to(device=x.device, dtype=torch.float32)
-    scale = nvfp4_group_scales(grouped.abs().amax(dim=-1), global_scale)  # [..., G], fp8-valued float32
+    scale = nvfp4_group_scales(_group_amax(grouped), global_scale)  # [..., G], fp8-valued float32
     effective = (scale / global_scale).unsqueeze(-1)
     codes = _round_fp4_(grouped / effective)  # float32 (effective is), a new tensor rounded in place
     return codes.mul_(effective).flatten(-2).to(x.dtype)
+
+
+def _group_amax(grouped: Tensor) -> Tensor:
+    """``grouped.abs().amax(-1)`` by halving the groups with elementwise maxima: a reduction over an inner
+    dimension of 16 runs about 1.7 times slower on the CPU. Exact (a maximum does not round)."""
+    a = grouped.abs()
+    while a.shape[-1] > 1 and a.shape[-1] % 2 == 0:
+        half = a.shape[-1] // 2
+        a = torch.maximum(a[..., :half], a[..., half:])
+    return a.amax(dim=-1)
 
 
 def _round_pow2(x: Tensor, elem_mantissa: int) -> Tensor:

@@ -358,13 +358,18 @@ def quantized_inputs(
         ...     calibrate_subgraphs(...)
     """
     handles = []
+    # q/k/v (gate/up) read the same tensor with equal input quantizers: quantize it once for all of them
+    last: list[Any] = [None, -1, None, None]  # input, its version, its QuantizedWeight, the result
 
     def hook_for(name: str) -> Any:
         def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
             qw = state.quantized.get(name)
             if qw is None or not args or not isinstance(args[0], Tensor):
                 return None
-            return (input_fake_quantize(args[0], qw), *args[1:])
+            x = args[0]
+            if last[0] is not x or last[1] != x._version or not _same_input_quantizer(last[2], qw):
+                last[:] = [x, x._version, qw, input_fake_quantize(x, qw)]
+            return (last[3], *args[1:])
 
         return hook
 
@@ -376,6 +381,20 @@ def quantized_inputs(
     finally:
         for handle in handles:
             handle.remove()
+        last.clear()
+
+
+def _same_input_quantizer(a: Any, b: Any) -> bool:
+    """Whether two modules' inputs are fake-quantized alike (same activation args, equal calibrated scales)."""
+    if a is b:
+        return True
+    if a is None or a.scheme.input_activations != b.scheme.input_activations:
+        return False
+    for field in ("input_global_scale", "input_scale", "input_zero_point"):
+        u, v = getattr(a, field, None), getattr(b, field, None)
+        if (u is None) != (v is None) or (u is not None and not torch.equal(u, v)):
+            return False
+    return True
 
 
 def quantizes_activations(modifiers: list[Any]) -> bool:
