@@ -66,6 +66,11 @@ def _as_rows(x: Tensor, args: QuantizationArgs) -> Tensor:
 
 def batch_minmax(x: Tensor, args: QuantizationArgs) -> Range:
     """Min and max of one batch per qparam ([1] or [groups]), in x's dtype."""
+    if _value(args.strategy) in ("group", "tensor_group"):
+        # over the tokens first (contiguous columns), then within each group: no transposed copy of x
+        columns = x.reshape(-1, x.shape[-1])
+        groups = (x.shape[-1] // args.group_size, args.group_size)
+        return columns.amin(dim=0).view(groups).amin(dim=-1), columns.amax(dim=0).view(groups).amax(dim=-1)
     rows = _as_rows(x, args)
     return rows.amin(dim=-1), rows.amax(dim=-1)
 
