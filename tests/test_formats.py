@@ -23,6 +23,7 @@ from seqcal.algorithms.fp4 import (
     unpack_fp4,
     unpack_fp6,
 )
+from seqcal.algorithms.quant import round_fp8
 from seqcal.modifiers.formats import weight_format
 
 PRESETS = ["FP8_BLOCK", "NVFP4A16", "MXFP4A16", "MXFP6A16", "MXFP8A16"]
@@ -81,6 +82,17 @@ def test_block_scales_cover_partial_blocks() -> None:
         scale[1, 1], W[128:, 128:].abs().max() / 448
     )  # the last block: real elements only
     assert (formats.fake_quantize(W, scale, None, fmt) - W).abs().max() < W.abs().max() / 16
+
+
+def test_fp8_rounding_equals_the_cast() -> None:
+    sweep = torch.cat([torch.linspace(-448, 448, 400_001), torch.linspace(-0.05, 0.05, 400_001),
+                       torch.tensor([0.0, -0.0, 1e-40, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 448.0, -448.0])])  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = sweep.to(dtype)
+        assert torch.equal(round_fp8(x), x.to(torch.float8_e4m3fn).to(dtype)), dtype
+    owned = sweep.clone()
+    assert round_fp8(owned, out_of_place=False) is owned  # rounded in place
+    assert torch.equal(owned, sweep.to(torch.float8_e4m3fn).float())
 
 
 def test_minifloat_rounding_and_packing_match_compressed_tensors() -> None:

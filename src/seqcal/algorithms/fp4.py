@@ -25,6 +25,8 @@ import math
 import torch
 from torch import Tensor
 
+from seqcal.algorithms.quant import round_fp8
+
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # fp4 magnitudes in code order
 E2M3 = tuple(m / 8 for m in range(8)) + tuple((1 + m / 8) * 2**e for e in range(3) for m in range(8))
 MINIFLOAT_MAX = {4: 6.0, 6: 7.5}
@@ -90,7 +92,7 @@ def round_fp6(x: Tensor) -> Tensor:
 def round_minifloat(x: Tensor, num_bits: int) -> Tensor:
     """Clamp to the element type's range and round: fp4 (4 bits), fp6 (6) or fp8 e4m3 (8); keeps x's dtype."""
     if num_bits == 8:
-        return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+        return round_fp8(x.clamp(-FP8_MAX, FP8_MAX))
     if num_bits not in MINIFLOAT_MAX:
         raise ValueError(
             f"float weights must have 4, 6 or 8 bits (fp4 e2m1, fp6 e2m3, fp8 e4m3), got {num_bits}"
@@ -204,7 +206,7 @@ def nvfp4_group_scales(amax: Tensor, global_scale: Tensor) -> Tensor:
         ``[out, G]`` float32; the effective scale of a group is this divided by ``global_scale``.
     """
     scale = global_scale * (amax / (2 * MINIFLOAT_MAX[4] / 2))
-    scale = scale.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(scale.dtype)
+    scale = round_fp8(scale.clamp(-FP8_MAX, FP8_MAX), out_of_place=False)  # float32, a new tensor
     return torch.where(scale == 0, torch.tensor(0.125, dtype=scale.dtype, device=scale.device), scale)
 
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from seqcal.algorithms import FP8_DTYPE, compute_qparams, quant_range
 from seqcal.algorithms.fp4 import nvfp4_fake_quantize_groups, nvfp4_global_scale
+from seqcal.algorithms.quant import round_fp8
 from seqcal.observers import ActivationObserver, check_static_input, make_observer, observer_name
 
 
@@ -275,8 +276,8 @@ def qdq(x: Tensor, scale: Tensor, zero: Tensor | None, args: QuantizationArgs) -
     scaled = x / scale
     if zero is not None:
         scaled = scaled + zero.to(x.dtype)
-    scaled = scaled.clamp(qmin, qmax)
-    codes = scaled.to(FP8_DTYPE).to(scaled.dtype) if _value(args.type) == "float" else torch.round(scaled)
+    scaled = scaled.clamp(qmin, qmax)  # a new tensor: fp8 rounds it in place
+    codes = round_fp8(scaled, out_of_place=False) if _value(args.type) == "float" else torch.round(scaled)
     codes = codes.to(scale.dtype)
     if zero is not None:
         codes = codes - zero.to(scale.dtype)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 from compressed_tensors.quantization import QuantizationScheme
 
-from seqcal.algorithms import fake_quantize, formats, quantize, weight_qparams
+from seqcal.algorithms import dequantize, fake_quantize, formats, quantize, weight_qparams
 from seqcal.modifiers.activations import InputCalibration, calibrated_inputs
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
@@ -244,7 +244,7 @@ def rtn_quantize_module(
     scale, zero_point = weight_qparams(W, **kw, importance=importance)
     qargs = {"num_bits": kw["num_bits"], "type": kw["type"], "group_size": kw["group_size"]}
     q = quantize(W, scale, zero_point, **qargs)
-    module.weight.data = fake_quantize(W, scale, zero_point, **qargs)
+    module.weight.data = dequantize(q, scale, zero_point, group_size=kw["group_size"], dtype=W.dtype)
     return QuantizedWeight(
         q=q, scale=scale, zero_point=None if kw["symmetric"] else zero_point, g_idx=None, scheme=scheme
     )
