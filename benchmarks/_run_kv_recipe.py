@@ -24,6 +24,13 @@ def recipe_text(path: str, kv: bool) -> str:
     return yaml.safe_dump(recipe)
 
 
+def llmc_unshuffled_order(tokens: torch.Tensor) -> list[int]:
+    """The order llm-compressor 0.14 feeds unshuffled samples in (its LengthAwareSampler: an argsort of the
+    lengths, descending; for windows of equal length, whatever order that argsort returns)."""
+    lengths = torch.tensor([len(row) for row in tokens])
+    return torch.argsort(lengths, descending=True).tolist()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tool", choices=["seqcal", "llmc"], required=True)
@@ -32,8 +39,13 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--tokens", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--same-order", action="store_true",
+                        help="both tools calibrate in llm-compressor's unshuffled order (its moving-average "
+                             "observers weigh the first samples most)")  # fmt: skip
     args = parser.parse_args()
     tokens = load_file(args.tokens)["input_ids"]
+    if args.same_order and args.tool == "seqcal":
+        tokens = tokens[llmc_unshuffled_order(tokens)]
     recipe = recipe_text(args.recipe, not args.no_kv)
     start = time.perf_counter()
     if args.tool == "seqcal":
@@ -53,7 +65,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         oneshot(model=model, dataset=ds, recipe=recipe, processor=tokenizer, num_calibration_samples=len(tokens),
-                max_seq_length=tokens.shape[1])  # fmt: skip
+                max_seq_length=tokens.shape[1], shuffle_calibration_samples=not args.same_order)  # fmt: skip
         model.save_pretrained(args.out, save_compressed=True)
         tokenizer.save_pretrained(args.out)
     print(f"seconds {time.perf_counter() - start:.1f}")

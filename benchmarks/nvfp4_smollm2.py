@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument("--samples", type=int, default=32, help="calibration windows of 512 tokens")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--same-order", action="store_true",
+                        help="llm-compressor unshuffled, seqcal in the same order (see _run_kv_recipe.py)")  # fmt: skip
     parser.add_argument("--peer-python", type=Path, default=PEER)
     parser.add_argument(
         "--data", type=Path, default=WIKI, help="folder with wiki.valid.raw and wiki.test.raw"
@@ -101,6 +103,7 @@ def main() -> None:
         python = str(args.peer_python) if tool == "llmc" else sys.executable
         cmd = [python, "benchmarks/_run_kv_recipe.py", "--tool", tool, "--recipe", recipe,
                "--model", str(model), "--tokens", str(tokens), "--out", str(WORK / f"nvfp4-{name}")]  # fmt: skip
+        cmd += ["--same-order"] if args.same_order else []
         wall, cpu, rss, last = measure(cmd)
         results[name] = {"cpu_s": round(cpu, 1), "wall_s": round(wall, 1), "peak_rss_gb": round(rss, 2),
                          "tool_reported": last}  # fmt: skip
