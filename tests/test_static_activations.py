@@ -22,7 +22,7 @@ from compressed_tensors.utils import get_direct_state_dict
 from save_helpers import checkpoint_tensors, local, reload, tiny_llama
 from seqcal.checkpoint.writer import save_checkpoint
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
-from seqcal.modifiers import GPTQModifier, QuantizationModifier, QuantizedWeight, RunState
+from seqcal.modifiers import GPTQModifier, QuantizationModifier, QuantizedWeight, RunState, activations
 from seqcal.modifiers.activations import dynamic_fake_quantize, input_fake_quantize, quantized_inputs
 from seqcal.observers import OBSERVERS, make_observer
 from seqcal.recipe.parse import parse_recipe
@@ -172,6 +172,34 @@ def test_static_fake_quant_equals_compressed_tensors(symmetric: bool) -> None:
                          input_zero_point=None if symmetric else zero)  # fmt: skip
     x = torch.randn(2, 5, 32) * 3  # values beyond the calibrated range are clamped
     assert torch.equal(input_fake_quantize(x, qw), forward_quantize(module, x, "input", args))
+
+
+def test_modules_reading_one_tensor_quantize_it_once_unless_their_scales_differ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Fork(torch.nn.Module):  # three Linears read one tensor, as q/k/v do
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(32, 4) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.a(x), self.b(x), self.c(x)], dim=-1)
+
+    args = int8(True)
+    scheme = QuantizationScheme(targets=["Linear"], weights=int8(), input_activations=args)
+    scales = {"a": torch.tensor([0.05]), "b": torch.tensor([0.05]), "c": torch.tensor([0.09])}  # c differs
+    state = RunState()
+    state.quantized = {n: QuantizedWeight(torch.empty(0), torch.empty(0), None, None, scheme, input_scale=s)
+                       for n, s in scales.items()}  # fmt: skip
+    model, x = Fork(), torch.randn(2, 5, 32) * 3
+    calls: list[int] = []
+    real = activations.input_fake_quantize
+    monkeypatch.setattr(activations, "input_fake_quantize", lambda t, qw: calls.append(1) or real(t, qw))
+    with torch.no_grad(), quantized_inputs(model, state, dict.fromkeys(scales, scheme)):
+        got = model(x)
+    assert len(calls) == 2  # a and b share one, c has its own scale
+    want = torch.cat([getattr(model, n)(real(x, state.quantized[n])) for n in "abc"], dim=-1)
+    assert torch.equal(got, want)
 
 
 # --- checkpoint and round trip ------------------------------------------------------------------------------
