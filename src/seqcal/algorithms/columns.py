@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqcal.algorithms.formats import round_grid, to_codes
+from seqcal.algorithms.formats import round_grid_, to_codes
 
 # Columns updated eagerly (rank-1) inside a block; the rest of the block gets one matmul per sub-block.
 # Same algebra as GPTQ's lazy batch update applied one level down: the rank-1 updates touch 16 columns
@@ -116,11 +116,7 @@ def column_block(
                 torch.div(w, s, out=c)
             else:
                 torch.addcdiv(z, w, s, out=c)  # z + 1 * (w / s): the product by 1 is exact
-            c.clamp_(qmin, qmax)
-            if grid == "int":
-                c.round_()
-            else:
-                c.copy_(round_grid(c, grid))
+            round_grid_(c.clamp_(qmin, qmax), grid)
             if pruned is not None:  # a pruned weight's grid is {0}: the zero point's code
                 c.copy_(torch.where(pruned[i], z, c))
             if symmetric:

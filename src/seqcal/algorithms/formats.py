@@ -36,9 +36,10 @@ from seqcal.algorithms.fp4 import (
     mx_scales,
     nvfp4_global_scale,
     nvfp4_group_scales,
+    round_fp4_,
     round_minifloat,
 )
-from seqcal.algorithms.quant import compute_qparams, quant_range
+from seqcal.algorithms.quant import compute_qparams, quant_range, round_fp8
 
 SCALES = ("float", "fp8", "e8m0")
 
@@ -107,6 +108,21 @@ def round_grid(x: Tensor, grid: str) -> Tensor:
     if grid == "int":
         return torch.round(x)
     return round_minifloat(x, int(grid[2:]))
+
+
+def round_grid_(x: Tensor, grid: str) -> Tensor:
+    """:func:`round_grid` in place on a float32 ``x`` already clamped to the code range (returns ``x``).
+
+    GPTQ's column loop rounds one column at a time, thousands per module: in place, the minifloat grids skip
+    the copy in and the cast and copy back that each cost a dispatch per column.
+    """
+    if grid == "int":
+        return x.round_()
+    if grid == "fp4":
+        return round_fp4_(x)
+    if grid == "fp8":
+        return round_fp8(x, out_of_place=False)
+    return x.copy_(round_grid(x, grid))
 
 
 def to_codes(values: Tensor, grid: str) -> Tensor:
@@ -278,5 +294,6 @@ __all__ = [
     "qparams",
     "quantize",
     "round_grid",
+    "round_grid_",
     "to_codes",
 ]

@@ -51,10 +51,10 @@ def round_fp4(x: Tensor) -> Tensor:
         tensor([1., 1., 4.])
     """
     y = x.to(torch.float32, copy=True)
-    return _round_fp4_(y).to(x.dtype)
+    return round_fp4_(y).to(x.dtype)
 
 
-def _round_fp4_(y: Tensor) -> Tensor:
+def round_fp4_(y: Tensor) -> Tensor:
     """:func:`round_fp4` in place on a float32 tensor the caller owns (returns ``y``).
 
     The e2m1 neighbours of ``|y|`` are ``step = 2 ** (clamp(floor(log2 |y|), 0, 2) - 1)`` apart (0.5 below 2, 1
@@ -235,7 +235,7 @@ def nvfp4_fake_quantize_groups(x: Tensor, global_scale: Tensor, group_size: int 
     global_scale = global_scale.to(device=x.device, dtype=torch.float32)
     scale = nvfp4_group_scales(_group_amax(grouped), global_scale)  # [..., G], fp8-valued float32
     effective = (scale / global_scale).unsqueeze(-1)
-    codes = _round_fp4_(grouped / effective)  # float32 (effective is), a new tensor rounded in place
+    codes = round_fp4_(grouped / effective)  # float32 (effective is), a new tensor rounded in place
     return codes.mul_(effective).flatten(-2).to(x.dtype)
 
 
