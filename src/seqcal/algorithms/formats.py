@@ -33,6 +33,7 @@ from seqcal.algorithms.fp4 import (
     MINIFLOAT_MAX,
     decode_minifloat,
     encode_minifloat,
+    group_absmax,
     mx_scales,
     nvfp4_global_scale,
     nvfp4_group_scales,
@@ -147,7 +148,7 @@ def _grouped_amax(W: Tensor, group_size: int) -> Tensor:
             f"in_features {W.shape[-1]} is not divisible by group_size {group_size}; "
             "choose a divisor of in_features or ignore this module"
         )
-    return W.unflatten(-1, (-1, group_size)).abs().amax(dim=-1)  # [out, G]
+    return group_absmax(W.unflatten(-1, (-1, group_size)))  # [out, G]
 
 
 def global_scale_of(W: Tensor) -> Tensor:

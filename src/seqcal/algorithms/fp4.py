@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from seqcal.algorithms.quant import round_fp8
+from seqcal.algorithms.quant import round_float_grid_, round_fp8
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # fp4 magnitudes in code order
 E2M3 = tuple(m / 8 for m in range(8)) + tuple((1 + m / 8) * 2**e for e in range(3) for m in range(8))
@@ -57,16 +57,11 @@ def round_fp4(x: Tensor) -> Tensor:
 def round_fp4_(y: Tensor) -> Tensor:
     """:func:`round_fp4` in place on a float32 tensor the caller owns (returns ``y``).
 
-    The e2m1 neighbours of ``|y|`` are ``step = 2 ** (clamp(floor(log2 |y|), 0, 2) - 1)`` apart (0.5 below 2, 1
-    up to 4, 2 above), so ``round(y / step) * step`` is the nearest one, and round-half-to-even on the codes
-    takes compressed-tensors' ties (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4).
-    The step comes from the exponent bits and every product is exact: a comparison chain of ``torch.where``
-    allocates a tensor per boundary and was seven times slower (fake-quantizing fp4 activations
-    dominated NVFP4 calibration). A negative zero stays negative; it compares equal to zero.
+    The e2m1 neighbours of ``|y|`` are 0.5 apart below 2, 1 up to 4 and 2 above (``round_float_grid_``);
+    round-half-to-even on the codes takes compressed-tensors' ties (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+    2.5 -> 2, 3.5 -> 4, 5 -> 4). A negative zero stays negative; it compares equal to zero.
     """
-    power = (y.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2 ** floor(log2 |y|), 0 for 0
-    step = power.clamp_(1.0, 4.0).mul_(0.5)  # 0.5, 1 or 2
-    return y.div_(step).round_().mul_(step).clamp_(-MINIFLOAT_MAX[4], MINIFLOAT_MAX[4])
+    return round_float_grid_(y, 1, 0, 2).clamp_(-MINIFLOAT_MAX[4], MINIFLOAT_MAX[4])
 
 
 def round_fp6(x: Tensor) -> Tensor:
@@ -82,17 +77,14 @@ def round_fp6(x: Tensor) -> Tensor:
         >>> round_fp6(torch.tensor([0.06, 2.1, 9.0]))
         tensor([0.0000, 2.0000, 7.5000])
     """
-    a = x.abs().float()
-    exp = (((a.view(torch.int32) >> 23) & 0xFF) - 127).clamp_(min=0)  # step 2^(e-3): 0.125 below 2, ...
-    step = torch.exp2(exp - 3.0)
-    rounded = torch.round(a / step).mul_(step).clamp_(max=7.5)
-    return torch.copysign(rounded, x.float()).to(x.dtype)
+    y = x.to(torch.float32, copy=True)  # steps 0.125 below 2, 0.25 up to 4, 0.5 above
+    return round_float_grid_(y, 3, 0, 2).clamp_(-MINIFLOAT_MAX[6], MINIFLOAT_MAX[6]).to(x.dtype)
 
 
 def round_minifloat(x: Tensor, num_bits: int) -> Tensor:
     """Clamp to the element type's range and round: fp4 (4 bits), fp6 (6) or fp8 e4m3 (8); keeps x's dtype."""
     if num_bits == 8:
-        return round_fp8(x.clamp(-FP8_MAX, FP8_MAX))
+        return round_fp8(x.clamp(-FP8_MAX, FP8_MAX), out_of_place=False)  # the clamp made a new tensor
     if num_bits not in MINIFLOAT_MAX:
         raise ValueError(
             f"float weights must have 4, 6 or 8 bits (fp4 e2m1, fp6 e2m3, fp8 e4m3), got {num_bits}"
@@ -233,15 +225,16 @@ def nvfp4_fake_quantize_groups(x: Tensor, global_scale: Tensor, group_size: int 
     """
     grouped = x.unflatten(-1, (-1, group_size))
     global_scale = global_scale.to(device=x.device, dtype=torch.float32)
-    scale = nvfp4_group_scales(_group_amax(grouped), global_scale)  # [..., G], fp8-valued float32
+    scale = nvfp4_group_scales(group_absmax(grouped), global_scale)  # [..., G], fp8-valued float32
     effective = (scale / global_scale).unsqueeze(-1)
     codes = round_fp4_(grouped / effective)  # float32 (effective is), a new tensor rounded in place
     return codes.mul_(effective).flatten(-2).to(x.dtype)
 
 
-def _group_amax(grouped: Tensor) -> Tensor:
-    """``grouped.abs().amax(-1)`` by halving the groups with elementwise maxima: a reduction over an inner
-    dimension of 16 runs about 1.7 times slower on the CPU. Exact (a maximum does not round)."""
+def group_absmax(grouped: Tensor) -> Tensor:
+    """``grouped.abs().amax(-1)`` of ``[..., G, group_size]`` by halving the groups with elementwise maxima: a
+    reduction over an inner dimension of 16 runs about 1.7 times slower on the CPU. Exact (a maximum does not
+    round)."""
     a = grouped.abs()
     while a.shape[-1] > 1 and a.shape[-1] % 2 == 0:
         half = a.shape[-1] // 2

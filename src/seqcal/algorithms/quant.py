@@ -184,16 +184,33 @@ def _broadcastable(
     return W, p
 
 
+def round_float_grid_(y: Tensor, mantissa_bits: int, min_exponent: int, max_exponent: int) -> Tensor:
+    """Round a float32 ``y`` in place to a minifloat grid, ties to even, without saturating (returns ``y``).
+
+    The grid's values at ``|y|`` are ``step = 2 ** (clamp(floor(log2 |y|), min_exponent, max_exponent) -
+    mantissa_bits)`` apart (below ``2 ** min_exponent``: the subnormal step). The power of two comes from
+    ``y``'s exponent bits, and dividing by a power of two and multiplying back are exact, so ``round(y / step)
+    * step`` is the nearest grid value, the cast's tie included. A negative zero stays negative.
+
+    Why not a cast or comparisons: on the CPU the round trip through float8 takes twice as long as these
+    in-place passes, and a chain of ``torch.where`` over fp4's boundaries seven times as long; activations
+    pay it on every Linear input of every batch, GPTQ on every column.
+
+    Args:
+        y: float32, owned by the caller.
+        mantissa_bits, min_exponent, max_exponent: the grid (e4m3: 3, -6, 8; e2m1: 1, 0, 2; e2m3: 3, 0, 2).
+    """
+    power = (y.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2 ** floor(log2 |y|), 0 for 0
+    step = power.clamp_(2.0**min_exponent, 2.0**max_exponent).mul_(2.0**-mantissa_bits)
+    return y.div_(step).round_().mul_(step)
+
+
 def round_fp8(x: Tensor, *, out_of_place: bool = True) -> Tensor:
-    """Round to the nearest fp8 e4m3 value, ties to even: ``x.to(float8_e4m3fn).to(x.dtype)``, bit for bit.
+    """Round to the nearest fp8 e4m3 value, ties to even: ``x.to(float8_e4m3fn).to(x.dtype)``, bit for bit
+    (:func:`round_float_grid_`, twice as fast on the CPU).
 
     ``x`` must already lie within +-448 (the callers clamp to the code range first): a larger value would
     round past the largest fp8 value instead of saturating.
-
-    Why not the cast: on the CPU the round trip through float8 takes twice as long as these five in-place
-    passes, and static fp8 activations pay it on every Linear input of every batch. The spacing of e4m3
-    values at ``|x|`` is ``2 ** (floor(log2 |x|) - 3)``, at least the subnormal step ``2 ** -9``; dividing by
-    a power of two and multiplying back are exact, so ``round(x / step) * step`` is the cast's result.
 
     Args:
         x: any float dtype.
@@ -207,9 +224,7 @@ def round_fp8(x: Tensor, *, out_of_place: bool = True) -> Tensor:
         [0.3125, 16.0, -448.0]
     """
     y = x if (x.dtype == torch.float32 and not out_of_place) else x.to(torch.float32, copy=True)
-    power = (y.view(torch.int32) & 0x7F800000).view(torch.float32)  # 2 ** floor(log2 |y|), 0 for 0
-    step = power.clamp_(2.0**-6, 2.0**8).mul_(0.125)  # three mantissa bits; subnormals below 2 ** -6
-    y.div_(step).round_().mul_(step)
+    round_float_grid_(y, 3, -6, 8)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
