@@ -76,12 +76,18 @@ def test_same_bytes_for_1_2_and_4_processes(
         run(world, tmp_path / f"err{world}", **_args(model, tmp_path / f"w{world}", recipe=recipe))
         hashes[world] = tensor_hashes(tmp_path / f"w{world}")
         assert not (tmp_path / f"w{world}" / "seqcal_progress.json").exists()
+        if arch == "moe" and world > 1:  # the layer cut: a layer's module groups solved by every process
+            report = json.loads((tmp_path / f"w{world}" / "quantization_report.json").read_text())
+            solvers = [s.get("solvers") for s in report["distributed"]["ranks"][0]["subgraphs"]]
+            assert [world] * 2 == [len(s) for s in solvers if s], solvers
     assert len(hashes[1]) > 10
     assert hashes[2] == hashes[1]
     assert hashes[4] == hashes[1]
 
 
-def _stash(self: ShardedRun, index: int, shard: int, modifiers: list, device: torch.device) -> None:
+def _stash(
+    self: ShardedRun, index: int, shard: int, modifiers: list, device: torch.device, **_: object
+) -> None:
     self.stash = [*getattr(self, "stash", []), partials_of(modifiers)]
 
 
@@ -286,3 +292,39 @@ def test_a_new_modifier_gets_its_statistics_reduced_per_shard() -> None:
     for name, (tokens, absmax) in stats.seen.items():
         assert stats.totals[name]["tokens"].item() == tokens == SAMPLES * 40
         assert stats.totals[name]["absmax"].item() == absmax
+
+
+def _split_run(world: int, rank: int, together: tuple = ()) -> ShardedRun:
+    from seqcal.distributed.group import ProcessGroup
+
+    shapes = {"l.q": (64, 32), "l.k": (16, 32), "l.v": (16, 32), "l.o": (32, 64), "l.up": (128, 32),
+              "l.gate": (128, 32), "l.down": (32, 128)}  # fmt: skip
+    return ShardedRun(ShardPlan(4, 4, world), ProcessGroup(rank, world), [1.0], {}, shapes, together)
+
+
+def test_module_groups_of_a_subgraph_are_spread_by_solve_cost() -> None:
+    """The groups named by the statistic keys (q/k/v share a Hessian) go to the least loaded process, largest
+    first; a fused group stays whole even when its members have keys of their own; what no key names (and
+    the keys of no module) stays with the subgraph's owner, whose share of the subgraph still holds it."""
+    stat = {"n": Statistic(torch.ones(1))}
+
+    class _Quantizer(Modifier):
+        pass
+
+    keys = {"0/hessian:l.k,l.q,l.v": stat, "0/hessian:l.o": stat, "0/input:l.up": stat, "0/input:l.gate": stat,
+            "0/hessian:l.down": stat, "0/kv:l.attn:k": stat}  # fmt: skip
+    run = _split_run(2, 0, together=[("l.gate", "l.up")])
+    parts = run._assign_parts(keys, [_Quantizer()])
+    # costs: down 32*128^2 + 128^3 = 2.6M; o 0.39M; gate/up 2 * (128*32^2 + 32^3) = 0.33M; q/k/v 0.2M
+    assert parts == {"l.down": 0, "l.o": 1, "l.gate": 1, "l.up": 1, "l.q": 1, "l.k": 1, "l.v": 1}
+    one = _split_run(2, 0)._assign_parts({"0/hessian:l.o": stat}, [_Quantizer()])
+    assert one == {}  # one group: the owner solves it
+    run.parts, run._folders = parts, [0, 1]
+    assert set(run._part_for(keys, 0, 0, [_Quantizer()])) == {"0/hessian:l.down", "0/kv:l.attn:k"}
+    sg = Subgraph(0, [], targets=["l.q", "l.down"], modules=["l"])
+    mine, owner = _split_run(2, 1), run
+    mine.parts = parts
+    assert [n for n in ("l.q", "l.down", "l.attn") if mine.part(sg).holds(n)] == ["l.q"]
+    assert mine.part(sg).targets == ["l.q"]
+    assert [n for n in ("l.q", "l.down", "l.attn") if owner.part(sg).holds(n)] == ["l.down", "l.attn"]
+    assert _split_run(4, 3).part(sg) is None  # no group, not the owner: compresses nothing

@@ -59,11 +59,12 @@ def _drop_the_last_shard(rank: int) -> None:
     """One process, the statistics of the last shard never handed over (a reduction that misses a process)."""
     collect = ShardedRun.collect
 
-    def collect_all_but_last(self: ShardedRun, index: int, shard: int, modifiers: list, device: torch.device):
+    def collect_all_but_last(self: ShardedRun, index: int, shard: int, modifiers: list, device: torch.device,
+                             **kwargs: object) -> None:  # fmt: skip
         if shard == self.plan.shards - 1:
             for m in modifiers:
                 m.partial_statistics()  # taken and thrown away: the shard adds nothing to the fold
-        collect(self, index, shard, modifiers, device)
+        collect(self, index, shard, modifiers, device, **kwargs)
 
     ShardedRun.collect = collect_all_but_last  # in the forked child only
 

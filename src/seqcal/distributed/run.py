@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from seqcal.distributed.reduce import (
 )
 from seqcal.distributed.shards import ShardPlan, assign_owners
 from seqcal.modifiers.base import QuantizedWeight
+from seqcal.tracing.partition import Subgraph
 
 
 class _Nothing:
@@ -35,14 +37,58 @@ _FIELDS = (
 )  # fmt: skip
 
 
+@dataclass
+class Part(Subgraph):
+    """The share of a subgraph one process compresses when its module groups are solved by several processes:
+    the same subgraph, whose ``holds`` (and ``targets``) leave out the modules other processes solve.
+
+    Attributes:
+        mine: the only modules this process solves (None: every module no other process solves).
+        others: the modules other processes solve.
+    """
+
+    mine: frozenset[str] | None = None
+    others: frozenset[str] = frozenset()
+
+    def holds(self, name: str) -> bool:
+        if self.mine is not None:
+            return name in self.mine
+        return super().holds(name) and name not in self.others
+
+
+def _part(sg: Subgraph, parts: dict[str, int], rank: int, default: int) -> Subgraph | None:
+    """What ``rank`` compresses of ``sg`` when ``parts`` (module -> rank) spreads its groups; ``default`` solves
+    what ``parts`` does not name (and the subgraph's other work: KV-cache scales)."""
+    if not parts:
+        return sg if rank == default else None
+    mine = frozenset(n for n, r in parts.items() if r == rank)
+    if rank != default and not mine:
+        return None
+    others = frozenset(n for n, r in parts.items() if r != rank)
+    keep = (lambda n: n in mine) if rank != default else (lambda n: n not in others)
+    part = Part(**{f.name: getattr(sg, f.name) for f in fields(Subgraph)},
+                mine=None if rank == default else mine, others=others)  # fmt: skip
+    part.targets = [t for t in sg.targets if keep(t)]
+    part.target_inputs = {k: kept for k, v in sg.target_inputs.items() if (kept := [t for t in v if keep(t)])}
+    return part
+
+
 class ShardedRun:
-    """The shards of this rank, the reduction of statistics to each subgraph's owner, and its results.
+    """The shards of this rank, the reduction of statistics to the processes that solve, and their results.
+
+    Each subgraph has an owner (assigned by solve cost over the subgraphs). When a subgraph holds several module
+    groups (the layer cut: q/k/v, o, gate/up, down, experts), the groups are spread over the processes by their
+    solve cost instead, each solved by one process; a group is what a statistic key names
+    (``<kind>:<module>[,<module>...]``, q/k/v's shared Hessian), joined with the groups vLLM fuses. The owner
+    solves what no key names and keeps the subgraph's other work.
 
     Args:
         plan: the split of the batches into shards and of the shards over the ranks.
         group: this rank's process group (a group of one for a single process).
         costs: estimated solve cost of each subgraph (``solve_costs``); owners are assigned from it.
         schemes: module name -> scheme (to rebuild the QuantizedWeights other ranks receive).
+        shapes: ``(out, in)`` of every module a modifier may solve (the cost of a group).
+        together: groups of modules always solved by one process (fused groups sharing a global scale).
 
     Example:
         >>> run = ShardedRun(ShardPlan(7, 8, 1), ProcessGroup(), [1.0], {})
@@ -50,10 +96,17 @@ class ShardedRun:
         [[0], [1]]
     """
 
-    def __init__(self, plan: ShardPlan, group: ProcessGroup, costs: Sequence[float], schemes: dict) -> None:
+    def __init__(self, plan: ShardPlan, group: ProcessGroup, costs: Sequence[float], schemes: dict,
+                 shapes: dict[str, tuple[int, int]] | None = None,
+                 together: Sequence[Sequence[str]] = ()) -> None:  # fmt: skip
         self.plan, self.group, self.schemes = plan, group, schemes
         self.owners = assign_owners(costs, group.world_size)
-        self._total: Partial | None = None  # the owner's fold of the current subgraph's shards so far
+        self.shapes = shapes or {}
+        self._together = {n: tuple(g) for g in together for n in g}
+        # module -> rank solving it, in the subgraph being reduced ({}: the subgraph's owner solves it all)
+        self.parts: dict[str, int] = {}
+        self._folders: list[int] = []  # the ranks folding statistics of the subgraph being reduced
+        self._total: Partial | None = None  # this rank's fold of the current subgraph's shards so far
         self._next = 0  # the first shard not folded yet
         self.traffic: list[dict[str, Any]] = []  # per subgraph: bytes this rank sent, seconds communicating
 
@@ -74,40 +127,133 @@ class ShardedRun:
         """Whether this rank solves subgraph ``index``."""
         return self.owners[index] == self.group.rank
 
-    def collect(self, index: int, shard: int, modifiers: Sequence[Any], device: torch.device) -> None:
+    def collect(self, index: int, shard: int, modifiers: Sequence[Any], device: torch.device,
+                split: bool = True) -> None:  # fmt: skip
         """Take the modifiers' statistics of this rank's ``shard``-th local shard of subgraph ``index``.
 
-        They move on at once, so that no rank holds more than the fold and one shard's statistics: the
-        owner folds every shard before this one (receiving those it does not run, in shard order) and then
-        this one; any other rank sends it to the owner.
+        They move on at once, so that no rank holds more than its fold and one shard's statistics: every rank
+        that folds (the owner, and the ranks solving a group of the subgraph) first folds every shard before
+        this one (receiving those it does not run, in shard order), sends each other folding rank its part of
+        this one, then folds its own part.
+
+        Args:
+            split: whether the subgraph's module groups may be solved by several ranks (False for statistics
+                every rank needs whole, the transforms').
         """
+        partial = partials_of(modifiers)
         if shard == 0:
             self._start(index)
-        partial = partials_of(modifiers)
+            self._agree_parts(index, partial, modifiers, split)
         number = self.plan.shards_of(self.group.rank)[shard]
-        if self.owns(index):
+        me = self.group.rank
+        if me in self._folders:
             self._fold_until(number, index, device)
-            self._total, self._next = fold(self._total, partial), number + 1
-        else:
-            self.group.send(partial_to_bytes(partial), self.owners[index], self._what(index))
+        for rank in self._folders:
+            if rank != me:
+                self.group.send(partial_to_bytes(self._part_for(partial, rank, index, modifiers)), rank,
+                                self._what(index))  # fmt: skip
+        if me in self._folders:
+            mine = self._part_for(partial, me, index, modifiers)
+            self._total, self._next = fold(self._total, mine), number + 1
+
+    def _agree_parts(self, index: int, partial: Partial, modifiers: Sequence[Any], split: bool) -> None:
+        """Which rank solves each module group of subgraph ``index``: rank 0 decides from its first shard's
+        statistic keys (shard 0's, whatever the world size) and tells the others."""
+        parts: dict[str, int] = {}
+        if split and self.group.world_size > 1:
+            mine = self._assign_parts(partial, modifiers) if self.group.rank == 0 else None
+            data = self.group.broadcast(
+                json.dumps(mine).encode() if mine is not None else None, 0,
+                f"agreeing who solves what in subgraph {index}",
+            )  # fmt: skip
+            parts = json.loads(data)
+        self.parts = parts
+        self._folders = sorted({self.owners[index], *parts.values()})
+
+    def _assign_parts(self, partial: Partial, modifiers: Sequence[Any]) -> dict[str, int]:
+        """Groups of modules named by the keys of ``partial`` (joined where keys or ``together`` share a module),
+        each to the least loaded rank, largest solve first; {} when the subgraph has fewer than two groups."""
+        root: dict[str, str] = {}
+
+        def find(n: str) -> str:
+            while root.setdefault(n, n) != n:
+                n = root[n]
+            return n
+
+        for key in partial:
+            names = self._modules_of(key, modifiers)
+            for n in names:
+                for other in (*names, *self._together.get(n, ())):
+                    if other in self.shapes:
+                        root[find(other)] = find(n)
+        groups: dict[str, list[str]] = {}
+        for n in sorted(root):
+            groups.setdefault(find(n), []).append(n)
+        if len(groups) < 2:
+            return {}
+
+        def cost(names: list[str]) -> float:  # as ``solve_costs``: out * in^2 + in^3 per module
+            return sum(float(o) * i**2 + float(i) ** 3 for o, i in (self.shapes[n] for n in names))
+
+        load = [0.0] * self.group.world_size
+        parts = {}
+        for names in sorted(groups.values(), key=lambda g: (-cost(g), g[0])):
+            rank = min(range(self.group.world_size), key=lambda r: (load[r], r))
+            load[rank] += cost(names)
+            parts.update(dict.fromkeys(names, rank))
+        return parts
+
+    def _modules_of(self, key: str, modifiers: Sequence[Any]) -> list[str]:
+        """The modules a statistic key ``<modifier>/<kind>:<module>[,<module>...]`` names; none for the keys of a
+        modifier whose statistics every rank loads (transforms, ``compresses_everywhere``)."""
+        position, _, rest = key.partition("/")
+        m = modifiers[int(position)]
+        if getattr(m, "transforms", False) or getattr(m, "compresses_everywhere", False):
+            return []
+        return [n for n in rest.partition(":")[2].split(",") if n in self.shapes]
+
+    def _part_for(self, partial: Partial, rank: int, index: int, modifiers: Sequence[Any]) -> Partial:
+        """The keys of ``partial`` that ``rank`` folds: those naming modules it solves, the rest to the owner."""
+        out: Partial = {}
+        for key, stats in partial.items():
+            ranks = {self.parts.get(n, self.owners[index]) for n in self._modules_of(key, modifiers)}
+            if len(ranks) > 1:
+                raise RuntimeError(
+                    f"statistic {key} of subgraph {index} names modules that different processes solve (a key "
+                    "that no module group of the first shard had); run this recipe in one process"
+                )
+            if (ranks.pop() if ranks else self.owners[index]) == rank:
+                out[key] = stats
+        return out
+
+    def part(self, sg: Subgraph) -> Subgraph | None:
+        """What this rank compresses of ``sg`` (the modifiers that do not compress everywhere), or None."""
+        return _part(sg, self.parts, self.group.rank, self.owners[sg.index])
+
+    def solvers(self, index: int) -> list[int]:
+        """The ranks that compress part of subgraph ``index`` and send their results (after ``reduce``)."""
+        return sorted({self.owners[index], *self.parts.values()})
 
     def reduce(
         self, index: int, modifiers: Sequence[Any], device: torch.device, everywhere: bool = False
     ) -> None:
-        """The owner of subgraph ``index`` folds the shards still to come and loads the result into the
-        modifiers; the other ranks sent theirs already (``collect``). The statistics of the modifiers that
-        ``compresses_everywhere`` (all of them with ``everywhere``: the transforms, which every rank folds into
-        its own weights and cached inputs) are then sent to every rank, which loads them too."""
+        """Every rank that folds (``collect``) folds the shards still to come and loads the result into the
+        modifiers: the owner of subgraph ``index`` the statistics no other rank solves with, each other solver
+        its groups'. The statistics of the modifiers that ``compresses_everywhere`` (all of them with
+        ``everywhere``: the transforms, which every rank folds into its own weights and cached inputs) are then
+        sent by the owner to every rank, which loads them too."""
         if not self.plan.shards_of(self.group.rank):
             self._start(index)  # a rank without shards collects nothing
-        if self.owns(index):
+            self.parts, self._folders = {}, [self.owners[index]]
+        me, owner = self.group.rank, self.owns(index)
+        if me in self._folders:
             self._fold_until(self.plan.shards, index, device)
         shared = [
             i for i, m in enumerate(modifiers) if everywhere or getattr(m, "compresses_everywhere", False)
         ]
         if shared and self.group.world_size > 1:
             data = None
-            if self.owns(index):  # sent before any modifier takes (and may scale in place) its statistics
+            if owner:  # sent before any modifier takes (and may scale in place) its statistics
                 prefixes = tuple(f"{i}/" for i in shared)
                 data = partial_to_bytes(
                     {k: v for k, v in (self._total or {}).items() if k.startswith(prefixes)}
@@ -115,14 +261,18 @@ class ShardedRun:
             data = self.group.broadcast(
                 data, self.owners[index], f"sending the statistics of subgraph {index}"
             )
-            if not self.owns(index):
+            if not owner:
                 load_statistics([m if i in shared else _NOTHING for i, m in enumerate(modifiers)],
                                 partial_from_bytes(data, device))  # fmt: skip
-        if self.owns(index):
+        if owner:
             load_statistics(modifiers, self._total)
+        elif me in self._folders:  # a solver of some of the subgraph's groups: their statistics
+            load_statistics([_NOTHING if i in shared else m for i, m in enumerate(modifiers)], self._total)
         self._total = None
         self.traffic[-1]["reduce_bytes"] = self.group.bytes_sent - self.traffic[-1]["reduce_bytes"]
         self.traffic[-1]["reduce_seconds"] = self.group.comm_seconds - self.traffic[-1]["reduce_seconds"]
+        if self.parts:
+            self.traffic[-1]["solvers"] = self.solvers(index)
 
     def reduce_round(
         self, per_shard: Sequence[Partial], device: torch.device
@@ -193,8 +343,8 @@ class ShardedRun:
         )
         if row not in self.traffic:
             self.traffic.append(row)
-        row["broadcast_bytes"] = len(data)
-        row["broadcast_seconds"] = self.group.comm_seconds - seconds
+        row["broadcast_bytes"] = row.get("broadcast_bytes", 0) + len(data)  # one per solver
+        row["broadcast_seconds"] = row.get("broadcast_seconds", 0.0) + self.group.comm_seconds - seconds
         return bool(got)
 
 
@@ -316,7 +466,12 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
             f"own share of the data); run it in one process, without torchrun, or with --nproc-per-node 1"
         )
     schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
-    return ShardedRun(plan, group, solve_costs(subgraphs, modifiers, model), schemes)
+    shapes = {name: (int(w.shape[0]), int(w.shape[1])) for name, module in model.named_modules()
+              if isinstance(w := getattr(module, "weight", None), torch.Tensor) and w.ndim == 2}  # fmt: skip
+    from seqcal.modifiers.formats import fused_groups
+
+    together = fused_groups(model, [n for n in schemes if n in shapes])  # one global scale per fused group
+    return ShardedRun(plan, group, solve_costs(subgraphs, modifiers, model), schemes, shapes, together)
 
 
 def resume_point(run: ShardedRun, stream: Any) -> int:

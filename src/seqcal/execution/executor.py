@@ -291,8 +291,8 @@ def _shards(state: Any, num_batches: int) -> list[range]:
 def _compress(
     runner: GraphRunner, sg: Subgraph, modifiers: Sequence[Any], state: Any, prof: Profiler
 ) -> bool:
-    """Statistics of every shard folded on the subgraph's owner, which compresses; its weights go to every
-    process. Returns whether weights changed."""
+    """Statistics of every shard folded on the processes that solve the subgraph (its owner, or one per module
+    group), which compress their part; the weights go to every process. Returns whether weights changed."""
     label, sharding = f"subgraph {sg.index}", state.sharding
     if sharding is None:
         with prof.span("compress", label, subgraph=sg.index):
@@ -300,17 +300,21 @@ def _compress(
     with prof.span("communication", f"reduce {label}", subgraph=sg.index):
         sharding.reduce(sg.index, modifiers, state.device)
     before, changed = {*state.quantized, *state.sparsity}, False
-    owner = sharding.owns(sg.index)  # the others compress only where a modifier compresses everywhere (AWQ)
-    if owner or any(getattr(m, "compresses_everywhere", False) for m in modifiers):
+    part = sharding.part(sg)  # what this process solves; a modifier that compresses everywhere (AWQ) does all
+    todo = [(m, sg if getattr(m, "compresses_everywhere", False) else part) for m in modifiers]
+    todo = [(m, view) for m, view in todo if view is not None]
+    if todo:
         with prof.span("compress", label, subgraph=sg.index):
-            changed = any([m.compress(sg, runner.model, state) for m in modifiers
-                           if owner or getattr(m, "compresses_everywhere", False)])  # fmt: skip
+            changed = any([m.compress(view, runner.model, state) for m, view in todo])
     names = [n for n in {**state.quantized, **state.sparsity} if n not in before]  # quantized or pruned
+    owner = sharding.owners[sg.index]
     with prof.span("communication", f"share {label}", subgraph=sg.index):
-        return (
-            sharding.share(sg.index, sharding.owners[sg.index], names, runner.model, state, modifiers, sg)
-            or changed
-        )
+        for src in sharding.solvers(sg.index):  # each solver's modules, in rank order; the owner's results
+            mine = [n for n in names if sharding.parts.get(n, owner) == src]
+            got = sharding.share(sg.index, src, mine, runner.model, state, modifiers if src == owner else (),
+                                 sg if src == owner else None)  # fmt: skip
+            changed = got or changed
+    return changed
 
 
 def _autocast(state: Any) -> contextlib.AbstractContextManager:

@@ -139,7 +139,7 @@ def _shards(state: Any, num_batches: int) -> list[range]:
 
 def _collect(state: Any, sg: Any, shard: int, transforms: Sequence[Any]) -> None:
     if state.sharding is not None:
-        state.sharding.collect(sg.index, shard, transforms, state.device)
+        state.sharding.collect(sg.index, shard, transforms, state.device, split=False)
 
 
 def reduce_statistics(state: Any, sg: Any, transforms: Sequence[Any]) -> None:

@@ -148,8 +148,10 @@ class QuantizationModifier(Modifier):
         their fp8 keys and values change the subgraph's outputs, which the propagation pass recomputes."""
         if self.kv is None:
             return False
-        state.changed.update(self.kv.modules_in(subgraph.modules))  # their buffers: put back on a replay
-        return self.kv.finish(subgraph.modules, model)
+        # those this process compresses (a subgraph split over processes: its owner's)
+        names = [n for n in self.kv.modules_in(subgraph.modules) if subgraph.holds(n)]
+        state.changed.update(names)  # their buffers: put back on a replay
+        return self.kv.finish(names, model)
 
     def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
         if self.kv is not None:  # their k_scale / v_scale are back: keys and values are fp8 from here on
