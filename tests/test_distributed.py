@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -120,29 +121,46 @@ def _finished(out: Path) -> int:
         return -1
 
 
-def _record_every_subgraph(rank: int) -> None:
+def _record_every_subgraph(rank: int, stall: int = -1) -> None:
+    """Every finished subgraph recorded for a resume; rank 1 stops answering in subgraph ``stall`` (so that
+    the kill comes midway however fast the run is)."""
     import seqcal.checkpoint.streaming
 
     seqcal.checkpoint.streaming.CHECKPOINT_BYTES = 1
+    if rank == 1 and stall >= 0:
+        reduce = ShardedRun.reduce
+
+        def stalled(self: ShardedRun, index: int, *args: object, **kwargs: object) -> None:
+            if index == stall:
+                time.sleep(600)
+            reduce(self, index, *args, **kwargs)
+
+        ShardedRun.reduce = stalled  # in the forked child only
 
 
+@pytest.mark.parametrize("arch", ["llama", "moe"])
 def test_a_rank_killed_midway_stops_the_others_and_resumes_with_another_world_size(
-    llama_dir: Path, tmp_path: Path
+    arch: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """SIGKILL one of 2 ranks midway: the other stops with a clear error in time, the directory holds no
-    finished checkpoint, and resuming with 4 processes gives the bytes of an uninterrupted single process."""
-    run(1, tmp_path / "err_clean", **_args(llama_dir, tmp_path / "clean"))
+    finished checkpoint, and resuming with 4 processes gives the bytes of an uninterrupted single process
+    (the one-pass cut of a Llama; the layer cut of an MoE model, whose layers' groups are spread)."""
+    model = request.getfixturevalue(f"{arch}_dir")
+    stall = {"llama": 3, "moe": 1}[arch]
+    run(1, tmp_path / "err_clean", **_args(model, tmp_path / "clean"))
     out = tmp_path / "killed"
-    procs = start(2, [_args(llama_dir, out)] * 2, tmp_path / "err_killed", _record_every_subgraph)
+    setup = functools.partial(_record_every_subgraph, stall=stall)
+    procs = start(2, [_args(model, out)] * 2, tmp_path / "err_killed", setup)
     deadline = time.time() + 120
-    while _finished(out) < 2 and all(p.is_alive() for p in procs) and time.time() < deadline:
+    while _finished(out) < stall - 1 and all(p.is_alive() for p in procs) and time.time() < deadline:
         time.sleep(0.01)
+    assert _finished(out) == stall - 1, "the run did not get to the stalled subgraph"
     procs[1].kill()
     codes = wait_all(procs, timeout=90)
     assert codes[0] == 1 and not (out / "config.json").exists(), "the run finished before the kill"
     error = (tmp_path / "err_killed" / "rank0.txt").read_text().splitlines()[0]
     assert error.startswith("DistributedError: rank 0 of 2:") and "resume=True" in error, error
-    run(4, tmp_path / "err_resume", **_args(llama_dir, out, resume=True))
+    run(4, tmp_path / "err_resume", **_args(model, out, resume=True))
     assert tensor_hashes(out) == tensor_hashes(tmp_path / "clean")
 
 
@@ -315,7 +333,7 @@ def test_module_groups_of_a_subgraph_are_spread_by_solve_cost() -> None:
             "0/hessian:l.down": stat, "0/kv:l.attn:k": stat}  # fmt: skip
     run = _split_run(2, 0, together=[("l.gate", "l.up")])
     parts = run._assign_parts(keys, [_Quantizer()])
-    # costs: down 32*128^2 + 128^3 = 2.6M; o 0.39M; gate/up 2 * (128*32^2 + 32^3) = 0.33M; q/k/v 0.2M
+    # costs sum(out) * in^2 + in^3: down 32*128^2 + 128^3 = 2.6M; o 0.39M; gate/up 0.29M; q/k/v 0.13M
     assert parts == {"l.down": 0, "l.o": 1, "l.gate": 1, "l.up": 1, "l.q": 1, "l.k": 1, "l.v": 1}
     one = _split_run(2, 0)._assign_parts({"0/hessian:l.o": stat}, [_Quantizer()])
     assert one == {}  # one group: the owner solves it

@@ -112,6 +112,49 @@ def test_scales_are_absmax_of_cached_keys_and_values(tmp_path: Path, arch: str, 
     assert block["kv_cache_scheme"]["num_bits"] == 8 and block["kv_cache_scheme"]["type"] == "float"
 
 
+INT8_WEIGHTS = {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel",
+                                                          "symmetric": True}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_one_pass_scales_are_absmax_of_the_keys_and_values_inference_computes(
+    arch: str, strategy: str, shards: int, caplog
+) -> None:
+    """With the attention's Linears quantized too, the one-pass cut observes the keys and values through its
+    stand-in cache after k_proj / v_proj are quantized and with every earlier layer quantized (its KV cache
+    fp8): the scales are max |x| / 448 of the calibrated model itself, layer by layer, bit for bit."""
+    model = MODELS[arch]()
+    modifier = QuantizationModifier(config_groups=INT8_WEIGHTS, ignore=["lm_head"],
+                                    kv_cache_scheme=kv(strategy, observer="static_minmax"))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="seqcal"):
+        calibrate(model, modifier, num_shards=shards)
+    assert any("one pass: cut before each group" in r.getMessage() for r in caplog.records)
+    expected = reference_absmax(model, batches(), per_head=strategy == "attn_head")  # the quantized weights
+    for key, absmax in expected.items():
+        name, _, buffer = key.rpartition(".")
+        got = getattr(model.get_submodule(name), buffer)
+        assert torch.equal(got.reshape(-1), absmax / FP8_MAX), key
+
+
+def test_one_pass_kv_cache_of_a_model_read_from_disk_equals_the_model_in_memory(tmp_path: Path) -> None:
+    """Offloaded weights (read per subgraph) and the streaming checkpoint: the attention's scales are written
+    with the subgraph that runs its cache update, equal to those of the model held in RAM."""
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "model")
+    data = [
+        {"input_ids": ids[m.bool()].tolist()} for b in batches() for ids, m in zip(*b.values(), strict=True)
+    ]
+    recipe = {"config_groups": INT8_WEIGHTS, "ignore": ["lm_head"], "kv_cache_scheme": kv()}
+    for source, out in ((str(tmp_path / "model"), "disk"), (model, "ram")):
+        oneshot(model=source, dataset=data, recipe=QuantizationModifier(**recipe), output_dir=str(tmp_path / out),
+                max_seq_length=12, num_calibration_samples=len(data), batch_size=1, dtype="float32")  # fmt: skip
+    disk, ram = checkpoint_tensors(tmp_path / "disk"), checkpoint_tensors(tmp_path / "ram")
+    assert disk.keys() == ram.keys() and "model.layers.1.self_attn.v_scale" in disk
+    assert not [k for k in disk if not torch.equal(disk[k], ram[k])]
+
+
 def test_qwen3_scales_read_keys_after_the_k_norm() -> None:
     """The k norm scales keys by up to 3: a scale from k_proj's output would be far off."""
     model = tiny_qwen3()
@@ -188,7 +231,7 @@ def test_fp8_static_with_kv_cache_reloads_in_transformers(tmp_path: Path, caplog
     with caplog.at_level(logging.INFO, logger="seqcal"):
         oneshot(model=model, dataset=data, recipe=recipe, output_dir=str(tmp_path / "out"), max_seq_length=12,
                 num_calibration_samples=len(data), batch_size=1)  # fmt: skip
-    assert any("cutting after each layer" in r.getMessage() for r in caplog.records)
+    assert any("one pass: cut before each group" in r.getMessage() for r in caplog.records)
     tensors = checkpoint_tensors(tmp_path / "out")
     for i in range(2):
         for kind in ("k", "v"):

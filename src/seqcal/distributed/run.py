@@ -69,6 +69,7 @@ def _part(sg: Subgraph, parts: dict[str, int], rank: int, default: int) -> Subgr
     part = Part(**{f.name: getattr(sg, f.name) for f in fields(Subgraph)},
                 mine=None if rank == default else mine, others=others)  # fmt: skip
     part.targets = [t for t in sg.targets if keep(t)]
+    part.kv_updates = list(sg.kv_updates) if rank == default else []  # the KV cache's scales: the owner's
     part.target_inputs = {k: kept for k, v in sg.target_inputs.items() if (kept := [t for t in v if keep(t)])}
     return part
 
@@ -192,8 +193,9 @@ class ShardedRun:
         if len(groups) < 2:
             return {}
 
-        def cost(names: list[str]) -> float:  # as ``solve_costs``: out * in^2 + in^3 per module
-            return sum(float(o) * i**2 + float(i) ** 3 for o, i in (self.shapes[n] for n in names))
+        def cost(names: list[str]) -> float:  # a stacked solve: sum(out) * in^2, and one inverse in^3
+            shapes = [self.shapes[n] for n in names]
+            return sum(float(o) * i**2 for o, i in shapes) + float(max(i for _, i in shapes)) ** 3
 
         load = [0.0] * self.group.world_size
         parts = {}

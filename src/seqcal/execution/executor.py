@@ -328,9 +328,9 @@ def _autocast(state: Any) -> contextlib.AbstractContextManager:
 
 def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
           state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
-          indices: Sequence[int] | None = None) -> None:  # fmt: skip
-    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs; ``keep`` collects target
-    outputs of a few batches."""
+          indices: Sequence[int] | None = None, store: bool = True) -> None:  # fmt: skip
+    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (unless ``store`` is False);
+    ``keep`` collects target outputs of a few batches."""
     targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
     kept = 0  # samples whose outputs ``keep`` holds
     indices = range(len(batches)) if indices is None else indices
@@ -343,6 +343,8 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
                 if prof.enabled:
                     args["bytes"] = tensor_bytes(env)
             runner.run(sg, env)
+            if not store:
+                continue
             with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
                 for name in sg.outputs:
                     cache.put(b, name, env[name])
@@ -386,6 +388,40 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
     return sum(errors) / len(errors) if errors else None
 
 
+def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
+                  cache: ActivationCache, state: Any, prof: Profiler) -> None:  # fmt: skip
+    """One-pass cut: the keys and values of the attention modules whose cache update ``sg`` runs are observed in
+    a pass over every batch with the subgraph's modules already quantized (as inference computes them; outputs
+    not kept), then their k_scale / v_scale are set (on the subgraph's owner, sent to the other processes); the
+    propagation pass after it runs them as an fp8 KV cache holds them."""
+    kvs = [m for m in modifiers if getattr(m, "kv", None) is not None]
+    names = [n for n in sg.kv_updates if any(n in m.kv.modules and n not in m.kv.finished for m in kvs)]
+    if not names:
+        return
+    label = f"subgraph {sg.index} (KV cache)"
+    with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
+        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+            with contextlib.ExitStack() as stack:
+                for m in kvs:
+                    stack.enter_context(m.kv.observe_updates(names))
+                _pass(runner, sg, batches, cache, state, None, prof, "calibration", shard, store=False)
+            if state.sharding is not None:
+                state.sharding.collect(sg.index, k, kvs, state.device, split=False)
+    sharding = state.sharding
+    if sharding is None:
+        for m in kvs:
+            m.kv_finish(sg, runner.model, state, updates=True)
+        return
+    with prof.span("communication", f"reduce {label}", subgraph=sg.index):
+        sharding.reduce(sg.index, kvs, state.device)
+    owner = sharding.owners[sg.index]
+    if sharding.owns(sg.index):
+        for m in kvs:
+            m.kv_finish(sg, runner.model, state, updates=True)
+    with prof.span("communication", f"share {label}", subgraph=sg.index):
+        sharding.share(sg.index, owner, [], runner.model, state, kvs, sg)
+
+
 def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]],
                      modifiers: Sequence[Any], cache: ActivationCache, state: Any, prof: Profiler) -> float | None:  # fmt: skip
     """One pass for a subgraph cut before its targets: calibrate from their cached inputs, then run it once.
@@ -419,6 +455,8 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
         state.token_mask = None
     trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
     _compress(runner, sg, modifiers, state, prof)
+    if sg.kv_updates:
+        _calibrate_kv(runner, sg, batches, modifiers, cache, state, prof)
     if sg.outputs:
         _pass(runner, sg, batches, cache, state, None, prof, "propagation")
     errors = [e for n in sg.targets if (e := state.module_errors.get(n, {}).get("rel_error")) is not None]

@@ -34,6 +34,7 @@ from seqcal.experts import routed_experts
 from seqcal.modifiers import RunState
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.kv_cache import quantized_kv
+from seqcal.modifiers.kv_hooks import kv_tap, kv_update_sites
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
 from seqcal.tracing.leaves import normalize_trace_into
@@ -195,8 +196,8 @@ def _run(
         def differs(candidate: SubgraphList) -> Divergence | None:
             if not args.verify or not any(m.needs_calibration for m in modifiers):
                 return None  # no forward pass will run through the partition
-            with profiler.span("verify", "partition vs eager"):
-                return verify_run(candidate, batches[0], store, device)
+            with profiler.span("verify", "partition vs eager"):  # the trace's sample (its stand-in cache)
+                return verify_run(candidate, getattr(candidate, "kv_sample", batches[0]), store, device)
 
         if subgraphs is not None and (diverged := differs(subgraphs)):
             logger.warning("seqcal: cutting at layers: the cut before each module group %s", diverged.what())
@@ -241,7 +242,10 @@ def _run(
 
             with contextlib.ExitStack() as stack:
                 stack.enter_context(quantized_inputs(model, state, schemes))  # downstream sees runtime inputs
-                stack.enter_context(quantized_kv(model, modifiers))  # and an fp8 KV cache once calibrated
+                state.kv_tap = getattr(subgraphs, "kv_tap", None)
+                stack.enter_context(
+                    quantized_kv(model, modifiers, state.kv_tap, state)
+                )  # and an fp8 KV cache
                 if store is not None:  # weights off the model: onloaded per subgraph; its buffers go once
                     stack.enter_context(safety_hooks(model, store, device))
                     stack.enter_context(buffers_on(model, device))
@@ -293,8 +297,17 @@ def one_pass_subgraphs(
         return None
     names = [n for n, _ in model.named_modules() if n in wanted]
     pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"
+    attention = sorted({n for m in modifiers if getattr(m, "kv", None) is not None for n in m.kv.modules})
+    tap = None
+    if attention:  # kv_cache_scheme: the keys and values reach the graph through a stand-in cache
+        tap, argument = kv_tap(model, attention), _cache_argument(model)
+        if tap is None or argument is None:
+            logger.info("seqcal: cutting at layers, not before each module (the attention modules' cache updates "
+                        "cannot be told apart by layer_idx, or the model takes no cache argument)")  # fmt: skip
+            return None
+        sample = {**sample, argument: tap}
     try:
-        return trace_subgraphs(
+        subgraphs = trace_subgraphs(
             model, sample, [pattern], args.tracing_ignore, None, 1, cut="before", trace_into=args.trace_into,
             verify=False,
         )  # fmt: skip
@@ -304,6 +317,22 @@ def one_pass_subgraphs(
         log = logger.warning if args.trace_into else logger.info  # asked for a full graph: say it differs
         log("seqcal: cutting at layers, not before each module (%s)", reason)
         return None
+    if tap is not None:
+        sites = kv_update_sites(subgraphs, attention)
+        if sites is None:
+            logger.info("seqcal: cutting at layers, not before each module (not every attention module's cache "
+                        "update runs in a subgraph of its own group)")  # fmt: skip
+            return None
+        for sg in subgraphs:
+            sg.kv_updates = sites.get(sg.index, [])
+        subgraphs.kv_tap, subgraphs.kv_sample = tap, sample
+    return subgraphs
+
+
+def _cache_argument(model: torch.nn.Module) -> str | None:
+    """The model forward's cache argument (``cache`` since transformers 5.24, ``past_key_values`` before)."""
+    params = inspect.signature(type(model).forward).parameters
+    return next((a for a in ("cache", "past_key_values") if a in params), None)
 
 
 def _log_cut(

@@ -122,6 +122,8 @@ class RunState:
     # The recipe's kv_cache_scheme (compressed-tensors QuantizationArgs) when the KV cache is quantized: written
     # to quantization_config; the scales themselves are the attention modules' k_scale / v_scale buffers.
     kv_cache_scheme: Any = None
+    # The one-pass cut's stand-in cache (``kv_hooks.kv_tap``) when the keys and values reach the graph through it.
+    kv_tap: Any = None
     folds: list[Fold] = field(default_factory=list)  # scales folded so far, in order (``fold``)
     edited: set[str] = field(default_factory=set)  # producers whose weights a fold changed (saved, kept)
     # Every other module whose parameters or buffers a modifier changed in place, outside ``quantized``

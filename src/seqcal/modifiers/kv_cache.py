@@ -38,6 +38,7 @@ from seqcal.modifiers.kv_hooks import (
     cache_argument,
     checkpoint_kv_scales,
     fake_quantized_kv,
+    fp8_kv,
     quantized_kv,
 )
 from seqcal.observers import OBSERVERS, ActivationObserver, observer_name
@@ -173,6 +174,9 @@ class KVCacheCalibration:
         self.modules: dict[str, str] = {}  # attention module -> its cache argument
         self.observers: dict[tuple[str, str], ActivationObserver] = {}  # (module, "k" | "v") -> observer
         self.finished: set[str] = set()
+        self.observing: set[str] = (
+            set()
+        )  # modules whose updates a stand-in cache shows to their observers now
 
     def validate(self, model: torch.nn.Module) -> None:
         self.modules = attention_modules(model, self.where)
@@ -203,6 +207,31 @@ class KVCacheCalibration:
                 observer.update(_tokens(x, state.token_mask))
 
         return observe
+
+    def tap_action(self, name: str, model: torch.nn.Module, state: Any) -> Any:
+        """What the one-pass cut's stand-in cache (``kv_hooks.kv_tap``) does with the keys and values of ``name``:
+        fp8 fake quantization with its scales once calibrated, shown to its observers while ``observe_updates``
+        asks for it, else nothing."""
+        observe = self._observe(name, state)
+
+        def act(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor] | None:
+            if name in self.finished:
+                module = model.get_submodule(name)
+                return fp8_kv(module.k_scale, module.v_scale)(keys, values)
+            if name in self.observing:
+                observe(keys, values)
+            return None
+
+        return act
+
+    @contextlib.contextmanager
+    def observe_updates(self, names: list[str]) -> Iterator[None]:
+        """Observe the keys and values of ``names`` that the stand-in cache sees during the block."""
+        self.observing.update(names)
+        try:
+            yield
+        finally:
+            self.observing.difference_update(names)
 
     @contextlib.contextmanager
     def hooks(self, modules: list[str], model: torch.nn.Module, state: Any) -> Iterator[None]:

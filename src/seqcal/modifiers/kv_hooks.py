@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +69,75 @@ class ObservingCache:
         return getattr(cache, name)
 
 
+def kv_tap(model: torch.nn.Module, modules: Iterable[str]) -> Any:
+    """A stand-in cache for tracing the one-pass cut with a ``kv_cache_scheme``, or None when the attention
+    modules cannot be told apart by their ``layer_idx`` (the cut after layers is used then).
+
+    It is an empty ``DynamicCache`` (so that the model's mask and position code behave as for a prompt with no
+    past) that stores nothing: its ``update`` hands the keys and values of attention ``layer_idx`` to what the
+    run asks for (``KVTap.on_update``: observe them, or replace them by their fp8 fake quantization) and returns
+    them. Traced as a constant, the attention's ``cache.update(...)`` statement runs it at run time; the
+    pipeline finds which subgraph runs each update (``kv_update_sites``).
+
+    Args:
+        model: the model.
+        modules: the attention modules whose keys and values are calibrated.
+    """
+    from transformers import DynamicCache
+
+    layers: dict[int, str] = {}
+    for name in modules:
+        index = getattr(model.get_submodule(name), "layer_idx", None)
+        if not isinstance(index, int) or index in layers:
+            return None
+        layers[index] = name
+
+    class KVTap(DynamicCache):
+        """See ``kv_tap``."""
+
+        def __init__(self) -> None:
+            super().__init__(config=getattr(model.config, "get_text_config", lambda: model.config)())
+            self.layers_to_names = layers
+            # attention module -> (keys, values) -> replacement (keys, values) or None; set by the run
+            self.on_update: dict[str, Any] = {}
+
+        def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+                   **kwargs: Any) -> tuple[Tensor, Tensor]:  # fmt: skip
+            if isinstance(key_states, torch.fx.Proxy):  # while tracing: run the statement at run time instead
+                raise TypeError("the KV-cache stand-in is updated at run time")
+            act = self.on_update.get(self.layers_to_names.get(layer_idx, ""))
+            replaced = act(key_states, value_states) if act is not None else None
+            return replaced if replaced is not None else (key_states, value_states)
+
+        def __repr__(self) -> str:
+            return "KVTap()"
+
+    return KVTap()
+
+
+def kv_update_sites(subgraphs: Any, modules: Iterable[str]) -> dict[int, list[str]] | None:
+    """Subgraph index -> the attention modules (of ``modules``) whose ``cache.update(...)`` statement it runs,
+    found in a graph traced with ``kv_tap``; None unless each runs in exactly one subgraph cut before its
+    targets (the one-pass executor calibrates them there)."""
+    sites = {f"opaque_{s.site_id}": s for s in subgraphs.traced.opaque_sites}
+    wanted, found = set(modules), {}
+    for sg in subgraphs:
+        for node in sg.nodes:
+            site = sites.get(getattr(node.target, "__name__", "")) if node.op == "call_function" else None
+            name = node.meta.get("seqcal_module")
+            if site is None or name not in wanted:
+                continue
+            if any(a in site.inputs and f"{a}.update(" in site.code for a in CACHE_ARGUMENTS):
+                if found.setdefault(name, sg.index) != sg.index or not sg.target_inputs:
+                    return None
+    if set(found) != wanted:
+        return None
+    out: dict[int, list[str]] = {}
+    for name, index in found.items():
+        out.setdefault(index, []).append(name)
+    return out
+
+
 @contextlib.contextmanager
 def fake_quantized_kv(model: torch.nn.Module, scales: dict[str, tuple[Tensor, Tensor]]) -> Iterator[None]:
     """Run the attention modules in ``scales`` with their cached keys and values fake-quantized to fp8 with
@@ -104,7 +173,8 @@ def fake_quantized_kv(model: torch.nn.Module, scales: dict[str, tuple[Tensor, Te
             handle.remove()
 
 
-def _quantizing_hook(argument: str, k_scale: Tensor, v_scale: Tensor) -> Any:
+def fp8_kv(k_scale: Tensor, v_scale: Tensor) -> Any:
+    """``(keys, values) -> (keys, values)`` fake-quantized to fp8 with static scales, as vLLM's fp8 KV cache."""
     from seqcal.modifiers.activations import qdq  # activations imports nothing from here
 
     fp8 = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
@@ -113,6 +183,12 @@ def _quantizing_hook(argument: str, k_scale: Tensor, v_scale: Tensor) -> Any:
         # scales [1] or [kv_heads, 1, 1] broadcast against [batch, kv_heads, seq, head_dim]
         k = qdq(keys, k_scale.to(keys.device, keys.dtype), None, fp8).to(keys.dtype)
         return k, qdq(values, v_scale.to(values.device, values.dtype), None, fp8).to(values.dtype)
+
+    return quantize
+
+
+def _quantizing_hook(argument: str, k_scale: Tensor, v_scale: Tensor) -> Any:
+    quantize = fp8_kv(k_scale, v_scale)
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, {**kwargs, argument: ObservingCache(quantize, kwargs.get(argument))}
@@ -127,7 +203,9 @@ def checkpoint_kv_scales(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, 
 
 
 @contextlib.contextmanager
-def quantized_kv(model: torch.nn.Module, modifiers: list[Any]) -> Iterator[None]:
+def quantized_kv(
+    model: torch.nn.Module, modifiers: list[Any], tap: Any = None, state: Any = None
+) -> Iterator[None]:
     """Fake-quantize the keys and values of every attention module once its k_scale / v_scale are calibrated
     (entered by the pipeline around the calibration loop): later passes, the propagation pass of its own layer
     included, feed downstream layers what an fp8 KV cache gives them. Before that, calibration sees raw keys.
@@ -135,6 +213,8 @@ def quantized_kv(model: torch.nn.Module, modifiers: list[Any]) -> Iterator[None]
     Args:
         model: the model being calibrated.
         modifiers: the run's modifiers; those with a ``kv`` (KVCacheCalibration) take part.
+        tap: the one-pass cut's stand-in cache (``kv_tap``), whose updates then observe and quantize too.
+        state: the run state (the token mask of the batch being observed).
 
     Example:
         >>> with quantized_kv(model, modifiers):  # doctest: +SKIP
@@ -148,10 +228,14 @@ def quantized_kv(model: torch.nn.Module, modifiers: list[Any]) -> Iterator[None]
                 handles.append(
                     module.register_forward_pre_hook(_when_finished(kv, name, argument), with_kwargs=True)
                 )
+                if tap is not None:
+                    tap.on_update[name] = kv.tap_action(name, model, state)
         yield
     finally:
         for handle in handles:
             handle.remove()
+        if tap is not None:
+            tap.on_update.clear()
 
 
 def _when_finished(kv: KVCacheCalibration, name: str, argument: str) -> Any:

@@ -68,10 +68,10 @@ class QuantizationModifier(Modifier):
         self.kv: KVCacheCalibration | None = None
         if self.kv_cache_scheme is not None:
             self.kv = KVCacheCalibration(kv_cache_args(self.kv_cache_scheme, self.name), self.name)
-            # keys and values are observed inside the attention modules during a calibration pass: data is
-            # needed even for a data-free weight scheme, and the layer cut runs one
+            # keys and values are observed where the attention updates its cache: data is needed even for a
+            # data-free weight scheme. The one-pass cut reaches them through a stand-in cache (``kv_tap``,
+            # ``kv_update_sites``); where it cannot, the pipeline cuts after each layer.
             self.needs_calibration = True
-            self.input_only = False
         self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
         self._override_observers()
         self.modules: dict[str, QuantizationScheme] = {}
@@ -139,23 +139,34 @@ class QuantizationModifier(Modifier):
 
     def kv_hooks(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Any:
         """Observe the keys and values of the subgraph's attention modules (kv_cache_scheme), else nothing."""
-        if self.kv is None:
+        if (
+            self.kv is None or state.kv_tap is not None
+        ):  # the one-pass cut observes through its stand-in cache
             return contextlib.nullcontext()
         return self.kv.hooks(subgraph.modules, model, state)
 
-    def kv_finish(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+    def kv_finish(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, updates: bool = False
+    ) -> bool:
         """Store k_scale / v_scale of the subgraph's attention modules (kv_cache_scheme); True when some were:
-        their fp8 keys and values change the subgraph's outputs, which the propagation pass recomputes."""
-        if self.kv is None:
+        their fp8 keys and values change the subgraph's outputs, which the propagation pass recomputes.
+
+        Args:
+            updates: the attention modules whose cache update a one-pass subgraph runs (``kv_updates``, after
+                their own observation pass) instead of those inside the subgraph's modules (the layer cut).
+        """
+        if self.kv is None or (state.kv_tap is not None) != updates:  # one-pass: after its own pass
             return False
+        inside = [n for n in subgraph.kv_updates if n in self.kv.modules and n not in self.kv.finished] if \
+            updates else self.kv.modules_in(subgraph.modules)  # fmt: skip
         # those this process compresses (a subgraph split over processes: its owner's)
-        names = [n for n in self.kv.modules_in(subgraph.modules) if subgraph.holds(n)]
+        names = [n for n in inside if subgraph.holds(n)]
         state.changed.update(names)  # their buffers: put back on a replay
         return self.kv.finish(names, model)
 
     def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
         if self.kv is not None:  # their k_scale / v_scale are back: keys and values are fp8 from here on
-            self.kv.finished.update(self.kv.modules_in(subgraph.modules))
+            self.kv.finished.update(n for n in self.kv.modules if subgraph.holds(n))
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
         self.inputs.observe([n for n in names if n in self.modules], x, state)
@@ -174,7 +185,9 @@ class QuantizationModifier(Modifier):
 
     def results(self, subgraph: Subgraph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The KV cache's scales calibrated in ``subgraph`` (kv_cache_scheme), else none."""
-        return self.kv.scales_of(subgraph.modules, model) if self.kv is not None else {}
+        if self.kv is None:
+            return {}
+        return self.kv.scales_of([*subgraph.modules, *subgraph.kv_updates], model)
 
     def load_results(
         self, subgraph: Subgraph, results: dict[str, torch.Tensor], model: torch.nn.Module

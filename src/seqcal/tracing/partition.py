@@ -25,6 +25,8 @@ class Subgraph:
         returns: whether it holds the graph's output node.
         target_inputs: for subgraphs cut before their targets (``cut="before"``): the name of the cached
             value each target reads -> the targets reading it (q/k/v share one, gate/up another).
+        kv_updates: attention modules whose KV-cache update this subgraph runs (set by the pipeline for a
+            ``kv_cache_scheme`` in the one-pass cut): it calibrates their k_scale / v_scale, and holds them.
     """
 
     index: int
@@ -36,10 +38,12 @@ class Subgraph:
     modules: list[str] = field(default_factory=list)
     returns: bool = False
     target_inputs: dict[str, list[str]] = field(default_factory=dict)
+    kv_updates: list[str] = field(default_factory=list)
 
     def holds(self, name: str) -> bool:
-        """Whether module ``name`` is one of ``modules`` or inside one of them (``within``)."""
-        return within(name, self.modules)
+        """Whether module ``name`` is one of ``modules`` or inside one of them (``within``), or an attention
+        module whose cache update it runs (``kv_updates``: its k_scale / v_scale are saved with the subgraph)."""
+        return within(name, self.modules) or name in self.kv_updates
 
 
 def within(name: str, modules: Collection[str]) -> bool:
