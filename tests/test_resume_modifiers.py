@@ -4,7 +4,8 @@ tensor, the checkpoint of a run that was never interrupted.
 Replaying a finished subgraph must put back every weight a modifier changed, not only the quantized ones:
 pruned-only weights (SparseGPT, Wanda without quantization), smoothing scales folded into norms, producers and
 consumers (SmoothQuant, AWQ), calibrated k_scale / v_scale buffers (kv_cache_scheme). Otherwise the downstream subgraphs calibrate on the wrong inputs and the checkpoint is
-silently wrong. The stops land at several points (after the first subgraph, midway, before the last).
+silently wrong. Where the run divided cached inputs by folded scales (SmoothQuant in the one-pass cut), the
+replay divides them again instead of running the folded producer, whose output rounds differently. The stops land at several points (after the first subgraph, midway, before the last).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ RECIPES = {
     "sparsegpt_2_4": "SparseGPTModifier: {sparsity: 0.5, mask_structure: '2:4', ignore: [lm_head]}",
     "wanda": "WandaPruningModifier: {sparsity: 0.5, ignore: [lm_head]}",
     "smoothquant": "SmoothQuantModifier: {smoothing_strength: 0.8}",
+    # the one-pass cut divides the cached inputs of q/k/v and gate/up by the scales it folds into their norms:
+    # a replay must divide them again (with the norms unfolded until then), or GPTQ's codes change in the last bits
+    "smoothquant_gptq": "SmoothQuantModifier: {smoothing_strength: 0.8}\n"
+    "GPTQModifier: {scheme: W8A8, ignore: [lm_head], block_size: 16}",
     "awq": f"AWQModifier: {{{ASYM}, ignore: [lm_head], n_grid: 4}}",
     "kv_cache": "QuantizationModifier: {scheme: W8A8, ignore: [lm_head], kv_cache_scheme: {num_bits: 8, type: float, "
     "strategy: tensor, dynamic: false, symmetric: true}}",

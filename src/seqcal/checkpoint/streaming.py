@@ -41,7 +41,8 @@ from seqcal.checkpoint.writer import (
     write_extras,
 )
 from seqcal.errors import SeqcalError
-from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.mappings import Mapping as FoldMapping
+from seqcal.modifiers.base import Fold, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
 from seqcal.tracing.partition import Subgraph
@@ -181,9 +182,11 @@ class StreamingCheckpoint:
         )
         for file in files:
             with safe_open(str(file), framework="pt") as f:
+                deferred = _deferred(f.metadata() or {})
                 for key in [k for k in f.keys() if ":param:" in k]:
                     name, _, param = key.partition(":param:")
-                    self._put_back(name, param, f.get_tensor(key))
+                    if name not in deferred:  # put back when its subgraph is replayed (``restore``)
+                        self._put_back(name, param, f.get_tensor(key))
                 self._restore_records(f.metadata() or {})
 
     def _put_back(self, name: str, param: str, value: torch.Tensor) -> None:
@@ -230,6 +233,13 @@ class StreamingCheckpoint:
         }  # fmt: skip
         metadata = {"edited": json.dumps(sorted(n for n in mine if n in self.state.edited)),
                     "sparsity": json.dumps(sparsity)}  # fmt: skip
+        # folds that divided this subgraph's cached inputs: a replay divides them again, and runs the producers
+        # (in earlier subgraphs) with their weights from before the fold until then (``_deferred``)
+        folds = self.state.divided.get(sg.index, [])
+        for i, fold in enumerate(folds):
+            out[f"{i}:fold:scales"] = fold.scales
+        metadata["divided"] = json.dumps([[f.mapping.producer, list(f.mapping.consumers), f.mapping.kind]
+                                          for f in folds])  # fmt: skip
         return out, metadata
 
     def _trim(self, names: Any) -> None:
@@ -263,8 +273,19 @@ class StreamingCheckpoint:
                 )
             return
         tensors = load_file(str(file))
-        for key in [k for k in tensors if ":param:" in k]:  # already put back by _restore_edited
-            tensors.pop(key)
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata() or {}
+        deferred = _deferred(metadata)
+        for key in [
+            k for k in tensors if ":param:" in k
+        ]:  # already put back by _restore_edited, but producers
+            name, _, param = key.partition(":param:")  # of this subgraph's divisions: from now on folded
+            value = tensors.pop(key)
+            if name in deferred:
+                self._put_back(name, param, value)
+        maps = json.loads(metadata.get("divided", "[]"))
+        self.state.replay_folds = [Fold(FoldMapping(p, tuple(c), k), tensors.pop(f"{i}:fold:scales"))
+                                   for i, (p, c, k) in enumerate(maps)]  # fmt: skip
         for name in sorted({k.split(":")[0] for k in tensors}):
             scheme = schemes[name]
             group_size = scheme.weights.group_size if strategy_of(scheme.weights) == "group" else None
@@ -302,6 +323,11 @@ class StreamingCheckpoint:
         out = self.writer.close(checkpoint_config(self.model, self.state, self.layout))
         shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)
         return out
+
+
+def _deferred(metadata: Mapping[str, str]) -> set[str]:
+    """The producers of the folds a subgraph's file records (``divided``)."""
+    return {producer for producer, _, _ in json.loads(metadata.get("divided", "[]"))}
 
 
 def _undo_close(path: Path, closing: Mapping[str, str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -15,7 +16,14 @@ from tqdm.auto import tqdm
 from seqcal.errors import SeqcalError
 from seqcal.execution.cache.store import ActivationCache
 from seqcal.execution.host import trim_host_memory
-from seqcal.execution.transforms import split_transforms, transform_from_inputs, transform_with_hooks
+from seqcal.execution.transforms import (
+    divide_inputs,
+    split_transforms,
+    transform_from_inputs,
+    transform_with_hooks,
+)
+from seqcal.mappings import Mapping as FoldMapping
+from seqcal.modifiers.base import Fold
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
 from seqcal.tracing.partition import Subgraph, target_ends
 from seqcal.tracing.values import OpaqueCall
@@ -245,6 +253,8 @@ def calibrate_subgraphs(
             if replay:
                 with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
                     _restore(sg, restore, runner.model, state)
+                for fold in _replayed_folds(sg, state):  # the divisions the interrupted run made here
+                    divide_inputs(cache, sg, fold, len(batches))
                 for m in modifiers:  # their records of what the interrupted run did to it
                     if hasattr(m, "replayed"):
                         m.replayed(sg, runner.model, state)
@@ -281,6 +291,26 @@ def _restore(
     if state.sharding is not None:
         restored = [n for n in sorted(state.changed_modules()) if sg.holds(n)]
         state.sharding.share(sg.index, 0, restored, model, state)
+
+
+def _replayed_folds(sg: Subgraph, state: Any) -> list[Fold]:
+    """The folds whose scales divided ``sg``'s cached inputs in the interrupted run (read by the process that
+    writes the checkpoint, ``StreamingCheckpoint.restore``, and sent to the others)."""
+    folds, state.replay_folds = state.replay_folds, []
+    if state.sharding is None or state.sharding.group.world_size == 1 or not sg.target_inputs:
+        return folds
+    from seqcal.distributed.reduce import named_from_bytes, named_to_bytes
+
+    data = None
+    if state.sharding.group.writes:
+        data = named_to_bytes({str(i): f.scales for i, f in enumerate(folds)},
+                              {"maps": json.dumps([[f.mapping.producer, list(f.mapping.consumers), f.mapping.kind]
+                                                   for f in folds])})  # fmt: skip
+    tensors, meta = named_from_bytes(
+        state.sharding.group.broadcast(data, 0, f"replaying subgraph {sg.index}")
+    )
+    maps = json.loads(meta["maps"])
+    return [Fold(FoldMapping(p, tuple(c), k), tensors[str(i)]) for i, (p, c, k) in enumerate(maps)]
 
 
 def _shards(state: Any, num_batches: int) -> list[range]:

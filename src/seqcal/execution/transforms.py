@@ -101,11 +101,19 @@ def transform_from_inputs(model: torch.nn.Module, sg: Any, cache: Any, masks: Se
     for t in active:
         t.compress(sg, model, state)
     for fold in state.folds[start:]:
-        source = _source_of(sg, fold)
-        for b in range(len(masks)):
-            x = cache.fetch(b, source)
-            cache.put(b, source, (x.float() / fold.scales.to(x.device)).to(x.dtype))  # [..., in] / [in]
+        divide_inputs(cache, sg, fold, len(masks))
+        state.divided.setdefault(sg.index, []).append(fold)
         notify(fold, others, model, state)
+
+
+def divide_inputs(cache: Any, sg: Any, fold: Fold, num_batches: int) -> None:
+    """Rewrite the cached input of ``fold``'s consumers in ``sg`` as ``X / s``. A resumed run repeats exactly this
+    when it replays ``sg`` (after replaying the producer with its weights from before the fold), so that it
+    computes the same bits as the run it resumes: the folded producer itself would round differently."""
+    source = _source_of(sg, fold)
+    for b in range(num_batches):
+        x = cache.fetch(b, source)
+        cache.put(b, source, (x.float() / fold.scales.to(x.device)).to(x.dtype))  # [..., in] / [in]
 
 
 def transform_with_hooks(model: torch.nn.Module, sg: Any, run_pass: Callable[[Sequence[int]], None], num_batches: int,

@@ -125,6 +125,10 @@ class RunState:
     # The one-pass cut's stand-in cache (``kv_hooks.kv_tap``) when the keys and values reach the graph through it.
     kv_tap: Any = None
     folds: list[Fold] = field(default_factory=list)  # scales folded so far, in order (``fold``)
+    # Subgraph index -> the folds whose scales divided its cached inputs (the cut before the modules); a resumed
+    # run divides them again when it replays the subgraph (``replay_folds``: those of the one being replayed).
+    divided: dict[int, list[Fold]] = field(default_factory=dict)
+    replay_folds: list[Fold] = field(default_factory=list)
     edited: set[str] = field(default_factory=set)  # producers whose weights a fold changed (saved, kept)
     # Every other module whose parameters or buffers a modifier changed in place, outside ``quantized``
     # (consumers of a fold, calibrated buffers): see ``changed_modules``.

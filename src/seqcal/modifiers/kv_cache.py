@@ -5,12 +5,14 @@ A recipe's ``kv_cache_scheme`` (llm-compressor's argument of QuantizationModifie
 fp8 KV cache with static scales, one per layer (``strategy: tensor``) or one per key/value head
 (``strategy: attn_head``). The keys and values are observed where transformers hands them to the cache:
 the attention module calls ``cache.update(key_states, value_states, layer_idx)`` after the rotary embedding
-and after any k-norm, with exactly the tensors the attention kernel reads and the cache stores. During a
-calibration pass, a forward pre-hook gives each attention module a stand-in cache whose ``update`` shows
-those tensors to an observer and returns them unchanged; no other module and no global registry is touched.
-This is what compressed-tensors does as well (its ``QuantizedKVCache``), so the scales mean what vLLM reads.
-The stand-in cache and the hooks that fake-quantize the keys and values with the scales are in
-``seqcal.modifiers.kv_hooks``.
+and after any k-norm, with exactly the tensors the attention kernel reads and the cache stores. A stand-in
+cache shows those tensors to an observer and returns them unchanged: in the one-pass cut it is the model's
+cache argument in the traced graph (``kv_hooks.kv_tap``), and the subgraph that runs an attention's update
+runs once more, with its q/k/v quantized, to observe them (``tap_action``, ``observe_updates``); in the
+layer cut a forward pre-hook hands it to each attention module during the calibration pass. No other module
+and no global registry is touched. This is what compressed-tensors does as well (its ``QuantizedKVCache``),
+so the scales mean what vLLM reads. The stand-in caches and the hooks that fake-quantize the keys and values
+with the scales are in ``seqcal.modifiers.kv_hooks``.
 
 Saved as compressed-tensors / llm-compressor write them: ``<attention>.k_scale`` and ``<attention>.v_scale``
 in the dtype of the attention's weights, shape ``[1]`` (tensor) or ``[num_kv_heads, 1, 1]`` (attn_head),
