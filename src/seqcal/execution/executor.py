@@ -24,6 +24,7 @@ from seqcal.execution.transforms import (
 )
 from seqcal.mappings import Mapping as FoldMapping
 from seqcal.modifiers.base import Fold
+from seqcal.modifiers.kv_hooks import cache_update
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
 from seqcal.tracing.partition import Subgraph, target_ends
 from seqcal.tracing.values import OpaqueCall
@@ -56,8 +57,9 @@ class GraphRunner:
         owner, _, leaf = qualname.rpartition(".")
         return getattr(self._modules[owner] if owner else self.model, leaf) if leaf else self.model
 
-    def run(self, subgraph: Subgraph, env: dict[str, Any]) -> Any:
-        """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs); returns the graph output if any."""
+    def run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None = None) -> Any:
+        """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs), or those up to the node named
+        ``until``; returns the graph output if any."""
         result = None
         for node in subgraph.nodes:
             args = self._load(node.args, env)
@@ -74,6 +76,8 @@ class GraphRunner:
                     f"subgraph {subgraph.index} failed at node {node.name!r} ({_describe(node)}): "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
+            if node.name == until:
+                return None
         return result
 
     def _load(self, arg: Any, env: dict[str, Any]) -> Any:
@@ -358,9 +362,9 @@ def _autocast(state: Any) -> contextlib.AbstractContextManager:
 
 def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
           state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
-          indices: Sequence[int] | None = None, store: bool = True) -> None:  # fmt: skip
-    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (unless ``store`` is False);
-    ``keep`` collects target outputs of a few batches."""
+          indices: Sequence[int] | None = None, store: bool = True, until: str | None = None) -> None:  # fmt: skip
+    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (unless ``store`` is False, or
+    the run stops after the node named ``until``); ``keep`` collects target outputs of a few batches."""
     targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
     kept = 0  # samples whose outputs ``keep`` holds
     indices = range(len(batches)) if indices is None else indices
@@ -372,8 +376,8 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
                 env = {name: cache.fetch(b, name) for name in sg.inputs}
                 if prof.enabled:
                     args["bytes"] = tensor_bytes(env)
-            runner.run(sg, env)
-            if not store:
+            runner.run(sg, env, until)
+            if not store or until is not None:
                 continue
             with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
                 for name in sg.outputs:
@@ -429,12 +433,25 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
     if not names:
         return
     label = f"subgraph {sg.index} (KV cache)"
+    last = [node.name for node in sg.nodes if cache_update(node) in names][-1]  # nothing after it is needed
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
         for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
             with contextlib.ExitStack() as stack:
                 for m in kvs:
                     stack.enter_context(m.kv.observe_updates(names))
-                _pass(runner, sg, batches, cache, state, None, prof, "calibration", shard, store=False)
+                _pass(
+                    runner,
+                    sg,
+                    batches,
+                    cache,
+                    state,
+                    None,
+                    prof,
+                    "calibration",
+                    shard,
+                    store=False,
+                    until=last,
+                )
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, kvs, state.device, split=False)
     sharding = state.sharding

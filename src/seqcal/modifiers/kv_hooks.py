@@ -115,21 +115,25 @@ def kv_tap(model: torch.nn.Module, modules: Iterable[str]) -> Any:
     return KVTap()
 
 
+def cache_update(node: torch.fx.Node) -> str | None:
+    """The attention module whose ``cache.update(...)`` statement ``node`` runs (an opaque statement of a graph
+    traced with ``kv_tap``), else None."""
+    site = getattr(node.target, "site", None) if node.op == "call_function" else None
+    if site is None or not any(a in site.inputs and f"{a}.update(" in site.code for a in CACHE_ARGUMENTS):
+        return None
+    return node.meta.get("seqcal_module")
+
+
 def kv_update_sites(subgraphs: Any, modules: Iterable[str]) -> dict[int, list[str]] | None:
     """Subgraph index -> the attention modules (of ``modules``) whose ``cache.update(...)`` statement it runs,
     found in a graph traced with ``kv_tap``; None unless each runs in exactly one subgraph cut before its
     targets (the one-pass executor calibrates them there)."""
-    sites = {f"opaque_{s.site_id}": s for s in subgraphs.traced.opaque_sites}
     wanted, found = set(modules), {}
     for sg in subgraphs:
         for node in sg.nodes:
-            site = sites.get(getattr(node.target, "__name__", "")) if node.op == "call_function" else None
-            name = node.meta.get("seqcal_module")
-            if site is None or name not in wanted:
-                continue
-            if any(a in site.inputs and f"{a}.update(" in site.code for a in CACHE_ARGUMENTS):
-                if found.setdefault(name, sg.index) != sg.index or not sg.target_inputs:
-                    return None
+            name = cache_update(node)
+            if name in wanted and (found.setdefault(name, sg.index) != sg.index or not sg.target_inputs):
+                return None
     if set(found) != wanted:
         return None
     out: dict[int, list[str]] = {}
