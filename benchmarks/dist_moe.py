@@ -60,7 +60,7 @@ def main() -> None:
     args = parser.parse_args()
     model = _model(args.layers)
     kwargs = {"model": str(model), "dataset": data(args.samples, args.seq), "recipe": RECIPE,
-              "max_seq_length": args.seq}  # fmt: skip
+              "max_seq_length": args.seq, "overwrite": True}  # fmt: skip
     runs = {"1 process": (1, None), "2 processes, one owner per layer": (2, _one_owner),
             "2 processes, groups spread": (2, None)}  # fmt: skip
     hashes = {}
