@@ -41,8 +41,7 @@ from seqcal.checkpoint.writer import (
     write_extras,
 )
 from seqcal.errors import SeqcalError
-from seqcal.mappings import Mapping as FoldMapping
-from seqcal.modifiers.base import Fold, QuantizedWeight, RunState
+from seqcal.modifiers.base import QuantizedWeight, RunState, fold_records, folds_from
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
 from seqcal.tracing.partition import Subgraph
@@ -238,8 +237,7 @@ class StreamingCheckpoint:
         folds = self.state.divided.get(sg.index, [])
         for i, fold in enumerate(folds):
             out[f"{i}:fold:scales"] = fold.scales
-        metadata["divided"] = json.dumps([[f.mapping.producer, list(f.mapping.consumers), f.mapping.kind]
-                                          for f in folds])  # fmt: skip
+        metadata["divided"] = fold_records(folds)
         return out, metadata
 
     def _trim(self, names: Any) -> None:
@@ -283,9 +281,9 @@ class StreamingCheckpoint:
             value = tensors.pop(key)
             if name in deferred:
                 self._put_back(name, param, value)
-        maps = json.loads(metadata.get("divided", "[]"))
-        self.state.replay_folds = [Fold(FoldMapping(p, tuple(c), k), tensors.pop(f"{i}:fold:scales"))
-                                   for i, (p, c, k) in enumerate(maps)]  # fmt: skip
+        records = metadata.get("divided", "[]")
+        scales = [tensors.pop(f"{i}:fold:scales") for i in range(len(json.loads(records)))]
+        self.state.replay_folds = folds_from(records, scales)
         for name in sorted({k.split(":")[0] for k in tensors}):
             scheme = schemes[name]
             group_size = scheme.weights.group_size if strategy_of(scheme.weights) == "group" else None

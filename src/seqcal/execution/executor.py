@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,8 +21,7 @@ from seqcal.execution.transforms import (
     transform_from_inputs,
     transform_with_hooks,
 )
-from seqcal.mappings import Mapping as FoldMapping
-from seqcal.modifiers.base import Fold
+from seqcal.modifiers.base import Fold, fold_records, folds_from
 from seqcal.modifiers.kv_hooks import cache_update
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
 from seqcal.tracing.partition import Subgraph, target_ends
@@ -307,14 +305,11 @@ def _replayed_folds(sg: Subgraph, state: Any) -> list[Fold]:
 
     data = None
     if state.sharding.group.writes:
-        data = named_to_bytes({str(i): f.scales for i, f in enumerate(folds)},
-                              {"maps": json.dumps([[f.mapping.producer, list(f.mapping.consumers), f.mapping.kind]
-                                                   for f in folds])})  # fmt: skip
+        data = named_to_bytes({str(i): f.scales for i, f in enumerate(folds)}, {"folds": fold_records(folds)})
     tensors, meta = named_from_bytes(
         state.sharding.group.broadcast(data, 0, f"replaying subgraph {sg.index}")
     )
-    maps = json.loads(meta["maps"])
-    return [Fold(FoldMapping(p, tuple(c), k), tensors[str(i)]) for i, (p, c, k) in enumerate(maps)]
+    return folds_from(meta["folds"], [tensors[str(i)] for i in range(len(tensors))])
 
 
 def _shards(state: Any, num_batches: int) -> list[range]:
@@ -362,9 +357,9 @@ def _autocast(state: Any) -> contextlib.AbstractContextManager:
 
 def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
           state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
-          indices: Sequence[int] | None = None, store: bool = True, until: str | None = None) -> None:  # fmt: skip
-    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (unless ``store`` is False, or
-    the run stops after the node named ``until``); ``keep`` collects target outputs of a few batches."""
+          indices: Sequence[int] | None = None, until: str | None = None) -> None:  # fmt: skip
+    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (none when each run stops after
+    the node named ``until``); ``keep`` collects target outputs of a few batches."""
     targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
     kept = 0  # samples whose outputs ``keep`` holds
     indices = range(len(batches)) if indices is None else indices
@@ -377,7 +372,7 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
                 if prof.enabled:
                     args["bytes"] = tensor_bytes(env)
             runner.run(sg, env, until)
-            if not store or until is not None:
+            if until is not None:
                 continue
             with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
                 for name in sg.outputs:
@@ -439,19 +434,7 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
             with contextlib.ExitStack() as stack:
                 for m in kvs:
                     stack.enter_context(m.kv.observe_updates(names))
-                _pass(
-                    runner,
-                    sg,
-                    batches,
-                    cache,
-                    state,
-                    None,
-                    prof,
-                    "calibration",
-                    shard,
-                    store=False,
-                    until=last,
-                )
+                _pass(runner, sg, batches, cache, state, None, prof, "calibration", shard, until=last)
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, kvs, state.device, split=False)
     sharding = state.sharding

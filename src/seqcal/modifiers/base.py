@@ -34,6 +34,7 @@ observers) see them, so nothing a quantizer accumulates is ever in the old coord
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -188,6 +189,18 @@ class Fold:
 
     mapping: Mapping
     scales: torch.Tensor
+
+
+def fold_records(folds: list[Fold]) -> str:
+    """The mappings of ``folds`` as JSON (saved, or sent, next to their scales)."""
+    return json.dumps([[f.mapping.producer, list(f.mapping.consumers), f.mapping.kind] for f in folds])
+
+
+def folds_from(records: str, scales: list[torch.Tensor]) -> list[Fold]:
+    """The folds of ``fold_records`` with their scales, in order."""
+    return [
+        Fold(Mapping(p, tuple(c), k), s) for (p, c, k), s in zip(json.loads(records), scales, strict=True)
+    ]
 
 
 class Modifier:
