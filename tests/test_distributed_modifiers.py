@@ -84,7 +84,7 @@ def _check_owners(name: str, model_dir: Path, out: Path) -> None:
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_same_bytes_for_1_and_2_processes(name: str, model_dir: Path, tmp_path: Path) -> None:
-    """Per-tensor SHA-256 of the checkpoint equal for 1 and 2 processes (and 4 for the KV cache's layer cut),
+    """Per-tensor SHA-256 of the checkpoint equal for 1 and 2 processes (and 4 for the KV-cache recipe),
     with the owners ``seqcal plan`` predicts (``OWNERS_CHECKED``); negative control: without the last shard's
     statistics some tensor differs, so the equality can fail."""
     worlds = (1, 2, 4) if name == "kv-rtn" else (1, 2)  # 4 processes where a run is cheapest
