@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from seqcal.algorithms import dequantize, formats
 from seqcal.checkpoint.identity import data_fingerprint, differences
@@ -270,14 +270,13 @@ class StreamingCheckpoint:
                     "the run cannot be resumed: start it again with overwrite=True"
                 )
             return
-        tensors = load_file(str(file))
         with safe_open(str(file), framework="pt") as f:
             metadata = f.metadata() or {}
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
         deferred = _deferred(metadata)
-        for key in [
-            k for k in tensors if ":param:" in k
-        ]:  # already put back by _restore_edited, but producers
-            name, _, param = key.partition(":param:")  # of this subgraph's divisions: from now on folded
+        # already put back by _restore_edited, except the producers of this subgraph's divisions: folded from now
+        for key in [k for k in tensors if ":param:" in k]:
+            name, _, param = key.partition(":param:")
             value = tensors.pop(key)
             if name in deferred:
                 self._put_back(name, param, value)

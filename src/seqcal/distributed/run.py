@@ -65,12 +65,13 @@ def _part(sg: Subgraph, parts: dict[str, int], rank: int, default: int) -> Subgr
     if rank != default and not mine:
         return None
     others = frozenset(n for n, r in parts.items() if r != rank)
-    keep = (lambda n: n in mine) if rank != default else (lambda n: n not in others)
     part = Part(**{f.name: getattr(sg, f.name) for f in fields(Subgraph)},
                 mine=None if rank == default else mine, others=others)  # fmt: skip
-    part.targets = [t for t in sg.targets if keep(t)]
     part.kv_updates = list(sg.kv_updates) if rank == default else []  # the KV cache's scales: the owner's
-    part.target_inputs = {k: kept for k, v in sg.target_inputs.items() if (kept := [t for t in v if keep(t)])}
+    part.targets = [t for t in sg.targets if part.holds(t)]
+    part.target_inputs = {
+        k: kept for k, v in sg.target_inputs.items() if (kept := [t for t in v if part.holds(t)])
+    }
     return part
 
 
@@ -468,12 +469,15 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
             f"own share of the data); run it in one process, without torchrun, or with --nproc-per-node 1"
         )
     schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
+    costs = solve_costs(subgraphs, modifiers, model)
+    if group.world_size == 1:  # one process solves everything: no module groups to spread
+        return ShardedRun(plan, group, costs, schemes)
     shapes = {name: (int(w.shape[0]), int(w.shape[1])) for name, module in model.named_modules()
               if isinstance(w := getattr(module, "weight", None), torch.Tensor) and w.ndim == 2}  # fmt: skip
     from seqcal.modifiers.formats import fused_groups
 
     together = fused_groups(model, [n for n in schemes if n in shapes])  # one global scale per fused group
-    return ShardedRun(plan, group, solve_costs(subgraphs, modifiers, model), schemes, shapes, together)
+    return ShardedRun(plan, group, costs, schemes, shapes, together)
 
 
 def resume_point(run: ShardedRun, stream: Any) -> int:

@@ -242,10 +242,8 @@ def _run(
 
             with contextlib.ExitStack() as stack:
                 stack.enter_context(quantized_inputs(model, state, schemes))  # downstream sees runtime inputs
-                state.kv_tap = getattr(subgraphs, "kv_tap", None)
-                stack.enter_context(
-                    quantized_kv(model, modifiers, state.kv_tap, state)
-                )  # and an fp8 KV cache
+                state.kv_tap = getattr(subgraphs, "kv_tap", None)  # and an fp8 KV cache once calibrated:
+                stack.enter_context(quantized_kv(model, modifiers, state.kv_tap, state))
                 if store is not None:  # weights off the model: onloaded per subgraph; its buffers go once
                     stack.enter_context(safety_hooks(model, store, device))
                     stack.enter_context(buffers_on(model, device))

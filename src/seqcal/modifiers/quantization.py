@@ -139,9 +139,8 @@ class QuantizationModifier(Modifier):
 
     def kv_hooks(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Any:
         """Observe the keys and values of the subgraph's attention modules (kv_cache_scheme), else nothing."""
-        if (
-            self.kv is None or state.kv_tap is not None
-        ):  # the one-pass cut observes through its stand-in cache
+        # the one-pass cut observes through its stand-in cache instead
+        if self.kv is None or state.kv_tap is not None:
             return contextlib.nullcontext()
         return self.kv.hooks(subgraph.modules, model, state)
 
