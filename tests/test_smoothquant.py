@@ -191,6 +191,88 @@ def test_layer_cut_smoothing_alone_keeps_the_float_function() -> None:
     assert (after - before).abs().max() <= 1e-5 * before.abs().max()
 
 
+def _mha_llama() -> torch.nn.Module:
+    """A tiny Llama without grouped kv heads, so that v_proj -> o_proj is a mapping too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).float().eval()
+
+
+W4_ASYM_G32 = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                                              "strategy": "group", "group_size": 32}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "w4_asym_g32"])
+def test_one_pass_folds_into_quantized_producers_keeping_their_codes(tmp_path: Path, scheme: str) -> None:
+    """v_proj and up_proj are quantized before o_proj's and down_proj's inputs are seen: the fold divides the scales
+    of their rows and keeps their codes, and the model the run leaves is the checkpoint's, weight for weight."""
+    from save_helpers import checkpoint_tensors, reload
+
+    def quantizer() -> GPTQModifier:
+        if scheme == "W8A8":
+            return GPTQModifier(scheme="W8A8", ignore=["lm_head"])
+        return GPTQModifier(config_groups=W4_ASYM_G32, ignore=["lm_head"])
+
+    runs = {}
+    v_to_o = [["re:.*o_proj"], "re:.*v_proj"]
+    for name, mappings in (("graph", None), ("norms", LLMC), ("norms+vo", [*LLMC, v_to_o])):
+        model = _mha_llama()
+        oneshot(model=model, dataset=_calibration(), output_dir=str(tmp_path / name),
+                recipe=[SmoothQuantModifier(smoothing_strength=0.8, mappings=mappings), quantizer()])  # fmt: skip
+        runs[name] = (model, checkpoint_tensors(tmp_path / name))
+    model, ours = runs["graph"]
+    # each producer quantized from the same inputs in both runs (they differ in its fold and downstream of it)
+    for producer, other in (("model.layers.0.self_attn.v_proj", "norms"), ("model.layers.0.mlp.up_proj", "norms+vo")):
+        theirs = runs[other][1]
+        codes = "weight_packed" if scheme != "W8A8" else "weight"
+        assert torch.equal(ours[f"{producer}.{codes}"], theirs[f"{producer}.{codes}"]), producer  # codes kept
+        s = theirs[f"{producer}.weight_scale"].float() / ours[f"{producer}.weight_scale"].float()
+        assert (s - 1).abs().max() > 0.05, producer  # smoothed: the scales of its rows divided by s
+        if scheme != "W8A8":  # one s per row, every group of the row
+            assert torch.allclose(s, s[:, :1].expand_as(s), rtol=1e-5), producer
+            assert torch.equal(ours[f"{producer}.weight_zero_point"], theirs[f"{producer}.weight_zero_point"])
+    loaded = dict(reload(tmp_path / "graph", dequantize=True).named_parameters())
+    for key, value in model.named_parameters():
+        assert torch.equal(value, loaded[key]), key
+
+
+def test_formats_whose_codes_would_change_are_not_folded_into(caplog: pytest.LogCaptureFixture) -> None:
+    """FP8 weights with one scale per tensor: up_proj -> down_proj is skipped in the one-pass cut (logged)."""
+    model = _mha_llama()
+    norm = model.model.layers[0].post_attention_layernorm.weight.clone()
+    with caplog.at_level("INFO", logger="seqcal"):
+        oneshot(model=model, dataset=_calibration(),
+                recipe=[SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(scheme="FP8", ignore=["lm_head"])])  # fmt: skip
+    assert (
+        "not smoothing model.layers.0.mlp.down_proj: model.layers.0.mlp.up_proj is already quantized and one "
+        "weight scale spans all its rows (strategy 'tensor')" in caplog.text
+    )
+    assert not torch.equal(model.model.layers[0].post_attention_layernorm.weight, norm)  # the norms still are
+
+
+def test_refusals_of_a_fold_into_a_quantized_producer() -> None:
+    """Codes stay valid only for per-row scales; keys and values already observed for KV-cache scales do not."""
+    from save_helpers import SCHEMES, rtn
+
+    v, up = "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.up_proj"
+    model = _mha_llama()
+    assert RunState().refold_refusal(model, v) is None  # not quantized: the plain fold
+    state = rtn(model, SCHEMES["w8a16_channel"], [v, up])
+    assert state.refold_refusal(model, v) is None and state.refold_refusal(model, up) is None
+    state.kv_cache_scheme = SCHEMES["fp8_dynamic"].input_activations  # any scheme: the KV cache is quantized
+    model.model.layers[0].self_attn.register_buffer("v_scale", torch.ones(1))
+    assert "quantized KV cache of model.layers.0.self_attn" in state.refold_refusal(model, v)
+    assert state.refold_refusal(model, up) is None
+    tensor = rtn(_mha_llama(), SCHEMES["fp8_weight_only"], [up])
+    assert "strategy 'tensor'" in tensor.refold_refusal(model, up)
+    with pytest.raises(RuntimeError, match="up_proj is already quantized and one weight scale spans all its rows"):
+        tensor.fold(model, Mapping(up, ("model.layers.0.mlp.down_proj",), "linear"), torch.ones(128))
+
+
 class _Interrupted(Exception):
     pass
 

@@ -167,7 +167,7 @@ class StreamingCheckpoint:
         self.last = sg.index
         if self.writer.pending_bytes >= self.checkpoint_bytes:
             self._record(sg.index)
-        self._trim(mine)
+        self._trim(mine, sg)
 
     def _restore_edited(self) -> None:
         """Put back every module a modifier changed in the finished subgraphs (besides the quantized ones), before
@@ -240,13 +240,14 @@ class StreamingCheckpoint:
         metadata["divided"] = fold_records(folds)
         return out, metadata
 
-    def _trim(self, names: Any) -> None:
-        """Drop the codes of modules already on disk: only their scheme is needed (for config.json).
+    def _trim(self, names: Any, sg: Subgraph) -> None:
+        """Drop the codes of modules ``sg`` wrote to the checkpoint: only their scheme is needed (for config.json).
 
-        Keeping them would hold the whole quantized model in RAM by the end of the run.
+        Keeping them would hold the whole quantized model in RAM by the end of the run. A module a later subgraph
+        still holds keeps them (a quantized producer that subgraph folds smoothing scales into, written after it).
         """
         empty = torch.empty(0)
-        for name in names:
+        for name in [n for n in names if self.owner.get(n) == sg.index]:
             qw = self.state.quantized[name]
             # the input qparams stay (a few bytes): a replayed pass still fake-quantizes the module's inputs
             self.state.quantized[name] = replace(qw, q=empty, scale=empty, zero_point=None, g_idx=None)
@@ -302,7 +303,7 @@ class StreamingCheckpoint:
                 values = dequantize(qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype)
             weight.data = values.to(weight.device)
             self.state.quantized[name] = qw
-        self._trim({k.split(":")[0] for k in tensors})
+        self._trim({k.split(":")[0] for k in tensors}, sg)
 
     def finish(self, tokenizer: Any = None, recipe_yaml: str | None = None) -> Path:
         """Write the modules no subgraph used, the extras and, last, config.json.

@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import torch
@@ -166,21 +166,76 @@ class RunState:
         """Fold smoothing ``scales`` into ``mapping`` (``seqcal.mappings.fold_scales``) and record it, so the
         pipeline moves the group's cached inputs and other modifiers' statistics to the new coordinates.
 
+        A producer quantized already (a Linear of an earlier group in the one-pass cut: up_proj before
+        down_proj's inputs are seen) takes the fold when its codes stay valid (``refold_refusal``): the scales of
+        its rows are divided, the codes kept, and its weight is their dequantized value.
+
         Raises:
-            RuntimeError: a consumer or the producer is already quantized (its codes would no longer match).
+            RuntimeError: a consumer is already quantized, or the producer is and cannot take the fold.
         """
-        done = [n for n in (mapping.producer, *mapping.consumers) if n in self.quantized]
+        done = [n for n in mapping.consumers if n in self.quantized]
         if done:
             raise RuntimeError(
                 f"cannot fold scales into {mapping.producer} -> {', '.join(mapping.consumers)}: {done[0]} is "
                 "already quantized; transforms must run before the quantizers of the group"
             )
+        if why := self.refold_refusal(model, mapping.producer):
+            raise RuntimeError(
+                f"cannot fold scales into {mapping.producer} -> {', '.join(mapping.consumers)}: "
+                f"{mapping.producer} is already quantized and {why}"
+            )
         fold_scales(model, mapping, scales)
+        if mapping.producer in self.quantized:
+            self.quantized[mapping.producer] = _rows_divided(model, mapping.producer,
+                                                             self.quantized[mapping.producer], scales)  # fmt: skip
         record = Fold(mapping, scales.detach().float())
         self.folds.append(record)
         self.edited.add(mapping.producer)
         self.changed.update(mapping.consumers)  # their columns were scaled: not the model's weights any more
         return record
+
+
+    def refold_refusal(self, model: torch.nn.Module, producer: str) -> str | None:
+        """Why smoothing scales cannot be folded into ``producer``'s rows now that it is quantized (None: they
+        can, or it is not quantized). Dividing row ``i`` by ``s_i`` keeps every code when each weight scale
+        belongs to one row (strategies channel and group, float scales): the row's scales are divided. One scale
+        across rows (tensor, blocks), fp8 or e8m0 scales (NVFP4, MX) would need new codes, and keys or values
+        whose KV-cache scales were calibrated already would no longer match them."""
+        qw = self.quantized.get(producer)
+        if qw is None:
+            return None
+        from seqcal.modifiers.formats import weight_format  # formats and schemes import compressed-tensors
+        from seqcal.modifiers.schemes import strategy_of
+
+        if (fmt := weight_format(qw.scheme)) is not None:
+            return f"its format ({fmt.strategy}, {fmt.scale} scales) would need new codes for scaled rows"
+        if (strategy := strategy_of(qw.scheme.weights)) not in ("channel", "group"):
+            return f"one weight scale spans all its rows (strategy {strategy!r}): scaled rows would need new codes"
+        if qw.q.numel() == 0:
+            return "its codes were written to the checkpoint already"
+        parts = producer.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            parent = ".".join(parts[:i])
+            if self.kv_cache_scheme is not None and hasattr(model.get_submodule(parent), "v_scale"):
+                return f"its outputs reach the quantized KV cache of {parent}, whose scales are calibrated already"
+        return None
+
+
+def _rows_divided(model: torch.nn.Module, producer: str, qw: QuantizedWeight, scales: torch.Tensor) -> QuantizedWeight:
+    """``qw`` with its last ``len(scales)`` rows divided by ``scales`` (the rows ``fold_scales`` divided): those
+    rows' scales divided, the codes kept, and the module's weight set to the dequantized result, so that the
+    model computes what the checkpoint will hold."""
+    from seqcal.algorithms import dequantize
+    from seqcal.modifiers.schemes import strategy_of
+
+    weight = model.get_submodule(producer).weight
+    scale = qw.scale.clone()
+    rows = slice(scale.shape[0] - scales.shape[0], None)
+    scale[rows] = (scale[rows].float() / scales.to(scale.device).unsqueeze(-1)).to(scale.dtype)
+    group = qw.scheme.weights.group_size if strategy_of(qw.scheme.weights) == "group" else None
+    values = dequantize(qw.q, scale, qw.zero_point, group_size=group, g_idx=qw.g_idx, dtype=weight.dtype)
+    weight.data = values.to(weight.device)
+    return replace(qw, scale=scale)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,14 @@
-"""SmoothQuantModifier: per-channel smoothing folded into the norms before q/k/v and gate/up.
+"""SmoothQuantModifier: per-channel smoothing folded into the producer of each group's input.
 
 A transform (``Modifier.transforms``): for each mapping it gathers the per-channel range of the group's
 input, computes ``s`` (``algorithms.smoothing.smoothing_scales``, llm-compressor's formula) and folds it
 (``RunState.fold``) before any quantizer of the group observes it. Mappings come from the traced graph
-(``seqcal.mappings``; the ``"norm"`` ones, as llm-compressor's defaults) unless the recipe gives them.
+(``seqcal.mappings``) unless the recipe gives them: the norms before q/k/v and gate/up (llm-compressor's
+defaults) and the Linears whose rows feed the next group linearly (up_proj -> down_proj, v_proj -> o_proj
+without grouped kv heads). In the one-pass cut such a producer is quantized before its consumers' inputs are
+seen; the fold divides the scales of its rows and keeps its codes, which is exact for per-channel and group
+weight scales (``RunState.refold_refusal`` names the formats where it is not; those mappings are skipped
+with a log line).
 """
 
 from __future__ import annotations
@@ -85,8 +90,7 @@ class SmoothQuantModifier(Modifier):
                 "mapping can be derived; give mappings: [[[balance regexes], smooth regex], ...] in the recipe"
             )
         else:
-            found = resolve_mappings(model, graph, None, self.name)
-            self.resolved = self._kept([m for m in found if m.kind == "norm"])
+            self.resolved = self._kept(resolve_mappings(model, graph, None, self.name))
         logger.info("seqcal: %s: %d mappings (%s)", self.name, len(self.resolved),
                     ", ".join(m.producer for m in self.resolved[:2]) + (", ..." if len(self.resolved) > 2 else ""))  # fmt: skip
 
@@ -157,6 +161,12 @@ class SmoothQuantModifier(Modifier):
         for m in self._in(subgraph):
             channel_range = self._ranges.pop(m.consumers[0], None)
             if channel_range is None or m.producer in state.edited:
+                continue
+            if why := state.refold_refusal(model, m.producer):
+                note = f"{self.name}: not smoothing {', '.join(m.consumers)}: {m.producer} is already quantized and {why}"
+                if self.mappings:  # the recipe asked for this mapping: said at the end of the run too
+                    state.log.append(note)
+                logger.info("seqcal: %s", note)
                 continue
             weights = [model.get_submodule(c).weight for c in m.consumers]
             s = smoothing_scales(channel_range, weights, float(self.smoothing_strength))
