@@ -226,7 +226,10 @@ def test_one_pass_folds_into_quantized_producers_keeping_their_codes(tmp_path: P
         runs[name] = (model, checkpoint_tensors(tmp_path / name))
     model, ours = runs["graph"]
     # each producer quantized from the same inputs in both runs (they differ in its fold and downstream of it)
-    for producer, other in (("model.layers.0.self_attn.v_proj", "norms"), ("model.layers.0.mlp.up_proj", "norms+vo")):
+    for producer, other in (
+        ("model.layers.0.self_attn.v_proj", "norms"),
+        ("model.layers.0.mlp.up_proj", "norms+vo"),
+    ):
         theirs = runs[other][1]
         codes = "weight_packed" if scheme != "W8A8" else "weight"
         assert torch.equal(ours[f"{producer}.{codes}"], theirs[f"{producer}.{codes}"]), producer  # codes kept
@@ -269,7 +272,9 @@ def test_refusals_of_a_fold_into_a_quantized_producer() -> None:
     assert state.refold_refusal(model, up) is None
     tensor = rtn(_mha_llama(), SCHEMES["fp8_weight_only"], [up])
     assert "strategy 'tensor'" in tensor.refold_refusal(model, up)
-    with pytest.raises(RuntimeError, match="up_proj is already quantized and one weight scale spans all its rows"):
+    with pytest.raises(
+        RuntimeError, match="up_proj is already quantized and one weight scale spans all its rows"
+    ):
         tensor.fold(model, Mapping(up, ("model.layers.0.mlp.down_proj",), "linear"), torch.ones(128))
 
 

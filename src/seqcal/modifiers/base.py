@@ -194,7 +194,6 @@ class RunState:
         self.changed.update(mapping.consumers)  # their columns were scaled: not the model's weights any more
         return record
 
-
     def refold_refusal(self, model: torch.nn.Module, producer: str) -> str | None:
         """Why smoothing scales cannot be folded into ``producer``'s rows now that it is quantized (None: they
         can, or it is not quantized). Dividing row ``i`` by ``s_i`` keeps every code when each weight scale
@@ -221,7 +220,9 @@ class RunState:
         return None
 
 
-def _rows_divided(model: torch.nn.Module, producer: str, qw: QuantizedWeight, scales: torch.Tensor) -> QuantizedWeight:
+def _rows_divided(
+    model: torch.nn.Module, producer: str, qw: QuantizedWeight, scales: torch.Tensor
+) -> QuantizedWeight:
     """``qw`` with its last ``len(scales)`` rows divided by ``scales`` (the rows ``fold_scales`` divided): those
     rows' scales divided, the codes kept, and the module's weight set to the dequantized result, so that the
     model computes what the checkpoint will hold."""
