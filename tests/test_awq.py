@@ -348,3 +348,20 @@ def test_a_model_read_from_disk_gives_the_checkpoint_of_the_model_in_memory(tmp_
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
     torch.testing.assert_close(logits(b), logits(a), rtol=0, atol=1e-6)
     torch.testing.assert_close(logits(a), logits(in_memory), rtol=0, atol=1e-5)
+
+
+def test_experts_inside_opaque_code_keep_llm_compressors_mappings() -> None:
+    """The graph cannot show a loop over experts: AWQ then uses llm-compressor's mappings, experts included."""
+    from zoo import ARCHS
+
+    model = ARCHS["qwen3_moe"].build()
+    gen = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(3, 250, (16,), generator=gen).tolist()} for _ in range(4)]
+    awq = parse_recipe(
+        "AWQModifier: {config_groups: {group_0: {targets: [Linear], weights: {num_bits: 4, type: int, symmetric: "
+        "false, strategy: group, group_size: 16}}}, ignore: [lm_head, 're:.*mlp.gate$'], n_grid: 3}"
+    ).modifiers[0]
+    oneshot(model=model, dataset=data, recipe=[awq])
+    smoothed = {m.smooth for m in awq._mappings}
+    assert "model.layers.0.mlp.experts.0.up_proj" in smoothed  # up_proj -> down_proj of an expert
+    assert "model.layers.0.post_attention_layernorm" in smoothed

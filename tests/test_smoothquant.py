@@ -278,6 +278,18 @@ def test_refusals_of_a_fold_into_a_quantized_producer() -> None:
         tensor.fold(model, Mapping(up, ("model.layers.0.mlp.down_proj",), "linear"), torch.ones(128))
 
 
+def test_experts_inside_opaque_code_leave_the_other_mappings(caplog: pytest.LogCaptureFixture) -> None:
+    """A loop over experts stays opaque, so the experts get no mapping (said once); the attention norms are smoothed."""
+    model = ARCHS["qwen3_moe"].build()
+    norm = model.model.layers[1].input_layernorm.weight.clone()
+    with caplog.at_level("INFO", logger="seqcal"):
+        oneshot(model=model, dataset=_calibration(), recipe=[SmoothQuantModifier(smoothing_strength=0.8),
+                GPTQModifier(scheme="W8A8", ignore=["lm_head", "re:.*mlp.gate$"])])  # fmt: skip
+    assert "Linears run inside opaque code (model.layers.0.mlp.experts.0.gate_proj" in caplog.text
+    assert "SmoothQuantModifier: 3 mappings (model.layers.0.input_layernorm" in caplog.text
+    assert not torch.equal(model.model.layers[1].input_layernorm.weight, norm)
+
+
 class _Interrupted(Exception):
     pass
 

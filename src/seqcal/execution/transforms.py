@@ -65,13 +65,20 @@ def linear_graph(model: torch.nn.Module, sample: Mapping[str, Any], subgraphs: A
 
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "." in n]
     pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"
-    try:
-        return trace(model, dict(sample), [pattern], [], None).graph
+    try:  # Linears inside opaque code (a loop over experts) are left out: they get no mapping, said below
+        result = trace(model, dict(sample), [pattern], [], None, hidden_targets=True)
     except TracingError as err:
         logger.warning(
             "seqcal: no graph with the Linears as nodes (%s); give explicit mappings", err.problems[0].what
         )
         return None
+    hidden = [n for n in names if n not in set(result.targets)]
+    if hidden:
+        logger.warning(
+            "seqcal: %d Linears run inside opaque code (%s%s), so no smoothing mapping is derived for them; "
+            "give explicit mappings to smooth them", len(hidden), ", ".join(hidden[:3]), ", ..." if len(hidden) > 3 else ""
+        )  # fmt: skip
+    return result.graph
 
 
 def transform_from_inputs(model: torch.nn.Module, sg: Any, cache: Any, masks: Sequence[torch.Tensor | None],

@@ -128,6 +128,11 @@ class AWQModifier(QuantizationModifier):
     def prepare(self, graph: Any, model: torch.nn.Module, state: RunState) -> None:
         if self.mappings is not None or graph is None:  # explicit, or untraceable: llm-compressor's defaults
             return
+        called = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+        if any(
+            name not in called for name in self.modules
+        ):  # some run inside opaque code (experts): the same
+            return
         found = [from_mapping(model, m) for m in resolve_mappings(model, graph, None, self.name)]
         self._mappings = [m for m in found if any(b in self.modules for b in m.balance)]
         self._skipped = []  # resolve_mappings logged each group it skipped, with the reason
