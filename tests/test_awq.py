@@ -365,3 +365,32 @@ def test_experts_inside_opaque_code_keep_llm_compressors_mappings() -> None:
     smoothed = {m.smooth for m in awq._mappings}
     assert "model.layers.0.mlp.experts.0.up_proj" in smoothed  # up_proj -> down_proj of an expert
     assert "model.layers.0.post_attention_layernorm" in smoothed
+
+
+def test_a_linear_span_is_scored_from_its_gram_matrix_as_if_it_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """o_proj / down_proj alone as the span: the losses from X^T X equal those of running it, so do the scales."""
+    from zoo import ARCHS
+
+    recipe = ("AWQModifier: {config_groups: {group_0: {targets: [Linear], weights: {num_bits: 4, type: int, "
+              "symmetric: false, strategy: group, group_size: 16}}}, ignore: [lm_head], n_grid: 6}")  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    data = [{"input_ids": torch.randint(3, 250, (16,), generator=gen).tolist()} for _ in range(4)]
+    runs = {}
+    for gram in (True, False):
+        if not gram:
+            monkeypatch.setattr(AWQModifier, "_linear_span", staticmethod(lambda m, quantized, state: False))
+        model, awq = ARCHS["llama"].build(), parse_recipe(recipe).modifiers[0]
+        oneshot(model=model, dataset=data, recipe=[awq], output_dir=str(tmp_path / str(gram)))
+        report = json.loads((tmp_path / str(gram) / "quantization_report.json").read_text())
+        runs[gram] = (model, awq, report["modules"])
+    (gram_model, gram_awq, gram_errors), (ran_model, _, ran_errors) = runs[True], runs[False]
+    linear = [m.parent for m in gram_awq._mappings if [m.parent] == list(m.balance)]
+    assert "model.layers.1.mlp.down_proj" in linear
+    for name in linear:  # the search's best loss, computed both ways
+        got, want = gram_errors[name]["awq_loss"], ran_errors[name]["awq_loss"]
+        assert got == pytest.approx(want, rel=1e-4) and want > 0, name
+    # the same grid point wins: the same folded scales, the same quantized model
+    for (name, a), (_, b) in zip(gram_model.named_parameters(), ran_model.named_parameters()):
+        assert torch.equal(a, b), name

@@ -10,6 +10,7 @@ Notation (the paper's, with llm-compressor's refinements):
              for ratios r on a grid in [0, 1], normalised to s / sqrt(max(s) * min(s))
     loss(s)  MSE between the span's float output and its output with every balance weight replaced by
              Q(W * s) / s  (Q: the scheme's round-to-nearest), i.e. Q(W s)(s^-1 X)
+             (a span that is the balance Linear itself: from the Gram matrix of its inputs, ``linear_error``)
 
 The scale with the lowest loss is kept; folding 1/s into the producer and s into the balance weights keeps
 the float model unchanged (``seqcal.mappings.fold_scales``). Running the span and
@@ -171,6 +172,28 @@ def search_all_scales(
         raise FloatingPointError("no grid point gave a finite loss: the span's output holds NaN or inf")
     best.history = history
     return best
+
+
+def add_gram(total: Tensor | None, X: Tensor) -> Tensor:
+    """Add ``X^T X`` (``X [tokens, in]``, in float32) to the running ``total [in, in]``."""
+    X = X.detach().float()
+    gram = X.T @ X
+    return gram if total is None else total.add_(gram.to(total.device))
+
+
+def linear_error(E: Tensor, gram: Tensor) -> float:
+    """``sum_t |x_t E^T|^2`` for a Linear whose weight moved by ``E [out, in]``, from ``gram = sum_t x_t^T x_t``.
+
+    The squared output error of a Linear over its inputs, without running it: ``sum((E gram) * E)`` costs
+    ``out * in^2`` whatever the number of tokens, where running it costs ``tokens * out * in`` per candidate.
+
+    Example:
+        >>> X, E = torch.randn(50, 8), torch.randn(3, 8)
+        >>> abs(linear_error(E, add_gram(None, X)) - float((X @ E.T).pow(2).sum())) < 1e-3
+        True
+    """
+    E = E.float()
+    return float(((E @ gram.to(E.device)) * E).sum())
 
 
 def masked_mse(reference: Tensor, output: Tensor, mask: Tensor | None) -> tuple[float, int]:

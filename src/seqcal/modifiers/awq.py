@@ -13,7 +13,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from seqcal.algorithms.awq import DUO_SCALING, add_channel_abs, masked_mse, search_all_scales, weight_mean
+from seqcal.algorithms.awq import (
+    DUO_SCALING,
+    add_channel_abs,
+    add_gram,
+    linear_error,
+    masked_mse,
+    search_all_scales,
+    weight_mean,
+)
 from seqcal.mappings import resolve_mappings
 from seqcal.modifiers._awq_mappings import AWQMapping, from_mapping, resolve
 from seqcal.modifiers.activations import InputCalibration, real_tokens
@@ -217,12 +225,14 @@ class AWQModifier(QuantizationModifier):
 
     def _search(self, m: AWQMapping, model: torch.nn.Module, x_mean: torch.Tensor, state: RunState) -> Any:
         parent, span = model.get_submodule(m.parent), self._spans[m.parent]
-        references = span.outputs(parent, state.device)  # the float span's output
         quantized = {n: model.get_submodule(n).weight for n in m.balance if n in self.modules}
         originals = {n: w.data.clone() for n, w in quantized.items()}
         local = (
             len(state.sharding.plan.shards_of(state.sharding.group.rank)) if state.sharding is not None else 1
         )
+        linear = self._linear_span(m, quantized, state)
+        grams, tokens = self._grams(span, local, state) if linear else ([], [])
+        references = [] if linear else span.outputs(parent, state.device)  # the float span's output
 
         def losses(candidates: list[torch.Tensor]) -> list[float]:
             """Every candidate's output MSE over every process's shards: per local shard the sums of squared
@@ -233,6 +243,12 @@ class AWQModifier(QuantizationModifier):
                 for n, w in quantized.items():
                     view = s.to(w.device, torch.float32).view(1, -1)
                     w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
+                if linear:
+                    E = originals[m.parent].float() - quantized[m.parent].float()
+                    for shard in range(local):
+                        errors[shard, c] += linear_error(E, grams[shard]) if tokens[shard] else 0.0
+                        elements[shard] = tokens[shard] * E.shape[0]
+                    continue
                 outputs = span.outputs(parent, state.device)
                 for shard, r, o, mask in zip(span.shards, references, outputs, span.masks()):
                     error, count = masked_mse(r, o, mask)
@@ -258,6 +274,22 @@ class AWQModifier(QuantizationModifier):
         finally:
             for n, w in quantized.items():
                 w.data = originals[n]
+
+    @staticmethod
+    def _linear_span(m: AWQMapping, quantized: dict[str, torch.Tensor], state: RunState) -> bool:
+        """Whether the span is the one balance Linear (o_proj, down_proj), whose error the search computes from the
+        Gram matrix of its inputs instead of running it again per candidate (the same loss; ``linear_error``)."""
+        return list(quantized) == [m.parent] == list(m.balance) and state.compute_dtype is None
+
+    @staticmethod
+    def _grams(span: SpanCache, local: int, state: RunState) -> tuple[list[torch.Tensor | None], list[int]]:
+        """``X^T X`` and the token count of each local shard's recorded inputs (real tokens only)."""
+        grams: list[torch.Tensor | None] = [None] * local
+        tokens = [0] * local
+        for (args, _, mask), shard in zip(span.calls, span.shards):
+            X = real_tokens(args[0].to(state.device), None if mask is None else mask.to(state.device))
+            grams[shard], tokens[shard] = add_gram(grams[shard], X), tokens[shard] + X.shape[0]
+        return grams, tokens
 
 
 def _autocast(state: RunState) -> contextlib.AbstractContextManager:
