@@ -213,9 +213,9 @@ class RunState:
         if qw.q.numel() == 0:
             return "its codes were written to the checkpoint already"
         parts = producer.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            parent = ".".join(parts[:i])
-            if self.kv_cache_scheme is not None and hasattr(model.get_submodule(parent), "v_scale"):
+        parents = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+        for parent in parents if self.kv_cache_scheme is not None else ():
+            if hasattr(model.get_submodule(parent), "v_scale"):
                 return f"its outputs reach the quantized KV cache of {parent}, whose scales are calibrated already"
         return None
 
