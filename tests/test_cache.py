@@ -387,3 +387,21 @@ def test_cuda_round_trip(offload: str, tmp_path: Any) -> None:
         got = cache.fetch(1, "x")
         assert all(g.is_cuda for g in got)
         assert_same(got, (h, h[1:], mask))
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_values_read_back_from_files_keep_their_alignment(offload: str) -> None:
+    """A file-backed copy sits at the address modulo 64 its tensor had: matmul kernels choose their code path by
+    alignment, and a differently aligned operand can give other last bits (seen with MKL on AMD CPUs)."""
+    from seqcal.execution.cache.entries import ALIGNMENT
+
+    base = torch.randn(4, 100)
+    values = {"whole": base, "shifted": base.view(-1)[3:].view(-1, 1)}  # a 12-byte offset into its storage
+    with ActivationCache(offload=offload, max_memory=0 if offload == "cpu" else None) as cache:
+        for name, value in values.items():
+            cache.put(0, name, value)
+        assert cache.disk_bytes() > 0
+        for name, value in values.items():
+            got = cache.fetch(0, name)
+            assert torch.equal(got, value)
+            assert got.data_ptr() % ALIGNMENT == value.data_ptr() % ALIGNMENT, name

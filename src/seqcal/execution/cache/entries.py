@@ -35,6 +35,10 @@ class _Entry:
     refs: int = 0  # keys holding this entry
     alias_keys: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     dedup_key: tuple | None = None  # where this entry sits in the cache's content index, if anywhere
+    # Address of the span's first byte in its storage modulo ALIGNMENT: a copy read back from a file is placed
+    # the same way (``aligned``), since matmul kernels choose their code path by the operands' alignment and
+    # an operand aligned otherwise can come out different in the last bits (MKL on AMD CPUs does).
+    align: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -122,6 +126,23 @@ def _copy_to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(flat.device))
     return host, event
+
+
+ALIGNMENT = 64  # bytes: torch's own CPU allocations start on such a boundary
+
+
+def aligned(flat: torch.Tensor, offset: int) -> torch.Tensor:
+    """(n,) uint8 ``flat``, or a copy of it whose address is ``offset`` modulo ``ALIGNMENT``.
+
+    Example:
+        >>> aligned(torch.arange(8, dtype=torch.uint8)[3:], 3).data_ptr() % ALIGNMENT
+        3
+    """
+    if flat.data_ptr() % ALIGNMENT == offset:
+        return flat
+    room = torch.empty(flat.numel() + ALIGNMENT, dtype=torch.uint8, device=flat.device)
+    start = (offset - room.data_ptr()) % ALIGNMENT
+    return room[start : start + flat.numel()].copy_(flat)
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

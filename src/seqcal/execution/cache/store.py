@@ -41,6 +41,7 @@ from typing import Any, Literal, Self
 import torch
 
 from seqcal.execution.cache.entries import (
+    ALIGNMENT,
     _Alias,
     _byte_span,
     _checksum,
@@ -53,6 +54,7 @@ from seqcal.execution.cache.entries import (
     _Stored,
     _TensorRef,
     _view,
+    aligned,
 )
 from seqcal.execution.cache.spill import SpillFolder
 from seqcal.execution.cache.tree import flatten, unflatten
@@ -322,7 +324,8 @@ class ActivationCache:
             self._add_alias(storage, 0, None, entry)
             entry_start = 0
         else:
-            entry = _Entry(nbytes=enc.numel(), span=end - start, cast=(t.dtype, cast) if cast else None)
+            entry = _Entry(nbytes=enc.numel(), span=end - start, cast=(t.dtype, cast) if cast else None,
+                           align=(storage.data_ptr() + start) % ALIGNMENT)  # fmt: skip
             if self.offload == "cpu" and self._fits(entry.nbytes):
                 # A cast of a host tensor is already a fresh host copy; anything else is copied to RAM.
                 on_host = cast is not None and enc.device.type == "cpu"
@@ -357,7 +360,8 @@ class ActivationCache:
             entry.ready.synchronize()
             entry.ready = None
         if entry.path is not None:
-            return self._folder.read(entry.path, self.device)
+            raw = self._folder.read(entry.path, self.device)
+            return aligned(raw, entry.align) if raw.device.type == "cpu" and entry.cast is None else raw
         return entry.payload
 
     def _materialise(self, entry: _Entry) -> torch.Tensor:
