@@ -376,11 +376,12 @@ def test_a_linear_span_is_scored_from_its_gram_matrix_as_if_it_ran(
     recipe = ("AWQModifier: {config_groups: {group_0: {targets: [Linear], weights: {num_bits: 4, type: int, "
               "symmetric: false, strategy: group, group_size: 16}}}, ignore: [lm_head], n_grid: 6}")  # fmt: skip
     gen = torch.Generator().manual_seed(1)
-    data = [{"input_ids": torch.randint(3, 250, (16,), generator=gen).tolist()} for _ in range(4)]
+    # more tokens (288) than down_proj's inputs (128): the search takes the Gram matrix
+    data = [{"input_ids": torch.randint(3, 250, (48,), generator=gen).tolist()} for _ in range(6)]
     runs = {}
     for gram in (True, False):
         if not gram:
-            monkeypatch.setattr(AWQModifier, "_linear_span", staticmethod(lambda m, quantized, state: False))
+            monkeypatch.setattr(AWQModifier, "_gram", lambda self, *args: None)
         model, awq = ARCHS["llama"].build(), parse_recipe(recipe).modifiers[0]
         oneshot(model=model, dataset=data, recipe=[awq], output_dir=str(tmp_path / str(gram)))
         report = json.loads((tmp_path / str(gram) / "quantization_report.json").read_text())

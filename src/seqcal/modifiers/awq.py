@@ -230,9 +230,8 @@ class AWQModifier(QuantizationModifier):
         local = (
             len(state.sharding.plan.shards_of(state.sharding.group.rank)) if state.sharding is not None else 1
         )
-        linear = self._linear_span(m, quantized, state)
-        grams, tokens = self._grams(span, local, state) if linear else ([], [])
-        references = [] if linear else span.outputs(parent, state.device)  # the float span's output
+        gram = self._gram(m, parent, quantized, span, local, state)  # X^T X of every shard, or None
+        references = [] if gram is not None else span.outputs(parent, state.device)  # the float span's output
 
         def losses(candidates: list[torch.Tensor]) -> list[float]:
             """Every candidate's output MSE over every process's shards: per local shard the sums of squared
@@ -243,17 +242,18 @@ class AWQModifier(QuantizationModifier):
                 for n, w in quantized.items():
                     view = s.to(w.device, torch.float32).view(1, -1)
                     w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
-                if linear:
-                    E = originals[m.parent].float() - quantized[m.parent].float()
-                    for shard in range(local):
-                        errors[shard, c] += linear_error(E, grams[shard]) if tokens[shard] else 0.0
-                        elements[shard] = tokens[shard] * E.shape[0]
+                if gram is not None:  # every process holds the same reduced Gram matrix: no reduction
+                    errors[0, c] = linear_error(
+                        originals[m.parent].float() - quantized[m.parent].float(), gram
+                    )
                     continue
                 outputs = span.outputs(parent, state.device)
                 for shard, r, o, mask in zip(span.shards, references, outputs, span.masks()):
                     error, count = masked_mse(r, o, mask)
                     errors[shard, c] += error
                     elements[shard] += count if c == 0 else 0
+            if gram is not None:
+                return (errors[0] / max(self._tokens * parent.out_features, 1)).tolist()
             per_shard = [{"awq_loss": {"errors": Statistic(errors[k]), "elements": Statistic(elements[k : k + 1]),
                                        "calls": Statistic(torch.tensor([span.shards.count(k)]))}}
                          for k in range(local)]  # fmt: skip
@@ -275,21 +275,28 @@ class AWQModifier(QuantizationModifier):
             for n, w in quantized.items():
                 w.data = originals[n]
 
-    @staticmethod
-    def _linear_span(m: AWQMapping, quantized: dict[str, torch.Tensor], state: RunState) -> bool:
-        """Whether the span is the one balance Linear (o_proj, down_proj), whose error the search computes from the
-        Gram matrix of its inputs instead of running it again per candidate (the same loss; ``linear_error``)."""
-        return list(quantized) == [m.parent] == list(m.balance) and state.compute_dtype is None
-
-    @staticmethod
-    def _grams(span: SpanCache, local: int, state: RunState) -> tuple[list[torch.Tensor | None], list[int]]:
-        """``X^T X`` and the token count of each local shard's recorded inputs (real tokens only)."""
-        grams: list[torch.Tensor | None] = [None] * local
-        tokens = [0] * local
+    def _gram(self, m: AWQMapping, parent: torch.nn.Module, quantized: dict[str, torch.Tensor], span: SpanCache,
+              local: int, state: RunState) -> torch.Tensor | None:  # fmt: skip
+        """For a span that is the one balance Linear (o_proj, down_proj): ``X^T X`` of its recorded inputs over
+        every shard of every process (folded in shard order), from which ``linear_error`` gives each candidate's
+        loss without running the span; None when the span is anything else, or when running it costs less (its
+        tokens fewer than its inputs: the Gram matrix costs ``out * in^2`` per candidate, a run ``tokens * out *
+        in``)."""
+        if not (list(quantized) == [m.parent] == list(m.balance) and state.compute_dtype is None):
+            return None
+        width = parent.in_features
+        per_shard = [{"awq_gram": {"gram": Statistic(torch.zeros(width, width, device=state.device)),
+                                   "tokens": Statistic(torch.zeros(1, dtype=torch.int64)),
+                                   "calls": Statistic(torch.tensor([span.shards.count(k)]))}}
+                     for k in range(local)]  # fmt: skip
         for (args, _, mask), shard in zip(span.calls, span.shards):
             X = real_tokens(args[0].to(state.device), None if mask is None else mask.to(state.device))
-            grams[shard], tokens[shard] = add_gram(grams[shard], X), tokens[shard] + X.shape[0]
-        return grams, tokens
+            stats = per_shard[shard]["awq_gram"]
+            add_gram(stats["gram"].tensor, X)
+            stats["tokens"].tensor += X.shape[0]
+        total = state.reduce_shards(per_shard)["awq_gram"]
+        self._tokens, self._calls = int(total["tokens"].item()), int(total["calls"].item())
+        return total["gram"] if self._tokens > width else None
 
 
 def _autocast(state: RunState) -> contextlib.AbstractContextManager:
