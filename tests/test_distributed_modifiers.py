@@ -111,6 +111,25 @@ def test_same_bytes_for_1_and_2_processes(name: str, model_dir: Path, tmp_path: 
     assert [k for k in missing if missing[k] != hashes[1][k]], "dropping a shard's statistics changed no byte"
 
 
+def _gram_always(rank: int) -> None:
+    import seqcal.modifiers.awq as awq
+
+    awq.GRAM_TOKENS_PER_INPUT = 0.0  # in the forked child only: down_proj scored from its Gram matrix
+
+
+def test_awq_gram_spans_give_the_same_bytes_for_1_and_2_processes(model_dir: Path, tmp_path: Path) -> None:
+    """The Gram matrix of a single-Linear span is folded over the shards of every process in shard order."""
+    for world in (1, 2):
+        run(
+            world,
+            tmp_path / f"err{world}",
+            _gram_always,
+            **_args(model_dir, tmp_path / f"w{world}", RECIPES["awq"]),
+        )
+    one, two = tensor_hashes(tmp_path / "w1"), tensor_hashes(tmp_path / "w2")
+    assert len(one) > 10 and one == two
+
+
 def _search_on_own_shards(rank: int) -> None:
     """AWQ's second round without communication: each process scores the candidates on its own shards only."""
 

@@ -30,6 +30,10 @@ from seqcal.modifiers.quantization import QuantizationModifier, fake_quantized, 
 from seqcal.modifiers.spans import SpanCache
 from seqcal.tracing.partition import Subgraph
 
+# A span that is one Linear is scored from the Gram matrix of its inputs once it saw more tokens than this many per
+# input: a candidate then costs ``out * in^2`` instead of ``tokens * out * in`` (and the matrix one pass).
+GRAM_TOKENS_PER_INPUT = 1.0
+
 
 @dataclass
 class AWQModifier(QuantizationModifier):
@@ -296,7 +300,7 @@ class AWQModifier(QuantizationModifier):
             stats["tokens"].tensor += X.shape[0]
         total = state.reduce_shards(per_shard)["awq_gram"]
         self._tokens, self._calls = int(total["tokens"].item()), int(total["calls"].item())
-        return total["gram"] if self._tokens > width else None
+        return total["gram"] if self._tokens > GRAM_TOKENS_PER_INPUT * width else None
 
 
 def _autocast(state: RunState) -> contextlib.AbstractContextManager:
