@@ -72,7 +72,8 @@ def linear_graph(model: torch.nn.Module, sample: Mapping[str, Any], subgraphs: A
             "seqcal: no graph with the Linears as nodes (%s); give explicit mappings", err.problems[0].what
         )
         return None
-    hidden = [n for n in names if n not in set(result.targets)]
+    traced = set(result.targets)
+    hidden = [n for n in names if n not in traced]
     if hidden:
         logger.warning(
             "seqcal: %d Linears run inside opaque code (%s%s), so no smoothing mapping is derived for them; "

@@ -360,8 +360,7 @@ class ActivationCache:
             entry.ready.synchronize()
             entry.ready = None
         if entry.path is not None:
-            raw = self._folder.read(entry.path, self.device)
-            return aligned(raw, entry.align) if raw.device.type == "cpu" and entry.cast is None else raw
+            return self._folder.read(entry.path, self.device)
         return entry.payload
 
     def _materialise(self, entry: _Entry) -> torch.Tensor:
@@ -370,6 +369,8 @@ class ActivationCache:
         if entry.path is None and _same_device(raw.device, self.device) and entry.cast is None:
             return raw
         payload = _decode(raw.to(self.device, non_blocking=True), entry)  # cast back on the device
+        if payload.device.type == "cpu":  # a file's or a cast's bytes: at the address its tensor had
+            payload = aligned(payload, entry.align)
         # A fetched value put again (a pass-through) then reuses this entry instead of new bytes.
         self._add_alias(payload.untyped_storage(), payload.storage_offset(), payload._version, entry)
         return payload
