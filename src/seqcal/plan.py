@@ -212,8 +212,15 @@ def plan_memory(
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)  # the solve's inverse Hessian factor
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
         solve, chunks = _solve_bytes(groups, dtype_bytes, limit)
-        during = 0 if disk_cache else (alive + made) * batches  # outputs are stored before frees are dropped
-        alive += made - sum(size(n) for n in sg.frees)
+        freed = sum(size(n) for n in sg.frees)
+        after = alive + made - freed
+        if disk_cache:
+            during = 0
+        elif sg.target_inputs:  # its one pass drops each batch's inputs after the batch (executor._pass)
+            during = max(alive * batches + made, after * batches + freed)
+        else:  # the calibration pass stores every batch's outputs before the inputs are dropped
+            during = (alive + made) * batches
+        alive = after
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
                            0 if disk_cache else alive * batches, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip

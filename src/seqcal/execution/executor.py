@@ -359,10 +359,19 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
           state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
           indices: Sequence[int] | None = None, until: str | None = None) -> None:  # fmt: skip
     """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (none when each run stops after
-    the node named ``until``); ``keep`` collects target outputs of a few batches."""
+    the node named ``until``); ``keep`` collects target outputs of a few batches.
+
+    The propagation pass is the subgraph's last read of its inputs: the values past their last use
+    (``sg.frees``) are dropped batch by batch as it goes, so each batch's inputs are freed before the next
+    batch's outputs are allocated and reuse their memory. Dropped at the end of the subgraph instead, the
+    inputs and outputs of every batch would be alive at once (the peak) and the heap's free pages handed
+    back after each subgraph would be faulted in again by the next one.
+    """
     targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
     kept = 0  # samples whose outputs ``keep`` holds
     indices = range(len(batches)) if indices is None else indices
+    last_read = track == "propagation" and until is None
+    frees = [name for name in sg.frees if name in sg.inputs] if last_read else []
     with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(indices)):
         for b in indices:
             batch = batches[b]
@@ -382,6 +391,9 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
             if keep is not None and kept < ERROR_SAMPLE_ROWS and targets:
                 keep[b], rows = _error_sample(env[targets[-1]], state.token_mask, ERROR_SAMPLE_ROWS - kept)
                 kept += rows
+            for name in frees:
+                if (b, name) in cache:
+                    cache.drop(b, name)
     state.token_mask = None
 
 
