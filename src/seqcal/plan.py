@@ -216,9 +216,10 @@ def plan_memory(
         after = alive + made - freed
         if disk_cache:
             during = 0
-        elif sg.target_inputs:  # its one pass drops each batch's inputs after the batch (executor._pass)
+        elif sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
+            # modules, the propagation pass after a solve) drops each batch's inputs after it (executor._pass)
             during = max(alive * batches + made, after * batches + freed)
-        else:  # the calibration pass stores every batch's outputs before the inputs are dropped
+        else:  # nothing to solve: its one pass stores every batch's outputs before the inputs are dropped
             during = (alive + made) * batches
         alive = after
         cache_peak = max(cache_peak, alive * batches)

@@ -357,9 +357,10 @@ def _autocast(state: Any) -> contextlib.AbstractContextManager:
 
 def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
           state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
-          indices: Sequence[int] | None = None, until: str | None = None) -> None:  # fmt: skip
+          indices: Sequence[int] | None = None, until: str | None = None, store: bool = True) -> None:  # fmt: skip
     """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (none when each run stops after
-    the node named ``until``); ``keep`` collects target outputs of a few batches.
+    the node named ``until``, or with ``store`` False: a later pass stores them); ``keep`` collects target
+    outputs of a few batches.
 
     The propagation pass is the subgraph's last read of its inputs: the values past their last use
     (``sg.frees``) are dropped batch by batch as it goes, so each batch's inputs are freed before the next
@@ -383,11 +384,13 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
             runner.run(sg, env, until)
             if until is not None:
                 continue
-            with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
-                for name in sg.outputs:
-                    cache.put(b, name, env[name])
-                if prof.enabled:
-                    args["bytes"] = tensor_bytes([env[name] for name in sg.outputs])
+            # without store the propagation pass after the solve stores them: not both passes' outputs at once
+            if store:
+                with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
+                    for name in sg.outputs:
+                        cache.put(b, name, env[name])
+                    if prof.enabled:
+                        args["bytes"] = tensor_bytes([env[name] for name in sg.outputs])
             if keep is not None and kept < ERROR_SAMPLE_ROWS and targets:
                 keep[b], rows = _error_sample(env[targets[-1]], state.token_mask, ERROR_SAMPLE_ROWS - kept)
                 kept += rows
@@ -408,20 +411,29 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
             return None
         if sg.target_inputs:
             return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof)
+        # a subgraph holding modules to compress is run again after the solve, and that propagation pass
+        # stores the outputs; the calibration pass stores them only for subgraphs with nothing to compress
+        owned = any(m.modules_in(sg) for m in modifiers if hasattr(m, "modules_in"))
         transforms, modifiers = split_transforms(modifiers)  # transforms fold before the others observe
         if transforms:
-            run = lambda ix: _pass(runner, sg, batches, cache, state, None, prof, "calibration", ix)  # noqa: E731
+
+            def run(ix: Sequence[int]) -> None:  # the passes below store the outputs
+                _pass(runner, sg, batches, cache, state, None, prof, "calibration", ix, store=False)
+
             transform_with_hooks(runner.model, sg, run, len(batches), transforms, modifiers, state)
         full: dict[int, Any] = {}
         for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
             with contextlib.ExitStack() as stack:
                 for m in modifiers:
                     stack.enter_context(m.calibrate(sg, runner.model, state))
-                _pass(runner, sg, batches, cache, state, full if k == 0 else None, prof, "calibration", shard)
+                _pass(runner, sg, batches, cache, state, full if k == 0 else None, prof, "calibration", shard,
+                      store=not owned)  # fmt: skip
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, modifiers, state.device)
         trim_host_memory()  # as in _run_from_inputs: the solve's temporaries on a trimmed heap
         if not _compress(runner, sg, modifiers, state, prof):
+            if owned:  # nothing changed after all: the outputs are the calibration pass's, not stored yet
+                _pass(runner, sg, batches, cache, state, None, prof, "propagation")
             return None
         quant: dict[int, Any] = {}
         _pass(runner, sg, batches, cache, state, quant, prof, "propagation")
