@@ -265,7 +265,9 @@ def calibrate_subgraphs(
                         _pass(runner, sg, batches, cache, state, None, prof, "propagation")
                 row["replayed"] = True
             elif sg.outputs or owned:
-                row["rel_error"] = _run_one(runner, sg, batches, modifiers, cache, state, calibrating, prof)
+                row["rel_error"] = _run_one(
+                    runner, sg, batches, modifiers, cache, state, calibrating, owned, prof
+                )
             with prof.span("cache", "drop", subgraph=sg.index, names=len(sg.frees)):
                 for name in sg.frees:
                     cache.drop_name(name)
@@ -401,7 +403,9 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
 
 
 def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
-             cache: ActivationCache, state: Any, calibrating: bool, prof: Profiler) -> float | None:  # fmt: skip
+             cache: ActivationCache, state: Any, calibrating: bool, owned: bool,
+             prof: Profiler) -> float | None:  # fmt: skip
+    """One subgraph's passes and solve; ``owned``: a modifier has modules in it (``calibrate_subgraphs``)."""
     label = f"subgraph {sg.index}"
     with torch.no_grad():
         if not calibrating:  # data-free: nothing later reads activations, so no pass at all
@@ -413,7 +417,6 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
             return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof)
         # a subgraph holding modules to compress is run again after the solve, and that propagation pass
         # stores the outputs; the calibration pass stores them only for subgraphs with nothing to compress
-        owned = any(m.modules_in(sg) for m in modifiers if hasattr(m, "modules_in"))
         transforms, modifiers = split_transforms(modifiers)  # transforms fold before the others observe
         if transforms:
 

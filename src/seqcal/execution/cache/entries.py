@@ -35,9 +35,10 @@ class _Entry:
     refs: int = 0  # keys holding this entry
     alias_keys: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     dedup_key: tuple | None = None  # where this entry sits in the cache's content index, if anywhere
-    # Address of the span's first byte in its storage modulo ALIGNMENT: a fetched copy (read back from a file, or
-    # cast back) is placed the same way (``aligned``), since matmul kernels choose their code path by the operands' alignment and
-    # an operand aligned otherwise can come out different in the last bits (MKL on AMD CPUs does).
+    # Address of the span's first byte in its storage modulo ALIGNMENT: a fetched copy (read back from a file,
+    # or cast back) is placed the same way (``aligned``), since matmul kernels choose their code path by the
+    # operands' alignment and an operand aligned otherwise can come out different in the last bits (MKL on AMD
+    # CPUs does).
     align: int = 0
 
 
