@@ -392,3 +392,20 @@ def test_relative_output_error_from_the_hessian_equals_the_forward_error() -> No
     want = ((rows @ (Q - W).T).norm() / (rows @ W.T).norm()).item()
     assert relative_output_error(W, Q, H) == pytest.approx(want, rel=1e-4)
     assert relative_output_error(W, W, H) == 0.0
+
+
+def test_quadratic_forms_from_the_upper_blocks_equal_the_dense_product() -> None:
+    """Over several column blocks (the last one ragged): the upper blocks give every row's ``a^T H a``."""
+    from seqcal.algorithms.hessian import UPPER_BLOCK, quadratic_forms
+
+    g = torch.Generator().manual_seed(6)
+    d = 2 * UPPER_BLOCK + 44
+    X = torch.randn(512, d, generator=g) * torch.randn(d, generator=g).exp()  # uneven columns, as activations
+    H, _ = accumulate_hessian(None, X, 0)
+    A = torch.randn(37, d, generator=g)
+    want = ((A.double() @ H.double()) * A.double()).sum(dim=1)
+    torch.testing.assert_close(quadratic_forms(A, H).double(), want, rtol=1e-5, atol=0)
+    W, Q = A[:20], A[:20] + 0.05 * A[20:].repeat(2, 1)[:20]
+    rows = X.double()
+    direct = ((rows @ (Q - W).double().T).norm() / (rows @ W.double().T).norm()).item()
+    assert relative_output_error(W, Q, H, rows=8) == pytest.approx(direct, rel=1e-5)

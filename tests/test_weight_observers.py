@@ -129,6 +129,45 @@ def test_search_equals_a_brute_force_reference(weighted: bool, patience: int | N
     torch.testing.assert_close(p, brute_force(W, shrinks, patience, 3.0, a).double(), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("fmt", ["int4_group_sym", "int4_group_asym", "int4_channel_sym", "int8_channel_asym",
+                                 "int4_tensor"])  # fmt: skip
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_in_place_search_equals_fake_quantize_bit_for_bit(
+    fmt: str, weighted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The float32 int search runs in a reused buffer, chunk by chunk; each candidate's errors, and so the
+    chosen ranges, are those of ``fake_quantize`` exactly (chunks of 40 values: a ragged last chunk)."""
+    import seqcal.algorithms.observe as observe
+
+    f = FORMATS[fmt]
+    gs = f["group_size"] if f["strategy"] == "group" else None
+    W = outlier_weight(out=24, n_in=64, seed=5)
+    a = importance(64, seed=6) if weighted and f["strategy"] != "tensor" else None
+    shrinks = [1 - i / 20 for i in range(20)]
+    kw = dict(
+        strategy=f["strategy"], num_bits=f["num_bits"], symmetric=f["symmetric"], group_size=gs, type="int"
+    )
+    monkeypatch.setattr(observe, "_CHUNK_VALUES", 40)
+    lo, hi = shrink_search(W, **kw, shrinks=shrinks, patience=None, norm=3.0, importance=a)
+
+    # the reference: every candidate through fake_quantize, whole-weight temporaries
+    rows = observe._as_rows(W, f["strategy"], gs)
+    weights = None if a is None else observe._row_weights(a, W, f["strategy"], gs)
+    best_err = torch.full((rows.shape[0],), math.inf)
+    best_lo, best_hi = rows.amin(-1).clone(), rows.amax(-1).clone()
+    for p in shrinks:
+        s, z = compute_qparams(p * rows.amin(-1), p * rows.amax(-1), num_bits=f["num_bits"],
+                               symmetric=f["symmetric"])  # fmt: skip
+        e = (
+            fake_quantize(rows, s.reshape(-1, 1), z.reshape(-1, 1), num_bits=f["num_bits"]) - rows
+        ).abs() ** 3.0
+        err = (e if weights is None else e * weights).sum(-1)
+        better = err < best_err
+        best_err[better], best_lo[better], best_hi[better] = err[better], (p * rows.amin(-1))[better], (
+            p * rows.amax(-1))[better]  # fmt: skip
+    assert torch.equal(lo.reshape(-1), best_lo) and torch.equal(hi.reshape(-1), best_hi)
+
+
 def test_imatrix_search_steps_follow_llm_compressor() -> None:
     # maxshrink 0.95, grid 20: p = 1, 0.95, ..., 0.05 (20 candidates, the last included); patience 0: all tried.
     W = torch.tensor([[1.0] + [0.01] * 15])  # the best range is the smallest: only the outlier is clipped...

@@ -8,7 +8,13 @@ observers (min-max, MSE and importance-weighted MSE range searches).
 
 from seqcal.algorithms import formats
 from seqcal.algorithms.gptq import ACTORDER, GPTQNumericalError, GPTQResult, gptq_quantize
-from seqcal.algorithms.hessian import UPPER_BLOCK, accumulate_hessian, relative_output_error, symmetrize_upper
+from seqcal.algorithms.hessian import (
+    UPPER_BLOCK,
+    accumulate_hessian,
+    quadratic_forms,
+    relative_output_error,
+    symmetrize_upper,
+)
 from seqcal.algorithms.observe import (
     OBSERVERS,
     check_importance,
@@ -53,6 +59,7 @@ __all__ = [
     "formats",
     "gptq_quantize",
     "observe_minmax",
+    "quadratic_forms",
     "relative_output_error",
     "symmetrize_upper",
     "observe_mse",

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from seqcal.algorithms.hessian import quadratic_forms
+
 DUO_SCALING: tuple[object, ...] = (True, False, "both")
 
 
@@ -184,16 +186,16 @@ def add_gram(total: Tensor | None, X: Tensor) -> Tensor:
 def linear_error(E: Tensor, gram: Tensor) -> float:
     """``sum_t |x_t E^T|^2`` for a Linear whose weight moved by ``E [out, in]``, from ``gram = sum_t x_t^T x_t``.
 
-    The squared output error of a Linear over its inputs, without running it: ``sum((E gram) * E)`` costs
-    ``out * in^2`` whatever the number of tokens, where running it costs ``tokens * out * in`` per candidate.
+    The squared output error of a Linear over its inputs, without running it: ``sum((E gram) * E)``, taken from
+    the Gram matrix's upper blocks (``quadratic_forms``), costs about ``out * in^2 / 2`` whatever the number
+    of tokens, where running it costs ``tokens * out * in`` per candidate.
 
     Example:
         >>> X, E = torch.randn(50, 8), torch.randn(3, 8)
         >>> abs(linear_error(E, add_gram(None, X)) - float((X @ E.T).pow(2).sum())) < 1e-3
         True
     """
-    E = E.float()
-    return float(((E @ gram.to(E.device)) * E).sum())
+    return float(quadratic_forms(E.float(), gram.to(E.device)).sum())
 
 
 def masked_mse(reference: Tensor, output: Tensor, mask: Tensor | None) -> tuple[float, int]:
