@@ -125,21 +125,34 @@ def sparsegpt_prune(
     )  # fmt: skip
 
 
+# Columns updated eagerly (rank-1) inside a block, as GPTQ's column loop does (``columns.SUB_BLOCK``); the rest of
+# the block gets one matmul per sub-block. Rounded to a multiple of M for N:M, so that a group's mask is chosen
+# from weights that every earlier column's update has reached.
+SUB_BLOCK = 16
+
+
 def _prune_block(W1: Tensor, M1: Tensor, Hinv1: Tensor, n: int, m: int) -> Tensor:
     """One block's column loop, in place on ``W1`` [B, out] and ``M1`` [B, out]; returns the scaled errors.
 
     For N:M the mask of a group of ``m`` columns is chosen when the loop reaches its first column, from the
-    weights as the earlier columns' updates left them (the paper's adaptive mask selection).
+    weights as the earlier columns' updates left them (the paper's adaptive mask selection). The updates are
+    blocked once more: rank-1 inside sub-blocks of ``SUB_BLOCK`` columns, one matmul for the rest of the block
+    after each (the same algebra; the rank-1 updates of a whole block bounded the loop by memory traffic).
     """
     d = Hinv1.diagonal()  # [B]
     Err1 = torch.zeros_like(W1)  # [B, out]
-    for i in range(W1.shape[0]):
-        if n and i % m == 0:
-            saliency = W1[i : i + m].square() / d[i : i + m, None].square()  # [m, out]
-            M1[i : i + m] = nm_mask(saliency.T, n, m).T
-        q = W1[i].masked_fill(M1[i], 0.0)  # [out]
-        err = Err1[i]
-        torch.sub(W1[i], q, out=err).div_(d[i])
-        W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)  # OBS update of this block's later columns
-        W1[i] = q  # exactly q: the update above gives it only up to rounding
+    B = W1.shape[0]
+    sub = m * max(1, SUB_BLOCK // m) if n else SUB_BLOCK
+    for j1 in range(0, B, sub):
+        j2 = min(j1 + sub, B)
+        for i in range(j1, j2):
+            if n and i % m == 0:
+                saliency = W1[i : i + m].square() / d[i : i + m, None].square()  # [m, out]
+                M1[i : i + m] = nm_mask(saliency.T, n, m).T
+            q = W1[i].masked_fill(M1[i], 0.0)  # [out]
+            err = Err1[i]
+            torch.sub(W1[i], q, out=err).div_(d[i])
+            W1[i:j2].addr_(Hinv1[i, i:j2], err, alpha=-1)  # OBS update of this sub-block's later columns
+            W1[i] = q  # exactly q: the update above gives it only up to rounding
+        W1[j2:].addmm_(Hinv1[j1:j2, j2:].T, Err1[j1:j2], alpha=-1)  # the rest of the block, at once
     return Err1
