@@ -121,10 +121,11 @@ def symmetrize_upper(H: Tensor) -> Tensor:
 def quadratic_forms(A: Tensor, H: Tensor) -> Tensor:
     """``a_r^T H a_r`` for every row ``a_r`` of ``A`` with ``H`` symmetric, from its upper blocks only.
 
-    Column block ``J`` of ``UPPER_BLOCK`` columns adds ``A_J . (A_J H_JJ + 2 A_<J H_<J,J)``: the products cover
-    the upper triangle and the diagonal blocks, ``(k + 1) / 2k`` of the flops of ``(A H) * A`` (0.6x the time
-    for SmolLM2's 576 and 1536 features on one CPU thread). Same sums in another order: equal up to float
-    rounding.
+    On the CPU, column block ``J`` of ``UPPER_BLOCK`` columns adds ``A_J . (A_J H_JJ + 2 A_<J H_<J,J)``: the
+    products cover the upper triangle and the diagonal blocks, ``(k + 1) / 2k`` of the flops of ``(A H) * A``
+    (0.6x the time for SmolLM2's 576 and 1536 features on one CPU thread). Same sums in another order: equal
+    up to float rounding. On a GPU one full product is cheaper than ``k`` small ones (as for
+    :func:`accumulate_hessian`'s ``upper``), so it is ``((A H) * A).sum(1)`` there.
 
     Args:
         A: ``[rows, in]`` in H's dtype.
@@ -138,6 +139,8 @@ def quadratic_forms(A: Tensor, H: Tensor) -> Tensor:
         >>> quadratic_forms(torch.tensor([[1.0, 1.0], [1.0, 0.0]]), H)
         tensor([7., 2.])
     """
+    if H.device.type != "cpu":
+        return ((A @ H) * A).sum(dim=1)
     d = H.shape[0]
     out = torch.zeros(A.shape[0], dtype=H.dtype, device=H.device)
     for j0 in range(0, d, UPPER_BLOCK):
