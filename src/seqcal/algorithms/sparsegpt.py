@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from seqcal.algorithms.columns import SUB_BLOCK
 from seqcal.algorithms.gptq import _inverse_hessian_factor
 from seqcal.algorithms.sparsity import lowest_mask, nm_mask
 
@@ -125,12 +126,6 @@ def sparsegpt_prune(
     )  # fmt: skip
 
 
-# Columns updated eagerly (rank-1) inside a block, as GPTQ's column loop does (``columns.SUB_BLOCK``); the rest of
-# the block gets one matmul per sub-block. Rounded to a multiple of M for N:M, so that a group's mask is chosen
-# from weights that every earlier column's update has reached.
-SUB_BLOCK = 16
-
-
 def _prune_block(W1: Tensor, M1: Tensor, Hinv1: Tensor, n: int, m: int) -> Tensor:
     """One block's column loop, in place on ``W1`` [B, out] and ``M1`` [B, out]; returns the scaled errors.
 
@@ -142,6 +137,8 @@ def _prune_block(W1: Tensor, M1: Tensor, Hinv1: Tensor, n: int, m: int) -> Tenso
     d = Hinv1.diagonal()  # [B]
     Err1 = torch.zeros_like(W1)  # [B, out]
     B = W1.shape[0]
+    # GPTQ's sub-block width, rounded to a multiple of M for N:M: a group's mask is chosen from weights that
+    # every earlier column's update has reached
     sub = m * max(1, SUB_BLOCK // m) if n else SUB_BLOCK
     for j1 in range(0, B, sub):
         j2 = min(j1 + sub, B)
