@@ -28,12 +28,16 @@ def main() -> None:
     parser.add_argument("--layer-cut", action="store_true", help="one_pass=False: cut after each layer")
     parser.add_argument("--samples", type=int, default=None, help="use only the first N samples")
     parser.add_argument("--n-grid", type=int, default=20, help="AWQ's grid points")
+    parser.add_argument("--screen-keep", default=None,
+                        help="AWQ's screen_keep (an integer, or none: every grid point on every batch)")  # fmt: skip
     parser.add_argument("--batch-size", default="1", help="samples per subgraph run (equal lengths), or auto")
     args = parser.parse_args()
     tokens = load_file(args.tokens)["input_ids"][: args.samples]
     data = [{"input_ids": row.tolist()} for row in tokens]
     extra = {"hessian_products": args.hessian_products} if args.algo == "gptq" else {}
     extra = {"n_grid": args.n_grid} if args.algo == "awq" else extra
+    if args.algo == "awq" and args.screen_keep is not None:
+        extra["screen_keep"] = None if args.screen_keep == "none" else int(args.screen_keep)
     cls = {"gptq": GPTQModifier, "rtn": QuantizationModifier, "awq": AWQModifier}[args.algo]
     start = time.perf_counter()
     recipe = args.recipe or cls(config_groups=SCHEME, ignore=["lm_head"], **extra)

@@ -26,6 +26,13 @@ from gptq_smollm2 import PEER, ROOT, SEQCAL, VENV, WORK, perplexity, run_and_eva
 RUNS = {
     "seqcal-rtn": [*SEQCAL, "--algo", "rtn"],
     "seqcal-awq": [*SEQCAL, "--algo", "awq"],
+    "seqcal-awq-exhaustive": [
+        *SEQCAL,
+        "--algo",
+        "awq",
+        "--screen-keep",
+        "none",
+    ],  # every point on every batch
     "llmc-awq": [*PEER, "--algo", "awq"],
     "llmc-rtn": [*PEER, "--algo", "rtn"],
 }

@@ -395,3 +395,52 @@ def test_a_linear_span_is_scored_from_its_gram_matrix_as_if_it_ran(
     # the same grid point wins: the same folded scales, the same quantized model
     for (name, a), (_, b) in zip(gram_model.named_parameters(), ran_model.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_screening_runs_fewer_spans_and_keeps_the_exhaustive_winner_when_shortlisted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Screening (one virtual shard of 8 batches) scores the grid on every 2nd batch and the identity plus the 2 best on the rest: fewer span runs;
+    a mapping whose exhaustive winner made the shortlist gets the same ratio and the same loss bit for bit, any
+    other one a loss no lower than the exhaustive one (the minimum over every point) and never above plain
+    round-to-nearest's."""
+    from seqcal.modifiers.spans import SpanCache
+
+    runs = {"count": 0}
+    real_run = SpanCache.run
+
+    def counting(self, module, device, index):
+        runs["count"] += 1
+        return real_run(self, module, device, index)
+
+    monkeypatch.setattr(SpanCache, "run", counting)
+    results, counts = {}, {}
+    for keep in (None, 2):
+        model = tiny_llama()
+        runs["count"] = 0
+        recipe = AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=10, screen_every=2, screen_keep=keep)
+        oneshot(model=model, dataset=token_data(8), recipe=recipe, max_seq_length=32, num_shards=1)
+        results[keep], counts[keep] = _errors(model), runs["count"]
+    exhaustive, screened = results[None], results[2]
+    spans = [n for n, e in screened.items() if e.get("awq_screened")]
+    assert spans and all(screened[n]["awq_screened"] == 10 - 3 for n in spans)  # 7 points left out per span
+    assert all(exhaustive[n]["awq_screened"] == 0 for n in exhaustive if "awq_loss" in exhaustive[n])
+    # per span search: 10 points x 4 screening batches + 3 kept points x 4 other batches, against 10 x 8
+    searches = counts[None] // (10 * 8)
+    assert counts[None] == searches * 10 * 8 and counts[2] == searches * (10 * 4 + 3 * 4)
+    same = 0
+    for name in spans:
+        e, s = exhaustive[name], screened[name]
+        assert s["awq_initial_loss"] == e["awq_initial_loss"] and s["awq_loss"] <= s["awq_initial_loss"]
+        if s["awq_ratio"] == e["awq_ratio"]:
+            same += 1
+            assert s["awq_loss"] == e["awq_loss"], name  # the same sums in the same order
+        else:
+            assert s["awq_loss"] > e["awq_loss"], name
+    assert same >= len(spans) // 2, (same, len(spans))
+
+
+def test_screening_arguments_are_checked() -> None:
+    for bad in ({"screen_every": 0}, {"screen_keep": 0}, {"screen_keep": True}, {"screen_every": 1.5}):
+        with pytest.raises(ValueError, match="screen_"):
+            AWQModifier(config_groups=ASYM, **bad)

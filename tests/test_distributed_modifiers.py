@@ -130,6 +130,23 @@ def test_awq_gram_spans_give_the_same_bytes_for_1_and_2_processes(model_dir: Pat
     assert len(one) > 10 and one == two
 
 
+def test_awq_screening_gives_the_same_bytes_for_1_and_2_processes(model_dir: Path, tmp_path: Path) -> None:
+    """The screening calls are counted per virtual shard (2 shards of 4 batches, every 2nd screens), and both
+    rounds reduce over every process: one process's bytes from two, with the grid screened (the report says
+    how many points each span search left out)."""
+    recipe = "AWQModifier: {scheme: W4A16_ASYM, ignore: [lm_head], n_grid: 6, screen_every: 2, screen_keep: 1}"
+    for world in (1, 2):
+        kwargs = {**_args(model_dir, tmp_path / f"w{world}", recipe), "dataset": data(8, 24), "num_shards": 2}
+        run(world, tmp_path / f"err{world}", **kwargs)
+    one, two = tensor_hashes(tmp_path / "w1"), tensor_hashes(tmp_path / "w2")
+    assert len(one) > 10 and one == two
+    modules = json.loads((tmp_path / "w2" / "quantization_report.json").read_text())["modules"]
+    screened = [e["awq_screened"] for e in modules.values() if e.get("awq_screened")]
+    # q/k/v, gate/up and down_proj (too few tokens for its Gram matrix) per layer; the identity and the best
+    # screened point kept (one point when they are the same)
+    assert len(screened) == 2 * 6 and set(screened) <= {6 - 2, 6 - 1}, screened
+
+
 def _search_on_own_shards(rank: int) -> None:
     """AWQ's second round without communication: each process scores the candidates on its own shards only."""
 

@@ -176,6 +176,19 @@ def search_all_scales(
     return best
 
 
+def shortlist(losses: Sequence[float], keep: int) -> list[int]:
+    """The grid points worth scoring on every token after a screening pass: the first point (the identity scale
+    for ``duo_scaling`` True/False/"both", so the search never ends worse than plain round-to-nearest) and the
+    ``keep`` points with the lowest screening ``losses`` (the first ones on ties), in grid order.
+
+    Example:
+        >>> shortlist([5.0, 1.0, 3.0, 2.0, 9.0], 2)
+        [0, 1, 3]
+    """
+    order = sorted(range(len(losses)), key=lambda i: (not losses[i] == losses[i], losses[i], i))  # NaN last
+    return sorted({0, *order[:keep]})
+
+
 def add_gram(total: Tensor | None, X: Tensor) -> Tensor:
     """Add ``X^T X`` (``X [tokens, in]``, in float32) to the running ``total [in, in]``."""
     X = X.detach().float()

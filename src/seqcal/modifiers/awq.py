@@ -17,9 +17,11 @@ from seqcal.algorithms.awq import (
     DUO_SCALING,
     add_channel_abs,
     add_gram,
+    grid_points,
     linear_error,
     masked_mse,
     search_all_scales,
+    shortlist,
     weight_mean,
 )
 from seqcal.mappings import resolve_mappings
@@ -48,6 +50,12 @@ class AWQModifier(QuantizationModifier):
         max_chunk_memory: bytes of cached inputs per span the search may keep, split evenly over the virtual
             shards (each keeps its first batches within its share); later batches are left out of the search
             (never out of the activation statistics).
+        screen_every, screen_keep: a span that has to be run per grid point (attention, MLP) scores the whole
+            grid on every ``screen_every``-th recorded batch of each virtual shard first; then only the identity
+            scale and the ``screen_keep`` points with the lowest screening loss run on the other batches, and
+            the lowest loss over every batch wins. ``screen_keep: null`` runs every point on every batch
+            (llm-compressor's search). When the shortlist holds the exhaustive search's winner, the scales are
+            the same bit for bit (the losses are summed in the same order).
 
     Example:
         >>> AWQModifier(scheme="W4A16_ASYM", ignore=["lm_head"], duo_scaling="both")  # doctest: +SKIP
@@ -61,6 +69,8 @@ class AWQModifier(QuantizationModifier):
     n_grid: int = 20
     offload_device: str | None = None
     max_chunk_memory: int = 1 << 30
+    screen_every: int = 4
+    screen_keep: int | None = 3
 
     def __post_init__(self) -> None:
         if self.duo_scaling not in DUO_SCALING or not isinstance(self.duo_scaling, (bool, str)):
@@ -73,6 +83,15 @@ class AWQModifier(QuantizationModifier):
                              f"{self.duo_scaling!r}, got {self.n_grid!r}")  # fmt: skip
         if isinstance(self.max_chunk_memory, bool) or not isinstance(self.max_chunk_memory, int) or self.max_chunk_memory < 1:  # fmt: skip
             raise ValueError(f"{self.name}: max_chunk_memory must be a positive number of bytes, got {self.max_chunk_memory!r}")  # fmt: skip
+        if (
+            isinstance(self.screen_every, bool)
+            or not isinstance(self.screen_every, int)
+            or self.screen_every < 1
+        ):
+            raise ValueError(f"{self.name}: screen_every must be an integer >= 1, got {self.screen_every!r}")
+        if self.screen_keep is not None and (isinstance(self.screen_keep, bool) or not isinstance(self.screen_keep, int) or self.screen_keep < 1):  # fmt: skip
+            raise ValueError(f"{self.name}: screen_keep must be an integer >= 1 or null (no screening), got "
+                             f"{self.screen_keep!r}")  # fmt: skip
         self.bare = self.scheme is None and self.config_groups is None
         self._mappings: list[AWQMapping] = []
         self._skipped: list[str] = []
@@ -208,7 +227,7 @@ class AWQModifier(QuantizationModifier):
             for name in m.balance:
                 state.module_errors.setdefault(name, {}).update(
                     awq_loss=result.loss, awq_initial_loss=result.initial_loss, awq_ratio=result.ratio,
-                    awq_batches=self._calls)  # fmt: skip
+                    awq_batches=self._calls, awq_screened=self._screened)  # fmt: skip
         for parent in {
             m.parent for m in self._mappings if m.smooth in self._stats and not self._stats[m.smooth]
         }:
@@ -236,34 +255,65 @@ class AWQModifier(QuantizationModifier):
         )
         gram = self._gram(m, parent, quantized, span, local, state)  # X^T X of every shard, or None
         references = [] if gram is not None else span.outputs(parent, state.device)  # the float span's output
+        self._screened = 0
 
-        def losses(candidates: list[torch.Tensor]) -> list[float]:
-            """Every candidate's output MSE over every process's shards: per local shard the sums of squared
-            errors and elements, folded in shard order (``RunState.reduce_shards``)."""
-            errors = torch.zeros(local, len(candidates), dtype=torch.float64)
-            elements = torch.zeros(local, dtype=torch.int64)
-            for c, s in enumerate(candidates):  # Q(W s) / s in place of each quantized balance weight
-                for n, w in quantized.items():
-                    view = s.to(w.device, torch.float32).view(1, -1)
-                    w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
-                if gram is not None:  # every process holds the same reduced Gram matrix: no reduction
-                    errors[0, c] = linear_error(
-                        originals[m.parent].float() - quantized[m.parent].float(), gram
-                    )
-                    continue
-                outputs = span.outputs(parent, state.device)
-                for shard, r, o, mask in zip(span.shards, references, outputs, span.masks()):
-                    error, count = masked_mse(r, o, mask)
-                    errors[shard, c] += error
-                    elements[shard] += count if c == 0 else 0
-            if gram is not None:
-                return (errors[0] / max(self._tokens * parent.out_features, 1)).tolist()
-            per_shard = [{"awq_loss": {"errors": Statistic(errors[k]), "elements": Statistic(elements[k : k + 1]),
+        def place(s: torch.Tensor) -> None:
+            """Q(W s) / s in place of each quantized balance weight."""
+            for n, w in quantized.items():
+                view = s.to(w.device, torch.float32).view(1, -1)
+                w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
+
+        def run(c: int, calls: list[int]) -> None:
+            """Candidate ``c`` (placed) on the recorded ``calls``: squared errors into ``per_call[call, c]``."""
+            for i in calls:
+                output = span.run(parent, state.device, i)
+                per_call[i, c], elements[i] = masked_mse(references[i], output, span.calls[i][2])
+
+        def reduced(calls: list[int], kept: list[int]) -> list[float]:
+            """The mean squared error of the ``kept`` candidates over ``calls`` of every process's shards (per
+            local shard summed in call order, folded in shard order: ``RunState.reduce_shards``); inf for the
+            other candidates."""
+            errors = torch.zeros(local, len(kept), dtype=torch.float64)
+            counts = torch.zeros(local, dtype=torch.int64)
+            for i in calls:
+                errors[span.shards[i]] += per_call[i, kept]
+                counts[span.shards[i]] += elements[i]
+            per_shard = [{"awq_loss": {"errors": Statistic(errors[k]), "elements": Statistic(counts[k : k + 1]),
                                        "calls": Statistic(torch.tensor([span.shards.count(k)]))}}
                          for k in range(local)]  # fmt: skip
             total = state.reduce_shards(per_shard)["awq_loss"]
             self._calls = int(total["calls"].item())
-            return (total["errors"] / max(int(total["elements"].item()), 1)).tolist()
+            values = [float("inf")] * per_call.shape[1]
+            for c, value in zip(kept, (total["errors"] / max(int(total["elements"].item()), 1)).tolist()):
+                values[c] = value
+            return values
+
+        points = len(grid_points(self.n_grid, self.duo_scaling))
+        per_call = torch.full((len(span.calls), points), float("nan"), dtype=torch.float64)  # [call, candidate]
+        elements = [0] * len(span.calls)
+
+        def losses(candidates: list[torch.Tensor]) -> list[float]:
+            """Every candidate's output MSE over every process's shards; screened out: inf."""
+            if gram is not None:  # every process holds the same reduced Gram matrix: no reduction
+                values = []
+                for s in candidates:
+                    place(s)
+                    error = linear_error(originals[m.parent].float() - quantized[m.parent].float(), gram)
+                    values.append(error / max(self._tokens * parent.out_features, 1))
+                return values
+            every, kept = list(range(len(span.calls))), list(range(len(candidates)))
+            screen, rest = screened_calls(span.shards, self.screen_every), every
+            if self.screen_keep is not None and len(screen) < len(every) and self.screen_keep + 1 < len(kept):
+                for c, s in enumerate(candidates):  # the whole grid on the screening calls
+                    place(s)
+                    run(c, screen)
+                kept = shortlist(reduced(screen, kept), self.screen_keep)
+                rest = [i for i in every if i not in set(screen)]
+                self._screened = len(candidates) - len(kept)
+            for c in kept:
+                place(candidates[c])
+                run(c, rest)
+            return reduced(every, kept)
 
         scheme = self.modules[next(iter(quantized))]
         group = (
@@ -301,6 +351,23 @@ class AWQModifier(QuantizationModifier):
         total = state.reduce_shards(per_shard)["awq_gram"]
         self._tokens, self._calls = int(total["tokens"].item()), int(total["calls"].item())
         return total["gram"] if self._tokens > GRAM_TOKENS_PER_INPUT * width else None
+
+
+def screened_calls(shards: list[int], every: int) -> list[int]:
+    """The recorded calls that score the whole grid: every ``every``-th call of each virtual shard (its first
+    included), so the choice is the same whichever processes hold the shards.
+
+    Example:
+        >>> screened_calls([0, 0, 0, 0, 0, 1, 1], 2)
+        [0, 2, 4, 5]
+    """
+    seen: dict[int, int] = {}
+    picked = []
+    for i, shard in enumerate(shards):
+        if seen.get(shard, 0) % every == 0:
+            picked.append(i)
+        seen[shard] = seen.get(shard, 0) + 1
+    return picked
 
 
 def _autocast(state: RunState) -> contextlib.AbstractContextManager:

@@ -5,6 +5,7 @@ layer). A forward pre-hook records each call's positional and keyword arguments 
 while the calibration pass runs; then, in ``compress``:
 
 - ``SpanCache.outputs(module, device)`` runs the span again on every recorded call;
+- ``run(module, device, i)`` runs it on call ``i`` alone (a search that scores candidates on some calls first);
 - ``outputs(module, device, overrides={"down_proj.weight": W})`` does so with temporary parameters (the
   module is not changed: ``torch.func.functional_call``), e.g. a grid search over candidate scales (AWQ);
 - ``gradients(module, device, params, overrides_of, loss)`` re-runs it differentiably with parameters
@@ -83,6 +84,10 @@ class SpanCache:
                 these runs only (the module keeps its own).
         """
         return [self._run(module, device, overrides, call) for call in self.calls]
+
+    def run(self, module: torch.nn.Module, device: torch.device, index: int) -> torch.Tensor:
+        """``module`` run again on recorded call ``index`` alone (as ``outputs``, one call at a time)."""
+        return self._run(module, device, None, self.calls[index])
 
     def gradients(
         self,
