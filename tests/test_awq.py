@@ -418,7 +418,9 @@ def test_screening_runs_fewer_spans_and_keeps_the_exhaustive_winner_when_shortli
     for keep in (None, 2):
         model = tiny_llama()
         runs["count"] = 0
-        recipe = AWQModifier(config_groups=ASYM, ignore=["lm_head"], n_grid=10, screen_every=2, screen_keep=keep)
+        recipe = AWQModifier(
+            config_groups=ASYM, ignore=["lm_head"], n_grid=10, screen_every=2, screen_keep=keep
+        )
         oneshot(model=model, dataset=token_data(8), recipe=recipe, max_seq_length=32, num_shards=1)
         results[keep], counts[keep] = _errors(model), runs["count"]
     exhaustive, screened = results[None], results[2]
@@ -444,3 +446,24 @@ def test_screening_arguments_are_checked() -> None:
     for bad in ({"screen_every": 0}, {"screen_keep": 0}, {"screen_keep": True}, {"screen_every": 1.5}):
         with pytest.raises(ValueError, match="screen_"):
             AWQModifier(config_groups=ASYM, **bad)
+
+
+def test_linear_error_from_the_gram_matrix_upper_blocks_equals_the_dense_error() -> None:
+    """Two batches of 300 features (three column blocks on the CPU, only the upper ones summed): the same
+    squared output error as running the Linear, in float64; a Gram matrix missing a block row would not be."""
+    from seqcal.algorithms.awq import add_gram, linear_error
+
+    g = torch.Generator().manual_seed(0)
+    X1, X2, E = (
+        torch.randn(70, 300, generator=g),
+        torch.randn(50, 300, generator=g),
+        torch.randn(5, 300, generator=g),
+    )
+    gram = add_gram(add_gram(None, X1), X2)
+    X = torch.cat([X1, X2]).double()
+    dense = float((X @ E.double().T).pow(2).sum())
+    assert linear_error(E, gram) == pytest.approx(dense, rel=1e-5)
+    assert not torch.equal(gram, gram.T)  # below the diagonal blocks nothing was summed
+    broken = gram.clone()
+    broken[128:256] = 0
+    assert linear_error(E, broken) != pytest.approx(dense, rel=1e-2)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from seqcal.algorithms.hessian import quadratic_forms
+from seqcal.algorithms.hessian import UPPER_BLOCK, quadratic_forms
 
 DUO_SCALING: tuple[object, ...] = (True, False, "both")
 
@@ -190,10 +190,20 @@ def shortlist(losses: Sequence[float], keep: int) -> list[int]:
 
 
 def add_gram(total: Tensor | None, X: Tensor) -> Tensor:
-    """Add ``X^T X`` (``X [tokens, in]``, in float32) to the running ``total [in, in]``."""
+    """Add ``X^T X`` (``X [tokens, in]``, in float32) to the running ``total [in, in]`` (on X's device).
+
+    On the CPU only the upper blocks are updated (``accumulate_hessian``'s ``upper``: about half the flops),
+    which is all :func:`linear_error` reads there; elsewhere the whole matrix. Read it on the device it was
+    summed on.
+    """
     X = X.detach().float()
-    gram = X.T @ X
-    return gram if total is None else total.add_(gram.to(total.device))
+    if total is None:
+        total = torch.zeros(X.shape[1], X.shape[1], dtype=torch.float32, device=X.device)
+    X, d = X.to(total.device), X.shape[1]
+    step = UPPER_BLOCK if total.device.type == "cpu" else d
+    for i0 in range(0, d, step):  # block row i0:i0 + step, on and right of the diagonal
+        total[i0 : i0 + step, i0:].addmm_(X[:, i0 : i0 + step].T, X[:, i0:])
+    return total
 
 
 def linear_error(E: Tensor, gram: Tensor) -> float:
@@ -208,7 +218,7 @@ def linear_error(E: Tensor, gram: Tensor) -> float:
         >>> abs(linear_error(E, add_gram(None, X)) - float((X @ E.T).pow(2).sum())) < 1e-3
         True
     """
-    return float(quadratic_forms(E.float(), gram.to(E.device)).sum())
+    return float(quadratic_forms(E.float().to(gram.device), gram).sum())
 
 
 def masked_mse(reference: Tensor, output: Tensor, mask: Tensor | None) -> tuple[float, int]:
