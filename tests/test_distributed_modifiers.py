@@ -134,7 +134,9 @@ def test_awq_screening_gives_the_same_bytes_for_1_and_2_processes(model_dir: Pat
     """The screening calls are counted per virtual shard (2 shards of 4 batches, every 2nd screens), and both
     rounds reduce over every process: one process's bytes from two, with the grid screened (the report says
     how many points each span search left out)."""
-    recipe = "AWQModifier: {scheme: W4A16_ASYM, ignore: [lm_head], n_grid: 6, screen_every: 2, screen_keep: 1}"
+    recipe = (
+        "AWQModifier: {scheme: W4A16_ASYM, ignore: [lm_head], n_grid: 6, screen_every: 2, screen_keep: 1}"
+    )
     for world in (1, 2):
         kwargs = {**_args(model_dir, tmp_path / f"w{world}", recipe), "dataset": data(8, 24), "num_shards": 2}
         run(world, tmp_path / f"err{world}", **kwargs)

@@ -289,7 +289,8 @@ class AWQModifier(QuantizationModifier):
             return values
 
         points = len(grid_points(self.n_grid, self.duo_scaling))
-        per_call = torch.full((len(span.calls), points), float("nan"), dtype=torch.float64)  # [call, candidate]
+        # [call, candidate]: each squared error on each recorded call, NaN where not run
+        per_call = torch.full((len(span.calls), points), float("nan"), dtype=torch.float64)
         elements = [0] * len(span.calls)
 
         def losses(candidates: list[torch.Tensor]) -> list[float]:
