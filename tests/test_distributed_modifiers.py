@@ -130,15 +130,20 @@ def test_awq_gram_spans_give_the_same_bytes_for_1_and_2_processes(model_dir: Pat
     assert len(one) > 10 and one == two
 
 
-def test_awq_screening_gives_the_same_bytes_for_1_and_2_processes(model_dir: Path, tmp_path: Path) -> None:
-    """The screening calls are counted per virtual shard (2 shards of 4 batches, every 2nd screens), and both
-    rounds reduce over every process: one process's bytes from two, with the grid screened (the report says
-    how many points each span search left out)."""
+@pytest.mark.parametrize(("samples", "shards"), [(8, 2), (6, 5)])
+def test_awq_screening_gives_the_same_bytes_for_1_and_2_processes(
+    samples: int, shards: int, model_dir: Path, tmp_path: Path
+) -> None:
+    """The screening calls are counted per virtual shard (every 2nd screens), and both rounds reduce over every
+    process: one process's bytes from two, with the grid screened (the report says how many points each span
+    search left out). 6 batches in 5 shards (1, 1, 1, 1, 2 batches): the first process holds only shards whose
+    one batch screens, the second a shard with a batch left for the shortlist; both take both rounds."""
     recipe = (
         "AWQModifier: {scheme: W4A16_ASYM, ignore: [lm_head], n_grid: 6, screen_every: 2, screen_keep: 1}"
     )
     for world in (1, 2):
-        kwargs = {**_args(model_dir, tmp_path / f"w{world}", recipe), "dataset": data(8, 24), "num_shards": 2}
+        kwargs = {**_args(model_dir, tmp_path / f"w{world}", recipe), "dataset": data(samples, 24),
+                  "num_shards": shards}  # fmt: skip
         run(world, tmp_path / f"err{world}", **kwargs)
     one, two = tensor_hashes(tmp_path / "w1"), tensor_hashes(tmp_path / "w2")
     assert len(one) > 10 and one == two

@@ -269,24 +269,27 @@ class AWQModifier(QuantizationModifier):
                 output = span.run(parent, state.device, i)
                 per_call[i, c], elements[i] = masked_mse(references[i], output, span.calls[i][2])
 
-        def reduced(calls: list[int], kept: list[int]) -> list[float]:
+        def reduced(calls: list[int], kept: list[int]) -> tuple[list[float], bool]:
             """The mean squared error of the ``kept`` candidates over ``calls`` of every process's shards (per
-            local shard summed in call order, folded in shard order: ``RunState.reduce_shards``); inf for the
-            other candidates."""
+            local shard summed in call order, folded in shard order: ``RunState.reduce_shards``), inf for the
+            other candidates; and whether ``calls`` were every recorded call of every process."""
             errors = torch.zeros(local, len(kept), dtype=torch.float64)
             counts = torch.zeros(local, dtype=torch.int64)
+            used = torch.zeros(local, dtype=torch.int64)
             for i in calls:
                 errors[span.shards[i]] += per_call[i, kept]
                 counts[span.shards[i]] += elements[i]
+                used[span.shards[i]] += 1
             per_shard = [{"awq_loss": {"errors": Statistic(errors[k]), "elements": Statistic(counts[k : k + 1]),
-                                       "calls": Statistic(torch.tensor([span.shards.count(k)]))}}
+                                       "calls": Statistic(torch.tensor([span.shards.count(k)])),
+                                       "used": Statistic(used[k : k + 1])}}
                          for k in range(local)]  # fmt: skip
             total = state.reduce_shards(per_shard)["awq_loss"]
             self._calls = int(total["calls"].item())
             values = [float("inf")] * per_call.shape[1]
             for c, value in zip(kept, (total["errors"] / max(int(total["elements"].item()), 1)).tolist()):
                 values[c] = value
-            return values
+            return values, int(total["used"].item()) == self._calls
 
         points = len(grid_points(self.n_grid, self.duo_scaling))
         # [call, candidate]: each squared error on each recorded call, NaN where not run
@@ -303,18 +306,22 @@ class AWQModifier(QuantizationModifier):
                     values.append(error / max(self._tokens * parent.out_features, 1))
                 return values
             every, kept = list(range(len(span.calls))), list(range(len(candidates)))
-            screen, rest = screened_calls(span.shards, self.screen_every), every
-            if self.screen_keep is not None and len(screen) < len(every) and self.screen_keep + 1 < len(kept):
+            rest = every
+            # decided from the arguments alone, so that every process takes the same rounds of reduction
+            if self.screen_keep is not None and self.screen_keep + 1 < len(kept):
+                screen = screened_calls(span.shards, self.screen_every)
                 for c, s in enumerate(candidates):  # the whole grid on the screening calls
                     place(s)
                     run(c, screen)
-                kept = shortlist(reduced(screen, kept), self.screen_keep)
+                values, covered = reduced(screen, kept)
                 rest = [i for i in every if i not in set(screen)]
-                self._screened = len(candidates) - len(kept)
+                if not covered:  # (every call of every process screened: the whole grid is scored already)
+                    kept = shortlist(values, self.screen_keep)
+                    self._screened = len(candidates) - len(kept)
             for c in kept:
                 place(candidates[c])
                 run(c, rest)
-            return reduced(every, kept)
+            return reduced(every, kept)[0]
 
         scheme = self.modules[next(iter(quantized))]
         group = (
