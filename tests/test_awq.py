@@ -400,10 +400,10 @@ def test_a_linear_span_is_scored_from_its_gram_matrix_as_if_it_ran(
 def test_screening_runs_fewer_spans_and_keeps_the_exhaustive_winner_when_shortlisted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Screening (one virtual shard of 8 batches) scores the grid on every 2nd batch and the identity plus the 2 best on the rest: fewer span runs;
-    a mapping whose exhaustive winner made the shortlist gets the same ratio and the same loss bit for bit, any
-    other one a loss no lower than the exhaustive one (the minimum over every point) and never above plain
-    round-to-nearest's."""
+    """Screening (one virtual shard of 8 batches) scores the grid on every 2nd batch and the identity plus the
+    2 best on the rest: fewer span runs; a mapping whose exhaustive winner made the shortlist gets the same
+    ratio and the same loss bit for bit, any other one a loss no lower than the exhaustive one (the minimum over
+    every point) and never above plain round-to-nearest's."""
     from seqcal.modifiers.spans import SpanCache
 
     runs = {"count": 0}

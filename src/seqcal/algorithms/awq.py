@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from seqcal.algorithms.hessian import UPPER_BLOCK, quadratic_forms
+from seqcal.algorithms.hessian import add_products, quadratic_forms
 
 DUO_SCALING: tuple[object, ...] = (True, False, "both")
 
@@ -199,11 +199,7 @@ def add_gram(total: Tensor | None, X: Tensor) -> Tensor:
     X = X.detach().float()
     if total is None:
         total = torch.zeros(X.shape[1], X.shape[1], dtype=torch.float32, device=X.device)
-    X, d = X.to(total.device), X.shape[1]
-    step = UPPER_BLOCK if total.device.type == "cpu" else d
-    for i0 in range(0, d, step):  # block row i0:i0 + step, on and right of the diagonal
-        total[i0 : i0 + step, i0:].addmm_(X[:, i0 : i0 + step].T, X[:, i0:])
-    return total
+    return add_products(total, X.to(total.device), upper=total.device.type == "cpu")
 
 
 def linear_error(E: Tensor, gram: Tensor) -> float:

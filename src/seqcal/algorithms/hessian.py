@@ -78,9 +78,22 @@ def accumulate_hessian(
         return H, n
     # one float32 copy, scaled in place: a second [m, in] temporary per batch only fragments the heap
     Xs = X.to(device=H.device, dtype=torch.float32, copy=True).mul_(math.sqrt(2 / n))  # [m, in]
-    for i0, i1 in blocks:
-        H[i0:i1, i0:].addmm_(Xs[:, i0:i1].T, Xs[:, i0:])  # [i1 - i0, in - i0], in place in H's rows
-    return H, n
+    return add_products(H, Xs, upper=upper), n
+
+
+def add_products(H: Tensor, X: Tensor, *, upper: bool) -> Tensor:
+    """``H += X^T X`` in place (``X [m, in]`` on H's device, in H's dtype); with ``upper``, only the block rows'
+    parts on and right of the diagonal (``UPPER_BLOCK`` columns each), as :func:`accumulate_hessian`'s.
+
+    Example:
+        >>> X = torch.randn(5, 3); torch.allclose(add_products(torch.zeros(3, 3), X, upper=False), X.T @ X)
+        True
+    """
+    d = X.shape[1]
+    step = UPPER_BLOCK if upper else d
+    for i0 in range(0, d, step):  # block row i0:i0 + step, in place in H's rows
+        H[i0 : i0 + step, i0:].addmm_(X[:, i0 : i0 + step].T, X[:, i0:])
+    return H
 
 
 def _half_tensor_cores(H: Tensor, X: Tensor, beta: float, alpha: float) -> bool:

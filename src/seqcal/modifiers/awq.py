@@ -314,7 +314,8 @@ class AWQModifier(QuantizationModifier):
                     place(s)
                     run(c, screen)
                 values, covered = reduced(screen, kept)
-                rest = [i for i in every if i not in set(screen)]
+                screened = set(screen)
+                rest = [i for i in every if i not in screened]
                 if not covered:  # (every call of every process screened: the whole grid is scored already)
                     kept = shortlist(values, self.screen_keep)
                     self._screened = len(candidates) - len(kept)
