@@ -12,6 +12,8 @@ import math
 import torch
 from torch import Tensor
 
+from seqcal.algorithms import products
+
 # Columns per block row of an upper-only update: small enough that the flops come near half of the square's
 # (54% at 1536 features, 384 gave 62%), big enough to keep the GEMMs efficient; on one CPU thread 9-15%
 # faster than 384 for SmolLM2's 576 and 1536 features.
@@ -77,6 +79,9 @@ def accumulate_hessian(
             H[i0:i1, i0:].add_(torch.mm(Xp[:, i0:i1].T, Xp[:, i0:]).float(), alpha=2 / n)
         return H, n
     # one float32 copy, scaled in place: a second [m, in] temporary per batch only fragments the heap
+    if products.onednn_for(H.device, m):  # oneDNN's kernel wants the rows of X^T: the copy is transposed
+        Xt = X.T.to(device=H.device, dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
+        return products.add_transposed_products(H, Xt.mul_(math.sqrt(2 / n)), UPPER_BLOCK, upper=upper), n
     Xs = X.to(device=H.device, dtype=torch.float32, copy=True).mul_(math.sqrt(2 / n))  # [m, in]
     return add_products(H, Xs, upper=upper), n
 
@@ -89,6 +94,9 @@ def add_products(H: Tensor, X: Tensor, *, upper: bool) -> Tensor:
         >>> X = torch.randn(5, 3); torch.allclose(add_products(torch.zeros(3, 3), X, upper=False), X.T @ X)
         True
     """
+    if products.onednn_applies(X, H):  # float32 on the CPU: oneDNN's kernel wants the rows of X^T
+        Xt = X.T.contiguous()
+        return products.add_transposed_products(H, Xt, UPPER_BLOCK, upper=upper)
     d = X.shape[1]
     step = UPPER_BLOCK if upper else d
     for i0 in range(0, d, step):  # block row i0:i0 + step, in place in H's rows

@@ -12,6 +12,7 @@ from torch import fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from tqdm.auto import tqdm
 
+from seqcal.algorithms.products import linears_on_onednn
 from seqcal.errors import SeqcalError
 from seqcal.execution.cache.store import ActivationCache
 from seqcal.execution.host import trim_host_memory
@@ -47,8 +48,9 @@ class GraphRunner:
     Resolution at run time (not at trace time) is what lets weights be offloaded and swapped in between.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None) -> None:
         self.model = model
+        self.device = device  # the execution device: float32 Linears on the CPU run on oneDNN (products)
         self._modules = dict(model.named_modules())
 
     def attr(self, qualname: str) -> Any:
@@ -58,6 +60,10 @@ class GraphRunner:
     def run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None = None) -> Any:
         """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs), or those up to the node named
         ``until``; returns the graph output if any."""
+        with linears_on_onednn(self.device):
+            return self._run(subgraph, env, until)
+
+    def _run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None) -> Any:
         result = None
         for node in subgraph.nodes:
             args = self._load(node.args, env)
@@ -234,7 +240,7 @@ def calibrate_subgraphs(
     Returns:
         One dict per subgraph: index, targets, seconds, rel_error (quantized vs full precision output).
     """
-    runner = GraphRunner(model)
+    runner = GraphRunner(model, state.device)
     prof = profiler if profiler is not None else NullProfiler()
     _put_inputs(subgraphs, batches, cache, placeholders)
     calibrating = any(m.needs_calibration for m in modifiers)

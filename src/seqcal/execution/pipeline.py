@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from seqcal.algorithms.products import linears_on_onednn
 from seqcal.checkpoint.streaming import ResumeError, StreamingCheckpoint
 from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
@@ -188,7 +189,8 @@ def _run(
     if not batches:
         rows = _whole_model(model, modifiers, state, [])
     elif args.pipeline == "basic":
-        rows = _whole_model(model, modifiers, state, batches)
+        with linears_on_onednn(device):
+            rows = _whole_model(model, modifiers, state, batches)
     else:
         batches = [{**batch, **_no_cache(model)} for batch in batches]
         subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
@@ -196,7 +198,10 @@ def _run(
         def differs(candidate: SubgraphList) -> Divergence | None:
             if not args.verify or not any(m.needs_calibration for m in modifiers):
                 return None  # no forward pass will run through the partition
-            with profiler.span("verify", "partition vs eager"):  # the trace's sample (its stand-in cache)
+            with (
+                profiler.span("verify", "partition vs eager"),
+                linears_on_onednn(device),
+            ):  # the trace's sample
                 return verify_run(candidate, getattr(candidate, "kv_sample", batches[0]), store, device)
 
         if subgraphs is not None and (diverged := differs(subgraphs)):
@@ -215,7 +220,7 @@ def _run(
             # the capture runs the model's own forward: weights on meta are onloaded per module for it
             cpu = torch.device("cpu")
             onloading = safety_hooks(model, store, cpu) if store is not None else contextlib.nullcontext()
-            with onloading:
+            with onloading, linears_on_onednn(device):
                 subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
         prepare_modifiers(model, subgraphs, batches[0], modifiers, state)  # v2: graph, producers they edit
         with ActivationCache(

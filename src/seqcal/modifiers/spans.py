@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from seqcal.algorithms.products import linears_on_onednn
+
 
 class SpanCache:
     """The recorded calls of one module: ``(args, kwargs, token mask)`` per batch, within ``max_bytes``.
@@ -123,7 +125,12 @@ class SpanCache:
     def _run(self, module: torch.nn.Module, device: torch.device, overrides: Mapping[str, Any] | None,
              call: tuple[tuple, dict, torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
         args, kwargs = moved(call[0], device), moved(call[1], device)
-        out = functional_call(module, dict(overrides), args, kwargs) if overrides else module(*args, **kwargs)
+        with linears_on_onednn(device):  # float32 Linears on oneDNN where MKL is slow (products)
+            out = (
+                functional_call(module, dict(overrides), args, kwargs)
+                if overrides
+                else module(*args, **kwargs)
+            )
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def masks(self) -> list[torch.Tensor | None]:

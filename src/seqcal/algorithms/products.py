@@ -1,0 +1,168 @@
+"""float32 matrix products on the CPU: oneDNN's kernels where torch's default BLAS takes a slow path.
+
+torch's CPU build computes float32 ``linear`` / ``mm`` with Intel MKL, which picks its code path by CPU vendor:
+on AMD processors it runs its AVX2 kernels even where the CPU has AVX-512. oneDNN, which torch links as well
+(its bf16 matmuls run there), picks its kernels by the instruction set alone. On a Zen 5 EPYC with AVX-512,
+one thread, SmolLM2's Linear shapes at 512 tokens: MKL 104-113 GFLOP/s, oneDNN 240-250 GFLOP/s; both
+accumulate in float32 (relative error against float64 of the same order: 2.5e-7 and 3.9e-7). Measurements in
+benchmarks/RESULTS.md ("float32 products through oneDNN").
+
+What uses it: every ``torch.nn.functional.linear`` of a calibration or propagation pass (through
+:func:`linears_on_onednn`, a torch function mode entered around the subgraph runs), and the Hessian and Gram
+products (``hessian.add_products``). Only float32 operands on the CPU without gradients, with at least
+``MIN_ROWS`` rows: with fewer (routed experts' few tokens), oneDNN's per-shape setup (~0.5 ms for a shape it
+has not seen) costs what its kernel saves.
+
+``SEQCAL_CPU_MATMUL`` chooses: ``auto`` (default: oneDNN on AMD CPUs with an MKL build of torch, where the
+gap was measured; torch's default elsewhere), ``onednn`` (always, where torch has the operator) or ``native``
+(never). Inputs that are not contiguous are copied first: oneDNN's kernels for strided operands are a
+reference path hundreds of times slower (a transposed [128, 512] x [1536, 512] product: 1.3 s against 6 ms).
+
+Example:
+    >>> x, w = torch.randn(64, 8), torch.randn(4, 8)
+    >>> torch.allclose(linear(x, w), torch.nn.functional.linear(x, w), atol=1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = [
+    "MIN_ROWS",
+    "add_transposed_products",
+    "linear",
+    "linears_on_onednn",
+    "onednn_applies",
+    "onednn_for",
+    "use_onednn",
+]
+
+MIN_ROWS = 32  # rows (tokens) below which torch's default kernel is kept; see the module docstring
+_CHOICES = ("auto", "onednn", "native")
+
+
+@functools.cache
+def use_onednn() -> bool:
+    """Whether float32 CPU products go through oneDNN in this process (``SEQCAL_CPU_MATMUL``, read once).
+
+    Example:
+        >>> isinstance(use_onednn(), bool)
+        True
+    """
+    choice = os.environ.get("SEQCAL_CPU_MATMUL", "auto").strip().lower()
+    if choice not in _CHOICES:
+        raise ValueError(f"SEQCAL_CPU_MATMUL must be one of {', '.join(_CHOICES)}, got {choice!r}")
+    available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    if choice == "native" or not available:
+        return False
+    return choice == "onednn" or (_mkl_blas() and _cpu_vendor() == "AuthenticAMD")
+
+
+def _mkl_blas() -> bool:
+    return torch.backends.mkl.is_available() and "BLAS_INFO=mkl" in torch.__config__.show()
+
+
+def _cpu_vendor() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:  # not Linux: no measurement says oneDNN is faster there
+        return ""
+    return next(
+        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("vendor_id")), ""
+    )
+
+
+def onednn_for(device: torch.device, rows: int) -> bool:
+    """Whether a float32 product with ``rows`` rows on ``device`` goes through oneDNN (:func:`use_onednn`,
+    the CPU, ``MIN_ROWS`` rows or more)."""
+    return device.type == "cpu" and rows >= MIN_ROWS and use_onednn()
+
+
+def onednn_applies(x: Tensor, w: Tensor) -> bool:
+    """Whether ``linear(x, w)`` takes oneDNN: both float32 on the CPU, no gradient, ``x`` with ``MIN_ROWS``
+    rows or more, ``w`` two-dimensional, and :func:`use_onednn`."""
+    return (
+        x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and w.device.type == "cpu"
+        and w.dim() == 2
+        and x.dim() >= 1
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and onednn_for(x.device, x.numel() // max(x.shape[-1], 1))
+    )
+
+
+def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:  # noqa: A002 (F.linear's names)
+    """``input @ weight.T + bias`` as ``torch.nn.functional.linear`` computes it, with oneDNN's kernel where it
+    applies (:func:`onednn_applies`; the bias must be float32 on the CPU too)."""
+    if not onednn_applies(input, weight) or (
+        bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")
+    ):
+        return F.linear(input, weight, bias)
+    return _linear_pointwise(input.contiguous(), weight.contiguous(), bias)
+
+
+def _linear_pointwise(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """oneDNN's float32 ``x @ w.T + b`` (the operator torch's compiler uses for CPU Linears; no post-op)."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+class _Depth(threading.local):
+    depth = 0  # torch's function mode stack is per thread, and so is this count of ours on it
+
+
+_inside = _Depth()
+
+
+class _OneDNNLinears(TorchFunctionMode):
+    """Sends ``torch.nn.functional.linear`` to :func:`linear`; everything else runs as it is."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is F.linear and args and type(args[0]) is Tensor:  # plain tensors (no proxies, no subclasses)
+            return linear(*args, **(kwargs or {}))  # the mode is off inside this method: no recursion
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def linears_on_onednn(device: torch.device | str | None = None) -> Iterator[None]:
+    """Run the ``torch.nn.functional.linear`` calls inside (those of ``nn.Linear`` modules included) with
+    :func:`linear`; does nothing unless :func:`use_onednn` and ``device`` (the execution device) is the CPU.
+
+    Example:
+        >>> with linears_on_onednn("cpu"):
+        ...     y = torch.nn.Linear(8, 4)(torch.randn(64, 8))
+        >>> y.shape
+        torch.Size([64, 4])
+    """
+    if not use_onednn() or (device is not None and torch.device(device).type != "cpu") or _inside.depth:
+        yield  # off, or already on in this thread (a second mode on the stack would only add overhead)
+        return
+    _inside.depth += 1
+    try:
+        with _OneDNNLinears():
+            yield
+    finally:
+        _inside.depth -= 1
+
+
+def add_transposed_products(H: Tensor, Xt: Tensor, block: int, *, upper: bool) -> Tensor:
+    """``H += Xt Xt^T`` in place with oneDNN (``Xt [in, m]`` contiguous float32 on the CPU), ``block`` rows
+    at a time: with ``upper`` only the parts on and right of the diagonal blocks; never an [in, in] temporary.
+    """
+    d = Xt.shape[0]
+    for i0 in range(0, d, block):
+        j0 = i0 if upper else 0
+        H[i0 : i0 + block, j0:].add_(_linear_pointwise(Xt[i0 : i0 + block], Xt[j0:], None))
+    return H

@@ -1,0 +1,146 @@
+"""float32 products on oneDNN (algorithms/products.py): same values as torch's kernel up to float32 rounding,
+taken only where they apply, and used by the passes and the Hessians."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seqcal.algorithms import products
+from seqcal.algorithms.hessian import UPPER_BLOCK, accumulate_hessian, add_products
+
+pytestmark = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+    reason="this torch has no oneDNN linear operator",
+)
+
+
+@pytest.fixture
+def onednn(monkeypatch: pytest.MonkeyPatch):
+    """oneDNN on, whatever this machine's CPU (the `auto` choice depends on it)."""
+    monkeypatch.setenv("SEQCAL_CPU_MATMUL", "onednn")
+    products.use_onednn.cache_clear()
+    yield
+    products.use_onednn.cache_clear()
+
+
+def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def _count_onednn(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Record the shapes of every call of the oneDNN operator (the real one still runs)."""
+    calls: list[tuple] = []
+    real = products._linear_pointwise
+
+    def counted(x, w, *rest):
+        calls.append((tuple(x.shape), tuple(w.shape)))
+        return real(x, w, *rest)
+
+    monkeypatch.setattr(products, "_linear_pointwise", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "case", ["2d", "3d", "transposed input", "sliced input", "transposed weight", "bias"]
+)
+def test_linear_matches_float64(onednn, monkeypatch, case):
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 96, 64, generator=g), torch.randn(48, 64, generator=g), None
+    if case == "2d":
+        x = x[0]
+    elif case == "transposed input":
+        x = torch.randn(2, 64, 96, generator=g).transpose(1, 2)
+    elif case == "sliced input":
+        x = torch.randn(2, 96, 128, generator=g)[..., 32:96]
+    elif case == "transposed weight":
+        w = torch.randn(64, 48, generator=g).T
+    elif case == "bias":
+        b = torch.randn(48, generator=g)
+    calls = _count_onednn(monkeypatch)
+    y = products.linear(x, w, b)
+    assert calls, "oneDNN was not used"
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    native = F.linear(x, w, b)
+    assert y.shape == native.shape and y.dtype == torch.float32
+    # float32 accumulation (a reduced-precision kernel, bf16 or tf32, would be off by 1e-3)
+    assert _relative(y, ref) < 2e-6 and _relative(native, ref) < 2e-6
+
+
+def test_linear_keeps_torch_kernel_where_onednn_does_not_apply(onednn, monkeypatch):
+    calls = _count_onednn(monkeypatch)
+    w = torch.randn(16, 8)
+    few = torch.randn(products.MIN_ROWS - 1, 8)  # a routed expert's few tokens
+    assert torch.equal(products.linear(few, w), F.linear(few, w))
+    half = torch.randn(64, 8, dtype=torch.bfloat16)
+    assert torch.equal(products.linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
+    x = torch.randn(64, 8, requires_grad=True)  # gradients: the oneDNN operator has no backward
+    y = products.linear(x, w)
+    y.sum().backward()
+    assert torch.allclose(x.grad, w.sum(0).expand(64, 8))
+    assert calls == []
+    products.linear(torch.randn(products.MIN_ROWS, 8), w)
+    assert calls == [((products.MIN_ROWS, 8), (16, 8))]
+
+
+def test_mode_routes_linear_modules_only_inside(onednn, monkeypatch):
+    calls = _count_onednn(monkeypatch)
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(64, 8)
+    with torch.no_grad():
+        outside = layer(x)
+        assert calls == []
+        with products.linears_on_onednn("cpu"):
+            with products.linears_on_onednn("cpu"):  # nested: one mode on the stack
+                inside = layer(x)
+            torch.nn.functional.relu(x)  # other functions run as they are
+        assert len(calls) == 1
+        with products.linears_on_onednn("cuda"):  # another execution device: nothing changes
+            layer(x)
+        assert len(calls) == 1
+    assert torch.allclose(inside, outside, atol=1e-6)
+
+
+def test_native_choice_and_bad_value(monkeypatch):
+    monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
+    products.use_onednn.cache_clear()
+    try:
+        assert not products.use_onednn()
+        assert not products.onednn_applies(torch.randn(64, 8), torch.randn(4, 8))
+        monkeypatch.setenv("SEQCAL_CPU_MATMUL", "fast")
+        products.use_onednn.cache_clear()
+        with pytest.raises(ValueError, match="SEQCAL_CPU_MATMUL must be one of auto, onednn, native"):
+            products.use_onednn()
+    finally:
+        products.use_onednn.cache_clear()
+
+
+@pytest.mark.parametrize("upper", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hessian_on_onednn_matches_float64(onednn, monkeypatch, upper, dtype):
+    """Three block rows (the last one short); X in float32 or bf16 (cast to float32 first)."""
+    g = torch.Generator().manual_seed(1)
+    d = 2 * UPPER_BLOCK + 40
+    X1, X2 = torch.randn(3, 40, d, generator=g).to(dtype), torch.randn(70, d, generator=g).to(dtype)
+    calls = _count_onednn(monkeypatch)
+    H, n = accumulate_hessian(None, X1, 0, upper=upper)
+    H, n = accumulate_hessian(H, X2, n, upper=upper)
+    assert n == 190 and len(calls) == 6  # two batches x three block rows
+    X = torch.cat([X1.reshape(-1, d), X2]).double()
+    ref = 2 * X.T @ X / n
+    keep = torch.ones(d, d, dtype=torch.bool)
+    if upper:  # only the block rows' parts on and right of the diagonal are kept up to date
+        keep = torch.zeros(d, d, dtype=torch.bool)
+        for i0 in range(0, d, UPPER_BLOCK):
+            keep[i0 : i0 + UPPER_BLOCK, i0:] = True
+    assert ((H.double() - ref)[keep].norm() / ref[keep].norm()).item() < 2e-6
+
+
+def test_add_products_on_onednn(onednn, monkeypatch):
+    X = torch.randn(64, UPPER_BLOCK + 5)
+    calls = _count_onednn(monkeypatch)
+    H = add_products(torch.ones(X.shape[1], X.shape[1]), X, upper=False)
+    assert len(calls) == 2
+    ref = 1 + X.double().T @ X.double()
+    assert _relative(H, ref) < 2e-6
