@@ -15,7 +15,7 @@ has not seen) costs what its kernel saves.
 
 ``SEQCAL_CPU_MATMUL`` chooses: ``auto`` (default: oneDNN on AMD CPUs with an MKL build of torch, where the
 gap was measured; torch's default elsewhere), ``onednn`` (always, where torch has the operator) or ``native``
-(never). Inputs that are not contiguous are copied first: oneDNN's kernels for strided operands are a
+(never). Inputs that are not contiguous are copied first (weights that are not keep torch's kernel): oneDNN's kernels for strided operands are a
 reference path hundreds of times slower (a transposed [128, 512] x [1536, 512] product: 1.3 s against 6 ms).
 
 Example:
@@ -92,12 +92,13 @@ def onednn_for(device: torch.device, rows: int) -> bool:
 
 def onednn_applies(x: Tensor, w: Tensor) -> bool:
     """Whether ``linear(x, w)`` takes oneDNN: both float32 on the CPU, no gradient, ``x`` with ``MIN_ROWS``
-    rows or more, ``w`` two-dimensional, and :func:`use_onednn`."""
+    rows or more, ``w`` two-dimensional and contiguous, and :func:`use_onednn`."""
     return (
         x.dtype == torch.float32
         and w.dtype == torch.float32
         and w.device.type == "cpu"
         and w.dim() == 2
+        and w.is_contiguous()  # a weight is; a view (expanded stand-ins of the memory plan) is not copied
         and x.dim() >= 1
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         and onednn_for(x.device, x.numel() // max(x.shape[-1], 1))
@@ -111,7 +112,7 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu")
     ):
         return F.linear(input, weight, bias)
-    return _linear_pointwise(input.contiguous(), weight.contiguous(), bias)
+    return _linear_pointwise(input.contiguous(), weight, bias)
 
 
 def _linear_pointwise(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
