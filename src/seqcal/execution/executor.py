@@ -149,7 +149,7 @@ def run_subgraphs(
     Returns:
         The graph output per batch (empty when ``keep_output`` is False).
     """
-    runner = GraphRunner(model)
+    runner = GraphRunner(model, cache.device)  # the cache hands the values to the execution device
     _put_inputs(subgraphs, batches, cache, placeholders)
     outputs: list[Any] = []
     bar = tqdm(total=len(subgraphs) * len(batches), desc="subgraphs", disable=not progress, leave=False)
