@@ -3,8 +3,8 @@
 torch's CPU build computes float32 ``linear`` / ``mm`` with Intel MKL, which picks its code path by CPU vendor:
 on AMD processors it runs its AVX2 kernels even where the CPU has AVX-512. oneDNN, which torch links as well
 (its bf16 matmuls run there), picks its kernels by the instruction set alone. On a Zen 5 EPYC with AVX-512,
-one thread, SmolLM2's Linear shapes at 512 tokens: MKL 104-113 GFLOP/s, oneDNN 240-250 GFLOP/s; both
-accumulate in float32 (relative error against float64 of the same order: 2.5e-7 and 3.9e-7). Measurements in
+one thread, SmolLM2's Linear shapes at 512 tokens: MKL 115-119 GFLOP/s, oneDNN 255-270 GFLOP/s; both
+accumulate in float32 (relative error against float64 of the same order: 2.5e-7 and 3.8-5.2e-7). Measurements in
 benchmarks/RESULTS.md ("float32 products through oneDNN").
 
 What uses it: every ``torch.nn.functional.linear`` of a calibration or propagation pass (through
