@@ -171,3 +171,18 @@ def test_oneshot_runs_its_passes_and_hessians_on_onednn(onednn, monkeypatch):
         # int8 codes may round the other way where float32 rounding moved a value across a half step
         assert (a - b).abs().max() <= 2 * (b.abs().max() / 127), name
         assert (a != b).float().mean() < 0.02, name
+
+
+def test_subgraph_list_run_stays_on_torch_kernels(onednn, monkeypatch):
+    """The public SubgraphList.run() returns what the model's own forward returns, bit for bit: only calibration
+    runs (and the pipeline's partition check, on both sides) take oneDNN."""
+    from seqcal.tracing.subgraphs import trace_subgraphs
+    from test_oneshot import tiny_llama
+
+    model = tiny_llama()
+    ids = torch.randint(0, 256, (2, 40))
+    subgraphs = trace_subgraphs(model, {"input_ids": ids})
+    calls = _count_onednn(monkeypatch)
+    with torch.no_grad():
+        got, want = subgraphs.run(input_ids=ids), model(input_ids=ids)
+    assert calls == [] and torch.equal(got.logits, want.logits)

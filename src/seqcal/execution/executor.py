@@ -50,7 +50,9 @@ class GraphRunner:
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None) -> None:
         self.model = model
-        self.device = device  # the execution device: float32 Linears on the CPU run on oneDNN (products)
+        # a calibration's execution device: float32 Linears on the CPU run on oneDNN there (algorithms.products);
+        # None keeps torch's kernels (SubgraphList.run, the partition checks: the same bits as eager)
+        self.device = device
         self._modules = dict(model.named_modules())
 
     def attr(self, qualname: str) -> Any:
@@ -60,6 +62,8 @@ class GraphRunner:
     def run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None = None) -> Any:
         """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs), or those up to the node named
         ``until``; returns the graph output if any."""
+        if self.device is None:
+            return self._run(subgraph, env, until)
         with linears_on_onednn(self.device):
             return self._run(subgraph, env, until)
 
@@ -149,7 +153,7 @@ def run_subgraphs(
     Returns:
         The graph output per batch (empty when ``keep_output`` is False).
     """
-    runner = GraphRunner(model, cache.device)  # the cache hands the values to the execution device
+    runner = GraphRunner(model)  # torch's own kernels: SubgraphList.run() returns what model(**inputs) does
     _put_inputs(subgraphs, batches, cache, placeholders)
     outputs: list[Any] = []
     bar = tqdm(total=len(subgraphs) * len(batches), desc="subgraphs", disable=not progress, leave=False)
