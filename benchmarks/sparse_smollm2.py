@@ -18,7 +18,11 @@ from pathlib import Path
 import gptq_smollm2
 from gptq_smollm2 import PEER, ROOT, VENV, WORK, run_and_evaluate
 
-RECIPES = {"sgpt24": "recipes/sparsegpt_2of4.yaml", "sgpt24-w4g64": "recipes/sparsegpt_2of4_w4a16_g64.yaml"}
+RECIPES = {
+    "sgpt24": "recipes/sparsegpt_2of4.yaml",
+    "sgpt24-w4g64": "recipes/sparsegpt_2of4_w4a16_g64.yaml",
+    "sgpt24-fp8": "recipes/sparsegpt_2of4_fp8_dynamic.yaml",
+}
 TOOLS = {"seqcal": [f"{VENV}/bin/python"], "llmc": [PEER[0]]}
 RUNS = {f"{tool}-{name}": (tool, recipe) for name, recipe in RECIPES.items() for tool in TOOLS}
 
