@@ -15,8 +15,9 @@ has not seen) costs what its kernel saves.
 
 ``SEQCAL_CPU_MATMUL`` chooses: ``auto`` (default: oneDNN on AMD CPUs with an MKL build of torch, where the
 gap was measured; torch's default elsewhere), ``onednn`` (always, where torch has the operator) or ``native``
-(never). Inputs that are not contiguous are copied first (weights that are not keep torch's kernel): oneDNN's kernels for strided operands are a
-reference path hundreds of times slower (a transposed [128, 512] x [1536, 512] product: 1.3 s against 6 ms).
+(never). Inputs that are not contiguous are copied first, and weights that are not keep torch's kernel:
+oneDNN's kernels for strided operands are a reference path hundreds of times slower (a transposed
+[128, 512] x [1536, 512] product: 1.3 s against 6 ms).
 
 Example:
     >>> x, w = torch.randn(64, 8), torch.randn(4, 8)
@@ -137,9 +138,10 @@ class _OneDNNLinears(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def linears_on_onednn(device: torch.device | str | None = None) -> Iterator[None]:
+def linears_on_onednn(device: torch.device | str | None) -> Iterator[None]:
     """Run the ``torch.nn.functional.linear`` calls inside (those of ``nn.Linear`` modules included) with
-    :func:`linear`; does nothing unless :func:`use_onednn` and ``device`` (the execution device) is the CPU.
+    :func:`linear`; does nothing unless :func:`use_onednn` and ``device`` (the execution device) is the CPU
+    (None: no execution device, torch's own kernels).
 
     Example:
         >>> with linears_on_onednn("cpu"):
@@ -147,7 +149,7 @@ def linears_on_onednn(device: torch.device | str | None = None) -> Iterator[None
         >>> y.shape
         torch.Size([64, 4])
     """
-    if not use_onednn() or (device is not None and torch.device(device).type != "cpu") or _inside.depth:
+    if device is None or torch.device(device).type != "cpu" or not use_onednn() or _inside.depth:
         yield  # off, or already on in this thread (a second mode on the stack would only add overhead)
         return
     _inside.depth += 1

@@ -62,8 +62,6 @@ class GraphRunner:
     def run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None = None) -> Any:
         """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs), or those up to the node named
         ``until``; returns the graph output if any."""
-        if self.device is None:
-            return self._run(subgraph, env, until)
         with linears_on_onednn(self.device):
             return self._run(subgraph, env, until)
 

@@ -198,10 +198,8 @@ def _run(
         def differs(candidate: SubgraphList) -> Divergence | None:
             if not args.verify or not any(m.needs_calibration for m in modifiers):
                 return None  # no forward pass will run through the partition
-            with (
-                profiler.span("verify", "partition vs eager"),
-                linears_on_onednn(device),
-            ):  # the trace's sample
+            # the trace's sample (its stand-in cache); eager and partitioned both on the calibration's kernels
+            with profiler.span("verify", "partition vs eager"), linears_on_onednn(device):
                 return verify_run(candidate, getattr(candidate, "kv_sample", batches[0]), store, device)
 
         if subgraphs is not None and (diverged := differs(subgraphs)):
