@@ -146,6 +146,75 @@ def test_add_products_on_onednn(onednn, monkeypatch):
     assert _relative(H, ref) < 2e-6
 
 
+def _attention_reference(q, k, v, mask=None, is_causal=False, scale=None):
+    """Attention in float64 from its definition (rows that attend nothing give 0, as torch's kernels)."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    L, S = s.shape[-2:]
+    if is_causal:
+        mask = torch.ones(L, S, dtype=torch.bool).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.double()
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return p @ v
+
+
+@pytest.mark.parametrize(
+    "case", ["causal gqa", "causal more keys", "causal more queries", "bool mask", "float mask", "no mask"]
+)
+def test_attention_matches_float64_and_torch(onednn, monkeypatch, case):
+    """Every mask form transformers passes, batch > 1, a query count not a multiple of the chunk, GQA."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Hk, L, S, D = 2, 6, 2, products.CAUSAL_CHUNK + 37, products.CAUSAL_CHUNK + 37, 16
+    S = {"causal more keys": S + 20, "causal more queries": S - 40}.get(case, S)
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, L), (Hk, S), (Hk, S)))
+    kw: dict = {"enable_gqa": True, "scale": 0.3 if case == "no mask" else None}
+    mask = None
+    if case.startswith("causal"):
+        kw["is_causal"] = True
+    elif case == "bool mask":  # left padding of the second sample: its first 5 query rows attend nothing
+        mask = torch.ones(B, 1, L, S, dtype=torch.bool).tril()
+        mask[1, :, :, :5] = False
+    elif case == "float mask":  # transformers' additive form, one -inf row
+        mask = torch.zeros(L, S).masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), torch.finfo().min)
+        mask[3] = float("-inf")
+    calls = _count_onednn(monkeypatch)
+    out = products.attention(q, k, v, mask, **kw)
+    assert out is not None and calls, "oneDNN was not used"
+    ref = _attention_reference(q, k, v, mask, kw.get("is_causal", False), kw["scale"])
+    assert (out.double() - ref).abs().max() < 1e-5
+    torch_out = F.scaled_dot_product_attention(q, k, v, mask, **kw)
+    assert torch.isfinite(out).all() and (out - torch_out).abs().max() < 1e-5
+    if case == "causal gqa":  # each chunk of queries meets only the keys it may attend
+        chunks = [(a, min(a + products.CAUSAL_CHUNK, L)) for a in range(0, L, products.CAUSAL_CHUNK)]
+        pairs = sum((e - a) * e for a, e in chunks)  # (query, key) pairs computed: 22489 of 27225
+        assert sum(x[0] * x[1] * w[0] for x, w in calls) == 2 * B * H * pairs * D
+
+
+def test_attention_falls_back_where_it_does_not_apply(onednn, monkeypatch):
+    q = torch.randn(1, 2, 64, 8)
+    calls = _count_onednn(monkeypatch)
+    assert products.attention(q, q, q, dropout_p=0.1) is None
+    assert products.attention(q, q, q, torch.ones(64, 64, dtype=torch.bool), is_causal=True) is None
+    assert products.attention(q.bfloat16(), q.bfloat16(), q.bfloat16()) is None
+    assert products.attention(q[:, :, :8], q[:, :, :8], q[:, :, :8]) is None  # fewer than MIN_ROWS queries
+    assert products.attention(q, q[:, :1], q[:, :1]) is None  # heads differ without enable_gqa
+    assert products.attention(q, q, q, torch.ones(3, 64, 64, dtype=torch.bool)) is None  # does not broadcast
+    assert products.attention(q, q, q, torch.zeros(64, 64, dtype=torch.int64)) is None
+    grad = q.clone().requires_grad_()
+    assert products.attention(grad, q, q) is None
+    with torch.no_grad():
+        assert products.attention(grad, q, q) is not None
+    assert len(calls) == 2 * 2  # only the no_grad call: two heads, one chunk, a product each way
+    with products.linears_on_onednn("cpu"):  # inside the mode a refused call runs torch's own kernel
+        y = F.scaled_dot_product_attention(q, q, q, dropout_p=0.0, is_causal=True)
+        z = F.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
+    assert y.shape == q.shape and z.dtype == torch.bfloat16
+    assert len(calls) == 2 * 2 + 2 * 2  # the float32 call inside the mode took oneDNN
+
+
 def test_oneshot_runs_its_passes_and_hessians_on_onednn(onednn, monkeypatch):
     """A GPTQ run with oneDNN on: the passes' Linears and the Hessians take it (none of the solves' products),
     and the quantized model matches the run on torch's own kernels up to float32 rounding."""
@@ -158,9 +227,13 @@ def test_oneshot_runs_its_passes_and_hessians_on_onednn(onednn, monkeypatch):
     fast = tiny_llama()
     oneshot(model=fast, dataset=data, recipe=GPTQModifier(scheme="W8A16", ignore=["lm_head"]))
     linears = {(x[-1], w[0]) for x, w in calls if x[:-1] == (1, 48)}  # [batch, tokens, in] x [out, in]
-    hessians = {(x, w) for x, w in calls if len(x) == 2 and x[1] == 48}  # rows of X^T: [block, tokens]
+    hessians = {
+        (x, w) for x, w in calls if len(x) == 2 and x[1] == 48 and x[0] == 128
+    }  # X^T: [block, tokens]
+    attention = {(x, w) for x, w in calls if len(x) == 2 and x[0] == 2 * 48}  # 2 query heads per k/v head
     assert linears == {(128, 64), (128, 128), (128, 256), (256, 128)}  # k/v, q/o, gate/up, down
     assert hessians == {((128, 48), (128, 48)), ((128, 48), (256, 48))}  # the 128 and 256 wide inputs
+    assert attention == {((96, 32), (48, 32)), ((96, 48), (32, 48))}  # Q K^T and P V, head dim 32
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
     products.use_onednn.cache_clear()
     calls.clear()
