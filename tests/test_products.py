@@ -213,6 +213,14 @@ def test_attention_falls_back_where_it_does_not_apply(onednn, monkeypatch):
         z = F.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
     assert y.shape == q.shape and z.dtype == torch.bfloat16
     assert len(calls) == 2 * 2 + 2 * 2  # the float32 call inside the mode took oneDNN
+    real = F.scaled_dot_product_attention
+
+    def newer_torch(*args, future_option=None, **kwargs):  # an argument attention() does not know
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", newer_torch)  # what the mode compares against
+    y = products._OneDNNLinears().__torch_function__(newer_torch, (), (q, q, q), {"future_option": 1})
+    assert y.shape == q.shape and len(calls) == 8  # torch's kernel ran it
 
 
 def test_oneshot_runs_its_passes_and_hessians_on_onednn(onednn, monkeypatch):
