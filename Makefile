@@ -41,9 +41,9 @@ test: venv
 
 # Quantizes the embedded SmolLM2-135M-Instruct with GPTQ W4A16 (group 64) on the embedded offline text and
 # prints perplexity before and after (WikiText-2 test when ../shared is there, first 8 windows of 2048 tokens).
-# WikiText-2 validation text when ../shared is there (GPTQ W4A16 g64, 8 eval windows: 19.13 -> 23.7-24.0 by CPU),
-# else the embedded calibration text (offline, 33 windows only: 19.13 -> 28.75; with no ../shared at all the
-# perplexity is measured on that text too, its 4 windows: 24.82 -> 28.52). --concatenate fills
+# WikiText-2 validation text when ../shared is there (GPTQ W4A16 g64, 8 eval windows: 19.13 -> 23.7-24.2 by CPU),
+# else the embedded calibration text (offline, 33 windows only: 19.13 -> about 28.7; with no ../shared at all the
+# perplexity is measured on that text too, its 4 windows: 24.82 -> 28.5-28.6). --concatenate fills
 # whole 256-token windows from short paragraphs (without it: 24.37 and 29.88).
 DEMO_DATA := $(if $(wildcard ../shared/data/wiki.valid.raw),../shared/data/wiki.valid.raw,default)
 
