@@ -235,9 +235,8 @@ def test_oneshot_runs_its_passes_and_hessians_on_onednn(onednn, monkeypatch):
     fast = tiny_llama()
     oneshot(model=fast, dataset=data, recipe=GPTQModifier(scheme="W8A16", ignore=["lm_head"]))
     linears = {(x[-1], w[0]) for x, w in calls if x[:-1] == (1, 48)}  # [batch, tokens, in] x [out, in]
-    hessians = {
-        (x, w) for x, w in calls if len(x) == 2 and x[1] == 48 and x[0] == 128
-    }  # X^T: [block, tokens]
+    # rows of X^T, [block, tokens] x [in, tokens]
+    hessians = {(x, w) for x, w in calls if len(x) == 2 and x[1] == 48 and x[0] == 128}
     attention = {(x, w) for x, w in calls if len(x) == 2 and x[0] == 2 * 48}  # 2 query heads per k/v head
     assert linears == {(128, 64), (128, 128), (128, 256), (256, 128)}  # k/v, q/o, gate/up, down
     assert hessians == {((128, 48), (128, 48)), ((128, 48), (256, 48))}  # the 128 and 256 wide inputs

@@ -159,8 +159,9 @@ class _OneDNNLinears(TorchFunctionMode):
 @contextlib.contextmanager
 def linears_on_onednn(device: torch.device | str | None) -> Iterator[None]:
     """Run the ``torch.nn.functional.linear`` calls inside (those of ``nn.Linear`` modules included) with
-    :func:`linear`, and ``scaled_dot_product_attention`` with :func:`attention`; does nothing unless :func:`use_onednn` and ``device`` (the execution device) is the CPU
-    (None: no execution device, torch's own kernels).
+    :func:`linear`, and ``scaled_dot_product_attention`` with :func:`attention`; does nothing unless
+    :func:`use_onednn` and ``device`` (the execution device) is the CPU (None: no execution device, torch's
+    own kernels).
 
     Example:
         >>> with linears_on_onednn("cpu"):
@@ -232,6 +233,7 @@ def attention(
         for h in range(Hk):
             heads = slice(h * g, (h + 1) * g)
             k, v = key[b, h].contiguous(), value[b, h]
+            vt_all = v.T.contiguous()  # [Dv, S]: a contiguous weight for oneDNN (a column slice of it is not)
             for a in range(0, L, CAUSAL_CHUNK):
                 e = min(a + CAUSAL_CHUNK, L)
                 width = min(e, S) if is_causal else S  # the keys this chunk may attend
@@ -251,7 +253,7 @@ def attention(
                 p = torch.softmax(s, -1)
                 if dead is not None:
                     p.masked_fill_(dead, 0.0)  # nothing to attend: 0, not softmax's NaN
-                vt = v[:width].T.contiguous()  # [Dv, width]: a contiguous weight for oneDNN
+                vt = vt_all if width == S else v[:width].T.contiguous()  # a causal chunk's first keys
                 out[b, heads, a:e] = _linear_pointwise(p.view(-1, width), vt, None).view(g, e - a, Dv)
     return out
 
