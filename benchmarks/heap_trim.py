@@ -47,15 +47,14 @@ CHILD = textwrap.dedent("""
 
     def trim():
         calls[0] += 1
-        if policy == "never":
-            return host.free_mkl_buffers() and False
-        if policy == "every8" and calls[0] % 8 != 1:
-            return host.free_mkl_buffers() and False
+        skip = policy == "never" or (policy == "every8" and calls[0] % 8 != 1)
         if policy == "peak":
             peak = peak_bytes()
-            if last_peak[0] and peak <= last_peak[0] + max(32 << 20, last_peak[0] // 32):
-                return host.free_mkl_buffers() and False
-            last_peak[0] = peak
+            skip = bool(last_peak[0]) and peak <= last_peak[0] + max(32 << 20, last_peak[0] // 32)
+            last_peak[0] = last_peak[0] if skip else peak
+        if skip:  # MKL's pooled buffers still go back to the heap, as in every trim
+            host.free_mkl_buffers()
+            return False
         return host.trim_host_memory()
 
     if policy != "every":
