@@ -37,6 +37,7 @@ RUNS = {
     "seqcal-gptq-fp32": [*SEQCAL, "--algo", "gptq", "--dtype", "float32"],
     "seqcal-rtn": [*SEQCAL, "--algo", "rtn", "--dtype", "float32"],
     "llmc-gptq-fp32": [*PEER, "--algo", "gptq"],
+    "llmc-gptq-bf16": [*PEER, "--algo", "gptq", "--dtype", "bfloat16"],
     "llmc-rtn": [*PEER, "--algo", "rtn"],
 }
 

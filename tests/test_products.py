@@ -193,12 +193,43 @@ def test_attention_matches_float64_and_torch(onednn, monkeypatch, case):
         assert sum(x[0] * x[1] * w[0] for x, w in calls) == 2 * B * H * pairs * D
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("masking", ["causal", "float mask"])
+def test_attention_of_half_types_in_float32(onednn, monkeypatch, dtype, masking):
+    """bfloat16 / float16 inputs: float32 products, the output in the inputs' dtype, rounded once (no further
+    from float64 than torch's own kernel on the same inputs, within the output's rounding)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 160, 32, generator=g).to(dtype) for h in (6, 2, 2))
+    kw: dict = {"enable_gqa": True}
+    mask = None
+    if masking == "causal":
+        kw["is_causal"] = True
+    else:  # transformers' additive mask in the model's dtype (a large negative value, not -inf)
+        mask = (
+            torch.zeros(160, 160).masked_fill(torch.ones(160, 160, dtype=torch.bool).triu(1), -1e4).to(dtype)
+        )
+    dtypes: list[tuple] = []  # operand dtypes of each oneDNN product
+    real = products._linear_pointwise
+    monkeypatch.setattr(
+        products, "_linear_pointwise", lambda x, w, b: dtypes.append((x.dtype, w.dtype)) or real(x, w, b)
+    )
+    out = products.attention(q, k, v, mask, **kw)
+    assert out is not None and out.dtype == dtype, "oneDNN was not used"
+    assert dtypes and set(dtypes) == {(torch.float32, torch.float32)}
+    ref = _attention_reference(q, k, v, mask, kw.get("is_causal", False))
+    ours = (out.double() - ref).norm() / ref.norm()
+    torch_out = F.scaled_dot_product_attention(q, k, v, mask, **kw)
+    theirs = (torch_out.double() - ref).norm() / ref.norm()
+    assert ours <= theirs * 1.05 + 1e-4 and ours < 4e-3
+
+
 def test_attention_falls_back_where_it_does_not_apply(onednn, monkeypatch):
     q = torch.randn(1, 2, 64, 8)
     calls = _count_onednn(monkeypatch)
     assert products.attention(q, q, q, dropout_p=0.1) is None
     assert products.attention(q, q, q, torch.ones(64, 64, dtype=torch.bool), is_causal=True) is None
-    assert products.attention(q.bfloat16(), q.bfloat16(), q.bfloat16()) is None
+    assert products.attention(q.bfloat16(), q, q) is None  # mixed dtypes
+    assert products.attention(q.double(), q.double(), q.double()) is None
     assert products.attention(q[:, :, :8], q[:, :, :8], q[:, :, :8]) is None  # fewer than MIN_ROWS queries
     assert products.attention(q, q[:, :1], q[:, :1]) is None  # heads differ without enable_gqa
     assert products.attention(q, q, q, torch.ones(3, 64, 64, dtype=torch.bool)) is None  # does not broadcast
@@ -210,8 +241,8 @@ def test_attention_falls_back_where_it_does_not_apply(onednn, monkeypatch):
     assert len(calls) == 2 * 2  # only the no_grad call: two heads, one chunk, a product each way
     with products.linears_on_onednn("cpu"):  # inside the mode a refused call runs torch's own kernel
         y = F.scaled_dot_product_attention(q, q, q, dropout_p=0.0, is_causal=True)
-        z = F.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
-    assert y.shape == q.shape and z.dtype == torch.bfloat16
+        z = F.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert y.shape == q.shape and z.dtype == torch.float64
     assert len(calls) == 2 * 2 + 2 * 2  # the float32 call inside the mode took oneDNN
     real = F.scaled_dot_product_attention
 
