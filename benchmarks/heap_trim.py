@@ -11,6 +11,12 @@ faults and peak RSS of that process (``os.wait4``):
 - ``peak``: trim only when the process's peak RSS (``VmHWM``) rose by 1/32 (at least 32 MiB) since the
   last trim.
 - ``every8``: trim at every eighth call.
+- ``unused32`` / ``unused64``: trim when the resident bytes the C heap does not account for (RSS minus glibc's
+  ``mallinfo2`` in-use bytes) grew by 32 / 64 MiB since the last trim.
+- ``nomkl``: every trim, but without handing MKL's buffer pool back first.
+
+glibc's own settings apply to every policy through the environment, e.g.
+``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1048576`` (each allocation of 1 MiB or more its own mapping).
 
 Example (fp32 SmolLM2, 32 x 512 tokens; run one at a time on a quiet machine)::
 
@@ -34,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 
 # Run in the child before _run_seqcal.py: replaces the trim the executor and the weight release call.
 CHILD = textwrap.dedent("""
-    import runpy, sys
+    import ctypes, os, runpy, sys
     import seqcal.execution.executor as executor
     import seqcal.execution.host as host
     import seqcal.execution.weights as weights
@@ -45,8 +51,35 @@ CHILD = textwrap.dedent("""
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
 
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+            "keepcost")]
+
+    libc, page, floor = ctypes.CDLL(None), os.sysconf("SC_PAGE_SIZE"), [None]
+    libc.mallinfo2.restype = Mallinfo2
+
+    def unused_resident():  # resident bytes beyond what the C heap has handed out and not taken back
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * page
+        info = libc.mallinfo2()
+        return rss - info.uordblks - info.hblkhd
+
     def trim():
         calls[0] += 1
+        if policy == "nomkl":  # every trim, but MKL's buffer pool stays
+            free_mkl, host.free_mkl_buffers = host.free_mkl_buffers, lambda: True
+            try:
+                return host.trim_host_memory()
+            finally:
+                host.free_mkl_buffers = free_mkl
+        if policy.startswith("unused"):  # trim when the unused resident bytes grew by N MiB since the last trim
+            if floor[0] is not None and unused_resident() <= floor[0] + (int(policy[6:]) << 20):
+                host.free_mkl_buffers()
+                return False
+            trimmed = host.trim_host_memory()
+            floor[0] = unused_resident()
+            return trimmed
         skip = policy == "never" or (policy == "every8" and calls[0] % 8 != 1)
         if policy == "peak":
             peak = peak_bytes()
@@ -63,7 +96,7 @@ CHILD = textwrap.dedent("""
     runpy.run_path(script, run_name="__main__")
 """)
 
-POLICIES = ("every", "never", "peak", "every8")
+POLICIES = ("every", "never", "peak", "every8", "unused32", "unused64", "nomkl")
 
 
 def run(policy: str, args: argparse.Namespace, out: str) -> tuple[float, resource.struct_rusage]:
