@@ -1,5 +1,5 @@
-"""One decoder layer's GPTQ time, seqcal against llm-compressor 0.14, in one dtype (for bfloat16 on the CPU, where
-llm-compressor takes minutes per layer and a whole 30-layer run more than an hour).
+"""One decoder layer's GPTQ time, seqcal against llm-compressor 0.14, in one dtype: where a whole run of either
+tool is too long to repeat, one layer compares them without the fixed costs of a run.
 
 Each tool quantizes truncated copies of SmolLM2-135M-Instruct (its first layer, then its first two layers; the
 embeddings, final norm and tied head as they are) in the given dtype with the shared W4A16 g64 scheme, on the same
@@ -58,12 +58,15 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     runners = {"seqcal": SEQCAL, "llmc": PEER}
+    tools = args.tools.split(",")
+    if unknown := [t for t in tools if t not in runners]:
+        raise SystemExit(f"unknown tools {unknown}; choose from {', '.join(runners)}")
     print(f"{'tool':>7} {'dtype':>9} {'1 layer s':>10} {'2 layers s':>11} {'a layer s':>10} "
           f"{'wall 2L s':>10} {'RSS 2L GB':>10}", flush=True)  # fmt: skip
-    for tool in args.tools.split(","):
+    for tool in tools:
         seconds, last = [], (0.0, 0.0)
         for layers in (1, 2):
-            model = truncated(args.model, layers, dtype, WORK / f"smollm2-{args.dtype}-{layers}L")
+            model = truncated(args.model, layers, dtype, WORK / f"{args.model.name}-{args.dtype}-{layers}L")
             out = WORK / f"per-layer-{tool}-{args.dtype}-{layers}L"
             cmd = [*runners[tool], "--model", str(model), "--tokens", str(args.tokens), "--out", str(out),
                    "--dtype", args.dtype]  # fmt: skip

@@ -224,13 +224,11 @@ def attention(
     """
     if not _attention_applies(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         return None
-    if query.dtype != torch.float32:  # bfloat16 / float16: computed in float32, rounded once at the end
-        if attn_mask is not None and attn_mask.dtype == query.dtype:
+    dtype = query.dtype
+    if dtype != torch.float32:  # bfloat16 / float16: computed in float32, rounded once at the end
+        query, key, value = query.float(), key.float(), value.float()
+        if attn_mask is not None and attn_mask.dtype == dtype:
             attn_mask = attn_mask.float()
-        out = attention(
-            query.float(), key.float(), value.float(), attn_mask, dropout_p, is_causal, scale, enable_gqa
-        )
-        return None if out is None else out.to(query.dtype)
     B, H, L, D = query.shape
     Hk, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     g = H // Hk  # query heads per key/value head
@@ -264,7 +262,7 @@ def attention(
                     p.masked_fill_(dead, 0.0)  # nothing to attend: 0, not softmax's NaN
                 vt = vt_all if width == S else v[:width].T.contiguous()  # a causal chunk's first keys
                 out[b, heads, a:e] = _linear_pointwise(p.view(-1, width), vt, None).view(g, e - a, Dv)
-    return out
+    return out.to(dtype)
 
 
 # What attention() takes: float32, and the half types, which it computes in float32 too. torch's CPU kernel for
