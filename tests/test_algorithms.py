@@ -284,6 +284,34 @@ def test_gptq_with_isotropic_hessian_is_rtn():
         assert torch.equal(r.Q, fake_quantize(W, s, z, num_bits=4, group_size=GS))
 
 
+def test_gptq_column_loop_alone_runs_on_one_intra_op_thread(monkeypatch):
+    """The loop of tiny ops on one thread; the inverse factor's LAPACK calls with the caller's threads."""
+    import seqcal.algorithms.gptq as gptq_module
+
+    seen = {}
+    real_loop, real_cholesky = gptq_module.quantize_columns, torch.linalg.cholesky_ex
+
+    def loop(*args, **kwargs):
+        seen["loop"] = torch.get_num_threads()
+        return real_loop(*args, **kwargs)
+
+    def cholesky(*args, **kwargs):
+        seen["cholesky"] = torch.get_num_threads()
+        return real_cholesky(*args, **kwargs)
+
+    monkeypatch.setattr(gptq_module, "quantize_columns", loop)
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", cholesky)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        X = torch.randn(512, 64)
+        gptq_quantize(_weight(out=16)[:, :64], 2 * X.T @ X / 512, group_size=32)
+        assert seen == {"loop": 1, "cholesky": 2}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def _reference_gptq(W, H, scale, zero, damp):
     """Textbook OBS updates on the explicit inverse (no Cholesky, no blocks), float64."""
     W, H = W.double().clone(), H.double().clone()

@@ -9,6 +9,9 @@ block); it is off by default (see ``CUDA_GRAPHS``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -26,6 +29,28 @@ SUB_BLOCK = 16
 # its own cuBLAS workspace (device memory grew by 0.78 GB on a tiny model). Set True to measure
 # (benchmarks/gpu_solve.py); capturing once per shape without those side effects is the next step.
 CUDA_GRAPHS = False
+
+
+@contextlib.contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Run torch's CPU kernels inside on one intra-op thread, restoring the caller's setting after.
+
+    For the column loop's thousands of tiny tensor ops: with two intra-op threads each op pays a thread
+    hand-off, and when the other core is busy that wait dominates (0.07 s against 6.3 s for a [3072, 576]
+    solve on a loaded 2-core machine, benchmarks/RESULTS.md). torch's setting is process-wide, so it is set
+    only around the loop; the solve's large products (the inverse factor, the output errors) keep every thread.
+
+    Example:
+        >>> with one_intra_op_thread():
+        ...     torch.get_num_threads()
+        1
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def quantize_columns(

