@@ -9,8 +9,8 @@ benchmarks/RESULTS.md ("float32 products through oneDNN").
 
 What uses it: every ``torch.nn.functional.linear`` and ``scaled_dot_product_attention`` of a calibration or
 propagation pass (through :func:`linears_on_onednn`, a torch function mode entered around the subgraph runs;
-attention by :func:`attention`, whose products are oneDNN's), and the Hessian and Gram products
-(``hessian.add_products``). Only float32 operands on the CPU without gradients, with at least
+attention by :func:`attention`, whose products are oneDNN's), the Hessian and Gram products
+(``hessian.add_products``), and GPTQ's inverse Cholesky factor (:func:`inverse_cholesky_factor`). Only float32 operands on the CPU without gradients, with at least
 ``MIN_ROWS`` rows: with fewer (routed experts' few tokens), oneDNN's per-shape setup (~0.5 ms for a shape it
 has not seen) costs what its kernel saves.
 
@@ -45,8 +45,10 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "CAUSAL_CHUNK",
     "MIN_ROWS",
+    "FACTOR_LEAF",
     "add_transposed_products",
     "attention",
+    "inverse_cholesky_factor",
     "linear",
     "linears_on_onednn",
     "onednn_applies",
@@ -193,6 +195,54 @@ def add_transposed_products(H: Tensor, Xt: Tensor, block: int, *, upper: bool, b
             part.mul_(beta)  # while the block row is in cache
         part.add_(product)
     return H
+
+
+# Order of the diagonal blocks that the blocked inverse Cholesky factor hands to LAPACK (the rest is products)
+FACTOR_LEAF = 384
+
+
+def inverse_cholesky_factor(A: Tensor) -> Tensor | None:
+    """``L^-1`` for the lower Cholesky factor ``L`` of ``A`` (``A = L L^T``), or None if ``A`` is not positive
+    definite; float32 on the CPU (:func:`use_onednn`), ``A`` contiguous [n, n], only its lower triangle read.
+
+    Why not LAPACK (``cholesky`` then a triangular solve against the identity): on AMD CPUs MKL runs both on its
+    AVX2 path (module docstring), 54 ms for a 1536-wide Hessian on two threads. Recursively, with
+    ``A = [[A11, .], [A21, A22]]``: ``L11^-1`` from ``A11``; ``L21 = A21 L11^-T``; ``L22^-1`` from the Schur
+    complement ``A22 - L21 L21^T``; and the lower-left block of the inverse is ``-L22^-1 L21 L11^-1``. Four
+    products per level, all on oneDNN; below ``FACTOR_LEAF`` rows LAPACK factors and inverts the block. The same
+    flops as LAPACK's two calls (4n^3/3), at oneDNN's rate; float32 rounding of the same order (tests compare both
+    with float64). Memory: about three [n, n] float32 matrices at the top level besides ``A``.
+
+    Example:
+        >>> A = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
+        >>> X = inverse_cholesky_factor(A)
+        >>> torch.allclose(X @ A @ X.T, torch.eye(2), atol=1e-6)
+        True
+    """
+    n = A.shape[0]
+    if n <= FACTOR_LEAF:
+        L, info = torch.linalg.cholesky_ex(A)
+        if info.item() != 0:
+            return None
+        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False)
+    h = n // 2
+    inv11 = inverse_cholesky_factor(A[:h, :h].contiguous())  # L11^-1 [h, h]
+    if inv11 is None:
+        return None
+    L21 = _linear_pointwise(A[h:, :h].contiguous(), inv11, None)  # A21 (L11^-1)^T = A21 L11^-T [n - h, h]
+    schur = A[h:, h:] - _linear_pointwise(L21, L21, None)  # A22 - L21 L21^T: the lower triangle is read
+    inv22 = inverse_cholesky_factor(schur)  # L22^-1 [n - h, n - h]
+    del schur
+    if inv22 is None:
+        return None
+    T = _linear_pointwise(L21, inv11.T.contiguous(), None)  # L21 L11^-1 [n - h, h]
+    del L21
+    X = A.new_zeros(n, n)
+    X[:h, :h] = inv11
+    del inv11
+    torch.neg(_linear_pointwise(inv22, T.T.contiguous(), None), out=X[h:, :h])  # -L22^-1 L21 L11^-1
+    X[h:, h:] = inv22
+    return X
 
 
 def attention(
