@@ -316,7 +316,7 @@ def test_inverse_cholesky_factor_matches_float64_as_lapack_does(onednn, n):
     calls by more than a small factor, and the inverse Hessian it gives is the same."""
     H = _gptq_like_hessian(n, 2 * n)
     want = torch.linalg.inv(torch.linalg.cholesky(H.double()))
-    got = products.inverse_cholesky_factor(H)
+    got = products.inverse_cholesky_factor_(H.clone())
     L, info = torch.linalg.cholesky_ex(H)
     assert info.item() == 0
     lapack = torch.linalg.solve_triangular(L, torch.eye(n), upper=False)
@@ -333,7 +333,7 @@ def test_inverse_cholesky_factor_refuses_what_is_not_positive_definite(onednn):
     for where in (5, n - 5):  # in the first leaf, and in the last Schur complement
         bad = H.clone()
         bad[where, where] = -1.0
-        assert products.inverse_cholesky_factor(bad) is None
+        assert products.inverse_cholesky_factor_(bad) is None
 
 
 def test_gptq_inverse_factor_on_onednn_matches_lapack(onednn, monkeypatch):
@@ -345,8 +345,8 @@ def test_gptq_inverse_factor_on_onednn_matches_lapack(onednn, monkeypatch):
     H = _gptq_like_hessian(n, 4 * n, seed=1)
     W = torch.randn(48, n, generator=torch.Generator().manual_seed(2))
     calls = []
-    real = products.inverse_cholesky_factor
-    monkeypatch.setattr(products, "inverse_cholesky_factor", lambda A: calls.append(A.shape) or real(A))
+    real = products.inverse_cholesky_factor_
+    monkeypatch.setattr(products, "inverse_cholesky_factor_", lambda A: calls.append(A.shape) or real(A))
     fast = gptq_quantize(W, H, num_bits=8, group_size=64, actorder="static")
     assert calls[0] == (n, n)  # then its recursive calls
     taken = len(calls)

@@ -118,8 +118,8 @@ def _inverse_hessian_factor(
 
     ``Hp`` is ``H`` [in, in] float32 (not modified) permuted by ``perm`` with the ``dead`` inputs' diagonal
     set to 1. Memory: besides ``H``, at most three [in, in] matrices are alive at once (the dampened copy,
-    its Cholesky factor and the triangular solve's output; about as many for the blocked factor of
-    ``products.inverse_cholesky_factor``, which float32 CPU solves wider than ``FACTOR_LEAF`` take where
+    its Cholesky factor and the triangular solve's output; fewer for the blocked factor of
+    ``products.inverse_cholesky_factor_``, which float32 CPU solves wider than ``FACTOR_LEAF`` take where
     oneDNN is on), which bounds a layer's peak for wide inputs (down_proj: 5632^2 floats = 127 MB each). A retry rebuilds the dampened copy from ``H`` and replays
     the dampening steps, so the values are those of dampening one copy step by step.
     """
@@ -141,7 +141,7 @@ def _inverse_hessian_factor(
         for step in steps:
             Hr.diagonal().add_(step)  # the diagonal of P Hp P is Hp's, reversed: same values, same adds
         if products.onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF:  # float32 CPU: blocked, on oneDNN
-            inv = products.inverse_cholesky_factor(Hr)  # Lr^-1, row-major
+            inv = products.inverse_cholesky_factor_(Hr)  # Lr^-1, row-major, in Hr's memory
             del Hr
             if inv is not None:
                 Hinv = inv.flip(0, 1).contiguous()  # P Lr^-1 P

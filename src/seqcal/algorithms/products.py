@@ -10,7 +10,7 @@ benchmarks/RESULTS.md ("float32 products through oneDNN").
 What uses it: every ``torch.nn.functional.linear`` and ``scaled_dot_product_attention`` of a calibration or
 propagation pass (through :func:`linears_on_onednn`, a torch function mode entered around the subgraph runs;
 attention by :func:`attention`, whose products are oneDNN's), the Hessian and Gram products
-(``hessian.add_products``), and GPTQ's inverse Cholesky factor (:func:`inverse_cholesky_factor`). Only float32 operands on the CPU without gradients, with at least
+(``hessian.add_products``), and GPTQ's inverse Cholesky factor (:func:`inverse_cholesky_factor_`). Only float32 operands on the CPU without gradients, with at least
 ``MIN_ROWS`` rows: with fewer (routed experts' few tokens), oneDNN's per-shape setup (~0.5 ms for a shape it
 has not seen) costs what its kernel saves.
 
@@ -48,7 +48,7 @@ __all__ = [
     "FACTOR_LEAF",
     "add_transposed_products",
     "attention",
-    "inverse_cholesky_factor",
+    "inverse_cholesky_factor_",
     "linear",
     "linears_on_onednn",
     "onednn_applies",
@@ -201,21 +201,23 @@ def add_transposed_products(H: Tensor, Xt: Tensor, block: int, *, upper: bool, b
 FACTOR_LEAF = 384
 
 
-def inverse_cholesky_factor(A: Tensor) -> Tensor | None:
-    """``L^-1`` for the lower Cholesky factor ``L`` of ``A`` (``A = L L^T``), or None if ``A`` is not positive
-    definite; float32 on the CPU (:func:`use_onednn`), ``A`` contiguous [n, n], only its lower triangle read.
+def inverse_cholesky_factor_(A: Tensor) -> Tensor | None:
+    """``L^-1`` in place of ``A``, for the lower Cholesky factor ``L`` of ``A`` (``A = L L^T``); None if ``A`` is
+    not positive definite (``A`` then holds partial results). float32 on the CPU (:func:`use_onednn`), ``A``
+    contiguous [n, n], only its lower triangle read.
 
     Why not LAPACK (``cholesky`` then a triangular solve against the identity): on AMD CPUs MKL runs both on its
-    AVX2 path (module docstring), 54 ms for a 1536-wide Hessian on two threads. Recursively, with
-    ``A = [[A11, .], [A21, A22]]``: ``L11^-1`` from ``A11``; ``L21 = A21 L11^-T``; ``L22^-1`` from the Schur
-    complement ``A22 - L21 L21^T``; and the lower-left block of the inverse is ``-L22^-1 L21 L11^-1``. Four
+    AVX2 path (module docstring), 43 ms for a 1536-wide Hessian on two threads against 19 ms here. Recursively,
+    with ``A = [[A11, .], [A21, A22]]``: ``L11^-1`` from ``A11``; ``L21 = A21 L11^-T``; ``L22^-1`` from the
+    Schur complement ``A22 - L21 L21^T``; the lower-left block of the inverse is ``-L22^-1 L21 L11^-1``. Four
     products per level, all on oneDNN; below ``FACTOR_LEAF`` rows LAPACK factors and inverts the block. The same
-    flops as LAPACK's two calls (4n^3/3), at oneDNN's rate; float32 rounding of the same order (tests compare both
-    with float64). Memory: about three [n, n] float32 matrices at the top level besides ``A``.
+    flops as LAPACK's two calls (4n^3/3), at oneDNN's rate; float32 rounding of the same order (tests compare
+    both with float64). Memory besides ``A``: at most about 0.8 [n, n] float32 matrices of temporaries (the
+    quarter blocks, and the recursion into the Schur complement, which it overwrites in turn).
 
     Example:
         >>> A = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
-        >>> X = inverse_cholesky_factor(A)
+        >>> X = inverse_cholesky_factor_(A.clone())
         >>> torch.allclose(X @ A @ X.T, torch.eye(2), atol=1e-6)
         True
     """
@@ -224,25 +226,26 @@ def inverse_cholesky_factor(A: Tensor) -> Tensor | None:
         L, info = torch.linalg.cholesky_ex(A)
         if info.item() != 0:
             return None
-        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False)
+        return A.copy_(torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False))
     h = n // 2
-    inv11 = inverse_cholesky_factor(A[:h, :h].contiguous())  # L11^-1 [h, h]
+    inv11 = inverse_cholesky_factor_(A[:h, :h].clone(memory_format=torch.contiguous_format))  # L11^-1 [h, h]
     if inv11 is None:
         return None
     L21 = _linear_pointwise(A[h:, :h].contiguous(), inv11, None)  # A21 (L11^-1)^T = A21 L11^-T [n - h, h]
-    schur = A[h:, h:] - _linear_pointwise(L21, L21, None)  # A22 - L21 L21^T: the lower triangle is read
-    inv22 = inverse_cholesky_factor(schur)  # L22^-1 [n - h, n - h]
-    del schur
-    if inv22 is None:
-        return None
+    schur = _linear_pointwise(L21, L21, None)  # L21 L21^T
+    torch.sub(A[h:, h:], schur, out=schur)  # A22 - L21 L21^T [n - h, n - h]: its lower triangle is read
     T = _linear_pointwise(L21, inv11.T.contiguous(), None)  # L21 L11^-1 [n - h, h]
     del L21
-    X = A.new_zeros(n, n)
-    X[:h, :h] = inv11
+    A[:h, :h] = inv11  # A's blocks are read: it takes the result from here on
+    A[:h, h:] = 0
     del inv11
-    torch.neg(_linear_pointwise(inv22, T.T.contiguous(), None), out=X[h:, :h])  # -L22^-1 L21 L11^-1
-    X[h:, h:] = inv22
-    return X
+    inv22 = inverse_cholesky_factor_(schur)  # L22^-1 [n - h, n - h], in the Schur complement's memory
+    if inv22 is None:
+        return None
+    A[h:, :h] = _linear_pointwise(inv22, T.T.contiguous(), None)
+    A[h:, :h].neg_()  # -L22^-1 L21 L11^-1
+    A[h:, h:] = inv22
+    return A
 
 
 def attention(
