@@ -226,7 +226,9 @@ def inverse_cholesky_factor_(A: Tensor) -> Tensor | None:
         L, info = torch.linalg.cholesky_ex(A)
         if info.item() != 0:
             return None
-        return A.copy_(torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False))
+        return A.copy_(
+            torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False)
+        )
     h = n // 2
     inv11 = inverse_cholesky_factor_(A[:h, :h].clone(memory_format=torch.contiguous_format))  # L11^-1 [h, h]
     if inv11 is None:
