@@ -357,3 +357,20 @@ def test_gptq_inverse_factor_on_onednn_matches_lapack(onednn, monkeypatch):
     assert (fast.q.int() - native.q.int()).abs().max() <= 1
     assert (fast.q != native.q).float().mean() < 0.01
     assert fast.loss == pytest.approx(native.loss, rel=1e-3)
+
+
+def test_gptq_trims_the_heap_after_a_wide_blocked_factor(onednn, monkeypatch):
+    """From TRIM_AFTER_FACTOR inputs the freed quarter blocks of the blocked factor go back to the OS before the
+    column loop allocates (they would otherwise stay resident under the solve's peak); narrower solves do not
+    pay a trim."""
+    import seqcal.algorithms.gptq as gptq_module
+
+    trims = []
+    monkeypatch.setattr(gptq_module, "trim_host_memory", lambda: trims.append(1))
+    monkeypatch.setattr(gptq_module, "TRIM_AFTER_FACTOR", products.FACTOR_LEAF + 64)
+    W = torch.randn(16, products.FACTOR_LEAF + 64)
+    gptq_module.gptq_quantize(W, _gptq_like_hessian(W.shape[1], 2 * W.shape[1]), group_size=64)
+    assert trims == [1]
+    W = torch.randn(16, products.FACTOR_LEAF + 32)
+    gptq_module.gptq_quantize(W, _gptq_like_hessian(W.shape[1], 2 * W.shape[1]), group_size=32)
+    assert trims == [1]

@@ -26,6 +26,13 @@ from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.algorithms.observe import weight_qparams
 from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
+from seqcal.execution.host import trim_host_memory
+
+# Inputs from which the heap is trimmed after the blocked inverse factor: its quarter blocks (up to 32 MB) fall
+# under glibc's mmap threshold and, freed, stay resident as free heap that the solve's later, larger temporaries
+# do not reuse. On the 1.64B synthetic Llama (5632-wide down_proj) that raised a subgraph's peak RSS by 60-120 MB;
+# trimmed, the solve peaks lower than with LAPACK's factor (benchmarks/RESULTS.md).
+TRIM_AFTER_FACTOR = 2048
 
 # "static" and "dynamic" are compressed-tensors' aliases of "weight" and "group"
 ACTORDER: dict[str, str] = {"weight": "weight", "static": "weight", "group": "group", "dynamic": "group"}
@@ -146,6 +153,8 @@ def _inverse_hessian_factor(
             if inv is not None:
                 Hinv = inv.flip(0, 1).contiguous()  # P Lr^-1 P
                 del inv
+                if n >= TRIM_AFTER_FACTOR:
+                    trim_host_memory()
                 if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
                     return Hinv, frac, retry
             continue
