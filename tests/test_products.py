@@ -338,7 +338,7 @@ def test_inverse_cholesky_factor_refuses_what_is_not_positive_definite(onednn):
 
 def test_gptq_inverse_factor_on_onednn_matches_lapack(onednn, monkeypatch):
     """A GPTQ solve wider than FACTOR_LEAF takes the blocked factor; its codes equal LAPACK's run but where float32
-    rounding moves a value across a half step."""
+    rounding moves a value across a half step (and what that moves in the later columns)."""
     from seqcal.algorithms import gptq_quantize
 
     n = products.FACTOR_LEAF + 64
@@ -354,9 +354,11 @@ def test_gptq_inverse_factor_on_onednn_matches_lapack(onednn, monkeypatch):
     products.use_onednn.cache_clear()
     native = gptq_quantize(W, H, num_bits=8, group_size=64, actorder="static")
     assert len(calls) == taken
-    assert (fast.q.int() - native.q.int()).abs().max() <= 1
-    assert (fast.q != native.q).float().mean() < 0.01
-    assert fast.loss == pytest.approx(native.loss, rel=1e-3)
+    # a code rounded the other way moves the errors spread to later columns: as the oneshot test above, within
+    # two int8 steps and under 2% of the codes
+    assert (fast.q.int() - native.q.int()).abs().max() <= 2
+    assert (fast.q != native.q).float().mean() < 0.02
+    assert fast.loss == pytest.approx(native.loss, rel=5e-3)
 
 
 def test_gptq_trims_the_heap_after_a_wide_blocked_factor(onednn, monkeypatch):
