@@ -127,8 +127,9 @@ def _inverse_hessian_factor(
     set to 1. Memory: besides ``H``, at most three [in, in] matrices are alive at once (the dampened copy,
     its Cholesky factor and the triangular solve's output; fewer for the blocked factor of
     ``products.inverse_cholesky_factor_``, which float32 CPU solves wider than ``FACTOR_LEAF`` take where
-    oneDNN is on), which bounds a layer's peak for wide inputs (down_proj: 5632^2 floats = 127 MB each). A retry rebuilds the dampened copy from ``H`` and replays
-    the dampening steps, so the values are those of dampening one copy step by step.
+    oneDNN is on), which bounds a layer's peak for wide inputs (down_proj: 5632^2 floats = 127 MB each). A
+    retry rebuilds the dampened copy from ``H`` and replays the dampening steps, so the values are those of
+    dampening one copy step by step.
     """
     Hp = _processing_hessian(H, perm, dead)
     if not torch.isfinite(Hp.sum()):  # one reduction: any NaN/inf makes the sum non-finite
@@ -147,36 +148,40 @@ def _inverse_hessian_factor(
         Hp = None
         for step in steps:
             Hr.diagonal().add_(step)  # the diagonal of P Hp P is Hp's, reversed: same values, same adds
-        if products.onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF:  # float32 CPU: blocked, on oneDNN
-            inv = products.inverse_cholesky_factor_(Hr)  # Lr^-1, row-major, in Hr's memory
-            del Hr
-            if inv is not None:
-                Hinv = inv.flip(0, 1).contiguous()  # P Lr^-1 P
-                del inv
-                if n >= TRIM_AFTER_FACTOR:
-                    trim_host_memory()
-                if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
-                    return Hinv, frac, retry
-            continue
-        Lr, info = torch.linalg.cholesky_ex(Hr)
+        blocked = products.onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF  # float32 CPU: on oneDNN
+        inv = _lower_inverse(Hr, blocked)  # Lr^-1, or None when the Cholesky failed
         del Hr
-        if info.item() == 0:
-            # Lr^-1 in place of an identity laid out column-major, as solve_triangular lays out its own
-            # output: same LAPACK call, same values, no second [in, in] buffer.
-            inv = torch.eye(n, dtype=Lr.dtype, device=Lr.device).t()
-            torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
-            del Lr
-            # P Lr^-1 P, row-major: flip keeps inv's column-major layout, contiguous() makes it row-major (same
-            # values as a gather, a quarter of its time: 13 vs 51 ms at 1536^2 on one CPU thread)
-            Hinv = inv.flip(0, 1).contiguous()
-            del inv
-            if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
-                return Hinv, frac, retry
+        if inv is None:
+            continue
+        # P Lr^-1 P, row-major: flip keeps inv's layout, contiguous() makes it row-major (same values as a
+        # gather, a quarter of its time: 13 vs 51 ms at 1536^2 on one CPU thread)
+        Hinv = inv.flip(0, 1).contiguous()
+        del inv
+        if blocked and n >= TRIM_AFTER_FACTOR:
+            trim_host_memory()
+        if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
+            return Hinv, frac, retry
     raise GPTQNumericalError(
         f"Cholesky of the Hessian failed up to dampening_frac={applied:g} "
         f"({max_retries} retries x{damp_growth:g}); raise dampening_frac, add calibration samples, "
         "or quantize this module with RTN"
     )
+
+
+def _lower_inverse(Hr: Tensor, blocked: bool) -> Tensor | None:
+    """``Lr^-1`` for the lower Cholesky factor ``Lr`` of ``Hr``, or None if ``Hr`` is not positive definite.
+
+    ``blocked``: ``products.inverse_cholesky_factor_`` in ``Hr``'s memory (row-major). Otherwise LAPACK's
+    Cholesky, then ``Lr^-1`` in place of an identity laid out column-major, as solve_triangular lays out its
+    own output: same LAPACK call, same values, no second [in, in] buffer.
+    """
+    if blocked:
+        return products.inverse_cholesky_factor_(Hr)
+    Lr, info = torch.linalg.cholesky_ex(Hr)
+    if info.item() != 0:
+        return None
+    inv = torch.eye(Hr.shape[0], dtype=Lr.dtype, device=Lr.device).t()
+    return torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
 
 
 def _order(H: Tensor, dead: Tensor, actorder: str | None) -> Tensor | None:

@@ -10,9 +10,9 @@ benchmarks/RESULTS.md ("float32 products through oneDNN").
 What uses it: every ``torch.nn.functional.linear`` and ``scaled_dot_product_attention`` of a calibration or
 propagation pass (through :func:`linears_on_onednn`, a torch function mode entered around the subgraph runs;
 attention by :func:`attention`, whose products are oneDNN's), the Hessian and Gram products
-(``hessian.add_products``), and GPTQ's inverse Cholesky factor (:func:`inverse_cholesky_factor_`). Only float32 operands on the CPU without gradients, with at least
-``MIN_ROWS`` rows: with fewer (routed experts' few tokens), oneDNN's per-shape setup (~0.5 ms for a shape it
-has not seen) costs what its kernel saves.
+(``hessian.add_products``), and GPTQ's inverse Cholesky factor (:func:`inverse_cholesky_factor_`). Only
+float32 operands on the CPU without gradients, with at least ``MIN_ROWS`` rows: with fewer (routed experts'
+few tokens), oneDNN's per-shape setup (~0.5 ms for a shape it has not seen) costs what its kernel saves.
 
 ``SEQCAL_CPU_MATMUL`` chooses: ``auto`` (default: oneDNN on AMD CPUs with an MKL build of torch, where the
 gap was measured; torch's default elsewhere), ``onednn`` (always, where torch has the operator) or ``native``
@@ -44,8 +44,8 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = [
     "CAUSAL_CHUNK",
-    "MIN_ROWS",
     "FACTOR_LEAF",
+    "MIN_ROWS",
     "add_transposed_products",
     "attention",
     "inverse_cholesky_factor_",
