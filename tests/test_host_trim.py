@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from seqcal.execution.host import free_mkl_buffers, limit_onednn_cache
+from seqcal.execution.host import free_mkl_buffers, limit_onednn_cache, map_large_allocations
 
 # Run in a fresh process: the heap in use as glibc counts it (mallinfo2), and the trim under test.
 HEAP = textwrap.dedent("""
@@ -68,6 +68,29 @@ SHAPES_SCRIPT = (
     print(in_use() - before)
 """)
 )
+
+# Whether a block 1 MB above MMAP_THRESHOLD, allocated after one 8 MB above it was freed, gets its own mapping:
+# with glibc's dynamic threshold the free raises the threshold past it, and it comes from the heap. Mode "call": after
+# map_large_allocations(); "cli": after the seqcal command ran; "none": neither.
+MAPPED_SCRIPT = HEAP + textwrap.dedent("""
+    import sys
+    import torch
+    from seqcal.execution.host import MMAP_THRESHOLD, map_large_allocations
+
+    if sys.argv[1] == "call":
+        print(map_large_allocations())
+    elif sys.argv[1] == "cli":
+        import seqcal.cli as cli
+        try:
+            cli.main(["--help"])
+        except SystemExit:
+            pass
+    x = torch.ones(MMAP_THRESHOLD + (8 << 20), dtype=torch.uint8)
+    del x
+    before = libc.mallinfo2().hblkhd
+    y = torch.ones(MMAP_THRESHOLD + (1 << 20), dtype=torch.uint8)
+    print(libc.mallinfo2().hblkhd - before >= MMAP_THRESHOLD)
+""")
 
 
 def _glibc_with_mallinfo2() -> bool:
@@ -133,3 +156,32 @@ def test_the_seqcal_command_caps_the_caches_before_anything_else() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[-1] == "32 32"
+
+
+def _mapped(mode: str, **env: str) -> list[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUNABLES"))}
+    run = subprocess.run([sys.executable, "-c", MAPPED_SCRIPT, mode], capture_output=True, text=True, timeout=120,
+                         env={**environ, **env})  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return run.stdout.split()[-2:] if mode == "call" else run.stdout.split()[-1:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _glibc_with_mallinfo2(), reason="glibc only")
+def test_large_blocks_get_their_own_mappings_after_map_large_allocations() -> None:
+    """glibc's dynamic threshold serves the block from the heap (where it stays resident once freed); with the
+    threshold fixed at MMAP_THRESHOLD it is mapped, by the call and by the seqcal command; a threshold the user
+    set in the environment is left alone."""
+    assert _mapped("none") == ["False"]
+    assert _mapped("call") == ["True", "True"]
+    assert _mapped("cli") == ["True"]
+    assert _mapped("call", GLIBC_TUNABLES="glibc.malloc.mmap_threshold=33554432") == ["False", "False"]
+
+
+def test_map_large_allocations_leaves_the_users_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")
+    assert map_large_allocations() is False
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=1000000")
+    assert map_large_allocations() is False
+    with pytest.raises(ValueError, match="threshold must be >= 1 byte"):
+        map_large_allocations(0)

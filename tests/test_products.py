@@ -361,18 +361,37 @@ def test_gptq_inverse_factor_on_onednn_matches_lapack(onednn, monkeypatch):
     assert fast.loss == pytest.approx(native.loss, rel=5e-3)
 
 
-def test_gptq_trims_the_heap_after_a_wide_blocked_factor(onednn, monkeypatch):
-    """From TRIM_AFTER_FACTOR inputs the freed quarter blocks of the blocked factor go back to the OS before the
-    column loop allocates (they would otherwise stay resident under the solve's peak); narrower solves do not
-    pay a trim."""
+def test_gptq_blocked_factor_takes_the_dampened_copys_memory(onednn, monkeypatch):
+    """The blocked inverse factor is computed in the dampened copy and reversed in place: no second [in, in]
+    matrix (127 MB for a 5632-wide down_proj) beside it and the Hessian."""
     import seqcal.algorithms.gptq as gptq_module
 
-    trims = []
-    monkeypatch.setattr(gptq_module, "trim_host_memory", lambda: trims.append(1))
-    monkeypatch.setattr(gptq_module, "TRIM_AFTER_FACTOR", products.FACTOR_LEAF + 64)
-    W = torch.randn(16, products.FACTOR_LEAF + 64)
-    gptq_module.gptq_quantize(W, _gptq_like_hessian(W.shape[1], 2 * W.shape[1]), group_size=64)
-    assert trims == [1]
-    W = torch.randn(16, products.FACTOR_LEAF + 32)
-    gptq_module.gptq_quantize(W, _gptq_like_hessian(W.shape[1], 2 * W.shape[1]), group_size=32)
-    assert trims == [1]
+    copies = []
+    processing = gptq_module._processing_hessian
+    monkeypatch.setattr(
+        gptq_module, "_processing_hessian", lambda *a: copies.append(processing(*a)) or copies[-1]
+    )
+    n = products.FACTOR_LEAF + 64
+    H = _gptq_like_hessian(n, 2 * n)
+    Hinv, _, _ = gptq_module._inverse_hessian_factor(H, None, torch.zeros(n, dtype=torch.bool), 0.01, 0, 10.0)
+    assert len(copies) == 1 and Hinv.data_ptr() == copies[0].data_ptr()
+    damped = H.double() + 0.01 * H.diagonal().mean().item() * torch.eye(n, dtype=torch.float64)
+    assert _relative(Hinv.T @ Hinv, torch.linalg.inv(damped)) < 1e-4  # U^T U = (H + damp I)^-1
+
+
+def test_blocked_factor_keeps_at_most_three_quarter_blocks_alive(onednn):
+    """Besides ``A``, the factor's temporaries peak at 3.25 quarter blocks at this size (three at the top level,
+    the LAPACK leaves' factor and identity a quarter more), as its docstring says; the order before kept five.
+    Counted from torch's CPU allocations (each op's own, in order; frees are negative)."""
+    n = 2 * products.FACTOR_LEAF + 128
+    A = _gptq_like_hessian(n, 2 * n)
+    with torch.profiler.profile(
+        profile_memory=True, activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        products.inverse_cholesky_factor_(A)
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    quarters = peak / ((n // 2) ** 2 * 4)
+    assert 2 < quarters <= 3.26 and live == 0, quarters

@@ -20,7 +20,7 @@ from seqcal.data.autobatch import parse_batch_size
 from seqcal.distributed import DEFAULT_SHARDS, writer_rank
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
-from seqcal.execution.host import limit_onednn_cache
+from seqcal.execution.host import limit_onednn_cache, map_large_allocations
 from seqcal.report import FORMATS
 
 _SAMPLE_TEXTS = (
@@ -460,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``seqcal`` command."""
     limit_onednn_cache()  # first: oneDNN reads the setting when it creates its first primitive
+    map_large_allocations()  # before the run allocates: the threshold applies to blocks allocated after it
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "trace" and (args.format or args.output):

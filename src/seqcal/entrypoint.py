@@ -16,7 +16,7 @@ from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
 from seqcal.distributed.group import merge_rank_profiles
 from seqcal.errors import ModelLoadError
-from seqcal.execution.host import limit_onednn_cache
+from seqcal.execution.host import limit_onednn_cache, map_large_allocations
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
@@ -221,6 +221,7 @@ def oneshot(
         ...         output_dir="out", num_calibration_samples=64, max_seq_length=512)  # doctest: +SKIP
     """
     limit_onednn_cache()  # before the run's first bf16 matmul (a no-op if the process had one already)
+    map_large_allocations()  # the solves' large temporaries in their own mappings (host.MMAP_THRESHOLD)
     if needs_llmc_translation(dict(locals())):  # llm-compressor's keywords: seqcal's own, or an error
         return oneshot(**translate_llmc_kwargs(oneshot, dict(locals())))
     with launched() as started:  # under torchrun: the process group for this call, then this call again in it

@@ -26,13 +26,6 @@ from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.algorithms.observe import weight_qparams
 from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
-from seqcal.execution.host import trim_host_memory
-
-# Inputs from which the heap is trimmed after the blocked inverse factor: its quarter blocks (up to 32 MB) fall
-# under glibc's mmap threshold and, freed, stay resident as free heap that the solve's later, larger temporaries
-# do not reuse. On the 1.64B synthetic Llama (5632-wide down_proj) that raised a subgraph's peak RSS by 60-120 MB;
-# trimmed, the solve peaks lower than with LAPACK's factor (benchmarks/RESULTS.md).
-TRIM_AFTER_FACTOR = 2048
 
 # "static" and "dynamic" are compressed-tensors' aliases of "weight" and "group"
 ACTORDER: dict[str, str] = {"weight": "weight", "static": "weight", "group": "group", "dynamic": "group"}
@@ -125,9 +118,10 @@ def _inverse_hessian_factor(
 
     ``Hp`` is ``H`` [in, in] float32 (not modified) permuted by ``perm`` with the ``dead`` inputs' diagonal
     set to 1. Memory: besides ``H``, at most three [in, in] matrices are alive at once (the dampened copy,
-    its Cholesky factor and the triangular solve's output; fewer for the blocked factor of
+    LAPACK's Cholesky factor and the triangular solve's output); with the blocked factor of
     ``products.inverse_cholesky_factor_``, which float32 CPU solves wider than ``FACTOR_LEAF`` take where
-    oneDNN is on), which bounds a layer's peak for wide inputs (down_proj: 5632^2 floats = 127 MB each). A
+    oneDNN is on, the dampened copy and three quarters of one, the result taking the copy's memory. This
+    bounds a layer's peak for wide inputs (down_proj: 5632^2 floats = 127 MB each). A
     retry rebuilds the dampened copy from ``H`` and replays the dampening steps, so the values are those of
     dampening one copy step by step.
     """
@@ -153,12 +147,11 @@ def _inverse_hessian_factor(
         del Hr
         if inv is None:
             continue
-        # P Lr^-1 P, row-major: flip keeps inv's layout, contiguous() makes it row-major (same values as a
-        # gather, a quarter of its time: 13 vs 51 ms at 1536^2 on one CPU thread)
-        Hinv = inv.flip(0, 1).contiguous()
+        # P Lr^-1 P, row-major. The blocked factor is row-major already: reversed in place, no second [in, in]
+        # matrix. LAPACK's is column-major: flip keeps its layout, contiguous() makes it row-major (same values as
+        # a gather, a quarter of its time: 13 vs 51 ms at 1536^2 on one CPU thread)
+        Hinv = _reverse_(inv) if blocked else inv.flip(0, 1).contiguous()
         del inv
-        if blocked and n >= TRIM_AFTER_FACTOR:
-            trim_host_memory()
         if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
             return Hinv, frac, retry
     raise GPTQNumericalError(

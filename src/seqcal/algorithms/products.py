@@ -212,8 +212,9 @@ def inverse_cholesky_factor_(A: Tensor) -> Tensor | None:
     Schur complement ``A22 - L21 L21^T``; the lower-left block of the inverse is ``-L22^-1 L21 L11^-1``. Four
     products per level, all on oneDNN; below ``FACTOR_LEAF`` rows LAPACK factors and inverts the block. The same
     flops as LAPACK's two calls (4n^3/3), at oneDNN's rate; float32 rounding of the same order (tests compare
-    both with float64). Memory besides ``A``: at most about 0.8 [n, n] float32 matrices of temporaries (the
-    quarter blocks, and the recursion into the Schur complement, which it overwrites in turn).
+    both with float64). Memory besides ``A``: three quarter blocks of temporaries at the top level, the recursion
+    fitting within them ((3/4) n^2 floats, 95 MB at n = 5632), a quarter more where the LAPACK leaves are a
+    large part of it (n under ~1000).
 
     Example:
         >>> A = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
@@ -229,23 +230,26 @@ def inverse_cholesky_factor_(A: Tensor) -> Tensor | None:
         return A.copy_(
             torch.linalg.solve_triangular(L, torch.eye(n, dtype=A.dtype, device=A.device), upper=False)
         )
+    # (_linear_pointwise(a, b) is a b^T.) The order keeps at most three quarter blocks alive at this level.
     h = n // 2
     inv11 = inverse_cholesky_factor_(A[:h, :h].clone(memory_format=torch.contiguous_format))  # L11^-1 [h, h]
     if inv11 is None:
         return None
-    L21 = _linear_pointwise(A[h:, :h].contiguous(), inv11, None)  # A21 (L11^-1)^T = A21 L11^-T [n - h, h]
-    schur = _linear_pointwise(L21, L21, None)  # L21 L21^T
-    torch.sub(A[h:, h:], schur, out=schur)  # A22 - L21 L21^T [n - h, n - h]: its lower triangle is read
-    T = _linear_pointwise(L21, inv11.T.contiguous(), None)  # L21 L11^-1 [n - h, h]
-    del L21
-    A[:h, :h] = inv11  # A's blocks are read: it takes the result from here on
+    L21 = _linear_pointwise(A[h:, :h].contiguous(), inv11, None)  # A21 L11^-T [n - h, h]
+    inv11_t = inv11.T.contiguous()
+    A[:h, :h] = inv11  # A11 and A21 are read: A takes the result from here on
     A[:h, h:] = 0
     del inv11
+    Tt = _linear_pointwise(inv11_t, L21, None)  # L11^-T L21^T = (L21 L11^-1)^T [h, n - h]
+    del inv11_t
+    schur = _linear_pointwise(L21, L21, None)  # L21 L21^T
+    del L21
+    torch.sub(A[h:, h:], schur, out=schur)  # A22 - L21 L21^T [n - h, n - h]: its lower triangle is read
     inv22 = inverse_cholesky_factor_(schur)  # L22^-1 [n - h, n - h], in the Schur complement's memory
     if inv22 is None:
         return None
-    A[h:, :h] = _linear_pointwise(inv22, T.T.contiguous(), None)
-    A[h:, :h].neg_()  # -L22^-1 L21 L11^-1
+    A[h:, :h] = _linear_pointwise(inv22, Tt, None)  # L22^-1 L21 L11^-1
+    A[h:, :h].neg_()
     A[h:, h:] = inv22
     return A
 

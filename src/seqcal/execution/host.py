@@ -6,6 +6,7 @@ benchmarks/RESULTS.md, "Mixture-of-experts models").
 
 Example:
     >>> limit_onednn_cache()  # doctest: +SKIP   (first thing in a process: before any bf16 matmul)
+    >>> map_large_allocations()  # doctest: +SKIP   (first thing in a process)
     >>> trim_host_memory()  # doctest: +SKIP     (after each subgraph)
 """
 
@@ -18,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ONEDNN_CACHE_CAPACITY", "free_mkl_buffers", "limit_onednn_cache", "trim_host_memory"]
+__all__ = [
+    "MMAP_THRESHOLD",
+    "ONEDNN_CACHE_CAPACITY",
+    "free_mkl_buffers",
+    "limit_onednn_cache",
+    "map_large_allocations",
+    "trim_host_memory",
+]
 
 # torch's bf16/fp16 matmuls on the CPU go through ideep and oneDNN, which each cache what they built for a
 # matmul shape (1024 entries by default; ~0.25 MB per shape in each). Routed experts get a different token
@@ -31,6 +39,48 @@ _CACHE_VARIABLES = (
     ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),  # oneDNN's primitive cache
     ("LRU_CACHE_CAPACITY",),  # ideep's cache of matmul computations, in front of oneDNN's
 )
+
+# glibc's mmap threshold for a run, in bytes: blocks this large or larger get their own mapping, returned to the
+# OS the moment they are freed. glibc's own threshold starts at 128 KB and rises with each mapped block freed, up
+# to 32 MB: after the first subgraphs the solves' Hessian-sized temporaries (the inverse factor of a 5632-wide
+# down_proj works in 32 MB quarter blocks) come from the heap, where blocks of changing sizes fragment it and stay
+# resident. Fixed at 16 MB, the 8-layer synthetic 1.64B Llama peaked at 0.931 GB instead of 0.957 (4 MB: 0.919,
+# 8 MB: 0.924; benchmarks/RESULTS.md), and SmolLM2's per-batch tensors (at most 3 MB at 512 tokens) stay on the
+# heap: a mapped block pays its page faults on every allocation.
+MMAP_THRESHOLD = 16 << 20
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# the environment's ways to set glibc's thresholds: the user's setting wins
+_MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold at ``threshold`` bytes (and its trim threshold at twice that) for this
+    process, unless the environment sets either; returns whether it set them.
+
+    Why: see ``MMAP_THRESHOLD``. Fixing the mmap threshold also stops glibc's own raising of the trim threshold
+    (the free memory at the top of the heap it keeps), which would otherwise stay at 128 KB and return the
+    heap's top after nearly every free; twice the mmap threshold is where glibc's dynamic rule would put it.
+    Does nothing outside glibc (musl, macOS, Windows) or when ``GLIBC_TUNABLES`` / ``MALLOC_*_THRESHOLD_``
+    set glibc's thresholds already.
+
+    Example:
+        >>> map_large_allocations()  # doctest: +SKIP
+        True
+    """
+    if threshold < 1:
+        raise ValueError(f"map_large_allocations: threshold must be >= 1 byte, got {threshold}")
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in _MALLOC_VARIABLES):
+        return False
+    if any(f"glibc.malloc.{name}" in tunables for name in ("mmap_threshold", "trim_threshold")):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * threshold))
 
 
 def trim_host_memory() -> bool:
