@@ -86,8 +86,9 @@ def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
 def trim_host_memory() -> bool:
     """Hand the heap's free pages back to the OS (glibc ``malloc_trim``); returns whether it could.
 
-    Why: glibc serves allocations below its mmap threshold (which adapts up to 32 MB: Hessians of 2048-wide
-    inputs, activations, weight-sized GPTQ temporaries) from the heap and keeps the pages after ``free``.
+    Why: glibc serves allocations below its mmap threshold (16 MB in a run, ``map_large_allocations``; else it
+    adapts up to 32 MB: Hessians of 2048-wide inputs, activations, weight-sized GPTQ temporaries) from the heap
+    and keeps the pages after ``free``.
     Tensors of different sizes come and go every subgraph, the free space fragments and stays resident:
     measured on the synthetic Llama (benchmarks/RESULTS.md), RSS grew by ~0.4 GB of free heap over the first
     subgraphs. Trimming after each subgraph keeps RSS at what is alive. Elsewhere (musl, macOS, Windows)
