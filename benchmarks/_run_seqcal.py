@@ -30,8 +30,14 @@ def main() -> None:
     parser.add_argument("--n-grid", type=int, default=20, help="AWQ's grid points")
     parser.add_argument("--screen-keep", default=None,
                         help="AWQ's screen_keep (an integer, or none: every grid point on every batch)")  # fmt: skip
-    parser.add_argument("--batch-size", default="1", help="samples per subgraph run (equal lengths), or auto")
+    parser.add_argument("--batch-size", default=None,
+                        help="samples per subgraph run (equal lengths), or auto; default seqcal's own (auto on CUDA, 1 on the CPU)")  # fmt: skip
+    parser.add_argument("--eager-columns", action="store_true", help="GPTQ's column loop without CUDA graphs")
     args = parser.parse_args()
+    if args.eager_columns:
+        import seqcal.algorithms.columns
+
+        seqcal.algorithms.columns.CUDA_GRAPHS = False
     tokens = load_file(args.tokens)["input_ids"][: args.samples]
     data = [{"input_ids": row.tolist()} for row in tokens]
     extra = {"hessian_products": args.hessian_products} if args.algo == "gptq" else {}
@@ -44,7 +50,7 @@ def main() -> None:
     oneshot(model=args.model, dataset=data, recipe=recipe,
             output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
             dtype=args.dtype, compute_dtype=args.compute_dtype, shuffle_calibration_samples=False,
-            overwrite=True, one_pass=not args.layer_cut, profile=args.profile, batch_size=args.batch_size if args.batch_size == "auto" else int(args.batch_size))  # fmt: skip
+            overwrite=True, one_pass=not args.layer_cut, profile=args.profile, batch_size=args.batch_size if args.batch_size in (None, "auto") else int(args.batch_size))  # fmt: skip
     print(f"seconds {time.perf_counter() - start:.1f}")
 
 

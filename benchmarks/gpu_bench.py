@@ -29,7 +29,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SEQCAL = ["benchmarks/_run_seqcal.py", "--algo", "gptq", "--dtype", "bfloat16"]
 RUNS = {
-    "seqcal": [*SEQCAL],
+    "seqcal": [*SEQCAL],  # seqcal's defaults: batches sized by the memory plan on CUDA, column-loop graphs
+    "seqcal-bs1": [*SEQCAL, "--batch-size", "1"],  # one sample per subgraph run
+    "seqcal-eager": [*SEQCAL, "--eager-columns"],  # the GPTQ column loop without CUDA graphs
     "llmc": ["benchmarks/_run_llmcompressor.py", "--algo", "gptq", "--dtype", "bfloat16"],
     "seqcal-bs8": [*SEQCAL, "--batch-size", "8"],  # 8 samples per subgraph run: fewer, larger launches
     "seqcal-auto": [*SEQCAL, "--batch-size", "auto"],  # batches sized by the memory plan

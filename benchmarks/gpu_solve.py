@@ -3,7 +3,8 @@
 1. A down_proj Hessian (8192 inputs, 16 batches of 2048 bf16 tokens): float32 CUDA cores (the activations cast
    to float32, as before) vs the half-precision tensor cores with float32 accumulation (the default now).
 2. GPTQ solves of a 1B Llama layer's shapes (q/k/v stacked, gate/up stacked, down): the column loop eager vs
-   replayed as one CUDA graph per block; peak device memory of each solve.
+   replayed as one CUDA graph per block (the first graphed solve of a shape captures it, the second replays the
+   cached graph); peak device memory of each solve.
 
 Usage: python benchmarks/gpu_solve.py [--device cuda]   (on a CPU it runs, but both rows time the CPU paths)
 On a GPU machine: ``bash benchmarks/gpu_1b.sh seqcal --solve`` runs it with the carried wheels first.
@@ -52,6 +53,7 @@ def time_hessian(device: torch.device, batches: int, tokens: int, width: int) ->
 
 
 def time_solves(device: torch.device) -> None:
+    default = columns.CUDA_GRAPHS
     g = torch.Generator(device=device).manual_seed(1)
     for label, (out, width) in SHAPES.items():
         X = torch.randn(4096, width, device=device, generator=g)
@@ -59,24 +61,30 @@ def time_solves(device: torch.device) -> None:
         W = torch.randn(out, width, device=device, generator=g).bfloat16()
         del X
         times, peaks, results = {}, {}, {}
-        for graphs in (False, True):
-            columns.CUDA_GRAPHS = graphs
-            gptq_quantize(W[:256], H, group_size=128)  # warm-up
+        columns.clear_graphs()
+        for mode in (
+            "eager",
+            "graph captured",
+            "graph cached",
+        ):  # the second graphed solve replays the first's
+            columns.CUDA_GRAPHS = mode != "eager"
+            if mode == "eager":
+                gptq_quantize(W[:256], H, group_size=128)  # warm-up (kernels, cuBLAS, cuSOLVER)
             sync(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             start = time.perf_counter()
-            results[graphs] = gptq_quantize(W, H, group_size=128)
+            results[mode] = gptq_quantize(W, H, group_size=128)
             sync(device)
-            times[graphs] = time.perf_counter() - start
+            times[mode] = time.perf_counter() - start
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-            peaks[graphs] = (peak - base) / 2**20
-        same = torch.equal(results[False].q.float(), results[True].q.float())
-        print(f"solve {label}: eager {times[False]:.3f} s, graphs {times[True]:.3f} s "
-              f"({times[False] / times[True]:.1f}x), codes equal {same}, solve peak MiB {peaks[False]:.0f} / "
-              f"{peaks[True]:.0f}")  # fmt: skip
-    columns.CUDA_GRAPHS = False
+            peaks[mode] = (peak - base) / 2**20
+        same = all(torch.equal(results["eager"].q.float(), results[m].q.float()) for m in results)
+        print(f"solve {label}: eager {times['eager']:.3f} s, graph captured {times['graph captured']:.3f} s, "
+              f"cached {times['graph cached']:.3f} s ({times['eager'] / times['graph cached']:.1f}x), codes equal "
+              f"{same}, solve peak MiB {peaks['eager']:.0f} / {peaks['graph cached']:.0f}")  # fmt: skip
+    columns.CUDA_GRAPHS = default
 
 
 def main() -> None:

@@ -194,9 +194,68 @@ def test_gptq_column_loop_as_cuda_graph_equals_the_eager_loop(kind: str, monkeyp
     kw = {"symmetric": dict(group_size=64), "asymmetric": dict(group_size=64, symmetric=False),
           "fp8": dict(num_bits=8, type="float", strategy="channel", group_size=None)}[kind]  # fmt: skip
     results = {}
-    for graphs in (False, True):  # the graphed path is opt-in: compare it explicitly
-        monkeypatch.setattr(columns, "CUDA_GRAPHS", graphs)
+    for graphs in (False, True, "again"):  # the graphed path: captured, then replayed from the cache
+        monkeypatch.setattr(columns, "CUDA_GRAPHS", bool(graphs))
         results[graphs] = gptq_quantize(W, H, block_size=128, **kw)
-    eager, graphed = results[False], results[True]
-    assert torch.equal(eager.q.float(), graphed.q.float()) and torch.equal(eager.Q, graphed.Q)
-    assert eager.loss == graphed.loss and torch.equal(eager.scale, graphed.scale)
+    eager = results[False]
+    for graphed in (results[True], results["again"]):
+        assert torch.equal(eager.q.float(), graphed.q.float()) and torch.equal(eager.Q, graphed.Q)
+        assert eager.loss == graphed.loss and torch.equal(eager.scale, graphed.scale)
+    assert all(g.graph is not None and g.failed is None for g in columns._GRAPHS.values())
+
+
+def test_column_loop_graphs_are_captured_once_per_shape_and_freed(monkeypatch) -> None:
+    """Solves of one shape capture one graph and replay it; a graph captured while another thread runs CUDA work
+    gives the eager result; the cache keeps to its byte budget and frees its buffers when cleared."""
+    import threading
+
+    import seqcal.algorithms.columns as columns
+    from seqcal.algorithms.gptq import gptq_quantize
+    from seqcal.algorithms.hessian import accumulate_hessian
+
+    columns.clear_graphs()
+    captures = []
+    real = torch.cuda.CUDAGraph.capture_begin
+    monkeypatch.setattr(
+        torch.cuda.CUDAGraph,
+        "capture_begin",
+        lambda self, *a, **k: (captures.append(1), real(self, *a, **k))[1],
+    )
+    g = torch.Generator(device="cuda").manual_seed(2)
+    X = torch.randn(1024, 512, device="cuda", generator=g)
+    H, _ = accumulate_hessian(None, X, 0)
+    Ws = [torch.randn(256, 512, device="cuda", generator=g) for _ in range(3)]
+    monkeypatch.setattr(columns, "CUDA_GRAPHS", False)
+    eager = [gptq_quantize(W, H, group_size=128) for W in Ws]
+    monkeypatch.setattr(columns, "CUDA_GRAPHS", True)
+    stop, errors = threading.Event(), []
+
+    def busy() -> None:  # another thread's CUDA work (allocations, products, copies) during the capture
+        try:
+            while not stop.is_set():
+                (torch.randn(256, 256, device="cuda") @ torch.randn(256, 256, device="cuda")).cpu()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    try:
+        graphed = [gptq_quantize(W, H, group_size=128) for W in Ws]
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors
+    assert len(captures) == 1 and len(columns._GRAPHS) == 1  # one shape: one capture for three solves
+    assert all(g.graph is not None and g.failed is None for g in columns._GRAPHS.values())
+    for a, b in zip(eager, graphed):
+        assert torch.equal(a.q, b.q) and torch.equal(a.Q, b.Q) and a.loss == b.loss
+    one = next(iter(columns._GRAPHS.values())).nbytes
+    monkeypatch.setattr(columns, "GRAPH_CACHE_BYTES", one + one // 2)  # room for one graph of this size
+    gptq_quantize(Ws[0][:192], H, group_size=128)  # a second shape evicts the first
+    assert len(columns._GRAPHS) == 1 and len(captures) == 2
+    cached = sum(g.nbytes for g in columns._GRAPHS.values())
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    columns.clear_graphs()
+    torch.cuda.synchronize()
+    assert before - torch.cuda.memory_allocated() >= cached  # the graphs' buffers are freed

@@ -379,6 +379,32 @@ def test_gptq_blocked_factor_takes_the_dampened_copys_memory(onednn, monkeypatch
     assert _relative(Hinv.T @ Hinv, torch.linalg.inv(damped)) < 1e-4  # U^T U = (H + damp I)^-1
 
 
+def test_lapack_factor_keeps_two_matrices_besides_the_hessian(monkeypatch):
+    """On LAPACK's (and cuSOLVER's) path the triangular solve writes into the spent dampened copy: besides H at
+    most two [n, n] matrices are alive (the copy and the Cholesky factor, then the result and its reversal), not
+    three (8192-wide down_proj on a GPU: 268 MB each). Counted from torch's CPU allocations."""
+    import seqcal.algorithms.gptq as gptq_module
+
+    monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
+    products.use_onednn.cache_clear()
+    n = 512
+    H = _gptq_like_hessian(n, 2 * n)
+    with torch.profiler.profile(
+        profile_memory=True, activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        Hinv, _, _ = gptq_module._inverse_hessian_factor(
+            H, None, torch.zeros(n, dtype=torch.bool), 0.01, 0, 10.0
+        )
+    products.use_onednn.cache_clear()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    assert peak / (n * n * 4) < 2.1, peak / (n * n * 4)
+    damped = H.double() + 0.01 * H.diagonal().mean().item() * torch.eye(n, dtype=torch.float64)
+    assert _relative(Hinv.T @ Hinv, torch.linalg.inv(damped)) < 1e-4  # U^T U = (H + damp I)^-1
+
+
 def test_blocked_factor_keeps_at_most_three_quarter_blocks_alive(onednn):
     """Besides ``A``, the factor's temporaries peak at 3.25 quarter blocks at this size (three at the top level,
     the LAPACK leaves' factor and identity a quarter more), as its docstring says; the order before kept five.

@@ -2,14 +2,16 @@
 
 Kept apart from ``gptq.py`` because it is the hot loop: thousands of tiny tensor ops per module. On a CPU
 their cost is Python and dispatch; on a GPU it is kernel launches (the GPU idles between them). Each column
-is 7 kernels writing in place (11 before). :class:`BlockGraph` captures a full block's loop as a CUDA graph
-and replays it for every block (same kernels on the same values, hence the same result, one launch per
-block); it is off by default (see ``CUDA_GRAPHS``).
+is 7 kernels writing in place (11 before). On CUDA, :class:`BlockGraph` captures a full block's loop as a CUDA
+graph once per shape and replays it for every block of every solve of that shape (same kernels on the same
+values, hence the same result, one launch per block instead of ~900): see ``CUDA_GRAPHS``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 
 import torch
@@ -22,13 +24,17 @@ from seqcal.algorithms.formats import round_grid_, to_codes
 # instead of up to block_size, which is what bounded the loop by memory bandwidth on CPU.
 SUB_BLOCK = 16
 
-# Replay full blocks as CUDA graphs on CUDA devices: off by default. On an H100 the graphed loop gave the eager
-# loop's codes bit for bit (tests/test_cuda.py), but a whole run with it was slower, not faster (a 1B model's
-# GPTQ did not finish in 150 s, against 100 s eager): each capture through torch.cuda.graph synchronizes, runs
-# gc.collect() and empties the allocator's cache, and every solve captured anew; each warm-up stream also got
-# its own cuBLAS workspace (device memory grew by 0.78 GB on a tiny model). Set True to measure
-# (benchmarks/gpu_solve.py); capturing once per shape without those side effects is the next step.
-CUDA_GRAPHS = False
+# Replay full blocks as CUDA graphs on CUDA devices. The graph of a block shape (rows, output columns, qparam
+# columns, grid, symmetry) is captured once and kept in ``_GRAPHS`` for every later block and solve of that
+# shape (a 1B Llama has four shapes; a layer's solves replay ~110 blocks). Captured without torch.cuda.graph's
+# context manager, which synchronizes, collects garbage and empties the allocator caches at each capture (that
+# made a whole run slower when every solve captured anew), on one side stream per device (one cuBLAS
+# workspace), in thread-local capture mode (a background thread's CUDA calls are not this capture's). The
+# graphed loop gives the eager loop's codes bit for bit (tests/test_cuda.py).
+CUDA_GRAPHS = True
+# Device bytes the cached graphs' fixed buffers may hold together; the least recently used graph goes first.
+# A 1B Llama's four shapes take ~60 MB (gate/up's [128, 16384] buffers most of it).
+GRAPH_CACHE_BYTES = 96 << 20
 
 
 @contextlib.contextmanager
@@ -93,15 +99,16 @@ def quantize_columns(
     gidx = col_group.to(WT.device)
     graph = None
     if CUDA_GRAPHS and WT.is_cuda and n_in >= 2 * block_size and pruned is None:
-        graph = BlockGraph(block_size, n_out, scaleT.shape[1], WT.device, qrange, symmetric)
+        graph = block_graph(block_size, n_out, scaleT.shape[1], WT.device, qrange, symmetric)
     losses = torch.zeros(n_out, dtype=torch.float32, device=WT.device)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
-        if graph is not None and i2 - i1 == block_size:
+        graphed = graph is not None and i2 - i1 == block_size
+        if graphed:
             C1, Err1 = graph.run(WT[i1:i2], Hinv1, scaleT[gidx[i1:i2]], zeroT[gidx[i1:i2]])
             CT[i1:i2] = C1
-        else:
+        if not graphed:
             W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
             Err1 = torch.empty_like(W1)  # [B, out]: scaled errors
             rows = [(scaleT[g], zeroT[g]) for g in groups[i1:i2]]
@@ -158,8 +165,9 @@ class BlockGraph:
     """:func:`column_block` for full blocks of one shape, captured once as a CUDA graph, replayed per block.
 
     Inputs are copied into fixed buffers before each replay and the outputs read from fixed buffers after it
-    (a graph replays the same addresses). The first call runs the loop eagerly on a side stream (warm-up, as
-    CUDA graph capture requires; its result is that block's result) and then captures it.
+    (a graph replays the same addresses). The first call runs the loop eagerly on the device's side stream
+    (warm-up, as CUDA graph capture requires; its result is that block's result) and then captures it. Should
+    the capture fail, the object says so (``failed``) and keeps running the loop eagerly: same result.
     """
 
     def __init__(
@@ -175,8 +183,10 @@ class BlockGraph:
             buf(rows, rows),
         )
         self.S, self.Z = buf(rows, qcols), buf(rows, qcols)  # the qparam row of each column of the block
+        self.nbytes = _graph_bytes(rows, cols, qcols)
         self.qrange, self.symmetric, self.device = qrange, symmetric, device
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.failed: str | None = None
 
     def _loop(self) -> None:
         qparams = list(zip(self.S.unbind(0), self.Z.unbind(0)))
@@ -192,14 +202,80 @@ class BlockGraph:
         if self.graph is not None:
             self.graph.replay()
             return self.C1, self.Err1
+        if self.failed is not None:
+            self._loop()
+            return self.C1, self.Err1
         stream = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
+        side = _side_stream(self.device)
         side.wait_stream(stream)
         with torch.cuda.stream(side):
             self._loop()  # warm-up: this block's real result
+            graph = torch.cuda.CUDAGraph()
+            try:  # records the kernels without running them: the buffers keep the warm-up's result
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._loop()
+                finally:
+                    graph.capture_end()
+            except RuntimeError as exc:  # a torch or driver without this capture: the eager loop, same values
+                self.failed = f"{type(exc).__name__}: {exc}"
+                graph = None
+                warnings.warn(
+                    f"GPTQ's column loop could not be captured as a CUDA graph ({self.failed}); it runs "
+                    "eagerly (same result, more kernel launches). Set seqcal.algorithms.columns.CUDA_GRAPHS = "
+                    "False to skip the attempt.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         stream.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # records the kernels without running them: the buffers keep the result
-            self._loop()
         self.graph = graph
         return self.C1, self.Err1
+
+    def reset(self) -> None:
+        """Free the graph (its buffers go with the object)."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
+
+# One capture per block shape, reused by every solve of that shape, least recently used last out.
+_GRAPHS: OrderedDict[tuple, BlockGraph] = OrderedDict()
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's stream for warm-ups and captures: one, so that cuBLAS keeps one workspace for it."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def _graph_bytes(rows: int, cols: int, qcols: int) -> int:
+    """Device bytes of a :class:`BlockGraph`'s fixed float32 buffers."""
+    return 4 * (3 * rows * cols + rows * rows + 2 * rows * qcols)
+
+
+def block_graph(
+    rows: int, cols: int, qcols: int, device: torch.device, qrange: tuple, symmetric: bool
+) -> BlockGraph | None:
+    """The cached :class:`BlockGraph` of this block shape, captured on its first run; None when an earlier
+    capture of it failed or its buffers alone exceed ``GRAPH_CACHE_BYTES`` (the loop then runs eagerly)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (rows, cols, qcols, torch.device(device.type, index), tuple(qrange), symmetric)
+    graph = _GRAPHS.get(key)
+    if graph is not None:
+        _GRAPHS.move_to_end(key)
+        return None if graph.failed is not None else graph
+    need = _graph_bytes(rows, cols, qcols)
+    if need > GRAPH_CACHE_BYTES:
+        return None
+    while _GRAPHS and sum(g.nbytes for g in _GRAPHS.values()) + need > GRAPH_CACHE_BYTES:
+        _GRAPHS.popitem(last=False)[1].reset()
+    graph = _GRAPHS[key] = BlockGraph(rows, cols, qcols, key[3], qrange, symmetric)
+    return graph
+
+
+def clear_graphs() -> None:
+    """Free every cached column-loop graph and its buffers (``torch.cuda.empty_cache`` then returns them)."""
+    while _GRAPHS:
+        _GRAPHS.popitem()[1].reset()

@@ -117,8 +117,9 @@ def _inverse_hessian_factor(
     """Upper Cholesky factor of ``(Hp + damp I)^-1``, raising dampening ``damp_growth``x per failure.
 
     ``Hp`` is ``H`` [in, in] float32 (not modified) permuted by ``perm`` with the ``dead`` inputs' diagonal
-    set to 1. Memory: besides ``H``, at most three [in, in] matrices are alive at once (the dampened copy,
-    LAPACK's Cholesky factor and the triangular solve's output); with the blocked factor of
+    set to 1. Memory: besides ``H``, at most two [in, in] matrices are alive at once (the dampened copy, which
+    takes the triangular solve's output, and the Cholesky factor; then that output and its row-major reversal);
+    with the blocked factor of
     ``products.inverse_cholesky_factor_``, which float32 CPU solves wider than ``FACTOR_LEAF`` take where
     oneDNN is on, the dampened copy and three quarters of one, the result taking the copy's memory. This
     bounds a layer's peak for wide inputs (down_proj: 5632^2 floats = 127 MB each). A
@@ -148,9 +149,9 @@ def _inverse_hessian_factor(
         if inv is None:
             continue
         # P Lr^-1 P, row-major. The blocked factor is row-major already: reversed in place, no second [in, in]
-        # matrix. LAPACK's is column-major: flip keeps its layout, contiguous() makes it row-major (same values as
-        # a gather, a quarter of its time: 13 vs 51 ms at 1536^2 on one CPU thread)
-        Hinv = _reverse_(inv) if blocked else inv.flip(0, 1).contiguous()
+        # matrix. LAPACK's is column-major: reversing its memory in place reverses it too (still column-major),
+        # and contiguous() makes the one row-major copy (flip().contiguous() made two: 3 matrices at the peak)
+        Hinv = _reverse_(inv) if blocked else _reverse_(inv.t()).t().contiguous()
         del inv
         if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
             return Hinv, frac, retry
@@ -164,16 +165,17 @@ def _inverse_hessian_factor(
 def _lower_inverse(Hr: Tensor, blocked: bool) -> Tensor | None:
     """``Lr^-1`` for the lower Cholesky factor ``Lr`` of ``Hr``, or None if ``Hr`` is not positive definite.
 
-    ``blocked``: ``products.inverse_cholesky_factor_`` in ``Hr``'s memory (row-major). Otherwise LAPACK's
-    Cholesky, then ``Lr^-1`` in place of an identity laid out column-major, as solve_triangular lays out its
-    own output: same LAPACK call, same values, no second [in, in] buffer.
+    ``blocked``: ``products.inverse_cholesky_factor_`` in ``Hr``'s memory (row-major). Otherwise LAPACK's (or
+    cuSOLVER's) Cholesky, then ``Lr^-1`` in place of an identity written into ``Hr``'s memory and laid out
+    column-major, as solve_triangular lays out its own output: same call, same values, one [in, in] matrix
+    (the factor ``Lr``) besides ``Hr``.
     """
     if blocked:
         return products.inverse_cholesky_factor_(Hr)
     Lr, info = torch.linalg.cholesky_ex(Hr)
     if info.item() != 0:
         return None
-    inv = torch.eye(Hr.shape[0], dtype=Lr.dtype, device=Lr.device).t()
+    inv = Hr.zero_().fill_diagonal_(1).t()  # Hr is spent: the identity in its memory, column-major
     return torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
 
 

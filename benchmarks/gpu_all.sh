@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Every GPU check and the 1B comparison in one command, for a GPU machine held for a few minutes (one start):
+#   1. tests/test_cuda.py,
+#   2. seqcal, then llm-compressor 0.14, on the 1B Llama of gpu_1b.sh (GPTQ W4A16 g128, 256 x 2048, defaults),
+#   3. the Hessian and solve kernels alone (gpu_solve.py: column loop eager, graph captured, graph cached),
+#   4. seqcal again with --profile (where its time goes),
+#   5. gpu_check.sh's device-facing suite,
+#   6. seqcal without the column-loop graphs (what they save on the whole run),
+# each with its own time limit, cut so that all of it ends within SECONDS (default 570) of the start; a stage
+# without at least its minimum time left is skipped and says so.
+#   bash benchmarks/gpu_all.sh [SECONDS]
+# Wheels and the carried SmolLM2 config/tokenizer come from benchmarks/gpu_prepare.sh (.whl/, .gpu/); logs and
+# results go to $OUT (default /tmp/seqcal-gpu-out): the logs and the profile's trace packed in logs.tgz at the end.
+set -u
+END=$(($(date +%s) + ${1:-570}))
+OUT=${OUT:-/tmp/seqcal-gpu-out}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nproc
+} 2>&1 | tee "$LOGS/env.txt"
+install() {  # as in gpu_check.sh: a private site folder per tool (their compressed-tensors differ)
+  local target=$1; shift
+  [ -d "$target" ] && return
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$target" "$@" \
+    >>"$LOGS/install.log" 2>&1 || echo "install into $target failed (see install.log)"
+}
+install /tmp/seqcal-site .whl/common/*.whl .whl/seqcal/*.whl .whl/peer/datasets-*.whl .whl/peer/dill-*.whl \
+  .whl/peer/multiprocess-*.whl
+install /tmp/peer-site .whl/common/*.whl .whl/peer/*.whl
+SEQ=/tmp/seqcal-site:$PWD/src
+export SEQ PY LOGS
+
+limit() {  # limit WANT MIN: seconds for a stage, at most WANT and what is left; 0 when under MIN are left
+  local left=$((END - $(date +%s)))
+  local want=$(( $1 < left ? $1 : left ))
+  echo $(( want < $2 ? 0 : want ))
+}
+stage() {  # stage NAME WANT MIN COMMAND...: run COMMAND under its limit, or say why not
+  local name=$1 t; t=$(limit "$2" "$3"); shift 3
+  if [ "$t" -eq 0 ]; then echo "== $name: skipped ($((END - $(date +%s))) s left)"; return; fi
+  echo "== $name (limit $t s)"
+  local start; start=$(date +%s)
+  timeout "$t" "$@"
+  echo "   $name: exit $?, $(($(date +%s) - start)) s"
+}
+bench() {  # bench RUNS SECONDS: gpu_bench.py on the 1B model, the model and tokens built once
+  PYTHONPATH=$SEQ $PY benchmarks/gpu_bench.py --config-dir .gpu/tok --shape 1b --samples 256 --seq 2048 \
+    --group-size 128 --reuse --work /tmp/seqcal-gpu-1b --out "$LOGS/gpu_1b_${1//,/_}.json" --runs "$1" \
+    --seqcal-path "$SEQ" --peer-path /tmp/peer-site --timeout "$2" 2>&1 | tail -4
+}
+export -f bench
+
+stage "tests/test_cuda.py" 100 30 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+  >"$LOGS/test_cuda.log" 2>&1'
+tail -6 "$LOGS/test_cuda.log"
+stage "1B: seqcal (defaults)" 200 60 bash -c 'bench seqcal 190'
+stage "1B: llm-compressor (defaults)" 230 120 bash -c 'bench llmc 220'
+stage "kernels alone (gpu_solve.py)" 70 30 bash -c 'PYTHONPATH=$SEQ $PY benchmarks/gpu_solve.py >"$LOGS/gpu_solve.txt" 2>&1'
+cat "$LOGS/gpu_solve.txt" 2>/dev/null
+stage "1B: seqcal --profile" 120 70 bash -c 'bench seqcal-profile 110'
+export SUITE="tests/test_offload.py tests/test_resume.py tests/test_oneshot.py tests/test_one_pass.py tests/test_cache.py
+  tests/test_cache_budget.py tests/test_report.py tests/test_save.py tests/test_save_writer.py tests/test_eval.py
+  tests/test_fallback.py tests/test_models.py tests/test_recipe.py tests/test_plan.py tests/test_report_cli.py
+  tests/test_save_recipes.py tests/test_trace_into.py tests/test_algorithms.py tests/test_products.py"
+stage "device-facing suite, CUDA visible" 200 40 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -p no:cacheprovider -n 14 \
+  -rfE --tb=short $SUITE -k "not zoo" >"$LOGS/suite.log" 2>&1'
+grep -E "FAILED|ERROR|passed|failed|^E " "$LOGS/suite.log" 2>/dev/null | tail -25
+stage "1B: seqcal, eager column loop" 120 70 bash -c 'bench seqcal-eager 110'
+cp /tmp/seqcal-gpu-1b/*.log /tmp/seqcal-gpu-1b/seqcal.trace.json "$LOGS/" 2>/dev/null
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+exit 0
