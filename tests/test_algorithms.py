@@ -404,7 +404,8 @@ def test_column_loop_graph_cache_keeps_its_budget_and_skips_failed_shapes(monkey
 
     class Fake:  # stands in for BlockGraph: no device buffers on a CPU machine
         def __init__(self, rows, cols, qcols, device, qrange, symmetric):
-            self.nbytes, self.failed, self.freed = columns._graph_bytes(rows, cols, qcols), None, False
+            self.nbytes, self.failed = columns._graph_bytes(rows, cols, qcols, symmetric), None
+            self.freed = False
 
         def reset(self):
             self.freed = True
@@ -412,7 +413,7 @@ def test_column_loop_graph_cache_keeps_its_budget_and_skips_failed_shapes(monkey
     monkeypatch.setattr(columns, "BlockGraph", Fake)
     monkeypatch.setattr(columns, "_GRAPHS", type(columns._GRAPHS)())
     dev, q = torch.device("cuda", 0), (-8, 7, "int")
-    size = columns._graph_bytes(128, 1000, 1000)
+    size = columns._graph_bytes(128, 1000, 1000, True)
     monkeypatch.setattr(columns, "GRAPH_CACHE_BYTES", 2 * size + size // 2)  # room for two of these
     a = columns.block_graph(128, 1000, 1000, dev, q, True)
     assert columns.block_graph(128, 1000, 1000, dev, q, True) is a  # reused

@@ -354,6 +354,7 @@ def test_profiler_synchronizes_cuda_around_stages_not_cache_spans(tmp_path: Path
     syncs: list[int] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 0)
     prof = Profiler(tmp_path / "t.json")
     prof._cuda = True  # as on a machine with CUDA
     for _ in range(50):

@@ -182,8 +182,9 @@ class BlockGraph:
             buf(rows, cols),
             buf(rows, rows),
         )
-        self.S, self.Z = buf(rows, qcols), buf(rows, qcols)  # the qparam row of each column of the block
-        self.nbytes = _graph_bytes(rows, cols, qcols)
+        # the qparam row of each column of the block; a symmetric loop never reads its zero points
+        self.S, self.Z = buf(rows, qcols), buf(rows, 1 if symmetric else qcols).zero_()
+        self.nbytes = _graph_bytes(rows, cols, qcols, symmetric)
         self.qrange, self.symmetric, self.device = qrange, symmetric, device
         self.graph: torch.cuda.CUDAGraph | None = None
         self.failed: str | None = None
@@ -198,7 +199,8 @@ class BlockGraph:
         self.W1.copy_(W1)
         self.Hinv1.copy_(Hinv1)
         self.S.copy_(S)
-        self.Z.copy_(Z)
+        if not self.symmetric:
+            self.Z.copy_(Z)
         if self.graph is not None:
             self.graph.replay()
             return self.C1, self.Err1
@@ -241,6 +243,7 @@ class BlockGraph:
 # One capture per block shape, reused by every solve of that shape, least recently used last out.
 _GRAPHS: OrderedDict[tuple, BlockGraph] = OrderedDict()
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_HELD_MOST = 0  # the most bytes the cached graphs held together since clear_graphs() last ran
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -250,9 +253,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def _graph_bytes(rows: int, cols: int, qcols: int) -> int:
+def _graph_bytes(rows: int, cols: int, qcols: int, symmetric: bool) -> int:
     """Device bytes of a :class:`BlockGraph`'s fixed float32 buffers."""
-    return 4 * (3 * rows * cols + rows * rows + 2 * rows * qcols)
+    return 4 * (3 * rows * cols + rows * rows + rows * qcols + rows * (1 if symmetric else qcols))
 
 
 def block_graph(
@@ -266,16 +269,22 @@ def block_graph(
     if graph is not None:
         _GRAPHS.move_to_end(key)
         return None if graph.failed is not None else graph
-    need = _graph_bytes(rows, cols, qcols)
+    global _HELD_MOST
+    need = _graph_bytes(rows, cols, qcols, symmetric)
     if need > GRAPH_CACHE_BYTES:
         return None
     while _GRAPHS and sum(g.nbytes for g in _GRAPHS.values()) + need > GRAPH_CACHE_BYTES:
         _GRAPHS.popitem(last=False)[1].reset()
     graph = _GRAPHS[key] = BlockGraph(rows, cols, qcols, key[3], qrange, symmetric)
+    _HELD_MOST = max(_HELD_MOST, sum(g.nbytes for g in _GRAPHS.values()))
     return graph
 
 
-def clear_graphs() -> None:
-    """Free every cached column-loop graph and its buffers (``torch.cuda.empty_cache`` then returns them)."""
+def clear_graphs() -> int:
+    """Free every cached column-loop graph and its buffers (a run's pipeline does at its end). Returns the most
+    device bytes the cached graphs' buffers held together since the previous call."""
+    global _HELD_MOST
     while _GRAPHS:
         _GRAPHS.popitem()[1].reset()
+    held, _HELD_MOST = _HELD_MOST, 0
+    return held

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from seqcal.algorithms.columns import clear_graphs
 from seqcal.algorithms.products import linears_on_onednn
 from seqcal.checkpoint.streaming import ResumeError, StreamingCheckpoint
 from seqcal.data.autobatch import batch_summary, describe_batches
@@ -149,6 +150,9 @@ def run_pipeline(
     finally:
         if staged:
             restore_in_memory(model, store)
+        held = clear_graphs()  # GPTQ's cached column-loop graphs: their device buffers go with the run
+        if held:
+            logger.debug("GPTQ column-loop CUDA graphs held %.1f MiB of device memory", held / 2**20)
 
 
 def _stage(model: torch.nn.Module, args: PipelineArgs) -> bool:
