@@ -318,11 +318,13 @@ def test_oneshot_with_budget_and_bfloat16_cache(tmp_path: Path, monkeypatch: pyt
     data = token_data(6, 32)
     recipe = GPTQModifier(scheme="W4A16", ignore=["lm_head"])
     baseline = tiny_llama()
-    oneshot(model=baseline, dataset=data, recipe=recipe, max_seq_length=32)
+    # batch_size=1 pinned throughout: the runs compare bit for bit, and "auto" (the default on CUDA) forms
+    # batches from the cache budget, which differs between them
+    oneshot(model=baseline, dataset=data, recipe=recipe, max_seq_length=32, batch_size=1)
     writes = count_calls(monkeypatch, SpillFolder, "write")
     spilled = tiny_llama()
     oneshot(model=spilled, dataset=data, recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
-            max_seq_length=32, cache_max_memory="1KB")  # fmt: skip
+            max_seq_length=32, cache_max_memory="1KB", batch_size=1)  # fmt: skip
     assert len(writes) > 10  # nearly every span went to disk
     want = quantized(baseline)
     got = quantized(spilled)
@@ -332,7 +334,8 @@ def test_oneshot_with_budget_and_bfloat16_cache(tmp_path: Path, monkeypatch: pyt
     out = tmp_path / "out"
     narrow = tiny_llama()
     oneshot(model=narrow, dataset=data, recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
-            max_seq_length=32, output_dir=str(out), cache_max_memory=1000, cache_dtype="bfloat16")  # fmt: skip
+            max_seq_length=32, output_dir=str(out), cache_max_memory=1000, cache_dtype="bfloat16",
+            batch_size=1)  # fmt: skip
     assert any(args[-1] is torch.bfloat16 for args in casts)
     assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
     got = quantized(narrow)
@@ -400,7 +403,14 @@ def test_the_last_pass_frees_each_batchs_inputs_before_the_next_batch(
 
     def run(model: torch.nn.Module) -> None:
         recipe = GPTQModifier(scheme="W4A16", ignore=["lm_head"])
-        oneshot(model=model, dataset=token_data(8, 32), recipe=recipe, max_seq_length=32, one_pass=one_pass)
+        oneshot(
+            model=model,
+            dataset=token_data(8, 32),
+            recipe=recipe,
+            max_seq_length=32,
+            one_pass=one_pass,
+            batch_size=1,
+        )  # per-sample batches, the default on the CPU, also where CUDA makes it "auto"
 
     baseline = tiny_llama()
     run(baseline)

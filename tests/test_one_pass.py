@@ -97,8 +97,13 @@ def test_each_layer_runs_once_per_batch_with_one_pass_and_twice_with_the_layer_c
     for one_pass, passes in [(True, 1), (False, 2)]:
         model = tiny_llama()
         norm = _count_calls(model.model.layers[1].post_attention_layernorm)
-        oneshot(model=model, dataset=token_data(6), recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
-                one_pass=one_pass)  # fmt: skip
+        oneshot(
+            model=model,
+            dataset=token_data(6),
+            recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
+            one_pass=one_pass,
+            batch_size=1,
+        )  # fmt: skip  (per sample, also where CUDA makes it "auto")
         assert norm[0] == passes * 6 + 2  # + the check before calibrating: one eager, one partitioned run
 
 

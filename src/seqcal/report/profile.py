@@ -181,8 +181,9 @@ class Profiler:
         self._last_counter_us = ts
         rss = self._process.memory_info().rss / _MIB
         self.events.append({"name": "host RSS (MiB)", "ph": "C", "ts": ts, "pid": 1, "args": {"rss": rss}})
-        if self._cuda:  # "peak": the process's peak so far (torch's, never reset here): the span where it last
-            # rises holds the run's peak device memory, which the samples between spans miss
+        # "peak": the process's peak so far (torch's, never reset here): the span where it last rises holds the
+        # run's peak device memory, which the samples between spans miss
+        if self._cuda:
             dev, peak = torch.cuda.memory_allocated() / _MIB, torch.cuda.max_memory_allocated() / _MIB
             self.events.append({"name": "device memory (MiB)", "ph": "C", "ts": ts, "pid": 1,
                                 "args": {"allocated": dev, "peak": peak}})  # fmt: skip
