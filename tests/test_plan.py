@@ -29,7 +29,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _plan(model_dir: Path, **kwargs: object) -> MemoryPlan:
-    args = {"num_calibration_samples": 16, "max_seq_length": 64, **kwargs}
+    # one sample per batch, the default on the CPU, also where CUDA makes "auto" the default (other batches,
+    # and a note about them)
+    args = {"num_calibration_samples": 16, "max_seq_length": 64, "batch_size": 1, **kwargs}
     return oneshot(model=str(model_dir), recipe=GPTQ, dataset=[], dry_run=True, **args)
 
 

@@ -29,11 +29,13 @@ SUB_BLOCK = 16
 # shape (a 1B Llama has four shapes; a layer's solves replay ~110 blocks). Captured without torch.cuda.graph's
 # context manager, which synchronizes, collects garbage and empties the allocator caches at each capture (that
 # made a whole run slower when every solve captured anew), on one side stream per device (one cuBLAS
-# workspace), in thread-local capture mode (a background thread's CUDA calls are not this capture's). The
-# graphed loop gives the eager loop's codes bit for bit (tests/test_cuda.py).
+# workspace), in thread-local capture mode (a background thread's CUDA calls are not this capture's; but a
+# capture claims the device's default random generator for its ~ms, and another thread drawing CUDA random
+# numbers meanwhile gets an error: set False where that can happen). The graphed loop gives the eager loop's
+# codes bit for bit (tests/test_cuda.py).
 CUDA_GRAPHS = True
 # Device bytes the cached graphs' fixed buffers may hold together; the least recently used graph goes first.
-# A 1B Llama's four shapes take ~60 MB (gate/up's [128, 16384] buffers most of it).
+# A 1B Llama's four shapes take ~49 MB with symmetric scales (gate/up's [128, 16384] buffers 34 MB of it).
 GRAPH_CACHE_BYTES = 96 << 20
 
 
