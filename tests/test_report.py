@@ -266,6 +266,27 @@ def test_summary_per_subgraph_and_top_gptq_modules(subgraphs, tmp_path: Path) ->
     assert lines[top + 2].startswith("model.layers.1.self_attn.q_proj") and "nan" in lines[top + 2]
 
 
+def test_summary_names_the_span_of_the_device_peak(tmp_path: Path, monkeypatch) -> None:
+    """The device counter carries torch's running peak; the summary names the span in which it was reached,
+    which the samples of what is allocated between spans miss."""
+    allocated, peak = iter([10, 20, 15, 12, 30, 12] * 2), iter([10, 400, 900, 900, 900, 900] * 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: next(allocated) * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: next(peak) * 2**20)
+    prof = Profiler(tmp_path / "t.json")
+    prof._cuda = True  # as on a machine with CUDA
+    for index, tracks in enumerate([("propagation", "calibration"), ("calibration", "compress")]):
+        for track in tracks:
+            with prof.span(track, f"subgraph {index}", subgraph=index):
+                pass
+    with prof.span("compress", "subgraph 2", subgraph=2):
+        pass
+    prof.close()
+    summary = Profiler.load(tmp_path / "t.json").summary()
+    assert "peak device memory 900 MiB, reached in calibration of subgraph 1" in summary
+    assert "peak device memory" not in Profiler(tmp_path / "cpu.json").summary()  # no CUDA, no line
+
+
 def test_disabled_profiler_is_a_shared_noop(tmp_path: Path) -> None:
     for prof in (Profiler(None), NullProfiler()):
         assert prof.span("cache", "a", bytes=1) is NO_SPAN and prof.span("onload", "b") is NO_SPAN

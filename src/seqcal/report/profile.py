@@ -229,6 +229,11 @@ class Profiler:
             cells = " ".join(f"{row['tracks'].get(t, 0.0):>8.3f}" for t in tracks)
             lines.append(f"{index:>3}  {(names.get(index) or '-')[:24]:<24} {row['wall']:>8.3f} {cells} "
                          f"{_num(row['rss']):>9} {_num(row['dev']):>9}")  # fmt: skip
+        peak = _device_peak(self.events)
+        if peak is not None:
+            mib, span = peak
+            where = f"in {span['cat']} of subgraph {span['args']['subgraph']}" if span else "between spans"
+            lines.append(f"peak device memory {mib:.0f} MiB, reached {where}")
         checked = sum(e["dur"] for e in self.events if e.get("ph") == "X" and e.get("cat") == "verify") / 1e6
         if checked:
             lines.append(f"partition checked against the model's forward before calibrating: {checked:.3f} s")
@@ -297,6 +302,22 @@ def _per_subgraph(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             if row["start"] <= e["ts"] <= row["end"]:
                 row[key] = value if row[key] is None else max(row[key], value)
     return rows
+
+
+def _device_peak(events: list[dict[str, Any]]) -> tuple[float, dict[str, Any] | None] | None:
+    """(the run's peak device MiB, the subgraph span it was reached in, or None), from the device counter's
+    running peak (``peak``; absent from traces of older versions and without CUDA: then None).
+
+    A sample is taken as a span closes, so the first sample at the final peak names the span that reached it:
+    the innermost subgraph span ending at that instant (a cache span inside a stage closes first)."""
+    samples = [e for e in events if e["ph"] == "C" and "peak" in e.get("args", {})]
+    if not samples:
+        return None
+    top = max(e["args"]["peak"] for e in samples)
+    ts = min(e["ts"] for e in samples if e["args"]["peak"] == top)
+    spans = [e for e in events if e["ph"] == "X" and isinstance(e.get("args", {}).get("subgraph"), int)]
+    ending = [e for e in spans if e["ts"] + e["dur"] == ts]
+    return top, min(ending, key=lambda e: e["dur"]) if ending else None
 
 
 def _float(value: Any) -> float:
