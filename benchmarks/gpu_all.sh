@@ -63,10 +63,7 @@ stage "1B: llm-compressor (defaults)" 230 120 bash -c 'bench llmc 220'
 stage "kernels alone (gpu_solve.py)" 70 30 bash -c 'PYTHONPATH=$SEQ $PY benchmarks/gpu_solve.py >"$LOGS/gpu_solve.txt" 2>&1'
 cat "$LOGS/gpu_solve.txt" 2>/dev/null
 stage "1B: seqcal --profile" 120 70 bash -c 'bench seqcal-profile 110'
-export SUITE="tests/test_offload.py tests/test_resume.py tests/test_oneshot.py tests/test_one_pass.py tests/test_cache.py
-  tests/test_cache_budget.py tests/test_report.py tests/test_save.py tests/test_save_writer.py tests/test_eval.py
-  tests/test_fallback.py tests/test_models.py tests/test_recipe.py tests/test_plan.py tests/test_report_cli.py
-  tests/test_save_recipes.py tests/test_trace_into.py"
+export SUITE=$(grep -v "^#" benchmarks/gpu_suite.txt)
 stage "device-facing suite, CUDA visible" 200 40 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -p no:cacheprovider -n 14 \
   -rfE --tb=short $SUITE -k "not zoo" >"$LOGS/suite.log" 2>&1'
 grep -E "FAILED|ERROR|passed|failed|^E " "$LOGS/suite.log" 2>/dev/null | tail -25

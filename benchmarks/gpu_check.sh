@@ -40,10 +40,7 @@ tar czf "$OUT/bench-logs.tgz" -C /tmp/seqcal-gpu-bench --exclude='out-*' --exclu
 
 echo "== device-facing tests, CUDA visible"
 # The tests whose runs put weights or activations on the execution device (tracing and the zoo are CPU work).
-SUITE="tests/test_offload.py tests/test_resume.py tests/test_oneshot.py tests/test_one_pass.py tests/test_cache.py
-  tests/test_cache_budget.py tests/test_report.py tests/test_save.py tests/test_save_writer.py tests/test_eval.py
-  tests/test_fallback.py tests/test_models.py tests/test_recipe.py tests/test_plan.py tests/test_report_cli.py
-  tests/test_save_recipes.py tests/test_trace_into.py"
+SUITE=$(grep -v "^#" benchmarks/gpu_suite.txt)
 PYTHONPATH=$SEQ timeout ${SUITE_SECONDS:-200} $PY -m pytest -p no:cacheprovider -n 14 -rfE --tb=short $SUITE -k "not zoo" 2>&1 \
   | tee "$OUT/suite.log" | grep -E "FAILED|ERROR|passed|failed|^E " | tail -25
 
