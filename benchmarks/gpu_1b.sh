@@ -12,22 +12,15 @@ mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$OUT/env.txt"
-install() {  # as in gpu_check.sh; skipped where an earlier call on this machine installed it
-  local target=$1; shift
-  [ -d "$target" ] && return
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$target" "$@" \
-    >>"$OUT/install.log" 2>&1 || echo "install into $target failed (see install.log)"
-}
-install /tmp/seqcal-site .whl/common/*.whl .whl/seqcal/*.whl .whl/peer/datasets-*.whl .whl/peer/dill-*.whl \
-  .whl/peer/multiprocess-*.whl
-install /tmp/peer-site .whl/common/*.whl .whl/peer/*.whl
-SEQ=/tmp/seqcal-site:$PWD/src
+INSTALL_LOG="$OUT/install.log"
+# shellcheck source=benchmarks/_gpu_install.sh
+source benchmarks/_gpu_install.sh  # the prepared wheels, once per machine; sets SEQ
 if [ "${2:-}" = "--solve" ]; then  # the Hessian and GPTQ-solve kernels alone, old and new (seconds)
   PYTHONPATH=$SEQ timeout ${SOLVE_SECONDS:-90} $PY benchmarks/gpu_solve.py 2>&1 | tee "$OUT/gpu_solve.txt"
 fi
 if [ "${2:-}" = "--cuda-tests" ]; then
   echo "== tests/test_cuda.py"
-  PYTHONPATH=$SEQ timeout ${CUDA_TEST_SECONDS:-90} $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+  PYTHONPATH=$SEQ timeout ${CUDA_TEST_SECONDS:-90} $PY -m pytest -q -o addopts="" -p no:cacheprovider tests/test_cuda.py 2>&1 \
     | tee "$OUT/test_cuda.log" | tail -8
 fi
 echo "== $RUNS on the 1B model"

@@ -23,16 +23,9 @@ PY=${PY:-python3}
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   nproc
 } 2>&1 | tee "$LOGS/env.txt"
-install() {  # as in gpu_check.sh: a private site folder per tool (their compressed-tensors differ)
-  local target=$1; shift
-  [ -d "$target" ] && return
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$target" "$@" \
-    >>"$LOGS/install.log" 2>&1 || echo "install into $target failed (see install.log)"
-}
-install /tmp/seqcal-site .whl/common/*.whl .whl/seqcal/*.whl .whl/peer/datasets-*.whl .whl/peer/dill-*.whl \
-  .whl/peer/multiprocess-*.whl
-install /tmp/peer-site .whl/common/*.whl .whl/peer/*.whl
-SEQ=/tmp/seqcal-site:$PWD/src
+INSTALL_LOG="$LOGS/install.log"
+# shellcheck source=benchmarks/_gpu_install.sh
+source benchmarks/_gpu_install.sh  # the prepared wheels, once per machine; sets SEQ
 export SEQ PY LOGS
 
 limit() {  # limit WANT MIN: seconds for a stage, at most WANT and what is left; 0 when under MIN are left
@@ -55,7 +48,7 @@ bench() {  # bench RUNS SECONDS: gpu_bench.py on the 1B model, the model and tok
 }
 export -f bench
 
-stage "tests/test_cuda.py" 100 30 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+stage "tests/test_cuda.py" 100 30 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -q -o addopts="" -p no:cacheprovider tests/test_cuda.py \
   >"$LOGS/test_cuda.log" 2>&1'
 tail -6 "$LOGS/test_cuda.log"
 stage "1B: seqcal (defaults)" 200 60 bash -c 'bench seqcal 190'

@@ -17,18 +17,12 @@ PY=${PY:-python3}
 'transformers(system)', transformers.__version__, 'pyarrow', pyarrow.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 
-install() {  # install() TARGET WHEEL...: a private site folder per tool (their compressed-tensors differ)
-  local target=$1; shift
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$target" "$@" \
-    >>"$OUT/install.log" 2>&1 || echo "install into $target failed (see install.log)"
-}
-[ -n "${SKIP_INSTALL:-}" ] || install /tmp/seqcal-site .whl/common/*.whl .whl/seqcal/*.whl .whl/peer/datasets-*.whl .whl/peer/dill-*.whl \
-  .whl/peer/multiprocess-*.whl
-[ -n "${SKIP_INSTALL:-}" ] || install /tmp/peer-site .whl/common/*.whl .whl/peer/*.whl
-SEQ=/tmp/seqcal-site:$PWD/src
+INSTALL_LOG="$OUT/install.log"
+# shellcheck source=benchmarks/_gpu_install.sh
+source benchmarks/_gpu_install.sh  # the prepared wheels, once per machine; sets SEQ
 
 echo "== tests/test_cuda.py"
-PYTHONPATH=$SEQ timeout ${CUDA_TEST_SECONDS:-90} $PY -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 \
+PYTHONPATH=$SEQ timeout ${CUDA_TEST_SECONDS:-90} $PY -m pytest -q -o addopts="" -p no:cacheprovider tests/test_cuda.py 2>&1 \
   | tee "$OUT/test_cuda.log" | tail -15
 
 echo "== benchmark"
