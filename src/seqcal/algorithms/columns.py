@@ -106,11 +106,11 @@ def quantize_columns(
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
-        graphed = graph is not None and i2 - i1 == block_size
-        if graphed:
-            C1, Err1 = graph.run(WT[i1:i2], Hinv1, scaleT[gidx[i1:i2]], zeroT[gidx[i1:i2]])
+        if graph is not None and i2 - i1 == block_size:
+            zeros = None if symmetric else zeroT[gidx[i1:i2]]  # a symmetric loop never reads them
+            C1, Err1 = graph.run(WT[i1:i2], Hinv1, scaleT[gidx[i1:i2]], zeros)
             CT[i1:i2] = C1
-        if not graphed:
+        else:
             W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
             Err1 = torch.empty_like(W1)  # [B, out]: scaled errors
             rows = [(scaleT[g], zeroT[g]) for g in groups[i1:i2]]
@@ -195,9 +195,9 @@ class BlockGraph:
         qparams = list(zip(self.S.unbind(0), self.Z.unbind(0)))
         column_block(self.W1, self.C1, self.Err1, self.Hinv1, qparams, self.qrange, self.symmetric)
 
-    def run(self, W1: Tensor, Hinv1: Tensor, S: Tensor, Z: Tensor) -> tuple[Tensor, Tensor]:
-        """One block: ``W1`` [B, out], ``Hinv1`` [B, B], ``S``/``Z`` [B, out or 1] -> (codes, errors) buffers,
-        valid until the next call."""
+    def run(self, W1: Tensor, Hinv1: Tensor, S: Tensor, Z: Tensor | None) -> tuple[Tensor, Tensor]:
+        """One block: ``W1`` [B, out], ``Hinv1`` [B, B], ``S``/``Z`` [B, out or 1] (``Z`` None when symmetric)
+        -> (codes, errors) buffers, valid until the next call."""
         self.W1.copy_(W1)
         self.Hinv1.copy_(Hinv1)
         self.S.copy_(S)
