@@ -62,11 +62,8 @@ def time_solves(device: torch.device) -> None:
         del X
         times, peaks, results = {}, {}, {}
         columns.clear_graphs()
-        for mode in (
-            "eager",
-            "graph captured",
-            "graph cached",
-        ):  # the second graphed solve replays the first's
+        # the second graphed solve replays the graphs the first one captured
+        for mode in ("eager", "graph captured", "graph cached"):
             columns.CUDA_GRAPHS = mode != "eager"
             if mode == "eager":
                 gptq_quantize(W[:256], H, group_size=128)  # warm-up (kernels, cuBLAS, cuSOLVER)

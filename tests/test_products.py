@@ -3,6 +3,9 @@ taken only where they apply, and used by the passes and the Hessians."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -361,6 +364,26 @@ def test_gptq_inverse_factor_on_onednn_matches_lapack(onednn, monkeypatch):
     assert fast.loss == pytest.approx(native.loss, rel=5e-3)
 
 
+def _allocation_peak(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+    """``fn()``'s result, the peak of the bytes it held allocated, and what it left allocated: torch's CPU
+    allocations of each op (frees are negative), summed in the order the ops started."""
+    with torch.profiler.profile(
+        profile_memory=True, activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        result = fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return result, peak, live
+
+
+def _is_damped_inverse_factor(Hinv: torch.Tensor, H: torch.Tensor) -> bool:
+    """``Hinv^T Hinv = (H + damp I)^-1`` with GPTQ's dampening of 1% of the mean diagonal."""
+    damped = H.double() + 0.01 * H.diagonal().mean().item() * torch.eye(H.shape[0], dtype=torch.float64)
+    return _relative(Hinv.T @ Hinv, torch.linalg.inv(damped)) < 1e-4
+
+
 def test_gptq_blocked_factor_takes_the_dampened_copys_memory(onednn, monkeypatch):
     """The blocked inverse factor is computed in the dampened copy and reversed in place: no second [in, in]
     matrix (127 MB for a 5632-wide down_proj) beside it and the Hessian."""
@@ -375,8 +398,7 @@ def test_gptq_blocked_factor_takes_the_dampened_copys_memory(onednn, monkeypatch
     H = _gptq_like_hessian(n, 2 * n)
     Hinv, _, _ = gptq_module._inverse_hessian_factor(H, None, torch.zeros(n, dtype=torch.bool), 0.01, 0, 10.0)
     assert len(copies) == 1 and Hinv.data_ptr() == copies[0].data_ptr()
-    damped = H.double() + 0.01 * H.diagonal().mean().item() * torch.eye(n, dtype=torch.float64)
-    assert _relative(Hinv.T @ Hinv, torch.linalg.inv(damped)) < 1e-4  # U^T U = (H + damp I)^-1
+    assert _is_damped_inverse_factor(Hinv, H)
 
 
 def test_lapack_factor_keeps_two_matrices_besides_the_hessian(monkeypatch):
@@ -389,20 +411,13 @@ def test_lapack_factor_keeps_two_matrices_besides_the_hessian(monkeypatch):
     products.use_onednn.cache_clear()
     n = 512
     H = _gptq_like_hessian(n, 2 * n)
-    with torch.profiler.profile(
-        profile_memory=True, activities=[torch.profiler.ProfilerActivity.CPU]
-    ) as prof:
-        Hinv, _, _ = gptq_module._inverse_hessian_factor(
-            H, None, torch.zeros(n, dtype=torch.bool), 0.01, 0, 10.0
-        )
+    dead = torch.zeros(n, dtype=torch.bool)
+    (Hinv, _, _), peak, _ = _allocation_peak(
+        lambda: gptq_module._inverse_hessian_factor(H, None, dead, 0.01, 0, 10.0)
+    )
     products.use_onednn.cache_clear()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
     assert peak / (n * n * 4) < 2.1, peak / (n * n * 4)
-    damped = H.double() + 0.01 * H.diagonal().mean().item() * torch.eye(n, dtype=torch.float64)
-    assert _relative(Hinv.T @ Hinv, torch.linalg.inv(damped)) < 1e-4  # U^T U = (H + damp I)^-1
+    assert _is_damped_inverse_factor(Hinv, H)
 
 
 def test_blocked_factor_keeps_at_most_three_quarter_blocks_alive(onednn):
@@ -411,13 +426,6 @@ def test_blocked_factor_keeps_at_most_three_quarter_blocks_alive(onednn):
     Counted from torch's CPU allocations (each op's own, in order; frees are negative)."""
     n = 2 * products.FACTOR_LEAF + 128
     A = _gptq_like_hessian(n, 2 * n)
-    with torch.profiler.profile(
-        profile_memory=True, activities=[torch.profiler.ProfilerActivity.CPU]
-    ) as prof:
-        products.inverse_cholesky_factor_(A)
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
+    _, peak, live = _allocation_peak(lambda: products.inverse_cholesky_factor_(A))
     quarters = peak / ((n // 2) ** 2 * 4)
     assert 2 < quarters <= 3.26 and live == 0, quarters

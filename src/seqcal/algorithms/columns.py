@@ -275,11 +275,16 @@ def block_graph(
     need = _graph_bytes(rows, cols, qcols, symmetric)
     if need > GRAPH_CACHE_BYTES:
         return None
-    while _GRAPHS and sum(g.nbytes for g in _GRAPHS.values()) + need > GRAPH_CACHE_BYTES:
+    while _GRAPHS and _cached_bytes() + need > GRAPH_CACHE_BYTES:
         _GRAPHS.popitem(last=False)[1].reset()
     graph = _GRAPHS[key] = BlockGraph(rows, cols, qcols, key[3], qrange, symmetric)
-    _HELD_MOST = max(_HELD_MOST, sum(g.nbytes for g in _GRAPHS.values()))
+    _HELD_MOST = max(_HELD_MOST, _cached_bytes())
     return graph
+
+
+def _cached_bytes() -> int:
+    """Device bytes the cached graphs' buffers hold together."""
+    return sum(g.nbytes for g in _GRAPHS.values())
 
 
 def clear_graphs() -> int:
