@@ -33,11 +33,30 @@ def main() -> None:
     parser.add_argument("--batch-size", default=None,
                         help="samples per subgraph run (equal lengths), or auto; default seqcal's own (auto on CUDA, 1 on the CPU)")  # fmt: skip
     parser.add_argument("--eager-columns", action="store_true", help="GPTQ's column loop without CUDA graphs")
+    parser.add_argument("--copies-on-compute", action="store_true",
+                        help="the activation cache's copies on the compute stream (no side streams, no prefetch)")  # fmt: skip
+    parser.add_argument("--pinned-register-threads", type=int, default=None,
+                        help="pin new host memory with cudaHostRegister, pages touched by N threads (torch's "
+                        "pinned_use_cuda_host_register / pinned_num_register_threads allocator settings)")  # fmt: skip
     args = parser.parse_args()
     if args.eager_columns:
         import seqcal.algorithms.columns
 
         seqcal.algorithms.columns.CUDA_GRAPHS = False
+    if args.copies_on_compute:
+        import seqcal.execution.cache.store
+
+        seqcal.execution.cache.store.OVERLAP = False
+    if args.pinned_register_threads:
+        import torch
+
+        settings = (
+            f"pinned_use_cuda_host_register:True,pinned_num_register_threads:{args.pinned_register_threads}"
+        )
+        setter = getattr(
+            torch._C, "_accelerator_setAllocatorSettings", None
+        )  # torch >= 2.9; before, the cuda one
+        (setter or torch.cuda.memory._set_allocator_settings)(settings)
     tokens = load_file(args.tokens)["input_ids"][: args.samples]
     data = [{"input_ids": row.tolist()} for row in tokens]
     extra = {"hessian_products": args.hessian_products} if args.algo == "gptq" else {}

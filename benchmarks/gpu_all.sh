@@ -2,10 +2,12 @@
 # Every GPU check and the 1B comparison in one command, for a GPU machine held for a few minutes (one start):
 #   1. tests/test_cuda.py,
 #   2. seqcal, then llm-compressor 0.14, on the 1B Llama of gpu_1b.sh (GPTQ W4A16 g128, 256 x 2048, defaults),
-#   3. the Hessian and solve kernels alone (gpu_solve.py: column loop eager, graph captured, graph cached),
+#   3. seqcal with the activation cache's copies on the compute stream (what the side streams save),
 #   4. seqcal again with --profile (where its time goes),
 #   5. gpu_check.sh's device-facing suite,
-#   6. seqcal without the column-loop graphs (what they save on the whole run),
+#   6. seqcal with new pinned host memory paged in by 8 threads (torch's cudaHostRegister allocator setting),
+#   7. seqcal without the column-loop graphs (what they save on the whole run),
+#   8. the Hessian and solve kernels alone (gpu_solve.py: column loop eager, graph captured, graph cached),
 # each with its own time limit, cut so that all of it ends within SECONDS (default 570) of the start; a stage
 # without at least its minimum time left is skipped and says so.
 #   bash benchmarks/gpu_all.sh [SECONDS]
@@ -53,14 +55,16 @@ stage "tests/test_cuda.py" 100 30 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -q -o a
 tail -6 "$LOGS/test_cuda.log"
 stage "1B: seqcal (defaults)" 200 60 bash -c 'bench seqcal 190'
 stage "1B: llm-compressor (defaults)" 230 120 bash -c 'bench llmc 220'
-stage "kernels alone (gpu_solve.py)" 70 30 bash -c 'PYTHONPATH=$SEQ $PY benchmarks/gpu_solve.py >"$LOGS/gpu_solve.txt" 2>&1'
-cat "$LOGS/gpu_solve.txt" 2>/dev/null
+stage "1B: seqcal, copies on the compute stream" 120 70 bash -c 'bench seqcal-sync 110'
 stage "1B: seqcal --profile" 120 70 bash -c 'bench seqcal-profile 110'
 export SUITE=$(grep -v "^#" benchmarks/gpu_suite.txt)
 stage "device-facing suite, CUDA visible" 200 40 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -p no:cacheprovider -n 14 \
   -rfE --tb=short $SUITE -k "not zoo" >"$LOGS/suite.log" 2>&1'
 grep -E "FAILED|ERROR|passed|failed|^E " "$LOGS/suite.log" 2>/dev/null | tail -25
+stage "1B: seqcal, pinned memory by cudaHostRegister" 120 70 bash -c 'bench seqcal-register 110'
 stage "1B: seqcal, eager column loop" 120 70 bash -c 'bench seqcal-eager 110'
+stage "kernels alone (gpu_solve.py)" 70 30 bash -c 'PYTHONPATH=$SEQ $PY benchmarks/gpu_solve.py >"$LOGS/gpu_solve.txt" 2>&1'
+cat "$LOGS/gpu_solve.txt" 2>/dev/null
 cp /tmp/seqcal-gpu-1b/*.log /tmp/seqcal-gpu-1b/seqcal.trace.json "$LOGS/" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0

@@ -32,6 +32,8 @@ RUNS = {
     "seqcal": [*SEQCAL],  # seqcal's defaults: batches sized by the memory plan on CUDA, column-loop graphs
     "seqcal-bs1": [*SEQCAL, "--batch-size", "1"],  # one sample per subgraph run
     "seqcal-eager": [*SEQCAL, "--eager-columns"],  # the GPTQ column loop without CUDA graphs
+    "seqcal-sync": [*SEQCAL, "--copies-on-compute"],  # the cache's copies on the compute stream, no prefetch
+    "seqcal-register": [*SEQCAL, "--pinned-register-threads", "8"],  # new pinned memory paged in by 8 threads
     "llmc": ["benchmarks/_run_llmcompressor.py", "--algo", "gptq", "--dtype", "bfloat16"],
     "seqcal-bs8": [*SEQCAL, "--batch-size", "8"],  # 8 samples per subgraph run: fewer, larger launches
     "seqcal-auto": [*SEQCAL, "--batch-size", "auto"],  # batches sized by the memory plan

@@ -405,3 +405,17 @@ def test_values_read_back_from_files_keep_their_alignment(offload: str) -> None:
             got = cache.fetch(0, name)
             assert torch.equal(got, value)
             assert got.data_ptr() % ALIGNMENT == value.data_ptr() % ALIGNMENT, name
+
+
+def test_prefetch_and_settle_change_nothing_off_cuda() -> None:
+    """Side-stream copies are for a CUDA device; on the CPU (or with overlap off) prefetch and settle do nothing
+    and fetch returns what was put."""
+    x = torch.randn(4, 8)
+    for overlap in (True, False):
+        with ActivationCache(offload="cpu", overlap=overlap) as cache:
+            cache.put(0, "h", x)
+            cache.put(1, "h", x * 2)
+            cache.prefetch(1, ["h", "never put"])
+            assert cache._transfers is None and not cache._prefetched
+            cache.settle()
+            assert torch.equal(cache.fetch(1, "h"), x * 2) and cache.fetch(0, "h") is x

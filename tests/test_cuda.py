@@ -272,3 +272,71 @@ def test_column_loop_graphs_are_captured_once_per_shape_and_freed(monkeypatch) -
     columns.clear_graphs()
     torch.cuda.synchronize()
     assert before - torch.cuda.memory_allocated() >= cached  # the graphs' buffers are freed
+
+
+def test_cache_copies_beside_the_compute_keep_the_values_put() -> None:
+    """Puts copy to the host on a side stream and fetches of the next batch are copied ahead: what comes back is
+    what was put, while the compute stream is busy and the device memory the values came from is reused at once;
+    a prefetched value dropped unread, or left unread, costs nothing afterwards."""
+    from seqcal.execution.cache import ActivationCache
+
+    g = torch.Generator().manual_seed(0)
+    want = [torch.randn(512, 1024, generator=g) for _ in range(6)]
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with ActivationCache(offload="cpu", device="cuda", overlap=True) as cache:
+        assert cache._transfers is not None
+        for b, w in enumerate(want):
+            torch.cuda._sleep(2_000_000)  # the compute stream runs behind the host
+            x = w.to("cuda") * 1.0  # made on the compute stream, after the sleep
+            cache.put(b, "h", x)
+            del x
+            torch.full((512, 1024), -1.0, device="cuda")  # x's memory, were the copy not holding it
+        for b in range(len(want)):
+            got = cache.fetch(b, "h")
+            if b + 1 < len(want):
+                cache.prefetch(b + 1, ["h"])
+            torch.cuda._sleep(2_000_000)
+            torch.full((512 * 1024,), -2.0, device="cuda")  # allocations while the copies in run
+            assert torch.equal(got.cpu(), want[b]), b
+            del got
+        cache.prefetch(0, ["h"])  # prefetched, then dropped unread
+        cache.drop(0, "h")
+        cache.prefetch(1, ["h"])  # prefetched, never fetched
+        cache.settle()
+        assert not cache._prefetched
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 1 << 20
+
+
+def test_cache_copies_out_keep_at_most_one_earlier_batch_on_the_device() -> None:
+    """While batch b is put, the copies of batch b - 1 must be done: the overlap holds one batch's outputs more
+    on the device, not every batch's (puts far faster than the copies)."""
+    from seqcal.execution.cache import ActivationCache
+
+    nbytes = 64 << 20
+    with ActivationCache(offload="cpu", device="cuda", overlap=True) as cache:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        for b in range(8):
+            cache.put(b, "h", torch.full((nbytes,), b, dtype=torch.uint8, device="cuda"))
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base <= 2 * nbytes + (1 << 20)
+        assert all(torch.equal(cache.fetch(b, "h")[-4:].cpu(), torch.full((4,), b, dtype=torch.uint8))
+                   for b in range(8))  # fmt: skip
+
+
+def test_overlapped_cache_copies_give_the_same_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A GPTQ run with the cache's copies beside the compute writes the checkpoint of one with them on the compute
+    stream, tensor for tensor and bit for bit (the same kernels in the same order on the compute stream)."""
+    import seqcal.execution.cache.store as store
+
+    src = _saved_llama(tmp_path / "src")
+    monkeypatch.setattr(store, "OVERLAP", False)
+    _run(str(src), tmp_path / "plain", batch_size=2)
+    monkeypatch.setattr(store, "OVERLAP", True)
+    _run(str(src), tmp_path / "overlap", batch_size=2)
+    plain, overlap = checkpoint_tensors(tmp_path / "plain"), checkpoint_tensors(tmp_path / "overlap")
+    assert plain.keys() == overlap.keys()
+    assert [k for k in plain if not torch.equal(plain[k], overlap[k])] == []

@@ -114,3 +114,22 @@ def test_plan_cli_prints_the_table(model_dir: Path, tmp_path: Path, capsys: pyte
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "peak: device" in out and "model.layers.0" in out
+
+
+def test_plan_counts_the_cache_copies_beside_the_compute_on_a_gpu(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the cache copies beside the compute (``seqcal.execution.cache.transfers``): a batch's device
+    memory also holds the next batch's inputs and the previous batch's outputs; on the CPU nothing changes."""
+    import seqcal.execution.cache.store as store
+
+    on_cpu = _plan(model_dir)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # planned as for a GPU; nothing runs there
+    overlapped = _plan(model_dir)
+    monkeypatch.setattr(store, "OVERLAP", False)
+    plain = _plan(model_dir)
+    grown = [a.activations - b.activations for a, b in zip(overlapped.rows, plain.rows)]
+    assert all(g >= 0 for g in grown) and sum(g > 0 for g in grown) >= len(grown) - 1  # the head: maybe none
+    # what grew is what the subgraph reads and writes per batch, bounded by the batch's activations
+    assert all(g < b.activations for g, b in zip(grown, plain.rows))
+    assert [r.activations for r in on_cpu.rows] == [r.activations for r in plain.rows]

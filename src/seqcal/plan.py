@@ -4,7 +4,8 @@ The model is built on the meta device and traced (no weights needed), then per s
 
     device  = its weights + GPTQ Hessians of its Linear layers (fp32, one per shared input)
               + the larger of: one batch's activations (the values it reads and writes, its widest
-              intermediate twice, the fp32 copy of a target's input the Hessian update makes) and the GPTQ
+              intermediate twice, the fp32 copy of a target's input the Hessian update makes; on a GPU
+              also the next batch's inputs and the last batch's outputs, copied beside the compute) and the GPTQ
               solve's temporaries (algorithms.gptq: two more [in, in] fp32 matrices, or the inverse factor
               plus two fp32 copies of the stacked weight, its codes and the modifier's stacked copy; modules
               sharing a Hessian, such as a layer's experts, are stacked in chunks sized from
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from seqcal.data.autobatch import AUTO
+from seqcal.execution.cache import store as cache_store
 from seqcal.execution.weights import params_under
 from seqcal.experts import shared_expert_inputs
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
@@ -174,6 +176,7 @@ def plan_memory(
     resident_weights: int = 0,
     device_budget: int | None = None,
     solved: set[str] | None = None,
+    overlap: bool | None = None,
 ) -> MemoryPlan:
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
@@ -184,7 +187,10 @@ def plan_memory(
         device_budget: max_device_memory; GPTQ's stacked solves are sized from it (``solve_chunks``).
         solved: the modules whose solves set the owners of a run over several processes (``solve_cost``): the
             quantized ones and the pruned ones (None: ``quantized``).
+        overlap: the cache copies beside the compute on an accelerator (None: the cache's default,
+            ``seqcal.execution.cache.store.OVERLAP``).
     """
+    overlap = cache_store.OVERLAP if overlap is None else overlap
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", 0) or 0
@@ -206,8 +212,12 @@ def plan_memory(
         wide = widest.get(sg.index, 0) if widest is not None else 3 * tokens * inter * dtype_bytes
         groups = _solve_groups(model, sg, quantized)
         widest_in = max((n_in for _, n_in in groups), default=0)
-        # one batch's inputs and outputs, the widest intermediate and its operand, the fp32 Hessian input
+        # one batch's inputs and outputs, the widest intermediate and its operand, the fp32 Hessian input;
+        # copies beside the compute (a CUDA device, the cache in RAM) add the next batch's inputs and the
+        # outputs of the one before (seqcal.execution.cache.transfers)
         activations = read + made + 2 * wide + tokens * widest_in * 4
+        if overlap and not device_on_host and not disk_cache:
+            activations += read + made
         hessians = _hessian_bytes(groups)
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)  # the solve's inverse Hessian factor
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)

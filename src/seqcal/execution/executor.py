@@ -159,12 +159,15 @@ def run_subgraphs(
         for sg in subgraphs:
             for b in range(len(batches)):
                 env = {name: cache.fetch(b, name) for name in sg.inputs}
+                if b + 1 < len(batches):
+                    cache.prefetch(b + 1, sg.inputs)  # copied beside this batch's compute (CUDA)
                 result = runner.run(sg, env)
                 for name in sg.outputs:
                     cache.put(b, name, env[name])
                 if sg.returns and keep_output:
                     outputs.append(result)
                 bar.update()
+            cache.settle()
             for name in sg.frees:
                 cache.drop_name(name)
     finally:
@@ -377,36 +380,46 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
     batch's outputs are allocated and reuse their memory. Dropped at the end of the subgraph instead, the
     inputs and outputs of every batch would be alive at once (the peak) and the heap's free pages handed
     back after each subgraph would be faulted in again by the next one.
+
+    On CUDA the next batch's inputs are copied to the device while the current one computes
+    (``ActivationCache.prefetch``), and its outputs go to the host on a side stream; the pass ends with the
+    compute stream ordered after those copies (``settle``), before a solve changes weights in place.
     """
     targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
     kept = 0  # samples whose outputs ``keep`` holds
-    indices = range(len(batches)) if indices is None else indices
+    indices = list(range(len(batches)) if indices is None else indices)
     last_read = track == "propagation" and until is None
     frees = [name for name in sg.frees if name in sg.inputs] if last_read else []
     with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(indices)):
-        for b in indices:
+        for i, b in enumerate(indices):
             batch = batches[b]
             state.token_mask = _token_mask(batch)
             with prof.span("cache", "fetch", subgraph=sg.index, batch=b) as args:
                 env = {name: cache.fetch(b, name) for name in sg.inputs}
                 if prof.enabled:
                     args["bytes"] = tensor_bytes(env)
+                if i + 1 < len(indices):
+                    cache.prefetch(indices[i + 1], sg.inputs)
             runner.run(sg, env, until)
             if until is not None:
                 continue
             # without store the propagation pass after the solve stores them: not both passes' outputs at once
             if store:
                 with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
+                    waited = cache.copy_wait_seconds
                     for name in sg.outputs:
                         cache.put(b, name, env[name])
                     if prof.enabled:
                         args["bytes"] = tensor_bytes([env[name] for name in sg.outputs])
+                        if cache.copy_wait_seconds > waited:  # for the previous batch's copies to the host
+                            args["waited_s"] = round(cache.copy_wait_seconds - waited, 6)
             if keep is not None and kept < ERROR_SAMPLE_ROWS and targets:
                 keep[b], rows = _error_sample(env[targets[-1]], state.token_mask, ERROR_SAMPLE_ROWS - kept)
                 kept += rows
             for name in frees:
                 if (b, name) in cache:
                     cache.drop(b, name)
+        cache.settle()
     state.token_mask = None
 
 
@@ -509,10 +522,13 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
             transform_from_inputs(runner.model, sg, cache, masks, transforms, modifiers, state)
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
         for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
-            for b in shard:
+            shard = list(shard)
+            for i, b in enumerate(shard):
                 state.token_mask = _token_mask(batches[b])
-                for source, names in sg.target_inputs.items():
+                for j, (source, names) in enumerate(sg.target_inputs.items()):
                     x = cache.fetch(b, source)
+                    if j == 0 and i + 1 < len(shard):  # copied beside this batch's statistics (CUDA)
+                        cache.prefetch(shard[i + 1], sg.target_inputs)
                     for m in modifiers:
                         m.observe(names, x, state)
             if state.sharding is not None:

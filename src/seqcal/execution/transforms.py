@@ -122,6 +122,7 @@ def divide_inputs(cache: Any, sg: Any, fold: Fold, num_batches: int) -> None:
     for b in range(num_batches):
         x = cache.fetch(b, source)
         cache.put(b, source, (x.float() / fold.scales.to(x.device)).to(x.dtype))  # [..., in] / [in]
+    cache.settle()  # the copies to the host done before the next fold changes weights
 
 
 def transform_with_hooks(model: torch.nn.Module, sg: Any, run_pass: Callable[[Sequence[int]], None], num_batches: int,

@@ -5,7 +5,8 @@ stored once per span of an underlying storage and refcounted by the keys that us
 mask handed to every layer, or a view of a stored tensor, costs nothing more. Two tiers hold the bytes:
 
 - ``offload="cpu"``: host RAM. CPU tensors are kept as they are (no copy); accelerator tensors are copied
-  to (pinned) RAM with non-blocking transfers.
+  to pinned RAM. On CUDA those copies, and the copies back of the batch the executor will fetch next
+  (``prefetch``), run on side streams beside the compute (``seqcal.execution.cache.transfers``).
 - ``offload="disk"``: one safetensors file per stored span in a temporary folder, so resident memory stays
   flat however many batches are cached.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Iterable
 from typing import Any, Literal, Self
 
 import torch
@@ -57,6 +59,7 @@ from seqcal.execution.cache.entries import (
     aligned,
 )
 from seqcal.execution.cache.spill import SpillFolder
+from seqcal.execution.cache.transfers import Transfers
 from seqcal.execution.cache.tree import flatten, unflatten
 
 OFFLOAD_TIERS = ("cpu", "disk")
@@ -66,6 +69,9 @@ DEDUP_MAX_BYTES = 4 << 20  # comparing a 4 MiB tensor costs far less than the la
 # states at batch size 1 are under DEDUP_MAX_BYTES): later puts skip the checksum, which otherwise cost
 # ~10% of a SmolLM2 GPTQ run (profiled).
 DEDUP_MAX_DISTINCT = 4
+# Copies to and from a CUDA device on side streams, overlapping the compute (transfers.py); False: on the compute
+# stream, as torch's non-blocking copies go. The default of ActivationCache's ``overlap``.
+OVERLAP = True
 
 
 class CacheMissError(KeyError):
@@ -90,6 +96,8 @@ class ActivationCache:
             back on fetch); None stores every tensor exactly.
         dedup_max_bytes: tensors up to this size are compared with the spans stored under the same name
             and share an equal one; 0 turns this off.
+        overlap: on a CUDA device with the cpu tier, copy on side streams (``put`` without waiting for the
+            compute, ``prefetch`` of the next batch); None: the module's ``OVERLAP``.
 
     Fetched tensors may share memory with the cache (cpu tier, or several tensors of one value): callers
     must not modify them in place.
@@ -110,6 +118,7 @@ class ActivationCache:
         max_memory: int | None = None,
         store_dtype: torch.dtype | None = None,
         dedup_max_bytes: int = DEDUP_MAX_BYTES,
+        overlap: bool | None = None,
     ) -> None:
         _check_args(offload, offload_dir, max_memory, store_dtype, dedup_max_bytes)
         self.offload = offload
@@ -125,6 +134,12 @@ class ActivationCache:
         self._varies: set[tuple] = set()  # (name, dtype, bytes) with DEDUP_MAX_DISTINCT different contents
         self._resident = 0
         self._closed = False
+        overlap = OVERLAP if overlap is None else overlap
+        self._transfers = (
+            Transfers(self.device) if overlap and offload == "cpu" and self.device.type == "cuda" else None
+        )
+        # id(entry) -> (entry, its bytes being copied to the device, the copy's event)
+        self._prefetched: dict[int, tuple[_Entry, torch.Tensor, Any]] = {}
         # The disk tier's folder exists from the start; the cpu tier's only once a span spills.
         self._folder = SpillFolder(offload_dir, create=offload == "disk")
 
@@ -193,6 +208,31 @@ class ActivationCache:
 
         return unflatten(stored.node, load)
 
+    def prefetch(self, batch: int, names: Iterable[str]) -> None:
+        """Start copying the values of (batch, name) for each name to the device, beside the compute.
+
+        The executor calls it for the next batch before it runs the current one; ``fetch`` then only makes the
+        compute stream wait for the copy. It does nothing off CUDA, without overlap, or for values not in pinned
+        RAM (kept as they are, spilled, or absent).
+        """
+        if self._transfers is None or self._closed:
+            return
+        for name in names:
+            stored = self._values.get((batch, name))
+            for entry in stored.entries if stored is not None else ():
+                host = entry.payload  # None when spilled; not pinned when kept as is
+                if host is None or id(entry) in self._prefetched or not host.is_pinned():
+                    continue
+                device_bytes, event = self._transfers.copy_in(host, entry.ready)
+                self._prefetched[id(entry)] = (entry, device_bytes, event)
+
+    def settle(self) -> None:
+        """Order the compute stream after every copy to the host so far (before weights change in place), and
+        free prefetched copies nobody fetched. A no-op without side streams."""
+        if self._transfers is not None:
+            self._transfers.settle()
+        self._prefetched.clear()
+
     def drop(self, batch: int, name: str) -> None:
         """Forget (batch, name); tensor bytes are freed when no other key uses them.
 
@@ -227,6 +267,11 @@ class ActivationCache:
         """Bytes of tensor data the cache holds in RAM or on a device (opaque objects not counted)."""
         return self._resident
 
+    @property
+    def copy_wait_seconds(self) -> float:
+        """Seconds puts waited on the host for earlier batches' copies to the host (CUDA side streams; else 0)."""
+        return self._transfers.waited if self._transfers is not None else 0.0
+
     def disk_bytes(self) -> int:
         """Bytes of the cache's safetensors files on disk (disk tier, or spans spilled over max_memory)."""
         return self._folder.nbytes
@@ -235,6 +280,9 @@ class ActivationCache:
         """Free everything and remove the disk tier's folder; idempotent. put/fetch then raise."""
         if self._closed:
             return
+        if self._transfers is not None:
+            self._transfers.finish()
+        self._prefetched.clear()
         for stored in self._values.values():
             self._release(stored)
         self._values.clear()
@@ -329,7 +377,7 @@ class ActivationCache:
             if self.offload == "cpu" and self._fits(entry.nbytes):
                 # A cast of a host tensor is already a fresh host copy; anything else is copied to RAM.
                 on_host = cast is not None and enc.device.type == "cpu"
-                entry.payload, entry.ready = (enc, None) if on_host else _copy_to_host(enc)
+                entry.payload, entry.ready = (enc, None) if on_host else self._to_host(enc, where[0])
                 self._resident += entry.nbytes
                 if cast is None:  # the cast copy's storage holds other bytes than the tensors it stands for
                     self._add_alias(entry.payload.untyped_storage(), 0, entry.payload._version, entry)
@@ -340,6 +388,12 @@ class ActivationCache:
         if key is not None and entry_start == start and entry.span == end - start:
             self._contents.add(key, where[0], entry)  # only entries that are exactly this tensor's span
         return entry, entry_start
+
+    def _to_host(self, enc: torch.Tensor, batch: int) -> tuple[torch.Tensor, Any]:
+        """(n,) uint8 host copy of device bytes ``enc`` and the event of its completion (None: complete)."""
+        if self._transfers is not None and _same_device(enc.device, self.device):
+            return self._transfers.copy_out(batch, enc)
+        return _copy_to_host(enc)
 
     def _fits(self, nbytes: int) -> bool:
         """Whether `nbytes` more stay within the RAM budget."""
@@ -365,9 +419,14 @@ class ActivationCache:
 
     def _materialise(self, entry: _Entry) -> torch.Tensor:
         """The entry's decoded bytes on the execution device, (span,) uint8."""
-        raw = self._raw(entry)
-        if entry.path is None and _same_device(raw.device, self.device) and entry.cast is None:
-            return raw
+        prefetched = self._prefetched.pop(id(entry), None)
+        if prefetched is not None:
+            _, raw, event = prefetched
+            self._transfers.use(event)  # type: ignore[union-attr]  # only set with transfers
+        else:
+            raw = self._raw(entry)
+            if entry.path is None and _same_device(raw.device, self.device) and entry.cast is None:
+                return raw
         payload = _decode(raw.to(self.device, non_blocking=True), entry)  # cast back on the device
         if payload.device.type == "cpu":  # a file's or a cast's bytes: at the address its tensor had
             payload = aligned(payload, entry.align)
@@ -390,6 +449,7 @@ class ActivationCache:
                 self._aliases.pop(key, None)
         entry.alias_keys.clear()
         self._contents.remove(entry)
+        self._prefetched.pop(id(entry), None)
         if entry.path is not None:
             self._folder.remove(entry.path)
             entry.path = None
