@@ -425,3 +425,92 @@ def test_the_last_pass_frees_each_batchs_inputs_before_the_next_batch(
     assert max(during) <= max(cuts) + max(added)
     want, got = baseline.state_dict(), model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+class _CopiesAtOnce:
+    """``seqcal.execution.cache.transfers.Transfers`` without CUDA: every copy done at once (a clone), its event a
+    stand-in; counts what the cache asked for, so the cache's bookkeeping around the side streams runs on the CPU."""
+
+    def __init__(self) -> None:
+        self.out: list[int] = []  # batch of each copy to the host
+        self.copied_in = self.used = self.settled = 0
+        self.waited = 0.0
+
+    def copy_out(self, batch: int, flat: torch.Tensor) -> tuple[torch.Tensor, None]:
+        self.out.append(batch)
+        return flat.clone(), None
+
+    def copy_in(self, host: torch.Tensor, ready: Any) -> tuple[torch.Tensor, str]:
+        self.copied_in += 1
+        return host.clone(), "copied"
+
+    def use(self, event: str) -> None:
+        assert event == "copied"
+        self.used += 1
+
+    def settle(self) -> None:
+        self.settled += 1
+
+    def finish(self) -> None:
+        pass
+
+
+def _with_side_streams(cache: ActivationCache, monkeypatch: pytest.MonkeyPatch) -> _CopiesAtOnce:
+    """Make a cpu cache behave as on CUDA: values copied to host memory that counts as pinned, through the fake."""
+    fake = _CopiesAtOnce()
+    cache._transfers = fake
+    monkeypatch.setattr(cache, "_stores_as_is", lambda t: False)
+    return fake
+
+
+def test_prefetched_values_are_fetched_from_their_copy_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    xs = [torch.randn(3, 5) for _ in range(3)]
+    with ActivationCache(offload="cpu") as cache:
+        fake = _with_side_streams(cache, monkeypatch)
+        for b, x in enumerate(xs):
+            cache.put(b, "h", (x, x[1:]))  # two views of one storage: one copy
+        assert fake.out == [0, 1, 2]
+        cache.prefetch(1, ["h", "never put"])
+        cache.prefetch(1, ["h"])  # already on its way
+        assert fake.copied_in == 1 and len(cache._prefetched) == 1
+        got = cache.fetch(1, "h")
+        assert fake.used == 1 and not cache._prefetched
+        assert torch.equal(got[0], xs[1]) and torch.equal(got[1], xs[1][1:])
+        cache.put(1, "again", got)  # a fetched value put again: the same bytes, no new copy
+        assert fake.out == [0, 1, 2]
+        assert (
+            torch.equal(cache.fetch(1, "h")[0], xs[1]) and fake.used == 1
+        )  # not prefetched: from the host copy
+        cache.prefetch(2, ["h"])
+        cache.drop(2, "h")  # freed with its entry
+        assert not cache._prefetched
+        cache.prefetch(0, ["h"])
+        cache.settle()  # unread prefetches are let go
+        assert not cache._prefetched and fake.settled == 1
+        assert torch.equal(cache.fetch(0, "h")[0], xs[0])
+
+
+def test_run_with_the_cache_copying_as_on_cuda_gives_the_same_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's prefetch of the next batch (calibration from cached inputs, propagation passes) and its
+    settle at the end of each pass, with copies done at once: the quantized weights of a plain run, bit for bit."""
+    data = token_data(6, 32)
+    baseline = tiny_llama()
+    oneshot(model=baseline, dataset=data, recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
+            max_seq_length=32, batch_size=1)  # fmt: skip
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    fakes: list[_CopiesAtOnce] = []
+    init = ActivationCache.__init__
+
+    def init_with_side_streams(self: ActivationCache, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        fakes.append(_with_side_streams(self, monkeypatch))
+
+    monkeypatch.setattr(ActivationCache, "__init__", init_with_side_streams)
+    copied = tiny_llama()
+    oneshot(model=copied, dataset=data, recipe=GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
+            max_seq_length=32, batch_size=1)  # fmt: skip
+    run = max(fakes, key=lambda f: len(f.out))  # the calibration's cache (the partition check has its own)
+    assert run.out and run.copied_in > 0 and run.used == run.copied_in and run.settled > 0
+    want, got = quantized(baseline), quantized(copied)
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
