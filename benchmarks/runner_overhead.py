@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from _scheme import SCHEME  # benchmarks/ is on sys.path: the runners are run as scripts
 from safetensors.torch import load_file
@@ -30,26 +31,24 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
-    totals = {"run": 0.0, "call": 0.0, "runs": 0, "nodes": 0}
-    run, call = executor.GraphRunner._run, executor.GraphRunner._call
+    totals = {"_run": 0.0, "_call": 0.0, "runs": 0, "nodes": 0}
 
-    def timed_run(self, sg, env, until):  # noqa: ANN001, ANN202 - the wrapped method's own signature
-        start = time.perf_counter()
-        try:
-            return run(self, sg, env, until)
-        finally:
-            totals["run"] += time.perf_counter() - start
-            totals["runs"] += 1
+    def timed(name: str, count: str) -> Any:
+        """GraphRunner's method ``name`` with its seconds added to ``totals[name]`` and its calls counted."""
+        method = getattr(executor.GraphRunner, name)
 
-    def timed_call(self, node, node_args, kwargs):  # noqa: ANN001, ANN202
-        start = time.perf_counter()
-        try:
-            return call(self, node, node_args, kwargs)
-        finally:
-            totals["call"] += time.perf_counter() - start
-            totals["nodes"] += 1
+        def wrapper(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                totals[name] += time.perf_counter() - start
+                totals[count] += 1
 
-    executor.GraphRunner._run, executor.GraphRunner._call = timed_run, timed_call
+        return wrapper
+
+    executor.GraphRunner._run = timed("_run", "runs")
+    executor.GraphRunner._call = timed("_call", "nodes")
     tokens = load_file(args.tokens)["input_ids"][: args.samples]
     data = [{"input_ids": row.tolist()} for row in tokens]
     start = time.perf_counter()
@@ -57,10 +56,10 @@ def main() -> None:
             ignore=["lm_head"]), num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
             dtype=args.dtype, shuffle_calibration_samples=False)  # fmt: skip
     wall = time.perf_counter() - start
-    interpreter = totals["run"] - totals["call"]
+    interpreter = totals["_run"] - totals["_call"]
     print(
         f"run {wall:.1f} s: {totals['runs']} subgraph runs, {totals['nodes']} node calls; inside the runner "
-        f"{totals['run']:.2f} s, in node calls {totals['call']:.2f} s, the interpreter itself {interpreter:.2f} s "
+        f"{totals['_run']:.2f} s, in node calls {totals['_call']:.2f} s, the interpreter itself {interpreter:.2f} s "
         f"({interpreter / max(totals['nodes'], 1) * 1e6:.1f} us per node, {interpreter / wall:.1%} of the run)"
     )
 
