@@ -283,8 +283,12 @@ def test_errors_name_the_key_and_what_is_present(tmp_path: Any) -> None:
         cache.put(0, "x", torch.ones(1))
     with pytest.raises(RuntimeError, match="closed"):
         cache.fetch(0, "hidden")
-    with pytest.raises(ValueError, match=r"\['cpu', 'disk'\]"):
+    with pytest.raises(
+        ValueError, match=r"\['cpu', 'disk', 'device'\] or an accelerator's name such as 'cuda:1'"
+    ):
         ActivationCache("gpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="device tier keeps everything on its device"):
+        ActivationCache("device", max_memory=1 << 20)
     with pytest.raises(ValueError, match="offload_dir"):
         ActivationCache("cpu", offload_dir=tmp_path)
 
@@ -419,3 +423,16 @@ def test_prefetch_and_settle_change_nothing_off_cuda() -> None:
             assert cache._transfers is None and not cache._prefetched
             cache.settle()
             assert torch.equal(cache.fetch(1, "h"), x * 2) and cache.fetch(0, "h") is x
+
+
+def test_device_tier_keeps_values_where_they_were_made() -> None:
+    """offload="device" keeps the execution device's tensors as they are (on the CPU: the cpu tier's behaviour);
+    others are copied there. The name of a device works the same."""
+    x = torch.randn(4, 8)
+    for offload in ("device", "cpu"):
+        with ActivationCache(offload=offload, device="cpu") as cache:
+            cache.put(0, "h", (x, x[1:]))
+            got = cache.fetch(0, "h")
+            assert got[0] is x and torch.equal(got[1], x[1:]) and cache.resident_bytes() == x.nbytes
+            assert cache.home == torch.device("cpu")
+    assert ActivationCache(offload="disk").home is None

@@ -340,3 +340,22 @@ def test_overlapped_cache_copies_give_the_same_checkpoint(tmp_path: Path, monkey
     plain, overlap = checkpoint_tensors(tmp_path / "plain"), checkpoint_tensors(tmp_path / "overlap")
     assert plain.keys() == overlap.keys()
     assert [k for k in plain if not torch.equal(plain[k], overlap[k])] == []
+
+
+def test_device_tier_cache_keeps_values_on_the_gpu_and_gives_the_same_checkpoint(tmp_path: Path) -> None:
+    """offload="device": values made on the GPU stay there (kept as they are, no copy), host inputs are copied
+    there, and the run writes the checkpoint of the cpu tier's, bit for bit."""
+    from seqcal.execution.cache import ActivationCache
+
+    x = torch.randn(4, 8, device="cuda")
+    for offload in ("device", "cuda:0"):
+        with ActivationCache(offload=offload, device="cuda") as cache:
+            cache.put(0, "h", x)
+            cache.put(0, "ids", torch.arange(4))
+            assert cache.fetch(0, "h") is x and cache.fetch(0, "ids").device.type == "cuda"
+    src = _saved_llama(tmp_path / "src")
+    _run(str(src), tmp_path / "ram", batch_size=2)
+    torch.cuda.reset_peak_memory_stats()
+    _run(str(src), tmp_path / "device", batch_size=2, offload="device")
+    ram, device = checkpoint_tensors(tmp_path / "ram"), checkpoint_tensors(tmp_path / "device")
+    assert ram.keys() == device.keys() and [k for k in ram if not torch.equal(ram[k], device[k])] == []

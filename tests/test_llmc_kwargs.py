@@ -55,7 +55,7 @@ UNSUPPORTED_VALUES: dict[str, Any] = {
     "save_compressed": False, "tie_word_embeddings": False, "config_name": "other/config",
     "distill_teacher": "teacher", "recipe_args": ["x=1"], "stage": "quant_stage", "data_collator": lambda b: b,
     "pad_to_max_length": True, "streaming": True, "preprocessing_func": str.lower, "raw_kwargs": {"cache": 1},
-    "dvc_data_repository": "dvc://x", "sequential_offload_device": "cuda:1", "sequential_targets_per_subgraph": 2,
+    "dvc_data_repository": "dvc://x", "sequential_targets_per_subgraph": 2,
     "propagate_error": False, "use_loss_mask": True,
 }  # fmt: skip
 
@@ -147,6 +147,21 @@ def test_aliases_reach_seqcals_parameters(seen, tmp_path: Path) -> None:
         "raw",
     )
     assert seen["pipe_args"].pipeline == "sequential"
+
+
+def test_llmcs_offload_device_is_seqcals_cache_tier(seen) -> None:
+    """``sequential_offload_device`` names where the activations wait: seqcal's ``offload`` (a device object too)."""
+    with pytest.raises(Reached):
+        _call(sequential_offload_device=torch.device("cpu"))
+    assert seen["pipe_args"].offload == "cpu"
+    with pytest.raises(Reached):
+        _call(sequential_offload_device="device")
+    assert seen["pipe_args"].offload == "device"
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match=r"offload='cuda:1': the activation cache's device is not there"):
+            _call(sequential_offload_device="cuda:1")
+    with pytest.raises(ValueError, match="'gpu' is not a tier of the activation cache"):
+        _call(sequential_offload_device="gpu")
 
 
 def test_an_alias_and_seqcals_name_together_must_agree(seen) -> None:

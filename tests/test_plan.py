@@ -133,3 +133,18 @@ def test_plan_counts_the_cache_copies_beside_the_compute_on_a_gpu(
     # what grew is what the subgraph reads and writes per batch, bounded by the batch's activations
     assert all(g < b.activations for g, b in zip(grown, plain.rows))
     assert [r.activations for r in on_cpu.rows] == [r.activations for r in plain.rows]
+
+
+def test_plan_puts_a_device_tier_cache_on_the_device(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """offload="device" on a GPU: the cached values count on the device, not in RAM; on another accelerator the
+    plan says it leaves them out."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # planned as for a GPU; nothing runs there
+    in_ram, on_device = _plan(model_dir), _plan(model_dir, offload="device")
+    assert all(r.host_cache == 0 for r in on_device.rows) and max(r.host_cache for r in in_ram.rows) > 0
+    assert on_device.device_peak > in_ram.device_peak and on_device.host_peak < in_ram.host_peak
+    assert max(r.device_cache for r in on_device.rows) >= max(r.host_cache for r in in_ram.rows)
+    elsewhere = _plan(model_dir, offload="cuda:1")
+    assert any("is on cuda:1 (not planned)" in n for n in elsewhere.notes)
+    assert all(r.host_cache == 0 and r.device_cache == 0 for r in elsewhere.rows)

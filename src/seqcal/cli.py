@@ -304,6 +304,10 @@ _BATCH_SIZE = (
     "samples per batch, or 'auto': samples grouped by length, as many per batch as memory allows "
     "(default: auto on a GPU, 1 on the CPU)"
 )
+_OFFLOAD = (
+    "activation cache tier: cpu (RAM), disk (files), device (the execution device's memory: fastest on a GPU "
+    "with room for every cached value) or an accelerator's name such as cuda:1"
+)
 _TRACE_INTO = "trace into these modules too ('all': full graph; torch.nn modules such as Linear stay nodes)"
 
 
@@ -335,7 +339,7 @@ def _add_oneshot(sub: Any) -> None:
     )
     one.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     one.add_argument("--pipeline", default="sequential", choices=["sequential", "basic", "datafree"])
-    one.add_argument("--offload", default="cpu", choices=["cpu", "disk"], help="activation cache tier")
+    one.add_argument("--offload", default="cpu", help=_OFFLOAD)
     one.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     one.add_argument(
         "--compute-dtype",
@@ -410,7 +414,7 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--num-calibration-samples", type=int, default=512)
     plan.add_argument("--max-seq-length", type=int, default=2048)
     plan.add_argument("--batch-size", type=parse_batch_size, default=None, help=_BATCH_SIZE)
-    plan.add_argument("--offload", default="cpu", choices=["cpu", "disk"])
+    plan.add_argument("--offload", default="cpu", help=_OFFLOAD)
     plan.add_argument("--sequential-targets", nargs="+", default=None)
     plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")
     plan.add_argument("--world-size", type=int, default=1,

@@ -175,7 +175,9 @@ def oneshot(
         dtype: weight dtype when loading from a directory ("auto" keeps the checkpoint's).
         compute_dtype: "bfloat16" runs the forward passes under autocast (matmuls in bf16, weights,
             norms and Hessians in fp32), the CPU/GPU fast path; None computes in the weights' dtype.
-        offload: activation cache tier ("cpu" or "disk").
+        offload: activation cache tier: "cpu" (RAM), "disk" (files), "device" (the execution device's memory:
+            nothing crosses PCIe; for a GPU with room for every cached value, see the memory plan) or an
+            accelerator's name such as "cuda:1" (llm-compressor's ``sequential_offload_device``).
         overwrite: replace a non-empty output_dir.
         resume: continue an interrupted run in output_dir (same arguments); finished subgraphs are
             replayed from their saved weights, and the checkpoint equals an uninterrupted run's.
@@ -262,7 +264,7 @@ def oneshot(
         plan = make_plan(
             loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
             batch_size=batch_size, sequential_targets=pipe_args.sequential_targets,
-            tracing_ignore=pipe_args.tracing_ignore, disk_cache=offload == "disk",
+            tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
             max_device_memory=parse_bytes(max_device_memory), one_pass=pipe_args.one_pass,
         )  # fmt: skip
         if dry_run:

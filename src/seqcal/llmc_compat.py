@@ -54,6 +54,9 @@ ALIASES: dict[str, str] = {
     "dataset_path": "dataset",  # a local json/csv/... file; seqcal's dataset takes paths too
     # earlier releases: True replaced MoE blocks by ones that send every token to every expert
     "calibrate_moe_context": "moe_calibrate_all_experts",
+    # where the activations between subgraphs wait: "cpu", or a device such as "cuda:1" (seqcal also has "disk",
+    # and "device" for the execution device)
+    "sequential_offload_device": "offload",
 }
 
 # keyword -> {llm-compressor value: seqcal value}
@@ -135,11 +138,6 @@ RULES: dict[str, Rule] = {
         None, "in llm-compressor it only sets when to warn about rarely routed MoE experts"
     ),
     # ---- pipeline arguments (DatasetArguments in llm-compressor)
-    "sequential_offload_device": Rule(
-        ("cpu",),
-        "seqcal keeps activations in RAM (offload='cpu', the default)",
-        "seqcal's activation cache lives in RAM or on disk; use offload='cpu' or offload='disk'",
-    ),
     "sequential_targets_per_subgraph": Rule(
         (1,),
         "seqcal gives each sequential target its own subgraph",

@@ -63,10 +63,11 @@ class SubgraphPlan:
     chunk_bytes: int = 0  # the most working bytes one of them may take
     quantized_numel: int = 0  # weights it quantizes (their codes and scales are sent to other processes)
     solve_cost: float = 0.0  # sum of out * in^2 + in^3 over them, as seqcal.distributed assigns solves
+    device_cache: int = 0  # the activation cache on the execution device (offload="device" on a GPU)
 
     @property
     def device_peak(self) -> int:
-        return self.weights + self.hessians + max(self.activations, self.solve)
+        return self.weights + self.hessians + max(self.activations, self.solve) + self.device_cache
 
 
 @dataclass
@@ -91,7 +92,8 @@ class MemoryPlan:
         lines = [f"{'#':>3}  {'target':<28} " + " ".join(f"{c:>9}" for c in cols) + f" {'chunks':>11}"]
         for r in self.rows:
             target = (r.targets[0] if r.targets else "-")[:28]
-            values = (r.weights, r.hessians, r.activations, r.solve, r.device_peak, r.host_cache, r.host)
+            cache = r.host_cache + r.device_cache  # wherever the cache is held in memory
+            values = (r.weights, r.hessians, r.activations, r.solve, r.device_peak, cache, r.host)
             chunks = f"{r.chunks}x{r.chunk_bytes / 2**20:.0f}M" if r.chunks > 1 else "1"
             lines.append(f"{r.index:>3}  {target:<28} " + " ".join(f"{v / gb:>8.3f}G" for v in values)
                          + f" {chunks:>11}")  # fmt: skip
@@ -169,7 +171,7 @@ def plan_memory(
     batch_size: int,
     dtype_bytes: int,
     quant_bits: int = 4,
-    disk_cache: bool = False,
+    cache_tier: str = "cpu",
     value_bytes: Mapping[str, int] | None = None,
     widest: Mapping[int, int] | None = None,
     device_on_host: bool = True,
@@ -181,6 +183,8 @@ def plan_memory(
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
     Args:
+        cache_tier: the activation cache's ``offload``: "cpu" (RAM), "disk", "device" (the execution device's
+            memory; RAM when that is the cpu) or another accelerator's name (neither RAM nor the device planned).
         value_bytes / widest: from ``measure_values``; None sizes values from the config instead.
         device_on_host: the execution device is the cpu, so the device's share is resident memory too.
         resident_weights: bytes of weights that stay in RAM all along (a model loaded in RAM, not offloaded).
@@ -216,7 +220,8 @@ def plan_memory(
         # copies beside the compute (a CUDA device, the cache in RAM) add the next batch's inputs and the
         # outputs of the one before (seqcal.execution.cache.transfers)
         activations = read + made + 2 * wide + tokens * widest_in * 4
-        if overlap and not device_on_host and not disk_cache:
+        in_ram = cache_tier == "cpu" or (cache_tier == "device" and device_on_host)
+        if overlap and in_ram and not device_on_host:
             activations += read + made
         hessians = _hessian_bytes(groups)
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)  # the solve's inverse Hessian factor
@@ -224,9 +229,7 @@ def plan_memory(
         solve, chunks = _solve_bytes(groups, dtype_bytes, limit)
         freed = sum(size(n) for n in sg.frees)
         after = alive + made - freed
-        if disk_cache:
-            during = 0
-        elif sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
+        if sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
             # modules, the propagation pass after a solve) drops each batch's inputs after it (executor._pass)
             during = max(alive * batches + made, after * batches + freed)
         else:  # nothing to solve: its one pass stores every batch's outputs before the inputs are dropped
@@ -234,7 +237,10 @@ def plan_memory(
         alive = after
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
-                           0 if disk_cache else alive * batches, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
+                           alive * batches if in_ram else 0, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
+        if cache_tier == "device" and not device_on_host:
+            row.device_cache = during  # every batch's cached values, on the device beside the subgraph's work
+        during = during if in_ram else 0
         codes = sum(n_in * sum(outs) for (_, n_in), outs in groups.items())
         save = 2 * written.get(sg.index, 0) + 2 * codes  # tensors as written + the resume file's int8 codes
         row.quantized_numel = codes
@@ -250,9 +256,14 @@ def plan_memory(
     q_params = sum(model.get_submodule(n).weight.numel() for n in quantized)
     disk = (params - q_params) * dtype_bytes + q_params * quant_bits // 8 + q_params * dtype_bytes // 32
     host_peak = max((r.host for r in rows), default=PROCESS_BASELINE)
-    if disk_cache:  # rows hold no host cache then: the same bytes are on disk
+    notes = []
+    if cache_tier == "disk":  # rows hold no host cache then: the same bytes are on disk
         disk += cache_peak
-    return MemoryPlan(rows, host_peak, disk, [])
+    elif cache_tier not in ("cpu", "device"):
+        notes.append(
+            f"the activation cache, up to {cache_peak / 1024**3:.3f} GB, is on {cache_tier} (not planned)"
+        )
+    return MemoryPlan(rows, host_peak, disk, notes)
 
 
 def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str] | None:
@@ -311,7 +322,7 @@ def make_plan(
     batch_size: int | str,
     sequential_targets: list[str] | None,
     tracing_ignore: list[str],
-    disk_cache: bool = False,
+    cache_tier: str = "cpu",
     max_device_memory: int | None = None,
     one_pass: bool = True,
 ) -> MemoryPlan:
@@ -359,7 +370,7 @@ def make_plan(
             notes.append(f"activation sizes come from the config: the stand-in run failed ({type(err).__name__}: "
                          f"{str(err)[:200]})")  # fmt: skip
         kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
-                      disk_cache=disk_cache, device_on_host=on_host, resident_weights=resident,
+                      cache_tier=cache_tier, device_on_host=on_host, resident_weights=resident,
                       device_budget=max_device_memory,
                       solved=quantized | {n for m in modifiers for n in getattr(m, "pruned", {})})  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,

@@ -118,12 +118,23 @@ def check_environment(
     offload: str,
     offload_dir: str | None,
 ) -> None:
-    """Enough free disk for the checkpoint (and the disk activation cache's folder must be writable).
+    """Enough free disk for the checkpoint (and the disk activation cache's folder must be writable); an
+    accelerator named as the activation cache's tier must be there.
 
     Raises:
         DiskSpaceError: not enough free space; says how much is needed and where.
         PermissionError: the offload folder is not writable.
+        ValueError: ``offload`` names a CUDA device this machine does not have.
     """
+    named = offload not in ("cpu", "disk", "device")
+    if named and torch.device(offload).type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = torch.device(offload).index or 0
+        if index >= count:
+            raise ValueError(
+                f"offload={offload!r}: the activation cache's device is not there ({count} CUDA device(s) "
+                "visible); name one that is, use offload='device' for the execution device, or 'cpu'"
+            )
     if output_dir is not None:
         need = int(estimate_checkpoint_bytes(model, modifiers) * DISK_MARGIN)
         existing = Path(output_dir)

@@ -20,7 +20,7 @@ from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.distributed.run import resume_point, start_sharded_run, traffic_report
 from seqcal.distributed.shards import DEFAULT_SHARDS
-from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache
+from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache, tier_device
 from seqcal.execution.executor import calibrate_subgraphs
 from seqcal.execution.transforms import prepare_modifiers
 from seqcal.execution.weights import (
@@ -58,7 +58,7 @@ class PipelineArgs:
     sequential_targets: list[str] | None = None
     tracing_ignore: list[str] = field(default_factory=list)
     targets_per_subgraph: int = 1
-    offload: str = "cpu"  # activation cache tier: "cpu" or "disk"
+    offload: str = "cpu"  # activation cache tier: "cpu", "disk", "device" or an accelerator's name ("cuda:1")
     offload_dir: str | None = None
     compute_dtype: str | None = (
         None  # "bfloat16"/"float16": autocast forward passes; weights keep their dtype
@@ -100,8 +100,9 @@ class PipelineArgs:
             raise ValueError(
                 f"compute_dtype={self.compute_dtype!r} is not one of (None, 'bfloat16', 'float16')"
             )
-        if self.offload not in ("cpu", "disk"):
-            raise ValueError(f"offload={self.offload!r} is not one of ('cpu', 'disk')")
+        if isinstance(self.offload, torch.device):  # llm-compressor's sequential_offload_device takes one
+            self.offload = str(self.offload)
+        tier_device(self.offload, "cpu")  # raises for a name that is no tier
         if self.cache_dtype not in (None, *STORE_DTYPES):
             raise ValueError(
                 f"cache_dtype={self.cache_dtype!r} is not one of {(None, *STORE_DTYPES)}; it stores the "

@@ -2,11 +2,14 @@
 
 A value is split into a skeleton (containers, constants, opaque objects) and its tensors. Tensor bytes are
 stored once per span of an underlying storage and refcounted by the keys that use them, so the attention
-mask handed to every layer, or a view of a stored tensor, costs nothing more. Two tiers hold the bytes:
+mask handed to every layer, or a view of a stored tensor, costs nothing more. Three tiers hold the bytes:
 
 - ``offload="cpu"``: host RAM. CPU tensors are kept as they are (no copy); accelerator tensors are copied
   to pinned RAM. On CUDA those copies, and the copies back of the batch the executor will fetch next
   (``prefetch``), run on side streams beside the compute (``seqcal.execution.cache.transfers``).
+- ``offload="device"`` (the execution device) or an accelerator's name (``"cuda:1"``): that device's memory.
+  Values made on it are kept as they are; nothing crosses PCIe when it is the execution device. For GPUs
+  with room for every cached value (the memory plan says how much that is): the fastest tier there.
 - ``offload="disk"``: one safetensors file per stored span in a temporary folder, so resident memory stays
   flat however many batches are cached.
 
@@ -62,7 +65,7 @@ from seqcal.execution.cache.spill import SpillFolder
 from seqcal.execution.cache.transfers import Transfers
 from seqcal.execution.cache.tree import flatten, unflatten
 
-OFFLOAD_TIERS = ("cpu", "disk")
+OFFLOAD_TIERS = ("cpu", "disk", "device")  # or an accelerator's name, such as "cuda:1" (``tier_device``)
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 DEDUP_MAX_BYTES = 4 << 20  # comparing a 4 MiB tensor costs far less than the layer that needs it
 # A name (per dtype and size) that has stored this many different contents holds per-batch values (hidden
@@ -72,6 +75,33 @@ DEDUP_MAX_DISTINCT = 4
 # Copies to and from a CUDA device on side streams, overlapping the compute (transfers.py); False: on the compute
 # stream, as torch's non-blocking copies go. The default of ActivationCache's ``overlap``.
 OVERLAP = True
+
+
+def tier_device(offload: str, device: torch.device | str) -> torch.device | None:
+    """Where a cache with tier ``offload`` keeps its bytes: the host for "cpu", the execution ``device`` for
+    "device", the named accelerator for a name such as "cuda:1"; None for "disk" (files).
+
+    Raises:
+        ValueError: ``offload`` is neither a tier nor an accelerator's name.
+
+    Example:
+        >>> tier_device("device", "cpu"), tier_device("cuda:1", "cpu"), tier_device("disk", "cpu")
+        (device(type='cpu'), device(type='cuda', index=1), None)
+    """
+    if offload == "disk":
+        return None
+    if offload in ("cpu", "device"):
+        return torch.device("cpu" if offload == "cpu" else device)
+    try:
+        named = torch.device(offload) if isinstance(offload, str) else None
+    except RuntimeError:  # not a device name
+        named = None
+    if named is None or named.type in ("cpu", "meta"):
+        raise ValueError(
+            f"offload={offload!r} is not a tier of the activation cache: valid are {list(OFFLOAD_TIERS)} or an "
+            "accelerator's name such as 'cuda:1'"
+        )
+    return named
 
 
 class CacheMissError(KeyError):
@@ -85,8 +115,9 @@ class ActivationCache:
     """Per-batch store of subgraph boundary values with cpu or disk tiers and refcounted tensors.
 
     Args:
-        offload: where stored tensor bytes live, "cpu" (host RAM) or "disk" (safetensors files in a
-            temporary folder, removed on close(), on leaving a ``with`` block, and at garbage collection).
+        offload: where stored tensor bytes live: "cpu" (host RAM), "device" (``device``'s memory), an
+            accelerator's name ("cuda:1"), or "disk" (safetensors files in a temporary folder, removed on
+            close(), on leaving a ``with`` block, and at garbage collection).
         offload_dir: parent folder of the temporary folder (disk tier, or spill of the cpu tier with
             ``max_memory``); default: the system temp dir.
         device: the execution device; fetch() returns tensors there.
@@ -112,7 +143,7 @@ class ActivationCache:
 
     def __init__(
         self,
-        offload: Literal["cpu", "disk"] = "cpu",
+        offload: Literal["cpu", "disk", "device"] | str = "cpu",
         offload_dir: str | os.PathLike | None = None,
         device: torch.device | str = "cpu",
         max_memory: int | None = None,
@@ -123,6 +154,7 @@ class ActivationCache:
         _check_args(offload, offload_dir, max_memory, store_dtype, dedup_max_bytes)
         self.offload = offload
         self.device = torch.device(device)
+        self.home = tier_device(offload, self.device)  # where the bytes of the memory tiers live; None: files
         self.max_memory = max_memory
         self.store_dtype = store_dtype
         self.dedup_max_bytes = dedup_max_bytes
@@ -135,9 +167,8 @@ class ActivationCache:
         self._resident = 0
         self._closed = False
         overlap = OVERLAP if overlap is None else overlap
-        self._transfers = (
-            Transfers(self.device) if overlap and offload == "cpu" and self.device.type == "cuda" else None
-        )
+        to_host = self.home is not None and self.home.type == "cpu" and self.device.type == "cuda"
+        self._transfers = Transfers(self.device) if overlap and to_host else None
         # id(entry) -> (entry, its bytes being copied to the device, the copy's event)
         self._prefetched: dict[int, tuple[_Entry, torch.Tensor, Any]] = {}
         # The disk tier's folder exists from the start; the cpu tier's only once a span spills.
@@ -300,8 +331,9 @@ class ActivationCache:
     # ---- storing ------------------------------------------------------------------------------------------
 
     def _stores_as_is(self, t: torch.Tensor) -> bool:
-        """Keep the tensor object itself: host tensors in the cpu tier (the executor never mutates them)."""
-        return self.offload == "cpu" and t.device.type == "cpu"
+        """Keep the tensor object itself where it already is where the tier keeps bytes (host tensors in the cpu
+        tier, the execution device's in the device tier): the executor never mutates them."""
+        return self.home is not None and _same_device(t.device, self.home)
 
     def _cast_for(self, t: torch.Tensor) -> torch.dtype | None:
         """The narrower dtype `t` is stored in, or None to store it exactly."""
@@ -374,10 +406,8 @@ class ActivationCache:
         else:
             entry = _Entry(nbytes=enc.numel(), span=end - start, cast=(t.dtype, cast) if cast else None,
                            align=(storage.data_ptr() + start) % ALIGNMENT)  # fmt: skip
-            if self.offload == "cpu" and self._fits(entry.nbytes):
-                # A cast of a host tensor is already a fresh host copy; anything else is copied to RAM.
-                on_host = cast is not None and enc.device.type == "cpu"
-                entry.payload, entry.ready = (enc, None) if on_host else self._to_host(enc, where[0])
+            if self.home is not None and self._fits(entry.nbytes):
+                entry.payload, entry.ready = self._to_home(enc, cast is not None, where[0])
                 self._resident += entry.nbytes
                 if cast is None:  # the cast copy's storage holds other bytes than the tensors it stands for
                     self._add_alias(entry.payload.untyped_storage(), 0, entry.payload._version, entry)
@@ -389,8 +419,14 @@ class ActivationCache:
             self._contents.add(key, where[0], entry)  # only entries that are exactly this tensor's span
         return entry, entry_start
 
-    def _to_host(self, enc: torch.Tensor, batch: int) -> tuple[torch.Tensor, Any]:
-        """(n,) uint8 host copy of device bytes ``enc`` and the event of its completion (None: complete)."""
+    def _to_home(self, enc: torch.Tensor, cast: bool, batch: int) -> tuple[torch.Tensor, Any]:
+        """The (n,) uint8 bytes ``enc`` copied to where the tier keeps them, and the event of the copy's completion
+        (None: complete). A cast already made there is a fresh copy itself."""
+        assert self.home is not None
+        if cast and _same_device(enc.device, self.home):
+            return enc, None
+        if self.home.type != "cpu":  # an accelerator's memory (another device's: the copy is stream-ordered)
+            return enc.to(self.home, copy=True), None
         if self._transfers is not None and _same_device(enc.device, self.device):
             return self._transfers.copy_out(batch, enc)
         return _copy_to_host(enc)
@@ -481,8 +517,10 @@ def _check_args(
     offload: str, offload_dir: Any, max_memory: int | None, store_dtype: Any, dedup_max_bytes: int
 ) -> None:
     where = "ActivationCache"
-    if offload not in OFFLOAD_TIERS:
-        raise ValueError(f"{where}: offload={offload!r} is not a tier; valid: {list(OFFLOAD_TIERS)}")
+    try:
+        tier_device(offload, "cpu")
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
     if offload_dir is not None and offload != "disk" and max_memory is None:
         raise ValueError(
             f"{where}: offload_dir={str(offload_dir)!r} only applies to offload='disk' or to the spill of "
@@ -491,7 +529,8 @@ def _check_args(
     if max_memory is not None and (offload != "cpu" or isinstance(max_memory, bool) or max_memory < 0):
         raise ValueError(
             f"{where}: max_memory={max_memory!r} must be a number of bytes >= 0 with offload='cpu' (got "
-            f"offload={offload!r}; the disk tier keeps nothing in RAM); drop it or use offload='cpu'."
+            f"offload={offload!r}: the disk tier keeps nothing in RAM, a device tier keeps everything on its "
+            "device); drop it or use offload='cpu'."
         )
     if store_dtype is not None and store_dtype not in STORE_DTYPES.values():
         raise ValueError(
