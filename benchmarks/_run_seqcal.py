@@ -33,6 +33,9 @@ def main() -> None:
     parser.add_argument("--batch-size", default=None,
                         help="samples per subgraph run (equal lengths), or auto; default seqcal's own (auto on CUDA, 1 on the CPU)")  # fmt: skip
     parser.add_argument("--eager-columns", action="store_true", help="GPTQ's column loop without CUDA graphs")
+    parser.add_argument(
+        "--offload", default="cpu", help="the activation cache's tier (cpu, disk, device, cuda:N)"
+    )
     parser.add_argument("--copies-on-compute", action="store_true",
                         help="the activation cache's copies on the compute stream (no side streams, no prefetch)")  # fmt: skip
     parser.add_argument("--pinned-register-threads", type=int, default=None,
@@ -69,7 +72,7 @@ def main() -> None:
     oneshot(model=args.model, dataset=data, recipe=recipe,
             output_dir=args.out, num_calibration_samples=len(data), max_seq_length=tokens.shape[1],
             dtype=args.dtype, compute_dtype=args.compute_dtype, shuffle_calibration_samples=False,
-            overwrite=True, one_pass=not args.layer_cut, profile=args.profile, batch_size=args.batch_size if args.batch_size in (None, "auto") else int(args.batch_size))  # fmt: skip
+            overwrite=True, one_pass=not args.layer_cut, profile=args.profile, offload=args.offload, batch_size=args.batch_size if args.batch_size in (None, "auto") else int(args.batch_size))  # fmt: skip
     print(f"seconds {time.perf_counter() - start:.1f}")
 
 

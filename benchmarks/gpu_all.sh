@@ -3,12 +3,13 @@
 #   1. tests/test_cuda.py,
 #   2. seqcal, then llm-compressor 0.14, on the 1B Llama of gpu_1b.sh (GPTQ W4A16 g128, 256 x 2048, defaults),
 #   3. seqcal with the activation cache's copies on the compute stream (what the side streams save),
-#   4. where seqcal's peak device memory goes (gpu_peak.py: the blocks alive at the peak, by the line that made them),
-#   5. seqcal again with --profile (where its time goes),
-#   6. gpu_check.sh's device-facing suite,
-#   7. seqcal with new pinned host memory paged in by 8 threads (torch's cudaHostRegister allocator setting),
-#   8. seqcal without the column-loop graphs (what they save on the whole run),
-#   9. the Hessian and solve kernels alone (gpu_solve.py: column loop eager, graph captured, graph cached),
+#   4. seqcal with the activation cache in the GPU's memory (--offload device: no PCIe traffic),
+#   5. where seqcal's peak device memory goes (gpu_peak.py: the blocks alive at the peak, by the line that made them),
+#   6. seqcal again with --profile (where its time goes),
+#   7. gpu_check.sh's device-facing suite,
+#   8. seqcal with new pinned host memory paged in by 8 threads (torch's cudaHostRegister allocator setting),
+#   9. seqcal without the column-loop graphs (what they save on the whole run),
+#  10. the Hessian and solve kernels alone (gpu_solve.py: column loop eager, graph captured, graph cached),
 # each with its own time limit, cut so that all of it ends within SECONDS (default 570) of the start; a stage
 # without at least its minimum time left is skipped and says so.
 #   bash benchmarks/gpu_all.sh [SECONDS]
@@ -57,6 +58,7 @@ tail -6 "$LOGS/test_cuda.log"
 stage "1B: seqcal (defaults)" 200 60 bash -c 'bench seqcal 190'
 stage "1B: llm-compressor (defaults)" 230 120 bash -c 'bench llmc 220'
 stage "1B: seqcal, copies on the compute stream" 120 70 bash -c 'bench seqcal-sync 110'
+stage "1B: seqcal, activation cache on the GPU" 120 70 bash -c 'bench seqcal-devcache 110'
 stage "1B: seqcal's device peak, 64 samples (gpu_peak.py)" 90 40 bash -c 'SEQCAL_BENCH_GROUP_SIZE=128 PYTHONPATH=$SEQ \
   $PY benchmarks/gpu_peak.py --report "$LOGS/peak.txt" benchmarks/_run_seqcal.py --algo gptq --dtype bfloat16 \
   --model /tmp/seqcal-gpu-1b/model --tokens /tmp/seqcal-gpu-1b/tokens.safetensors --samples 64 \

@@ -33,6 +33,7 @@ RUNS = {
     "seqcal-bs1": [*SEQCAL, "--batch-size", "1"],  # one sample per subgraph run
     "seqcal-eager": [*SEQCAL, "--eager-columns"],  # the GPTQ column loop without CUDA graphs
     "seqcal-sync": [*SEQCAL, "--copies-on-compute"],  # the cache's copies on the compute stream, no prefetch
+    "seqcal-devcache": [*SEQCAL, "--offload", "device"],  # the activation cache in the GPU's memory
     "seqcal-register": [*SEQCAL, "--pinned-register-threads", "8"],  # new pinned memory paged in by 8 threads
     "llmc": ["benchmarks/_run_llmcompressor.py", "--algo", "gptq", "--dtype", "bfloat16"],
     "seqcal-bs8": [*SEQCAL, "--batch-size", "8"],  # 8 samples per subgraph run: fewer, larger launches
