@@ -96,6 +96,11 @@ def main() -> None:
     trace = snapshot["device_traces"][torch.cuda.current_device()]
     peak, at, live = live_at_peak(trace)
     text = report(peak, live, args.top)
+    if at >= 0:  # the allocation that reached the peak, innermost frame first: what the run was doing
+        frames = trace[at].get("frames") or []
+        text += "\nthe allocation that reached it, from:\n" + "\n".join(
+            f"  {site([f], ('',))}" for f in frames[:12]
+        )
     text += f"\n(torch.cuda.max_memory_allocated: {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB; the history "
     text += f"holds {len(trace)} events, the peak at event {at})"
     print(text)
