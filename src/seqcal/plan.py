@@ -195,6 +195,8 @@ def plan_memory(
             ``seqcal.execution.cache.store.OVERLAP``).
     """
     overlap = cache_store.OVERLAP if overlap is None else overlap
+    in_ram = cache_tier == "cpu" or (cache_tier == "device" and device_on_host)  # the cache's bytes in RAM
+    on_device = cache_tier == "device" and not device_on_host  # ... or on the execution device
     config = getattr(model, "config", None)
     text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", 0) or 0
@@ -220,7 +222,6 @@ def plan_memory(
         # copies beside the compute (a CUDA device, the cache in RAM) add the next batch's inputs and the
         # outputs of the one before (seqcal.execution.cache.transfers)
         activations = read + made + 2 * wide + tokens * widest_in * 4
-        in_ram = cache_tier == "cpu" or (cache_tier == "device" and device_on_host)
         if overlap and in_ram and not device_on_host:
             activations += read + made
         hessians = _hessian_bytes(groups)
@@ -238,7 +239,7 @@ def plan_memory(
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
                            alive * batches if in_ram else 0, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
-        if cache_tier == "device" and not device_on_host:
+        if on_device:
             row.device_cache = during  # every batch's cached values, on the device beside the subgraph's work
         during = during if in_ram else 0
         codes = sum(n_in * sum(outs) for (_, n_in), outs in groups.items())

@@ -13,6 +13,7 @@ import torch
 
 from seqcal.checkpoint.writer import CONFIG_NAME, PROGRESS_NAME
 from seqcal.errors import SeqcalError
+from seqcal.execution.cache.store import OFFLOAD_TIERS
 
 # Headroom on free-space estimates: shards are written whole, and the filesystem needs slack.
 DISK_MARGIN = 1.1
@@ -126,8 +127,7 @@ def check_environment(
         PermissionError: the offload folder is not writable.
         ValueError: ``offload`` names a CUDA device this machine does not have.
     """
-    named = offload not in ("cpu", "disk", "device")
-    if named and torch.device(offload).type == "cuda":
+    if offload not in OFFLOAD_TIERS and torch.device(offload).type == "cuda":  # a device named as the tier
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = torch.device(offload).index or 0
         if index >= count:

@@ -169,8 +169,8 @@ class ActivationCache:
         overlap = OVERLAP if overlap is None else overlap
         to_host = self.home is not None and self.home.type == "cpu" and self.device.type == "cuda"
         self._transfers = Transfers(self.device) if overlap and to_host else None
-        # id(entry) -> (entry, its bytes being copied to the device, the copy's event)
-        self._prefetched: dict[int, tuple[_Entry, torch.Tensor, Any]] = {}
+        # id(entry) -> (its bytes being copied to the device, the copy's event); _free drops an entry's record
+        self._prefetched: dict[int, tuple[torch.Tensor, Any]] = {}
         # The disk tier's folder exists from the start; the cpu tier's only once a span spills.
         self._folder = SpillFolder(offload_dir, create=offload == "disk")
 
@@ -255,7 +255,7 @@ class ActivationCache:
                 if host is None or id(entry) in self._prefetched or not host.is_pinned():
                     continue
                 device_bytes, event = self._transfers.copy_in(host, entry.ready)
-                self._prefetched[id(entry)] = (entry, device_bytes, event)
+                self._prefetched[id(entry)] = (device_bytes, event)
 
     def settle(self) -> None:
         """Order the compute stream after every copy to the host so far (before weights change in place), and
@@ -457,7 +457,7 @@ class ActivationCache:
         """The entry's decoded bytes on the execution device, (span,) uint8."""
         prefetched = self._prefetched.pop(id(entry), None)
         if prefetched is not None:
-            _, raw, event = prefetched
+            raw, event = prefetched
             self._transfers.use(event)  # type: ignore[union-attr]  # only set with transfers
         else:
             raw = self._raw(entry)

@@ -54,9 +54,8 @@ class Transfers:
 
     def copy_out(self, batch: int, flat: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """A pinned (n,) uint8 host copy of the device bytes ``flat`` (being written) and its completion event."""
-        if (
-            not self._batches or self._batches[-1][0] != batch
-        ):  # a new batch: the older ones' copies must be done
+        new_batch = not self._batches or self._batches[-1][0] != batch
+        if new_batch:  # the older batches' copies must be done: what the overlap keeps alive stays bounded
             start = time.perf_counter()
             while self._batches:
                 self._batches.popleft()[1].synchronize()
@@ -68,7 +67,7 @@ class Transfers:
         flat.record_stream(self.out)  # not reused by the allocator until this copy has read it
         event = torch.cuda.Event()
         event.record(self.out)
-        if self._batches and self._batches[-1][0] == batch:
+        if not new_batch:
             self._batches.pop()  # events of one stream complete in order: the batch's last one stands for all
         self._batches.append((batch, event))
         return host, event
@@ -76,9 +75,8 @@ class Transfers:
     def copy_in(self, host: torch.Tensor, ready: Any) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Device copy of the pinned (n,) uint8 ``host`` (being written; ``ready``: its own copy out, if pending)
         and the event the compute stream must wait for before reading it."""
-        device_bytes = torch.empty(
-            host.numel(), dtype=torch.uint8, device=self.device
-        )  # on the compute stream
+        # allocated on the compute stream
+        device_bytes = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
         self.inward.wait_stream(self._compute())  # that memory's previous tenant may still be in use there
         if ready is not None:
             self.inward.wait_event(ready)
