@@ -148,3 +148,20 @@ def test_plan_puts_a_device_tier_cache_on_the_device(
     elsewhere = _plan(model_dir, offload="cuda:1")
     assert any("is on cuda:1 (not planned)" in n for n in elsewhere.notes)
     assert all(r.host_cache == 0 and r.device_cache == 0 for r in elsewhere.rows)
+
+
+def test_plan_counts_the_save_a_worker_thread_still_writes(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the checkpoint written in the background, a subgraph's host memory also holds the previous
+    subgraph's prepared tensors (``checkpoint.streaming.BACKGROUND``); the first subgraph has none before it."""
+    import seqcal.checkpoint.streaming as streaming
+
+    background = _plan(model_dir)
+    monkeypatch.setattr(streaming, "BACKGROUND", False)
+    synchronous = _plan(model_dir)
+    grown = [a.host - b.host for a, b in zip(background.rows, synchronous.rows)]
+    assert grown[0] == 0 and all(g >= 0 for g in grown) and sum(g > 0 for g in grown) >= LAYERS * 4 - 1
+    # what a GPTQ subgraph holds for the writer: at least the int8 codes of the modules it quantized
+    q_proj = background.rows[1]  # q/k/v of the first layer
+    assert grown[2] >= q_proj.quantized_numel

@@ -137,8 +137,15 @@ from seqcal.cli import main
 point, args = sys.argv[1], sys.argv[2:]
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 record, write_json = s.StreamingCheckpoint._record, w._write_json
-if point in ("after_record_5", "inside_record_10"):
+if point in ("after_record_5", "inside_record_10", "inside_write_12"):
     s.CHECKPOINT_BYTES = 1  # a record after every subgraph
+save_file = s.save_file
+def _save_file(tensors, path, metadata=None):
+    if point == "inside_write_12" and path.endswith("12.st"):
+        open(path, "wb").write(b"partial")  # on the worker thread, while the next subgraph computes
+        die()
+    save_file(tensors, path, metadata=metadata)
+s.save_file = _save_file
 def _record(self, finished):
     if point == "before_first_record" or (point == "inside_record_10" and finished == 10):
         die()  # inside_record_10: subgraph 10's modules are in the open shard, the last record is 9
@@ -244,6 +251,9 @@ def test_cli_killed_at_every_point_resumes_to_the_uninterrupted_checkpoint(cli_s
     expected = {
         "after_record_5": lambda: _finished(out) == 5,
         "inside_record_10": lambda: _finished(out) == 9,
+        "inside_write_12": lambda: (  # a half-written resume file after the last record: removed, recomputed
+            _finished(out) == 11 and (out / "seqcal_resume" / "12.st").read_bytes() == b"partial"
+        ),
         "save_before_config": lambda: (  # shards renamed to their final names, not yet finished
             any(out.glob("model*.safetensors")) and not (out / "config.json").exists()
         ),

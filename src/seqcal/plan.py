@@ -12,7 +12,8 @@ The model is built on the meta device and traced (no weights needed), then per s
               ``max_device_memory``: column ``chunks``, see modifiers.solve_chunks)
     host    = process baseline + activation cache (values alive during the subgraph, for every batch)
               + the save after it (the modules it finished, as written, and a copy of their int8 codes for
-              resuming; the checkpoint writer streams tensors to disk and holds none)
+              resuming; the checkpoint writer streams tensors to disk and holds none), and the save before
+              it, which a worker thread writes while it runs (``checkpoint.streaming.BACKGROUND``)
               + the device's share when the device is the host (cpu runs), or every weight when the model
               sits in RAM
     disk    = the checkpoint (quantized widths) and, with the disk cache tier, the activation cache
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from seqcal.checkpoint import streaming
 from seqcal.data.autobatch import AUTO
 from seqcal.execution.cache import store as cache_store
 from seqcal.execution.weights import params_under
@@ -179,6 +181,7 @@ def plan_memory(
     device_budget: int | None = None,
     solved: set[str] | None = None,
     overlap: bool | None = None,
+    background: bool | None = None,
 ) -> MemoryPlan:
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
@@ -193,8 +196,10 @@ def plan_memory(
             quantized ones and the pruned ones (None: ``quantized``).
         overlap: the cache copies beside the compute on an accelerator (None: the cache's default,
             ``seqcal.execution.cache.store.OVERLAP``).
+        background: the checkpoint's files written on a worker thread (None: ``streaming.BACKGROUND``).
     """
     overlap = cache_store.OVERLAP if overlap is None else overlap
+    background = streaming.BACKGROUND if background is None else background
     in_ram = cache_tier == "cpu" or (cache_tier == "device" and device_on_host)  # the cache's bytes in RAM
     on_device = cache_tier == "device" and not device_on_host  # ... or on the execution device
     config = getattr(model, "config", None)
@@ -212,6 +217,7 @@ def plan_memory(
     rows, alive = [], sum(size(n) for n in inputs)  # model inputs are cached from the start
     dense = dense_solve_bytes(model, quantized)
     cache_peak = 0  # bytes of cached activations at most, wherever the cache keeps them
+    held = 0  # the previous subgraph's save, held by the writer thread while this subgraph runs
     for sg in subgraphs:
         weights = sum(model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, sg.modules))
         read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
@@ -249,9 +255,9 @@ def plan_memory(
         row.solve_cost = sum(
             float(o) * n_in**2 + float(n_in) ** 3 for (_, n_in), outs in solves.items() for o in outs
         )
-        row.host = (
-            PROCESS_BASELINE + resident_weights + during + max(row.device_peak if device_on_host else 0, save)
-        )
+        work = max(row.device_peak if device_on_host else 0, save)
+        row.host = PROCESS_BASELINE + resident_weights + during + work + held
+        held = save if background else 0
         rows.append(row)
     params = sum(p.numel() for p in model.parameters())
     q_params = sum(model.get_submodule(n).weight.numel() for n in quantized)

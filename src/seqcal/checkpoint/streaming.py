@@ -12,15 +12,25 @@ the directory, so a killed run's directory is always recognisable: ``resume=True
 with nothing finished, starts over inside it), and a resume with other arguments is refused with the parts
 that differ (``seqcal.checkpoint.identity``). The final save records progress before it starts, and notes
 the shard renames it is about to make, so a kill during the save resumes and finishes it.
+
+The files of a finished subgraph are written by a worker thread while the next subgraph computes
+(``BACKGROUND``). The calling thread prepares them first (codes checked and packed, host copies), so the worker
+only writes bytes and records progress, in the order a synchronous save would: shard bytes, the subgraph's resume
+file, then the record. A kill at any moment therefore leaves what a synchronous save leaves at some earlier
+moment. At most one subgraph's writes are pending: the next ``done`` waits for them, ``drain`` and ``finish``
+too, and each re-raises the worker's error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,20 +54,26 @@ from seqcal.errors import SeqcalError
 from seqcal.modifiers.base import QuantizedWeight, RunState, fold_records, folds_from
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
+from seqcal.report.profile import NullProfiler
 from seqcal.tracing.partition import Subgraph
+
+logger = logging.getLogger("seqcal")
 
 RESUME_DIR = "seqcal_resume"
 # Progress is recorded (and a shard written) once this much is waiting: every subgraph would give one small
 # shard per module group (hundreds for a 30-layer model cut before each module); a crash loses at most this
 # much finished work, which the resumed run recomputes.
 CHECKPOINT_BYTES = 64 * 1024**2
+# A finished subgraph's files are written on a worker thread while the next subgraph computes (module docstring);
+# False writes them before ``done`` returns.
+BACKGROUND = True
 
 
 class ResumeError(SeqcalError, RuntimeError):
     """The output directory cannot be resumed (finished, or made by a different run)."""
 
 
-__all__ = ["CHECKPOINT_BYTES", "RESUME_DIR", "ResumeError", "StreamingCheckpoint"]
+__all__ = ["BACKGROUND", "CHECKPOINT_BYTES", "RESUME_DIR", "ResumeError", "StreamingCheckpoint"]
 
 
 class StreamingCheckpoint:
@@ -74,13 +90,21 @@ class StreamingCheckpoint:
         checkpoint_bytes: record progress once this many bytes of finished modules wait to be written
             (default ``CHECKPOINT_BYTES``).
         batches: the calibration batches; their content hash is the run's ``data`` part.
+        background: write each subgraph's files on a worker thread (default ``BACKGROUND``).
+        profiler: the run's profiler; the worker's writes are its "write" spans.
     """
 
     def __init__(self, model: torch.nn.Module, state: RunState, output_dir: str | Path,
                  subgraphs: Sequence[Subgraph], run_id: Mapping[str, str], *, overwrite: bool = False,
                  resume: bool = False, weights: Any = None, checkpoint_bytes: int | None = None,
-                 batches: Sequence[Mapping[str, Any]] | None = None) -> None:  # fmt: skip
+                 batches: Sequence[Mapping[str, Any]] | None = None, background: bool | None = None,
+                 profiler: Any = None) -> None:  # fmt: skip
         self.model, self.state = model, state
+        self.profiler = profiler if profiler is not None else NullProfiler()
+        background = BACKGROUND if background is None else background
+        # concurrent.futures' single worker: the thread is started once, jobs run in submission order
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="seqcal-write") if background else None
+        self._job: Future[None] | None = None
         self.run_id = {**run_id, "data": data_fingerprint(batches) if batches is not None else None}
         self.weights = weights  # offload.SubgraphWeights when parameters live off-device, else None
         self.path = Path(output_dir)
@@ -140,11 +164,19 @@ class StreamingCheckpoint:
                     owner[name] = sg.index
         return owner
 
-    def done(self, sg: Subgraph) -> None:
-        """``sg`` finished: write the modules it used last, save its quantized weights, record progress."""
+    def done(self, sg: Subgraph) -> float:
+        """``sg`` finished: write the modules it used last, save its quantized weights, record progress.
+
+        The tensors are prepared here (checked, packed, copied to the host); the files are written by the worker
+        thread when there is one (``background``). Returns the seconds spent waiting for the previous subgraph's
+        writes.
+        """
         names = [n for n, i in self.owner.items() if i == sg.index]
-        for name in names:
-            self.writer.add_module(name, self.model.get_submodule(name), self.state.quantized.get(name))
+        modules = [  # host copies: the worker never touches device memory nor a parameter released meanwhile
+            {k: v.detach().to("cpu") for k, v in self.writer.module_tensors(
+                name, self.model.get_submodule(name), self.state.quantized.get(name)).items()}
+            for name in names
+        ]  # fmt: skip
         mine = {n: q for n, q in self.state.quantized.items() if self._in(n, sg)}
         tensors = {}
         for name, qw in mine.items():
@@ -159,15 +191,60 @@ class StreamingCheckpoint:
                     tensors[f"{name}:{key}"] = getattr(qw, key)
         edited, metadata = self._edited(sg)
         tensors.update(edited)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
         folder = self.path / RESUME_DIR
         folder.mkdir(exist_ok=True)
-        if tensors:
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(folder / f"{sg.index}.st"),
-                      metadata=metadata)  # fmt: skip
+
+        def write() -> None:  # in the order of a synchronous save: the record comes after the files it covers
+            with self.profiler.span("write", f"subgraph {sg.index}", of=sg.index):
+                for module in modules:
+                    self.writer.add_tensors(module)
+                if tensors:
+                    save_file(tensors, str(folder / f"{sg.index}.st"), metadata=metadata)
+                if self.writer.pending_bytes >= self.checkpoint_bytes:
+                    self._record(sg.index)
+
+        waited = self._submit(write)
         self.last = sg.index
-        if self.writer.pending_bytes >= self.checkpoint_bytes:
-            self._record(sg.index)
         self._trim(mine, sg)
+        return waited
+
+    def _submit(self, job: Callable[[], None]) -> float:
+        """Run ``job`` on the worker after the one before it (whose error is raised here); without a worker, now.
+        Returns the seconds spent waiting for the one before."""
+        if self._worker is None:
+            job()
+            return 0.0
+        waited = self.drain()
+        self._job = self._worker.submit(job)
+        return waited
+
+    def drain(self, raise_errors: bool = True) -> float:
+        """Wait for the pending writes; their error is raised (``raise_errors``) or logged. Returns the seconds
+        waited.
+
+        After a failure elsewhere the pending writes still finish, so the directory resumes from as far as they
+        got; their own error is then only logged (``raise_errors=False``), the first error being the one to
+        report.
+        """
+        job, self._job = self._job, None
+        if job is None:
+            return 0.0
+        start = time.perf_counter()
+        try:
+            job.result()
+        except Exception as err:
+            if raise_errors:
+                raise
+            logger.warning("seqcal: writing the checkpoint in the background failed too: %s", err)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stop the worker thread (after its pending writes, whose error is logged). Idempotent."""
+        self.drain(raise_errors=False)
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
 
     def _restore_edited(self) -> None:
         """Put back every module a modifier changed in the finished subgraphs (besides the quantized ones), before
@@ -311,6 +388,8 @@ class StreamingCheckpoint:
         Progress is recorded first (every subgraph is on disk), so a kill from here on resumes by replaying the
         subgraphs and finishing the save again.
         """
+        self.drain()  # the last subgraph's files, and any error writing them
+        self.close()
         if self.last > self.finished:
             self._record(self.last)
         rest = [name for name, index in self.owner.items() if index == -1]

@@ -177,12 +177,24 @@ class CheckpointWriter:
             module: the module; its tensors must not be on the meta device (onload it first).
             quantized: its compressed weight, or None to write the weight as it is.
         """
+        self.add_tensors(self.module_tensors(name, module, quantized))
+
+    def module_tensors(
+        self, name: str, module: torch.nn.Module, quantized: QuantizedWeight | None
+    ) -> dict[str, Tensor]:
+        """What ``add_module`` writes for one module, under its checkpoint keys: the codes checked against the
+        weight and packed, tied keys left out, keys converted. Touches no file, so it may run while another
+        thread adds what an earlier call returned (``StreamingCheckpoint``'s writes in the background)."""
         if quantized is not None:
             self.layout.check_quantizable(name)
         tensors = _module_tensors(name, module, quantized)
         tensors = {k: v for k, v in tensors.items() if k not in self.layout.skip}
         if tensors and self.layout.revert is not None:
             tensors = self.layout.revert(tensors)
+        return tensors
+
+    def add_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """``add_tensor`` for each, in key order (what ``module_tensors`` returned)."""
         for key in sorted(tensors):
             self.add_tensor(key, tensors[key])
 

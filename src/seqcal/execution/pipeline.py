@@ -235,14 +235,16 @@ def _run(
                                                + repr(output.run_id if output else None))  # fmt: skip
             writes = state.sharding.group.writes  # one process writes the checkpoint
             stream = _streaming(
-                model, state, subgraphs, output if writes else None, weights, batches, modifiers
+                model, state, subgraphs, output if writes else None, weights, batches, modifiers, profiler
             )
             schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
 
             def done(sg: Any) -> int | None:
                 if stream is not None:
-                    with profiler.span("save", f"subgraph {sg.index}", subgraph=sg.index):
-                        stream.done(sg)
+                    with profiler.span("save", f"subgraph {sg.index}", subgraph=sg.index) as args:
+                        waited = stream.done(sg)  # its files are written while the next subgraph runs
+                        if waited:
+                            args["waited_s"] = round(waited, 6)  # for the previous subgraph's files
                 if weights is None:
                     return None
                 changed = [n for n in state.changed_modules() if sg.holds(n)]
@@ -255,6 +257,8 @@ def _run(
                 if store is not None:  # weights off the model: onloaded per subgraph; its buffers go once
                     stack.enter_context(safety_hooks(model, store, device))
                     stack.enter_context(buffers_on(model, device))
+                if stream is not None:  # its last files written before the run goes on; after a failure too
+                    stack.push(_drain_on_exit(stream))
                 rows = calibrate_subgraphs(
                     model, subgraphs, state.sharding.local_batches(batches), modifiers, cache,
                     subgraphs.placeholders, state, on_subgraph_done=done,
@@ -405,13 +409,13 @@ def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torc
 
 def _streaming(
     model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: OutputPlan | None, weights: Any,
-    batches: list[dict[str, Any]], modifiers: Sequence[Any] = (),
+    batches: list[dict[str, Any]], modifiers: Sequence[Any] = (), profiler: Any = None,
 ) -> StreamingCheckpoint | None:  # fmt: skip
     if output is None or output.args.output_dir is None:
         return None
     output.stream = StreamingCheckpoint(
-        model, state, output.args.output_dir, subgraphs, output.run_id,
-        overwrite=output.args.overwrite, resume=output.args.resume, weights=weights, batches=batches,
+        model, state, output.args.output_dir, subgraphs, output.run_id, overwrite=output.args.overwrite,
+        resume=output.args.resume, weights=weights, batches=batches, profiler=profiler,
     )  # fmt: skip
     stuck = [m.name for m in modifiers if not getattr(m, "resumable", True)]
     if output.stream.finished >= 0 and stuck:
@@ -423,6 +427,21 @@ def _streaming(
     if output.stream.finished >= 0:
         logger.warning("seqcal: resuming after subgraph %d of %d", output.stream.finished, len(subgraphs))
     return output.stream
+
+
+def _drain_on_exit(stream: StreamingCheckpoint) -> Any:
+    """An exit callback waiting for the stream's background writes: their error is raised after a success; after
+    a failure it is only logged (the run's own error is the one to report, and never suppressed) and the worker
+    thread stops, as no ``finish`` follows."""
+
+    def drain(kind: type[BaseException] | None, *exc: object) -> bool:
+        if kind is None:
+            stream.drain()
+        else:
+            stream.close()
+        return False
+
+    return drain
 
 
 def _layerwise_fallback(

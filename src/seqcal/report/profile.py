@@ -29,9 +29,13 @@ TRACKS = (
     "cache",
     "offload",
     "save",
+    "write",
     "verify",
     "communication",
 )
+# Tracks whose spans do not synchronize the device: cache spans (see _now_us) and the checkpoint's writes on
+# a worker thread (host files only; a synchronize there would wait for the calibration's kernels).
+UNSYNCED = ("cache", "write")
 CACHE_COUNTER_INTERVAL_US = 1000  # cache spans are many and short: sample memory after them at most per ms
 _MIB = 1 << 20
 
@@ -150,7 +154,7 @@ class Profiler:
         # spans (tens of thousands of them): syncing those stalled host and device, +15% of a GPTQ run on an
         # H200 (benchmarks/RESULTS.md). A cache span is the host time to queue its copies; the device time of
         # the copies lands in the enclosing stage's span, which does synchronize.
-        if self._cuda and track != "cache":
+        if self._cuda and track not in UNSYNCED:
             torch.cuda.synchronize()
         # Integer microseconds: a span's end (ts + dur) is then exactly comparable to the next start.
         return (time.perf_counter_ns() - self._origin) // 1000
@@ -222,7 +226,8 @@ class Profiler:
         names = {
             r.get("index"): ", ".join(r.get("targets") or []) for r in (report or {}).get("subgraphs") or []
         }
-        tracks = [t for t in TRACKS if t not in ("save", "verify")]  # verify: once per run, not per subgraph
+        # verify: once per run, not per subgraph; write: on a worker thread while the next subgraph runs
+        tracks = [t for t in TRACKS if t not in ("save", "write", "verify")]
         head = f"{'#':>3}  {'target':<24} {'wall s':>8} " + " ".join(f"{t[:8]:>8}" for t in tracks)
         lines = [head + f" {'RSS MiB':>9} {'dev MiB':>9}"]
         for index, row in sorted(rows.items()):
@@ -234,6 +239,13 @@ class Profiler:
             mib, span = peak
             where = f"in {span['cat']} of subgraph {span['args']['subgraph']}" if span else "between spans"
             lines.append(f"peak device memory {mib:.0f} MiB, reached {where}")
+        written = [e for e in self.events if e.get("ph") == "X" and e.get("cat") == "write"]
+        if written:
+            saves = [e for e in self.events if e.get("ph") == "X" and e.get("cat") == "save"]
+            waited = sum(_float(e.get("args", {}).get("waited_s")) for e in saves)
+            lines.append(f"checkpoint files written in the background: {sum(e['dur'] for e in written) / 1e6:.3f} s "
+                         f"for {len(written)} subgraphs; the run waited {waited:.3f} s for them, and spent "
+                         f"{sum(e['dur'] for e in saves) / 1e6:.3f} s preparing them")  # fmt: skip
         checked = sum(e["dur"] for e in self.events if e.get("ph") == "X" and e.get("cat") == "verify") / 1e6
         if checked:
             lines.append(f"partition checked against the model's forward before calibrating: {checked:.3f} s")

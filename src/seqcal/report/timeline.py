@@ -16,7 +16,7 @@ from seqcal.report.profile import TRACKS, Profiler
 
 _COLORS = {
     "onload": "#9d755d", "calibration": "#4c78a8", "compress": "#e45756", "propagation": "#54a24b",
-    "cache": "#b279a2", "offload": "#72b7b2", "save": "#eeca3b", "verify": "#bab0ac", "communication": "#ff9da6",
+    "cache": "#b279a2", "offload": "#72b7b2", "save": "#eeca3b", "write": "#f58518", "verify": "#bab0ac", "communication": "#ff9da6",
 }  # fmt: skip
 
 

@@ -1,0 +1,139 @@
+"""The streaming checkpoint's files written on a worker thread while the next subgraph computes.
+
+The worker writes what the calling thread prepared, in the order a synchronous save would, so the checkpoint
+is the same file for file; at most one subgraph's writes are pending; an error writing them is raised from
+the run, and the directory stays resumable.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import seqcal.checkpoint.streaming as streaming
+from save_helpers import checkpoint_tensors
+from seqcal.checkpoint.writer import CheckpointWriter
+from seqcal.entrypoint import oneshot
+from seqcal.evaluation.errors import REPORT_FILENAME
+from seqcal.report import Profiler
+
+GPTQ = "GPTQModifier: {scheme: W4A16, ignore: [lm_head], block_size: 32}"
+# a smoothing fold into the norms (written by the subgraph that folds into them), pruning, then GPTQ
+FOLDS = """
+SmoothQuantModifier: {smoothing_strength: 0.5}
+SparseGPTModifier: {sparsity: 0.5, mask_structure: "2:4", targets: [re:.*mlp.down_proj$]}
+GPTQModifier: {scheme: W8A8, ignore: [lm_head], block_size: 32}
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    path = tmp_path_factory.mktemp("model")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _data(n: int = 8) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        {"input_ids": (torch.randint(-3, 4, (48,), generator=g).cumsum(0) % 256).tolist()} for _ in range(n)
+    ]
+
+
+def _run(model_dir: Path, out: Path, recipe: str = GPTQ, **kwargs) -> None:
+    oneshot(model=str(model_dir), dataset=_data(), output_dir=str(out), recipe=recipe, max_seq_length=48,
+            **kwargs)  # fmt: skip
+
+
+def _files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("recipe", [GPTQ, FOLDS], ids=["gptq", "smoothquant-sparsegpt-gptq"])
+def test_background_writes_give_the_synchronous_checkpoint_byte_for_byte(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str
+) -> None:
+    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # a record (and a shard) after every subgraph
+    monkeypatch.setattr(streaming, "BACKGROUND", False)
+    _run(model_dir, tmp_path / "sync", recipe)
+    monkeypatch.setattr(streaming, "BACKGROUND", True)
+    _run(model_dir, tmp_path / "background", recipe)
+    sync, background = _files(tmp_path / "sync"), _files(tmp_path / "background")
+    shards = [n for n in sync if n.startswith("model-")]
+    assert len(shards) > 3  # one per subgraph: the order of bytes and records shows in the files
+    assert sync.keys() == background.keys()
+    for name in sync:
+        if name != REPORT_FILENAME and not name.endswith(".png"):  # the report holds timings
+            assert sync[name] == background[name], name
+
+
+def test_writes_overlap_the_next_subgraph_one_at_a_time(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each subgraph's writes are slowed down: the worker must run them beside the next subgraph's passes, and
+    # never two at once (the next subgraph's save waits for them).
+    active, most, threads = [0], [0], set()
+    lock = threading.Lock()
+    add = CheckpointWriter.add_tensors
+
+    def slow(self: CheckpointWriter, tensors: dict) -> None:
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        threads.add(threading.current_thread().name)
+        time.sleep(0.02)
+        add(self, tensors)
+        with lock:
+            active[0] -= 1
+
+    monkeypatch.setattr(CheckpointWriter, "add_tensors", slow)
+    trace = tmp_path / "trace.json"
+    _run(model_dir, tmp_path / "out", profile=str(trace))
+    assert most[0] == 1 and threads and all(t.startswith("seqcal-write") for t in threads)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    writes = [e for e in events if e["cat"] == "write"]
+    assert len(writes) == len([e for e in events if e["cat"] == "save" and "subgraph" in e["args"]]) > 3
+    passes = [e for e in events if e["cat"] in ("calibration", "propagation", "compress")]
+    overlapping = [
+        w for w in writes
+        if any(p["ts"] < w["ts"] + w["dur"] and w["ts"] < p["ts"] + p["dur"] for p in passes)
+    ]  # fmt: skip
+    assert overlapping, "no write ran while a subgraph computed"
+    summary = Profiler.load(trace).summary()
+    assert "checkpoint files written in the background" in summary
+
+
+def test_an_error_writing_in_the_background_is_raised_and_the_run_resumes(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)
+    save = streaming.save_file
+    calls = [0]
+
+    def failing(tensors: dict, path: str, metadata: dict | None = None) -> None:
+        calls[0] += 1
+        if Path(path).name == "5.st":
+            raise OSError(28, "No space left on device")
+        save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(streaming, "save_file", failing)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="No space left"):
+        _run(model_dir, out)
+    progress = json.loads((out / "seqcal_progress.json").read_text())["progress"]
+    assert progress["finished"] == 4 and not (out / "config.json").exists()
+    assert not any(t.name.startswith("seqcal-write") for t in threading.enumerate())  # the worker stopped
+    monkeypatch.setattr(streaming, "save_file", save)
+    _run(model_dir, out, resume=True)
+    _run(model_dir, tmp_path / "clean")
+    a, b = checkpoint_tensors(out), checkpoint_tensors(tmp_path / "clean")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
