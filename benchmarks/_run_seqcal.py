@@ -41,7 +41,13 @@ def main() -> None:
     parser.add_argument("--pinned-register-threads", type=int, default=None,
                         help="pin new host memory with cudaHostRegister, pages touched by N threads (torch's "
                         "pinned_use_cuda_host_register / pinned_num_register_threads allocator settings)")  # fmt: skip
+    parser.add_argument("--synchronous-save", action="store_true",
+                        help="write each subgraph's checkpoint files before the next one starts (no worker thread)")  # fmt: skip
     args = parser.parse_args()
+    if args.synchronous_save:
+        import seqcal.checkpoint.streaming
+
+        seqcal.checkpoint.streaming.BACKGROUND = False
     if args.eager_columns:
         import seqcal.algorithms.columns
 

@@ -109,7 +109,7 @@ def test_writes_overlap_the_next_subgraph_one_at_a_time(
     ]  # fmt: skip
     assert overlapping, "no write ran while a subgraph computed"
     summary = Profiler.load(trace).summary()
-    assert "checkpoint files written in the background" in summary
+    assert "subgraphs written on a worker thread" in summary
 
 
 def test_an_error_writing_in_the_background_is_raised_and_the_run_resumes(

@@ -196,7 +196,9 @@ class StreamingCheckpoint:
         folder.mkdir(exist_ok=True)
 
         def write() -> None:  # in the order of a synchronous save: the record comes after the files it covers
-            with self.profiler.span("write", f"subgraph {sg.index}", of=sg.index):
+            with self.profiler.span(
+                "write", f"subgraph {sg.index}", of=sg.index, worker=self._worker is not None
+            ):
                 for module in modules:
                     self.writer.add_tensors(module)
                 if tensors:

@@ -240,12 +240,16 @@ class Profiler:
             where = f"in {span['cat']} of subgraph {span['args']['subgraph']}" if span else "between spans"
             lines.append(f"peak device memory {mib:.0f} MiB, reached {where}")
         written = [e for e in self.events if e.get("ph") == "X" and e.get("cat") == "write"]
-        if written:
-            saves = [e for e in self.events if e.get("ph") == "X" and e.get("cat") == "save"]
+        if written:  # the streaming checkpoint's files, after each subgraph (checkpoint.streaming)
+            saves = [e for e in self.events if e.get("ph") == "X" and e.get("cat") == "save" and "subgraph" in
+                     e.get("args", {})]  # fmt: skip
             waited = sum(_float(e.get("args", {}).get("waited_s")) for e in saves)
-            lines.append(f"checkpoint files written in the background: {sum(e['dur'] for e in written) / 1e6:.3f} s "
-                         f"for {len(written)} subgraphs; the run waited {waited:.3f} s for them, and spent "
-                         f"{sum(e['dur'] for e in saves) / 1e6:.3f} s preparing them")  # fmt: skip
+            seconds = sum(e["dur"] for e in written) / 1e6
+            where = ("on a worker thread" if all(e.get("args", {}).get("worker") for e in written)
+                     else "by the calibration's thread, inside its save spans")  # fmt: skip
+            lines.append(f"checkpoint files of {len(written)} subgraphs written {where}: {seconds:.3f} s; save "
+                         f"spans {sum(e['dur'] for e in saves) / 1e6:.3f} s, {waited:.3f} s of it waiting for the "
+                         "worker")  # fmt: skip
         checked = sum(e["dur"] for e in self.events if e.get("ph") == "X" and e.get("cat") == "verify") / 1e6
         if checked:
             lines.append(f"partition checked against the model's forward before calibrating: {checked:.3f} s")
