@@ -165,3 +165,15 @@ def test_plan_counts_the_save_a_worker_thread_still_writes(
     # what a GPTQ subgraph holds for the writer: at least the int8 codes of the modules it quantized
     q_proj = background.rows[1]  # q/k/v of the first layer
     assert grown[2] >= q_proj.quantized_numel
+
+
+def test_plan_runs_no_head_after_the_last_solve(model_dir: Path) -> None:
+    """The one-pass cut's last subgraph is calibrated from down_proj's cached inputs and runs no forward pass (the
+    head's logits are never computed): its activations are one batch of those inputs and their float32 copy. The
+    layer cut's head holds nothing to solve and is skipped: no activations at all."""
+    last = _plan(model_dir).rows[-1]
+    assert last.targets == [f"model.layers.{LAYERS - 1}.mlp.down_proj"]
+    tokens = 64  # one sample of max_seq_length
+    assert last.activations == tokens * INTER * 4 + tokens * INTER * 4
+    head = _plan(model_dir, one_pass=False).rows[-1]
+    assert not head.targets and head.activations == 0

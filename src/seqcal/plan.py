@@ -223,13 +223,20 @@ def plan_memory(
         read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
         wide = widest.get(sg.index, 0) if widest is not None else 3 * tokens * inter * dtype_bytes
         groups = _solve_groups(model, sg, quantized)
+        solves = groups if solved is None else _solve_groups(model, sg, solved)
         widest_in = max((n_in for _, n_in in groups), default=0)
-        # one batch's inputs and outputs, the widest intermediate and its operand, the fp32 Hessian input;
-        # copies beside the compute (a CUDA device, the cache in RAM) add the next batch's inputs and the
-        # outputs of the one before (seqcal.execution.cache.transfers)
-        activations = read + made + 2 * wide + tokens * widest_in * 4
-        if overlap and in_ram and not device_on_host:
-            activations += read + made
+        copies = overlap and in_ram and not device_on_host  # the cache's copies beside the compute (CUDA)
+        if not sg.outputs and not solves:  # nothing reads it, nothing to solve: the executor skips it
+            activations = 0
+        elif sg.outputs or sg.kv_updates or not sg.target_inputs:
+            # one batch's inputs and outputs, the widest intermediate and its operand, the fp32 Hessian input;
+            # copies beside the compute add the next batch's inputs and the outputs of the one before
+            # (seqcal.execution.cache.transfers)
+            activations = read + made + 2 * wide + tokens * widest_in * 4 + (read + made if copies else 0)
+        else:  # calibrated from its targets' cached inputs, no forward pass after the solve (executor.
+            # _run_from_inputs: the one-pass cut's last subgraph, whose head runs for nothing)
+            fetched = sum(size(n) for n in sg.target_inputs)
+            activations = fetched * (2 if copies else 1) + tokens * widest_in * 4
         hessians = _hessian_bytes(groups)
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)  # the solve's inverse Hessian factor
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
@@ -251,7 +258,6 @@ def plan_memory(
         codes = sum(n_in * sum(outs) for (_, n_in), outs in groups.items())
         save = 2 * written.get(sg.index, 0) + 2 * codes  # tensors as written + the resume file's int8 codes
         row.quantized_numel = codes
-        solves = groups if solved is None else _solve_groups(model, sg, solved)
         row.solve_cost = sum(
             float(o) * n_in**2 + float(n_in) ** 3 for (_, n_in), outs in solves.items() for o in outs
         )
