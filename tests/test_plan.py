@@ -177,3 +177,14 @@ def test_plan_runs_no_head_after_the_last_solve(model_dir: Path) -> None:
     assert last.activations == tokens * INTER * 4 + tokens * INTER * 4
     head = _plan(model_dir, one_pass=False).rows[-1]
     assert not head.targets and head.activations == 0
+
+
+def test_plan_takes_the_execution_device_by_name_for_the_device_tier(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """offload="cuda:0" on a run that executes on cuda:0 is the device tier, planned as such; another index is not."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # planned as for a GPU; nothing runs there
+    by_tier, by_name = _plan(model_dir, offload="device"), _plan(model_dir, offload="cuda:0")
+    assert [r.device_cache for r in by_name.rows] == [r.device_cache for r in by_tier.rows]
+    assert max(r.device_cache for r in by_name.rows) > 0 and not by_name.notes
+    assert any("is on cuda:1 (not planned)" in n for n in _plan(model_dir, offload="cuda:1").notes)

@@ -187,7 +187,7 @@ def plan_memory(
 
     Args:
         cache_tier: the activation cache's ``offload``: "cpu" (RAM), "disk", "device" (the execution device's
-            memory; RAM when that is the cpu) or another accelerator's name (neither RAM nor the device planned).
+            memory; RAM when that is the cpu) or another accelerator's name (neither RAM nor the device planned; ``make_plan`` turns the execution device's own name into "device").
         value_bytes / widest: from ``measure_values``; None sizes values from the config instead.
         device_on_host: the execution device is the cpu, so the device's share is resident memory too.
         resident_weights: bytes of weights that stay in RAM all along (a model loaded in RAM, not offloaded).
@@ -368,6 +368,12 @@ def make_plan(
     # as the pipeline: offloaded weights, and a model in RAM on the cpu (staged), run on cuda when present
     on_cpu = all(p.device.type in ("cpu", "meta") for p in model.parameters())
     on_host = on_cpu and not torch.cuda.is_available()
+    first = next((p.device for p in model.parameters()), torch.device("cpu"))
+    execution = torch.device("cpu") if on_host else torch.device("cuda") if on_cpu else first
+    if cache_tier not in cache_store.OFFLOAD_TIERS and cache_store.same_device(
+        cache_store.tier_device(cache_tier, execution), execution
+    ):
+        cache_tier = "device"  # "cuda:0" running on cuda:0: the execution device's memory
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
     targets, notes = sequential_targets, []
     for attempt in range(2):

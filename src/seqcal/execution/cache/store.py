@@ -104,6 +104,30 @@ def tier_device(offload: str, device: torch.device | str) -> torch.device | None
     return named
 
 
+def same_device(a: torch.device | str | None, b: torch.device | str | None) -> bool:
+    """Whether two devices are one: an accelerator without an index is its current one ("cuda" is "cuda:0"
+    while device 0 is current; where CUDA is absent, index 0).
+
+    Example:
+        >>> same_device("cuda", "cuda:0"), same_device("cuda:1", "cuda:0"), same_device("cpu", "cpu")
+        (True, False, True)
+    """
+    if a is None or b is None:
+        return a is b
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cpu":
+        return True
+
+    def index(d: torch.device) -> int:
+        if d.index is not None:
+            return d.index
+        return torch.cuda.current_device() if d.type == "cuda" and torch.cuda.is_initialized() else 0
+
+    return index(a) == index(b)
+
+
 class CacheMissError(KeyError):
     """A (batch, name) the cache does not hold; the message lists what it holds."""
 
