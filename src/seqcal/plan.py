@@ -187,7 +187,8 @@ def plan_memory(
 
     Args:
         cache_tier: the activation cache's ``offload``: "cpu" (RAM), "disk", "device" (the execution device's
-            memory; RAM when that is the cpu) or another accelerator's name (neither RAM nor the device planned; ``make_plan`` turns the execution device's own name into "device").
+            memory; RAM when that is the cpu) or another accelerator's name (neither RAM nor the device
+            planned; ``make_plan`` turns the execution device's own name into "device").
         value_bytes / widest: from ``measure_values``; None sizes values from the config instead.
         device_on_host: the execution device is the cpu, so the device's share is resident memory too.
         resident_weights: bytes of weights that stay in RAM all along (a model loaded in RAM, not offloaded).
