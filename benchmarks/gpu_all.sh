@@ -10,6 +10,7 @@
 #   8. seqcal with new pinned host memory paged in by 8 threads (torch's cudaHostRegister allocator setting),
 #   9. seqcal without the column-loop graphs (what they save on the whole run),
 #  10. the Hessian and solve kernels alone (gpu_solve.py: column loop eager, graph captured, graph cached),
+#  11. seqcal with its checkpoint files written before the next subgraph starts (what the worker thread saves),
 # each with its own time limit, cut so that all of it ends within SECONDS (default 570) of the start; a stage
 # without at least its minimum time left is skipped and says so.
 #   bash benchmarks/gpu_all.sh [SECONDS]
@@ -73,6 +74,7 @@ stage "1B: seqcal, pinned memory by cudaHostRegister" 120 70 bash -c 'bench seqc
 stage "1B: seqcal, eager column loop" 120 70 bash -c 'bench seqcal-eager 110'
 stage "kernels alone (gpu_solve.py)" 70 30 bash -c 'PYTHONPATH=$SEQ $PY benchmarks/gpu_solve.py >"$LOGS/gpu_solve.txt" 2>&1'
 cat "$LOGS/gpu_solve.txt" 2>/dev/null
+stage "1B: seqcal, checkpoint written synchronously" 120 70 bash -c 'bench seqcal-syncsave 110'
 cp /tmp/seqcal-gpu-1b/*.log /tmp/seqcal-gpu-1b/seqcal.trace.json "$LOGS/" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
 exit 0

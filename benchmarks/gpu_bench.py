@@ -35,6 +35,7 @@ RUNS = {
     "seqcal-sync": [*SEQCAL, "--copies-on-compute"],  # the cache's copies on the compute stream, no prefetch
     "seqcal-devcache": [*SEQCAL, "--offload", "device"],  # the activation cache in the GPU's memory
     "seqcal-register": [*SEQCAL, "--pinned-register-threads", "8"],  # new pinned memory paged in by 8 threads
+    "seqcal-syncsave": [*SEQCAL, "--synchronous-save"],  # checkpoint files written before the next subgraph
     "llmc": ["benchmarks/_run_llmcompressor.py", "--algo", "gptq", "--dtype", "bfloat16"],
     "seqcal-bs8": [*SEQCAL, "--batch-size", "8"],  # 8 samples per subgraph run: fewer, larger launches
     "seqcal-auto": [*SEQCAL, "--batch-size", "auto"],  # batches sized by the memory plan
