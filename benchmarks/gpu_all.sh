@@ -2,10 +2,11 @@
 # Every GPU check and the 1B comparison in one command, for a GPU machine held for a few minutes (one start):
 #   1. tests/test_cuda.py,
 #   2. seqcal, then llm-compressor 0.14, on the 1B Llama of gpu_1b.sh (GPTQ W4A16 g128, 256 x 2048, defaults),
-#   3. seqcal with the activation cache's copies on the compute stream (what the side streams save),
-#   4. seqcal with the activation cache in the GPU's memory (--offload device: no PCIe traffic),
-#   5. where seqcal's peak device memory goes (gpu_peak.py: the blocks alive at the peak, by the line that made them),
-#   6. seqcal again with --profile (where its time goes),
+#   3. where seqcal's peak device memory goes (gpu_peak.py: the blocks alive at the peak, by the line that made them),
+#   4. seqcal again with --profile (where its time goes; the cache's copies and the checkpoint's writes on their
+#      own streams and thread show as overlap),
+#   5. seqcal with the activation cache's copies on the compute stream (what the side streams save),
+#   6. seqcal with the activation cache in the GPU's memory (--offload device: no PCIe traffic),
 #   7. gpu_check.sh's device-facing suite,
 #   8. seqcal with new pinned host memory paged in by 8 threads (torch's cudaHostRegister allocator setting),
 #   9. seqcal without the column-loop graphs (what they save on the whole run),
@@ -58,14 +59,14 @@ stage "tests/test_cuda.py" 100 30 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -q -o a
 tail -6 "$LOGS/test_cuda.log"
 stage "1B: seqcal (defaults)" 200 60 bash -c 'bench seqcal 190'
 stage "1B: llm-compressor (defaults)" 230 120 bash -c 'bench llmc 220'
-stage "1B: seqcal, copies on the compute stream" 120 70 bash -c 'bench seqcal-sync 110'
-stage "1B: seqcal, activation cache on the GPU" 120 70 bash -c 'bench seqcal-devcache 110'
 stage "1B: seqcal's device peak, 64 samples (gpu_peak.py)" 90 40 bash -c 'SEQCAL_BENCH_GROUP_SIZE=128 PYTHONPATH=$SEQ \
   $PY benchmarks/gpu_peak.py --report "$LOGS/peak.txt" benchmarks/_run_seqcal.py --algo gptq --dtype bfloat16 \
   --model /tmp/seqcal-gpu-1b/model --tokens /tmp/seqcal-gpu-1b/tokens.safetensors --samples 64 \
   --out /tmp/seqcal-gpu-1b/out-peak >"$LOGS/peak.log" 2>&1'
 cat "$LOGS/peak.txt" 2>/dev/null
 stage "1B: seqcal --profile" 120 70 bash -c 'bench seqcal-profile 110'
+stage "1B: seqcal, copies on the compute stream" 120 70 bash -c 'bench seqcal-sync 110'
+stage "1B: seqcal, activation cache on the GPU" 120 70 bash -c 'bench seqcal-devcache 110'
 export SUITE=$(grep -v "^#" benchmarks/gpu_suite.txt)
 stage "device-facing suite, CUDA visible" 200 40 bash -c 'PYTHONPATH=$SEQ $PY -m pytest -p no:cacheprovider -n 14 \
   -rfE --tb=short $SUITE -k "not zoo" >"$LOGS/suite.log" 2>&1'
