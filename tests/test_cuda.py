@@ -358,3 +358,28 @@ def test_device_tier_cache_keeps_values_on_the_gpu_and_gives_the_same_checkpoint
     _run(str(src), tmp_path / "device", batch_size=2, offload="device")
     ram, device = checkpoint_tensors(tmp_path / "ram"), checkpoint_tensors(tmp_path / "device")
     assert ram.keys() == device.keys() and [k for k in ram if not torch.equal(ram[k], device[k])] == []
+
+
+def test_background_checkpoint_writes_on_cuda_give_the_synchronous_checkpoint(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """With subgraphs on the GPU the worker thread writes only host copies the calibration's thread made: the
+    checkpoint equals a synchronous save's, tensor for tensor and bit for bit, and device memory after the run is
+    what it was before (nothing held for the worker)."""
+    import seqcal.checkpoint.streaming as streaming
+
+    src = _saved_llama(tmp_path / "src")
+    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # a shard and a record after every subgraph
+    monkeypatch.setattr(streaming, "BACKGROUND", False)
+    _run(str(src), tmp_path / "sync", batch_size=2)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    monkeypatch.setattr(streaming, "BACKGROUND", True)
+    _run(str(src), tmp_path / "background", batch_size=2)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
+    sync, background = checkpoint_tensors(tmp_path / "sync"), checkpoint_tensors(tmp_path / "background")
+    assert (
+        sync.keys() == background.keys()
+        and [k for k in sync if not torch.equal(sync[k], background[k])] == []
+    )
