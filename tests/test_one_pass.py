@@ -146,3 +146,83 @@ def test_modules_outside_the_layers_keep_the_layer_cut() -> None:
     sample = _sample(torch.randint(0, 256, (1, 8)))
     assert one_pass_subgraphs(model, sample, [gptq], PipelineArgs()) is None
     assert one_pass_subgraphs(model, sample, [gptq], PipelineArgs(one_pass=False)) is None
+
+
+def test_no_cached_input_is_held_through_the_solve(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subgraph calibrated from its cached inputs lets each fetched batch go after observing it: none is alive
+    while its modules are solved (on a GPU that is a batch of inputs beside the solve's temporaries). The disk tier
+    hands out fresh tensors, so a tensor the executor still holds shows as alive."""
+    import weakref
+
+    observed: list[weakref.ref] = []
+    alive_at_solve: list[int] = []
+    observe, compress = GPTQModifier.observe, GPTQModifier.compress
+
+    def observing(self, names, x, state):  # noqa: ANN001, ANN202
+        observed.append(weakref.ref(x))
+        return observe(self, names, x, state)
+
+    def compressing(self, subgraph, model, state):  # noqa: ANN001, ANN202
+        if observed:  # a subgraph whose modules were calibrated from cached inputs
+            alive_at_solve.append(sum(ref() is not None for ref in observed))
+            observed.clear()
+        return compress(self, subgraph, model, state)
+
+    monkeypatch.setattr(GPTQModifier, "observe", observing)
+    monkeypatch.setattr(GPTQModifier, "compress", compressing)
+    oneshot(model=tiny_llama(), dataset=token_data(4, 16), recipe=GPTQModifier(scheme="W8A16", ignore=["lm_head"]),
+            num_calibration_samples=4, max_seq_length=16, offload="disk", batch_size=1)  # fmt: skip
+    assert len(alive_at_solve) == 8 and alive_at_solve == [0] * 8  # 2 layers x 4 module groups
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_subgraph_runs_drop_each_value_after_its_last_read() -> None:
+    """``GraphRunner.run(..., release=keep)`` frees values as eager code does: after a run only the outputs and
+    the kept values are left, a value is gone once the node reading it last has run (the MLP's gate output before
+    the product is made), and the outputs are those of a run that keeps every value, bit for bit."""
+    from seqcal.execution.executor import GraphRunner
+    from seqcal.recipe import parse_recipe
+
+    model = tiny_llama()
+    sample = _sample(torch.randint(0, 256, (2, 16)))
+    recipe = parse_recipe("GPTQModifier: {scheme: W8A16, ignore: [lm_head]}")
+    recipe.validate(model)
+    subgraphs = one_pass_subgraphs(model, sample, recipe.modifiers, PipelineArgs())
+    alive: dict[str, set[str]] = {}
+
+    class Watching(GraphRunner):
+        def _call(self, node, args, kwargs):  # noqa: ANN001, ANN202
+            alive[node.name] = set(self.env)  # the values alive when the node runs
+            return super()._call(node, args, kwargs)
+
+    runner = Watching(model)
+    env_all = {subgraphs.placeholders[k]: v for k, v in sample.items() if k in subgraphs.placeholders}
+    env_rel = dict(env_all)
+    with torch.no_grad():
+        for sg in subgraphs:
+            full = {n: env_all[n] for n in sg.inputs}
+            runner.env = {n: env_rel[n] for n in sg.inputs}
+            a, b = GraphRunner(model).run(sg, full), runner.run(sg, runner.env, release=())
+            assert set(runner.env) <= set(sg.outputs), sg.index
+            for name in sg.outputs:
+                assert _same(full[name], runner.env[name]), (sg.index, name)
+                env_all[name], env_rel[name] = full[name], runner.env[name]
+            if sg.returns:
+                assert _same(a.logits, b.logits)
+    mlp = subgraphs[3]  # gate/up of the first layer
+    gate = next(n for n in mlp.nodes if n.op == "call_module" and str(n.target).endswith("gate_proj"))
+    (act,) = [n for n in mlp.nodes if gate in n.all_input_nodes]
+    (product,) = [n for n in mlp.nodes if act in n.all_input_nodes]
+    assert gate.name in alive[act.name] and gate.name not in alive[product.name]
+    # a value the caller reads after the run (the executor: the last target's output for the error sample)
+    inputs = {n: env_all[n] for n in mlp.inputs}
+    with torch.no_grad():
+        GraphRunner(model).run(mlp, inputs, release=[gate.name])
+    assert set(inputs) == {*mlp.outputs, gate.name}

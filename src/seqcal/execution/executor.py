@@ -54,27 +54,59 @@ class GraphRunner:
         # None keeps torch's kernels (SubgraphList.run, the partition checks: the same bits as eager)
         self.device = device
         self._modules = dict(model.named_modules())
+        # id(subgraph) -> (the subgraph, what it keeps, node position -> values last read there)
+        self._releases: dict[int, tuple[Subgraph, frozenset[str], dict[int, list[str]]]] = {}
 
     def attr(self, qualname: str) -> Any:
         owner, _, leaf = qualname.rpartition(".")
         return getattr(self._modules[owner] if owner else self.model, leaf) if leaf else self.model
 
-    def run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None = None) -> Any:
+    def run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None = None,
+            release: Sequence[str] | None = None) -> Any:  # fmt: skip
         """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs), or those up to the node named
-        ``until``; returns the graph output if any."""
-        with linears_on_onednn(self.device):
-            return self._run(subgraph, env, until)
+        ``until``; returns the graph output if any.
 
-    def _run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None) -> Any:
+        With ``release`` (names to keep besides the subgraph's outputs), each value is dropped from ``env`` after
+        the node that reads it last, its inputs' included, as eager code frees its temporaries: the values alive
+        at once are those still to be read, not every value the subgraph made (an MLP's gate, up, activation and
+        product of a whole batch, on a GPU beside the solve's memory). Without it ``env`` ends with every value,
+        for callers that read them afterwards (the memory plan's measurement, the tracer's decisions).
+        """
+        with linears_on_onednn(self.device):
+            return self._run(subgraph, env, until, None if release is None else self._plan(subgraph, release))
+
+    def _plan(self, subgraph: Subgraph, keep: Sequence[str]) -> dict[int, list[str]]:
+        """Node position -> the values of ``env`` last read by the node there (kept ones and outputs excepted).
+
+        A value no node of the subgraph reads goes right after it is made. Worked out once per subgraph.
+        """
+        protected = frozenset((*getattr(subgraph, "outputs", ()), *keep))
+        cached = self._releases.get(id(subgraph))
+        if cached is not None and cached[0] is subgraph and cached[1] == protected:
+            return cached[2]
+        last: dict[str, int] = {}
+        for i, node in enumerate(subgraph.nodes):
+            last.setdefault(node.name, i)  # made here; read later (below) or by no one
+            for read in node.all_input_nodes:
+                last[read.name] = i
+        releases: dict[int, list[str]] = {}
+        for name, i in last.items():
+            if name not in protected:
+                releases.setdefault(i, []).append(name)
+        self._releases[id(subgraph)] = (subgraph, protected, releases)
+        return releases
+
+    def _run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None,
+             releases: dict[int, list[str]] | None) -> Any:  # fmt: skip
         result = None
-        for node in subgraph.nodes:
+        for i, node in enumerate(subgraph.nodes):
             args = self._load(node.args, env)
             kwargs = self._load(node.kwargs, env)
             try:
                 if node.op == "output":
                     result = args[0]
-                    continue
-                env[node.name] = self._call(node, args, kwargs)
+                else:
+                    env[node.name] = self._call(node, args, kwargs)
             except SeqcalError:
                 raise  # says itself what is wrong and what to do (a guard of the trace, say)
             except Exception as exc:
@@ -84,6 +116,10 @@ class GraphRunner:
                 ) from exc
             if node.name == until:
                 return None
+            del args, kwargs  # this node's operands: referenced no more than the values still in env
+            if releases is not None:
+                for name in releases.get(i, ()):
+                    env.pop(name, None)
         return result
 
     def _load(self, arg: Any, env: dict[str, Any]) -> Any:
@@ -161,7 +197,7 @@ def run_subgraphs(
                 env = {name: cache.fetch(b, name) for name in sg.inputs}
                 if b + 1 < len(batches):
                     cache.prefetch(b + 1, sg.inputs)  # copied beside this batch's compute (CUDA)
-                result = runner.run(sg, env)
+                result = runner.run(sg, env, release=())
                 for name in sg.outputs:
                     cache.put(b, name, env[name])
                 if sg.returns and keep_output:
@@ -400,7 +436,10 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
                     args["bytes"] = tensor_bytes(env)
                 if i + 1 < len(indices):
                     cache.prefetch(indices[i + 1], sg.inputs)
-            runner.run(sg, env, until)
+            sampled = keep is not None and kept < ERROR_SAMPLE_ROWS and targets
+            runner.run(
+                sg, env, until, release=targets[-1:] if sampled else ()
+            )  # values go at their last read
             if until is not None:
                 continue
             # without store the propagation pass after the solve stores them: not both passes' outputs at once
@@ -413,7 +452,7 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
                         args["bytes"] = tensor_bytes([env[name] for name in sg.outputs])
                         if cache.copy_wait_seconds > waited:  # for the previous batch's copies to the host
                             args["waited_s"] = round(cache.copy_wait_seconds - waited, 6)
-            if keep is not None and kept < ERROR_SAMPLE_ROWS and targets:
+            if sampled:
                 keep[b], rows = _error_sample(env[targets[-1]], state.token_mask, ERROR_SAMPLE_ROWS - kept)
                 kept += rows
             for name in frees:
@@ -531,6 +570,7 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
                         cache.prefetch(shard[i + 1], sg.target_inputs)
                     for m in modifiers:
                         m.observe(names, x, state)
+                    x = None  # not held through the next fetch, nor the solve (a batch of inputs on the device)
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, modifiers, state.device)
         state.token_mask = None

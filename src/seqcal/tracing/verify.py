@@ -249,7 +249,7 @@ def _partitioned(
         for sg in subgraphs:
             with on_subgraph(sg) if on_subgraph else contextlib.nullcontext():
                 env = {name: cache.fetch(0, name) for name in sg.inputs}
-                out = runner.run(sg, env)
+                out = runner.run(sg, env, release=())
             for name in sg.outputs:
                 cache.put(0, name, env[name])
             if sg.returns:
