@@ -45,6 +45,15 @@ def tiny_llama(tie: bool = False, dtype: torch.dtype = torch.float32) -> LlamaFo
     return model
 
 
+def save_llama(path: Path, layers: int) -> Path:
+    """A random Llama saved to ``path``: ``layers`` layers of 128 -> 256, 4 heads over 2 KV heads, 256 tokens."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 def weights(num_bits: int = 4, strategy: str = "group", symmetric: bool = True, type: str = "int", **kw):
     group_size = kw.pop("group_size", 16 if strategy == "group" else None)
     return QuantizationArgs(

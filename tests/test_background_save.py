@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import seqcal.checkpoint.streaming as streaming
-from save_helpers import checkpoint_tensors
+from save_helpers import checkpoint_tensors, save_llama
 from seqcal.checkpoint.writer import CheckpointWriter
 from seqcal.entrypoint import oneshot
 from seqcal.evaluation.errors import REPORT_FILENAME
@@ -34,12 +33,7 @@ GPTQModifier: {scheme: W8A8, ignore: [lm_head], block_size: 32}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    path = tmp_path_factory.mktemp("model")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_llama(tmp_path_factory.mktemp("model"), 3)
 
 
 def _data(n: int = 8) -> list[dict[str, list[int]]]:

@@ -14,9 +14,9 @@ from typing import ClassVar
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from dist_helpers import data, run, start, tensor_hashes, wait_all
+from save_helpers import save_llama
 from seqcal.distributed.plan import world_rows
 from seqcal.distributed.reduce import fold, tensors_of
 from seqcal.distributed.run import ShardedRun
@@ -42,12 +42,7 @@ RECIPES = {
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    path = tmp_path_factory.mktemp("llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_llama(tmp_path_factory.mktemp("llama"), 2)
 
 
 def _args(model: Path, out: Path, recipe: str) -> dict:

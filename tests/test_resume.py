@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from save_helpers import checkpoint_tensors
+from save_helpers import checkpoint_tensors, save_llama
 from seqcal.checkpoint.streaming import ResumeError
 from seqcal.cli import main as cli_main
 from seqcal.entrypoint import oneshot
@@ -40,12 +40,7 @@ oneshot(model=sys.argv[1], dataset=data, output_dir=sys.argv[2], resume=sys.argv
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    path = tmp_path_factory.mktemp("model")
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_llama(tmp_path_factory.mktemp("model"), LAYERS)
 
 
 def _run(model_dir: Path, out: Path, resume: bool, scheme: str = "W4A16") -> subprocess.Popen:
