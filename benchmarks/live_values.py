@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_bench import SHAPES
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from gpu_bench import SHAPES
 from seqcal.execution.executor import GraphRunner
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
 from seqcal.recipe import parse_recipe
