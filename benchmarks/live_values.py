@@ -70,7 +70,9 @@ def main() -> None:
     recipe = parse_recipe({"GPTQModifier": {"targets": "Linear", "scheme": "W4A16", "ignore": ["lm_head"]}})
     recipe.validate(model)
     subgraphs = one_pass_subgraphs(model, sample, recipe.modifiers, PipelineArgs())
-    print(f"{args.shape}, one layer, bf16, {args.batch} x {args.tokens} tokens, CPU; MiB alive at the peak node")
+    print(
+        f"{args.shape}, one layer, bf16, {args.batch} x {args.tokens} tokens, CPU; MiB alive at the peak node"
+    )
     print(f"{'#':>3}  {'targets':<32} {'keep every value':>17} {'drop at last read':>18}")
     peaks: dict[str, list[float]] = {}
     for mode, release in (("keep", None), ("drop", ())):
