@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import seqcal.checkpoint.streaming as streaming
 from save_helpers import checkpoint_tensors, save_llama
@@ -131,3 +132,47 @@ def test_an_error_writing_in_the_background_is_raised_and_the_run_resumes(
     _run(model_dir, tmp_path / "clean")
     a, b = checkpoint_tensors(out), checkpoint_tensors(tmp_path / "clean")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# up_proj kept in full precision: a consumer of the norm's fold in its own subgraph (saved there), then the
+# producer down_proj's fold divides in place, in the next subgraph
+UP_UNQUANTIZED = ("SmoothQuantModifier: {smoothing_strength: 0.8}\n"
+                  "GPTQModifier: {scheme: W8A8, ignore: [lm_head, 're:.*up_proj$'], block_size: 16}")  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["smoothquant", "smoothquant_gptq", UP_UNQUANTIZED])
+def test_resume_files_hold_each_subgraph_as_it_finished_while_later_folds_change_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recipe: str
+) -> None:
+    """The one-pass cut folds down_proj's smoothing scales into up_proj after up_proj's subgraph finished: that
+    subgraph's resume file must hold up_proj from before the fold, as a synchronous save writes it, even when the
+    worker writes it only while the next subgraph folds (writes slowed down here so that they do)."""
+    from test_resume_modifiers import RECIPES
+    from test_resume_modifiers import _data as vocab_128_data
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))  # fmt: skip
+    with torch.no_grad():
+        for layer in model.model.layers:  # outlier channels: smoothing has something to do
+            layer.input_layernorm.weight[[3, 17, 40]] = 20.0
+            layer.post_attention_layernorm.weight[[5, 33]] = 15.0
+    model.save_pretrained(tmp_path / "model")
+    save = streaming.save_file
+    written: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+
+    def recording(tensors: dict, path: str, metadata: dict | None = None) -> None:
+        if streaming.BACKGROUND:
+            time.sleep(0.05)  # the next subgraph runs (and folds) meanwhile
+        written.setdefault(mode, {})[Path(path).name] = {k: v.clone() for k, v in tensors.items()}
+        save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(streaming, "save_file", recording)
+    for mode, background in (("sync", False), ("background", True)):
+        monkeypatch.setattr(streaming, "BACKGROUND", background)
+        oneshot(model=str(tmp_path / "model"), dataset=vocab_128_data(), recipe=RECIPES.get(recipe, recipe),
+                output_dir=str(tmp_path / mode), max_seq_length=32)  # fmt: skip
+    sync, background = written["sync"], written["background"]
+    assert sync.keys() == background.keys() and len(sync) > 1
+    differ = [(f, k) for f in sync for k in sync[f] if not torch.equal(sync[f][k], background[f][k])]
+    assert not differ, differ[:5]

@@ -14,9 +14,9 @@ that differ (``seqcal.checkpoint.identity``). The final save records progress be
 the shard renames it is about to make, so a kill during the save resumes and finishes it.
 
 The files of a finished subgraph are written by a worker thread while the next subgraph computes
-(``BACKGROUND``). The calling thread prepares them first (codes checked and packed, host copies), so the worker
-only writes bytes and records progress, in the order a synchronous save would: shard bytes, the subgraph's resume
-file, then the record. A kill at any moment therefore leaves what a synchronous save leaves at some earlier
+(``BACKGROUND``). The calling thread prepares them first (codes checked and packed, host copies, copies of what a
+later subgraph may still change in place), so the worker only writes bytes and records progress, in the order a
+synchronous save would: shard bytes, the subgraph's resume file, then the record. A kill at any moment therefore leaves what a synchronous save leaves at some earlier
 moment. At most one subgraph's writes are pending: the next ``done`` waits for them, ``drain`` and ``finish``
 too, and each re-raises the worker's error.
 """
@@ -191,7 +191,10 @@ class StreamingCheckpoint:
                     tensors[f"{name}:{key}"] = getattr(qw, key)
         edited, metadata = self._edited(sg)
         tensors.update(edited)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        # As they are now: a module a later subgraph still holds may be changed in place before the worker writes
+        # (a fold dividing a producer's rows); the others' tensors are done changing.
+        later = {k for k in tensors if self.owner.get(k.split(":")[0], -1) > sg.index}
+        tensors = {k: v.detach().to("cpu", copy=k in later).contiguous() for k, v in tensors.items()}
         folder = self.path / RESUME_DIR
         folder.mkdir(exist_ok=True)
 
