@@ -16,9 +16,9 @@ the shard renames it is about to make, so a kill during the save resumes and fin
 The files of a finished subgraph are written by a worker thread while the next subgraph computes
 (``BACKGROUND``). The calling thread prepares them first (codes checked and packed, host copies, copies of what a
 later subgraph may still change in place), so the worker only writes bytes and records progress, in the order a
-synchronous save would: shard bytes, the subgraph's resume file, then the record. A kill at any moment therefore leaves what a synchronous save leaves at some earlier
-moment. At most one subgraph's writes are pending: the next ``done`` waits for them, ``drain`` and ``finish``
-too, and each re-raises the worker's error.
+synchronous save would: shard bytes, the subgraph's resume file, then the record. A kill at any moment therefore
+leaves what a synchronous save leaves at some earlier moment. At most one subgraph's writes are pending: the next
+``done`` waits for them, ``drain`` and ``finish`` too, and each re-raises the worker's error.
 """
 
 from __future__ import annotations

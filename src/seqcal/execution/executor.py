@@ -72,10 +72,11 @@ class GraphRunner:
         product of a whole batch, on a GPU beside the solve's memory). Without it ``env`` ends with every value,
         for callers that read them afterwards (the memory plan's measurement, the tracer's decisions).
         """
+        releases = None if release is None else self._last_reads(subgraph, release)
         with linears_on_onednn(self.device):
-            return self._run(subgraph, env, until, None if release is None else self._plan(subgraph, release))
+            return self._run(subgraph, env, until, releases)
 
-    def _plan(self, subgraph: Subgraph, keep: Sequence[str]) -> dict[int, list[str]]:
+    def _last_reads(self, subgraph: Subgraph, keep: Sequence[str]) -> dict[int, list[str]]:
         """Node position -> the values of ``env`` last read by the node there (kept ones and outputs excepted).
 
         A value no node of the subgraph reads goes right after it is made. Worked out once per subgraph.
@@ -437,9 +438,8 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
                 if i + 1 < len(indices):
                     cache.prefetch(indices[i + 1], sg.inputs)
             sampled = keep is not None and kept < ERROR_SAMPLE_ROWS and targets
-            runner.run(
-                sg, env, until, release=targets[-1:] if sampled else ()
-            )  # values go at their last read
+            read_after = targets[-1:] if sampled else ()  # the error sample's; the rest go at their last read
+            runner.run(sg, env, until, release=read_after)
             if until is not None:
                 continue
             # without store the propagation pass after the solve stores them: not both passes' outputs at once

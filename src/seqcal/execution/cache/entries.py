@@ -147,6 +147,7 @@ def aligned(flat: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same type, and the same index where both have one (``store.same_device`` resolves a missing index)."""
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 

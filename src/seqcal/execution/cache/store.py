@@ -104,16 +104,15 @@ def tier_device(offload: str, device: torch.device | str) -> torch.device | None
     return named
 
 
-def same_device(a: torch.device | str | None, b: torch.device | str | None) -> bool:
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     """Whether two devices are one: an accelerator without an index is its current one ("cuda" is "cuda:0"
-    while device 0 is current; where CUDA is absent, index 0).
+    while device 0 is current; where CUDA is absent, index 0). Stricter than ``entries._same_device``, which
+    lets a device without an index match any index (a tensor's device against the cache's).
 
     Example:
         >>> same_device("cuda", "cuda:0"), same_device("cuda:1", "cuda:0"), same_device("cpu", "cpu")
         (True, False, True)
     """
-    if a is None or b is None:
-        return a is b
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False
