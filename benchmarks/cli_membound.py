@@ -103,15 +103,23 @@ class TreeRSS:
 
 
 def run_cli(
-    model: Path, out: Path, text: Path, samples: int, seq: int, stages: bool
+    model: Path, out: Path, text: Path, samples: int, seq: int, stages: bool, synchronous_save: bool = False
 ) -> tuple[float, int, int, str]:
     """Runs ``seqcal oneshot`` under GNU time; returns seconds, GNU time's peak, the tree's peak, stdout.
 
-    With ``stages`` the command runs in-process under ``_rss_stages.py``, which adds the peak RSS of each stage.
+    With ``stages`` the command runs in-process under ``_rss_stages.py``, which adds the peak RSS of each stage;
+    with ``synchronous_save`` the checkpoint's files are written on the calibration's thread
+    (``streaming.BACKGROUND = False``, set before the command runs).
     """
     recipe = WORK / "gptq_w4a16.yaml"
     recipe.write_text(RECIPE)
-    entry = [str(Path(__file__).with_name("_rss_stages.py"))] if stages else ["-m", "seqcal.cli"]
+    script = str(Path(__file__).with_name("_rss_stages.py"))
+    entry = [script] if stages else ["-m", "seqcal.cli"]
+    if synchronous_save:
+        run = f"runpy.run_path({script!r}, run_name='__main__')" if stages else \
+            "runpy.run_module('seqcal.cli', run_name='__main__', alter_sys=True)"  # fmt: skip
+        entry = ["-c", "import runpy, sys; import seqcal.checkpoint.streaming as s; s.BACKGROUND = False; "
+                 f"sys.argv[0] = 'seqcal'; {run}"]  # fmt: skip
     cmd = ["/usr/bin/time", "-v", sys.executable, *entry, "oneshot", "--model", str(model),
            "--recipe", str(recipe), "--dataset", str(text), "--num-calibration-samples", str(samples),
            "--max-seq-length", str(seq), "--output-dir", str(out), "--overwrite"]  # fmt: skip
@@ -143,13 +151,17 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
     parser.add_argument("--stages", action="store_true", help="also print the peak RSS of each stage")
+    parser.add_argument("--synchronous-save", action="store_true",
+                        help="write the checkpoint on the calibration's thread, not on the worker")  # fmt: skip
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     model, out = WORK / f"synthetic-llama-cli-{args.layers}L", WORK / f"out-cli-{args.layers}L"
     size = make_model(model, args.layers)
     text = calibration_text()
     print(f"checkpoint: {size / 2e9:.2f}B params, {size / 1e9:.3f} GB bf16 on disk; calibration text: {text}")
-    seconds, gnu_peak, tree_peak, stdout = run_cli(model, out, text, args.samples, args.seq, args.stages)
+    seconds, gnu_peak, tree_peak, stdout = run_cli(
+        model, out, text, args.samples, args.seq, args.stages, args.synchronous_save
+    )
     bound = size / 3
     print(f"seqcal oneshot: {seconds:.0f} s; plot written: {(out / 'quantization_errors.png').is_file()}")
     print(f"{'':<24}{'peak RSS GB':>12}{'x size on disk':>16}")

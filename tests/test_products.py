@@ -384,40 +384,69 @@ def _is_damped_inverse_factor(Hinv: torch.Tensor, H: torch.Tensor) -> bool:
     return _relative(Hinv.T @ Hinv, torch.linalg.inv(damped)) < 1e-4
 
 
-def test_gptq_blocked_factor_takes_the_dampened_copys_memory(onednn, monkeypatch):
-    """The blocked inverse factor is computed in the dampened copy and reversed in place: no second [in, in]
-    matrix (127 MB for a 5632-wide down_proj) beside it and the Hessian."""
+def _factor_in_place(H: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's inverse factor computed in a copy of ``H`` (the copy's memory, and the factor)."""
     import seqcal.algorithms.gptq as gptq_module
+    from seqcal.algorithms.hessian import KeptHessian
 
-    copies = []
-    processing = gptq_module._processing_hessian
-    monkeypatch.setattr(
-        gptq_module, "_processing_hessian", lambda *a: copies.append(processing(*a)) or copies[-1]
-    )
+    A = H.clone()
+    dead = torch.zeros(H.shape[0], dtype=torch.bool)
+    Hinv, _, _ = gptq_module._inverse_hessian_factor(A, KeptHessian(A), perm, dead, 0.01, 0, 10.0)
+    return A, Hinv
+
+
+def _reference_factor(H: torch.Tensor, perm: torch.Tensor | None, blocked: bool) -> torch.Tensor:
+    """The factor as GPTQ computed it from a permuted copy of ``H`` beside it: the same operations on the same
+    values, so the in-place factor must equal it bit for bit."""
+    Hp = H[perm[:, None], perm] if perm is not None else H.clone()
+    Hr = Hp.flip(0).flip(1).contiguous()
+    Hr.diagonal().add_(0.01 * Hp.diagonal().mean().item())
+    if blocked:
+        return products.inverse_cholesky_factor_(Hr).flip(0).flip(1).contiguous()
+    Lr = torch.linalg.cholesky(Hr)
+    inv = torch.linalg.solve_triangular(Lr, torch.eye(H.shape[0]).t(), upper=False)
+    return inv.flip(0).flip(1).contiguous()
+
+
+@pytest.mark.parametrize("order", [None, "static"])
+def test_gptq_blocked_factor_is_computed_in_the_hessians_memory(onednn, order):
+    """The blocked inverse factor is computed in the Hessian's own memory, permuted there for act-order, and
+    reversed in place: no [in, in] copy (127 MB for a 5632-wide down_proj) beside it; the values are those of
+    the copy it was computed in before, bit for bit."""
     n = products.FACTOR_LEAF + 64
     H = _gptq_like_hessian(n, 2 * n)
-    Hinv, _, _ = gptq_module._inverse_hessian_factor(H, None, torch.zeros(n, dtype=torch.bool), 0.01, 0, 10.0)
-    assert len(copies) == 1 and Hinv.data_ptr() == copies[0].data_ptr()
-    assert _is_damped_inverse_factor(Hinv, H)
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if order else None
+    A, Hinv = _factor_in_place(H, perm)
+    assert Hinv.data_ptr() == A.data_ptr()
+    assert torch.equal(Hinv, _reference_factor(H, perm, blocked=True))
+    Hp = H if perm is None else H[perm[:, None], perm]
+    assert _is_damped_inverse_factor(Hinv, Hp)
 
 
-def test_lapack_factor_keeps_two_matrices_besides_the_hessian(monkeypatch):
-    """On LAPACK's (and cuSOLVER's) path the triangular solve writes into the spent dampened copy: besides H at
-    most two [n, n] matrices are alive (the copy and the Cholesky factor, then the result and its reversal), not
-    three (8192-wide down_proj on a GPU: 268 MB each). Counted from torch's CPU allocations."""
+@pytest.mark.parametrize("order", [None, "static"])
+def test_lapack_factor_in_the_hessians_memory_keeps_one_matrix_beside_it(monkeypatch, order):
+    """On LAPACK's (and cuSOLVER's) path the triangular solve writes into the Hessian's spent memory and the
+    result is made row-major there, by an in-place transpose: besides H and its kept upper triangle, one [n, n]
+    matrix (the Cholesky factor) at most; before, a dampened copy and the factor (8192-wide down_proj on a GPU:
+    268 MB each). The values are those of the copy, bit for bit. Counted from torch's CPU allocations."""
     import seqcal.algorithms.gptq as gptq_module
+    from seqcal.algorithms.hessian import KeptHessian
 
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
     products.use_onednn.cache_clear()
     n = 512
     H = _gptq_like_hessian(n, 2 * n)
-    dead = torch.zeros(n, dtype=torch.bool)
+    H = H.triu() + H.triu(1).T  # exactly symmetric, as the modifiers make it: the kept part is half of it
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if order else None
+    A, dead = H.clone(), torch.zeros(n, dtype=torch.bool)
+    kept = KeptHessian(A)
     (Hinv, _, _), peak, _ = _allocation_peak(
-        lambda: gptq_module._inverse_hessian_factor(H, None, dead, 0.01, 0, 10.0)
+        lambda: gptq_module._inverse_hessian_factor(A, kept, perm, dead, 0.01, 0, 10.0)
     )
     products.use_onednn.cache_clear()
-    assert peak / (n * n * 4) < 2.1, peak / (n * n * 4)
-    assert _is_damped_inverse_factor(Hinv, H)
+    assert Hinv.data_ptr() == A.data_ptr()
+    assert peak / (n * n * 4) < 1.2, peak / (n * n * 4)
+    assert torch.equal(Hinv, _reference_factor(H, perm, blocked=False))
 
 
 def test_blocked_factor_keeps_at_most_three_quarter_blocks_alive(onednn):

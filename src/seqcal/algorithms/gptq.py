@@ -15,6 +15,7 @@ from the (dead-column-masked) weight, and rounded to their storage dtype so that
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,6 +25,7 @@ from torch import Tensor
 from seqcal.algorithms import formats, products
 from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
 from seqcal.algorithms.formats import WeightFormat
+from seqcal.algorithms.hessian import KeptHessian
 from seqcal.algorithms.observe import weight_qparams
 from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
 
@@ -104,54 +106,122 @@ def _reverse_(t: Tensor, chunk: int = 1 << 20) -> Tensor:
     return t
 
 
-def _processing_hessian(H: Tensor, perm: Tensor | None, dead: Tensor) -> Tensor:
-    """``H`` float32 in processing order, dead inputs' diagonal set to 1: one new [in, in] matrix."""
-    Hp = H[perm[:, None], perm] if perm is not None else H.clone(memory_format=torch.contiguous_format)
-    Hp.diagonal()[dead if perm is None else dead[perm]] = 1
-    return Hp
+def _transpose_(t: Tensor, rows: int = 256) -> Tensor:
+    """Transpose contiguous square ``t`` in place, a strip of ``rows`` rows at a time (no full-size temporary)."""
+    n = t.shape[0]
+    for i0 in range(0, n, rows):
+        i1 = min(i0 + rows, n)
+        block = t[i0:i1, i0:i1]
+        block.copy_(block.T.clone())
+        right = t[i0:i1, i1:].clone()  # [rows, n - i1]
+        t[i0:i1, i1:] = t[i1:, i0:i1].T
+        t[i1:, i0:i1] = right.T
+    return t
+
+
+def _permute_(H: Tensor, perm: Tensor, rows: int = 256) -> Tensor:
+    """``H[perm][:, perm]`` in ``H``'s memory (contiguous, square), with temporaries of ``rows`` rows.
+
+    Columns row block by row block (a gather each); then rows along the cycles of ``perm`` (row ``i`` takes row
+    ``perm[i]``), ``rows`` rows per move, each move reading its source rows before any is written.
+    """
+    n = H.shape[0]
+    for r in range(0, n, rows):
+        H[r : r + rows] = H[r : r + rows].index_select(1, perm)
+    after = perm.tolist()
+    seen = [False] * n
+    for start in range(n):
+        if seen[start] or after[start] == start:
+            continue
+        cycle = [start]
+        seen[start] = True
+        while after[cycle[-1]] != start:
+            cycle.append(after[cycle[-1]])
+            seen[cycle[-1]] = True
+        first = H[start].clone()
+        for t in range(0, len(cycle) - 1, rows):  # row cycle[t] <- row cycle[t + 1]
+            end = min(t + rows, len(cycle) - 1)
+            to = torch.tensor(cycle[t:end], device=H.device)
+            H[to] = H[torch.tensor(cycle[t + 1 : end + 1], device=H.device)]
+        H[cycle[-1]] = first
+    return H
+
+
+def _processing_hessian_(H: Tensor, perm: Tensor | None, dead: Tensor) -> Tensor:
+    """``H`` float32 in processing order, dead inputs' diagonal set to 1, in ``H``'s memory."""
+    if perm is not None:
+        _permute_(H, perm)
+    H.diagonal()[dead if perm is None else dead[perm]] = 1
+    return H
+
+
+@contextlib.contextmanager
+def _factor_scratch(H32: Tensor, H: Tensor) -> Iterator[KeptHessian]:
+    """``H32``'s memory as the inverse factor's working copy (:func:`_inverse_hessian_factor`); yields its values,
+    kept meanwhile (``hessian.KeptHessian``: the upper triangle, half an [in, in] matrix, of a symmetric one).
+
+    When ``H32`` is ``H``'s memory (a float32 Hessian on the weight's device: the usual case), ``H``'s values are
+    written back on exit, bit for bit, for the caller's later reads (errors measured with ``H``, the next chunk
+    of a shared Hessian). The factor lives in that memory until then: it must not be read after the block.
+    """
+    kept = KeptHessian(H32)
+    try:
+        yield kept
+    finally:
+        if H32.data_ptr() == H.data_ptr():
+            kept.restore(H32)
 
 
 def _inverse_hessian_factor(
-    H: Tensor, perm: Tensor | None, dead: Tensor, dampening_frac: float, max_retries: int, damp_growth: float
+    H: Tensor,
+    kept: KeptHessian,
+    perm: Tensor | None,
+    dead: Tensor,
+    dampening_frac: float,
+    max_retries: int,
+    damp_growth: float,
 ) -> tuple[Tensor, float, int]:
-    """Upper Cholesky factor of ``(Hp + damp I)^-1``, raising dampening ``damp_growth``x per failure.
+    """Upper Cholesky factor of ``(Hp + damp I)^-1`` in ``H``'s memory, raising dampening ``damp_growth``x per
+    failure.
 
-    ``Hp`` is ``H`` [in, in] float32 (not modified) permuted by ``perm`` with the ``dead`` inputs' diagonal
-    set to 1. Memory: besides ``H``, at most two [in, in] matrices are alive at once (the dampened copy, which
-    takes the triangular solve's output, and the Cholesky factor; then that output and its row-major reversal);
-    with the blocked factor of
-    ``products.inverse_cholesky_factor_``, which float32 CPU solves wider than ``FACTOR_LEAF`` take where
-    oneDNN is on, the dampened copy and three quarters of one, the result taking the copy's memory. This
-    bounds a layer's peak for wide inputs (down_proj: 5632^2 floats = 127 MB each). A
-    retry rebuilds the dampened copy from ``H`` and replays the dampening steps, so the values are those of
-    dampening one copy step by step.
+    ``Hp`` is ``H`` [in, in] float32 (contiguous) permuted by ``perm`` with the ``dead`` inputs' diagonal set to
+    1. ``H`` is overwritten: it becomes ``Hp``, then the factor; ``kept`` holds its values
+    (:func:`_factor_scratch`), from which a retry rebuilds ``Hp`` and replays the dampening steps, so the values
+    are those of dampening one copy step by step. Memory besides ``H`` and ``kept``: the Cholesky factor (one
+    [in, in] matrix), or with the blocked factor of ``products.inverse_cholesky_factor_`` (float32 CPU solves
+    wider than ``FACTOR_LEAF`` where oneDNN is on) three quarters of one. Building the working copy in ``H``'s
+    memory instead of a new [in, in] matrix bounds a layer's peak for wide inputs (down_proj: 5632^2 floats =
+    127 MB each).
     """
-    Hp = _processing_hessian(H, perm, dead)
-    if not torch.isfinite(Hp.sum()):  # one reduction: any NaN/inf makes the sum non-finite
-        raise GPTQNumericalError("Hessian contains NaN or inf (inputs overflowed?); use RTN for this module")
-    mean_diag = Hp.diagonal().mean().item()
     n = H.shape[0]
     steps: list[float] = []  # diagonal increments so far; each attempt applies them all, in order
-    applied = 0.0
+    applied = mean_diag = 0.0
     for retry in range(max_retries + 1):
+        Hp = _processing_hessian_(H if retry == 0 else kept.restore(H), perm, dead)
+        if retry == 0:
+            if not torch.isfinite(Hp.sum()):  # one reduction: any NaN/inf makes the sum non-finite
+                raise GPTQNumericalError(
+                    "Hessian contains NaN or inf (inputs overflowed?); use RTN for this module"
+                )
+            mean_diag = Hp.diagonal().mean().item()
         frac = dampening_frac * damp_growth**retry
         steps.append((frac - applied) * mean_diag)
         applied = frac
         # The upper Cholesky factor U of H^-1 (H^-1 = U^T U) without forming H^-1: with P the reversal
         # permutation and P H P = Lr Lr^T, U = P Lr^-1 P. One Cholesky and one triangular solve.
-        Hr = _reverse_(Hp if Hp is not None else _processing_hessian(H, perm, dead))  # P Hp P, in place
-        Hp = None
+        Hr = _reverse_(Hp)  # P Hp P, in place
+        del Hp
         for step in steps:
             Hr.diagonal().add_(step)  # the diagonal of P Hp P is Hp's, reversed: same values, same adds
         blocked = products.onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF  # float32 CPU: on oneDNN
-        inv = _lower_inverse(Hr, blocked)  # Lr^-1, or None when the Cholesky failed
+        inv = _lower_inverse(Hr, blocked)  # Lr^-1 in H's memory, or None when the Cholesky failed
         del Hr
         if inv is None:
             continue
-        # P Lr^-1 P, row-major. The blocked factor is row-major already: reversed in place, no second [in, in]
-        # matrix. LAPACK's is column-major: reversing its memory in place reverses it too (still column-major),
-        # and contiguous() makes the one row-major copy (flip().contiguous() made two: 3 matrices at the peak)
-        Hinv = _reverse_(inv) if blocked else _reverse_(inv.t()).t().contiguous()
+        # P Lr^-1 P, row-major, in H's memory. The blocked factor is row-major already: reversed in place.
+        # LAPACK's is column-major: reversing its memory in place reverses it too (still column-major), and
+        # the in-place transpose makes it row-major (contiguous() would make a second [in, in] matrix)
+        Hinv = _reverse_(inv) if blocked else _transpose_(_reverse_(inv.t()))
         del inv
         if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
             return Hinv, frac, retry
@@ -316,40 +386,44 @@ def gptq_quantize(
     qkw = dict(num_bits=num_bits, symmetric=symmetric, strategy=strategy, group_size=group_size)
     qkw.update(type=type, observer=observer, observer_kwargs=observer_kwargs, importance=importance)
 
-    # float32 on W's device; no copy when it already is (it is only read)
-    H32 = H.detach().to(device=W.device, dtype=torch.float32)  # [in, in]
+    # float32 on W's device; no copy when it already is (its memory is the factor's scratch, its values restored)
+    H32 = H.detach().to(device=W.device, dtype=torch.float32).contiguous()  # [in, in]
     dead = H32.diagonal() == 0  # inputs never seen: H_ii = 1 and W[:, i] = 0
     order = ACTORDER.get(actorder) if actorder else None
     perm = _order(H32, dead, order)
-    # the inverse first: its [in, in] temporaries are gone before the weight-sized ones appear
-    Hinv, frac, retries = _inverse_hessian_factor(H32, perm, dead, dampening_frac, max_retries, damp_growth)
-    del H32
-    if fmt is not None:
-        WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)
-        scale = scale.to(scale_dtype)  # exact: fp8 values, powers of two, or block scales rounded first
-        scale32, zero32, col_group = _format_columns(scale, zero_point, fmt, W.shape, global_scale, perm)
-        qrange = (*formats.grid_range(fmt), fmt.grid)
-    else:
-        WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W, dead, perm, order, group_size, qkw)
-        # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
-        scale = scale.to(scale_dtype)
-        scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-        scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
-        zero32 = zero_point.float().reshape(scale32.shape)
-        qrange = (*quant_range(num_bits, type), "fp8" if type == "float" else "int")
-    prunedT = None
-    if pruned is not None:  # [in, out] in processing order, like WT
-        prunedT = (
-            pruned.T.contiguous().to(WT.device)
-            if perm is None
-            else pruned.T.to(WT.device).index_select(0, perm)
+    with _factor_scratch(H32, H) as kept:  # the factor in H's memory; H's values back after the loop
+        # the inverse first: its [in, in] temporaries are gone before the weight-sized ones appear
+        Hinv, frac, retries = _inverse_hessian_factor(
+            H32, kept, perm, dead, dampening_frac, max_retries, damp_growth
         )
-    # the loop of tiny ops on one intra-op thread; the inverse factor above (LAPACK) keeps the caller's threads
-    with one_intra_op_thread() if WT.device.type == "cpu" else contextlib.nullcontext():
-        QT, codes, row_loss = quantize_columns(
-            WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
-        )
-    del WT, Hinv
+        if fmt is not None:
+            WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)
+            scale = scale.to(scale_dtype)  # exact: fp8 values, powers of two, or block scales rounded first
+            scale32, zero32, col_group = _format_columns(scale, zero_point, fmt, W.shape, global_scale, perm)
+            qrange = (*formats.grid_range(fmt), fmt.grid)
+        else:
+            WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(
+                W, dead, perm, order, group_size, qkw
+            )
+            # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
+            scale = scale.to(scale_dtype)
+            scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+            scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
+            zero32 = zero_point.float().reshape(scale32.shape)
+            qrange = (*quant_range(num_bits, type), "fp8" if type == "float" else "int")
+        prunedT = None
+        if pruned is not None:  # [in, out] in processing order, like WT
+            prunedT = (
+                pruned.T.contiguous().to(WT.device)
+                if perm is None
+                else pruned.T.to(WT.device).index_select(0, perm)
+            )
+        # the loop of tiny ops on one intra-op thread; the inverse factor above (LAPACK) keeps the caller's threads
+        with one_intra_op_thread() if WT.device.type == "cpu" else contextlib.nullcontext():
+            QT, codes, row_loss = quantize_columns(
+                WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
+            )
+        del WT, Hinv
     Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
     del QT
     if perm is not None:

@@ -148,6 +148,42 @@ def symmetrize_upper(H: Tensor) -> Tensor:
     return H
 
 
+def is_symmetric(H: Tensor, rows: int = UPPER_BLOCK) -> bool:
+    """Whether square ``H`` equals its transpose exactly, compared a strip of ``rows`` rows at a time."""
+    n = H.shape[0]
+    return all(torch.equal(H[r : r + rows, r:], H[r:, r : r + rows].T) for r in range(0, n, rows))
+
+
+class KeptHessian:
+    """A Hessian's values while its memory serves as scratch; :meth:`restore` writes them back, bit for bit.
+
+    What is kept is the upper triangle in copies of row blocks (``H[r:r + rows, r:]``): about half of ``H``'s
+    memory (``n^2 / 2 + n rows / 2`` values) where ``H`` is exactly symmetric (``symmetrize_upper`` makes it
+    so), a whole copy otherwise.
+
+    Example:
+        >>> H = symmetrize_upper(accumulate_hessian(None, torch.randn(64, 500), 0)[0])
+        >>> before, kept = H.clone(), KeptHessian(H)
+        >>> torch.equal(kept.restore(H.fill_(0.0)), before)
+        True
+    """
+
+    def __init__(self, H: Tensor, rows: int = 2 * UPPER_BLOCK) -> None:
+        symmetric = is_symmetric(H)
+        self.whole = None if symmetric else H.clone()
+        self.upper = [H[r : r + rows, r:].clone() for r in range(0, H.shape[0], rows)] if symmetric else []
+
+    def restore(self, H: Tensor) -> Tensor:
+        """The kept values into ``H``'s memory (in place), both triangles; returns ``H``."""
+        if self.whole is not None:
+            return H.copy_(self.whole)
+        r = 0
+        for block in self.upper:
+            H[r : r + block.shape[0], r:].copy_(block)
+            r += block.shape[0]
+        return symmetrize_upper(H)
+
+
 def quadratic_forms(A: Tensor, H: Tensor) -> Tensor:
     """``a_r^T H a_r`` for every row ``a_r`` of ``A`` with ``H`` symmetric, from its upper blocks only.
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from seqcal.algorithms.columns import SUB_BLOCK
-from seqcal.algorithms.gptq import _inverse_hessian_factor
+from seqcal.algorithms.gptq import _factor_scratch, _inverse_hessian_factor
 from seqcal.algorithms.sparsity import lowest_mask, nm_mask
 
 
@@ -98,27 +98,29 @@ def sparsegpt_prune(
     _check(W, H, sparsity, n, m, block_size)
     if n:
         block_size = max(m, block_size - block_size % m)  # an N:M group never straddles two blocks
-    H32 = H.detach().to(device=W.device, dtype=torch.float32)
+    H32 = H.detach().to(device=W.device, dtype=torch.float32).contiguous()  # its memory: the factor's scratch
     dead = H32.diagonal() == 0  # inputs never seen: their weights are free, set to 0 (as GPTQ does)
-    Hinv, frac, retries = _inverse_hessian_factor(H32, None, dead, dampening_frac, max_retries, damp_growth)
-    del H32
-    WT = W.detach().to(torch.float32, copy=True).T.contiguous()  # [in, out]: a column of W is a row here
-    WT[dead] = 0
-    maskT = torch.zeros_like(WT, dtype=torch.bool)  # [in, out]
-    losses = torch.zeros(WT.shape[1], dtype=torch.float32, device=W.device)
-    for i1 in range(0, WT.shape[0], block_size):
-        i2 = min(i1 + block_size, WT.shape[0])
-        W1, Hinv1 = WT[i1:i2].clone(), Hinv[i1:i2, i1:i2]  # [B, out], [B, B]
-        d = Hinv1.diagonal()  # [B]
-        if n:
-            M1 = torch.zeros_like(W1, dtype=torch.bool)  # filled group by group below
-        else:  # the block's lowest saliencies, all rows together
-            M1 = lowest_mask(W1.square() / d[:, None].square(), int(W1.numel() * sparsity))
-        Err1 = _prune_block(W1, M1, Hinv1, n, m)
-        WT[i1:i2], maskT[i1:i2] = W1, M1
-        losses += Err1.square().sum(0) / 2
-        WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of the later blocks
-    del Hinv
+    with _factor_scratch(H32, H) as kept:  # the factor in H's memory; H's values back after the loop
+        Hinv, frac, retries = _inverse_hessian_factor(
+            H32, kept, None, dead, dampening_frac, max_retries, damp_growth
+        )
+        WT = W.detach().to(torch.float32, copy=True).T.contiguous()  # [in, out]: a column of W is a row here
+        WT[dead] = 0
+        maskT = torch.zeros_like(WT, dtype=torch.bool)  # [in, out]
+        losses = torch.zeros(WT.shape[1], dtype=torch.float32, device=W.device)
+        for i1 in range(0, WT.shape[0], block_size):
+            i2 = min(i1 + block_size, WT.shape[0])
+            W1, Hinv1 = WT[i1:i2].clone(), Hinv[i1:i2, i1:i2]  # [B, out], [B, B]
+            d = Hinv1.diagonal()  # [B]
+            if n:
+                M1 = torch.zeros_like(W1, dtype=torch.bool)  # filled group by group below
+            else:  # the block's lowest saliencies, all rows together
+                M1 = lowest_mask(W1.square() / d[:, None].square(), int(W1.numel() * sparsity))
+            Err1 = _prune_block(W1, M1, Hinv1, n, m)
+            WT[i1:i2], maskT[i1:i2] = W1, M1
+            losses += Err1.square().sum(0) / 2
+            WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of the later blocks
+        del Hinv
     mask = maskT.T.contiguous()  # [out, in]
     return SparseGPTResult(
         W=WT.T.to(W.dtype).contiguous(), mask=mask, loss=losses.sum().item(), row_loss=losses,

@@ -154,8 +154,8 @@ class GPTQModifier(QuantizationModifier):
             key = (id(acc), repr(self.modules[name])) if per_row else (id(acc), name)
             solved.setdefault(key, []).append(name)
             state.module_errors.setdefault(name, {})["tokens"] = acc.n
-            if acc.upper:
-                acc.upper = False
+            if not acc.symmetric:  # shared by q/k/v: the first of them makes it whole
+                acc.symmetric, acc.upper = True, False
                 symmetrize_upper(acc.H)
             self._hessians[key] = acc.H
         limit = self._chunk_limit(subgraph, model, state)

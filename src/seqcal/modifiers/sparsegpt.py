@@ -71,8 +71,8 @@ class SparseGPTModifier(PruningModifier):
             if acc is None or acc.H is None:
                 self.magnitude_prune(name, model, state)
                 continue
-            if acc.upper:  # shared by q/k/v: the first of them makes it whole
-                acc.upper = False
+            if not acc.symmetric:  # shared by q/k/v: the first of them makes it whole
+                acc.symmetric, acc.upper = True, False
                 symmetrize_upper(acc.H)
             self._prune(name, model, acc.H, acc.n, state)
         return bool(names)
