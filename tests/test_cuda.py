@@ -383,3 +383,35 @@ def test_background_checkpoint_writes_on_cuda_give_the_synchronous_checkpoint(
         sync.keys() == background.keys()
         and [k for k in sync if not torch.equal(sync[k], background[k])] == []
     )
+
+
+def test_gptq_solve_on_cuda_keeps_the_hessian_in_pinned_host_memory() -> None:
+    """A GPTQ solve on the GPU computes its factor in the Hessian's memory and keeps the Hessian's values in
+    pinned host memory: the device holds the Hessian and the Cholesky factor (one [n, n] matrix beside it) plus
+    the weight-sized temporaries, the Hessian comes back bit for bit, and the codes equal those of a solve on a
+    clone of it."""
+    from seqcal.algorithms import gptq_quantize
+    from seqcal.algorithms.hessian import KeptHessian, symmetrize_upper
+
+    n, rows = 2048, 64
+    g = torch.Generator(device="cuda").manual_seed(0)
+    X = torch.randn(4 * n, n, device="cuda", generator=g)
+    H = symmetrize_upper(2 * X.T @ X / X.shape[0])
+    del X
+    W = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
+    kept = KeptHessian(H)
+    assert kept.upper[0].device.type == "cpu" and kept.upper[0].is_pinned()
+    del kept
+    before = H.clone()
+    reference = gptq_quantize(W, before.clone(), num_bits=4, group_size=128, actorder="static")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    result = gptq_quantize(W, H, num_bits=4, group_size=128, actorder="static")
+    torch.cuda.synchronize()
+    beyond = (torch.cuda.max_memory_allocated() - start) / H.nbytes
+    assert torch.equal(H, before)
+    assert torch.equal(result.q, reference.q)
+    assert beyond < 1.3, (
+        beyond
+    )  # the Cholesky factor and small temporaries (the copy made before: 2 and more)

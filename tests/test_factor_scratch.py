@@ -8,7 +8,13 @@ import torch
 
 import seqcal.algorithms.gptq as gptq_module
 from seqcal.algorithms import GPTQNumericalError, gptq_quantize, products
-from seqcal.algorithms.hessian import KeptHessian, accumulate_hessian, is_symmetric, symmetrize_upper
+from seqcal.algorithms.hessian import (
+    KeptHessian,
+    accumulate_hessian,
+    is_symmetric,
+    kept_bytes,
+    symmetrize_upper,
+)
 from seqcal.algorithms.sparsegpt import sparsegpt_prune
 
 
@@ -158,3 +164,10 @@ def test_a_solve_holds_less_than_two_hessians_beside_its_own(monkeypatch, path):
     finally:
         products.use_onednn.cache_clear()
     assert peak / H.nbytes < 1.75, peak / H.nbytes
+
+
+@pytest.mark.parametrize("n", [100, 256, 600, 1537])
+def test_kept_bytes_is_what_a_kept_hessian_holds(n):
+    """The memory plan's figure (``kept_bytes``) for the kept upper triangle is what ``KeptHessian`` holds."""
+    H = symmetrize_upper(torch.randn(n, n))
+    assert KeptHessian(H).nbytes == kept_bytes(n)

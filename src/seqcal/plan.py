@@ -6,8 +6,9 @@ The model is built on the meta device and traced (no weights needed), then per s
               + the larger of: one batch's activations (the values it reads and writes, its widest
               intermediate twice, the fp32 copy of a target's input the Hessian update makes; on a GPU
               also the next batch's inputs and the last batch's outputs, copied beside the compute) and the GPTQ
-              solve's temporaries (algorithms.gptq: two more [in, in] fp32 matrices, or the inverse factor
-              plus two fp32 copies of the stacked weight, its codes and the modifier's stacked copy; modules
+              solve's temporaries (algorithms.gptq: the Cholesky factor beside the Hessian, whose memory takes
+              the working copy and the inverse factor, or two fp32 copies of the stacked weight, its codes and
+              the modifier's stacked copy; the Hessian's values kept meanwhile, in RAM on a GPU run; modules
               sharing a Hessian, such as a layer's experts, are stacked in chunks sized from
               ``max_device_memory``: column ``chunks``, see modifiers.solve_chunks)
     host    = process baseline + activation cache (values alive during the subgraph, for every batch)
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from seqcal.algorithms.hessian import kept_bytes
 from seqcal.checkpoint import streaming
 from seqcal.data.autobatch import AUTO
 from seqcal.execution.cache import store as cache_store
@@ -130,18 +132,24 @@ def _hessian_bytes(groups: dict[tuple[str, int], list[int]]) -> int:
     return sum(n_in**2 * 4 for _, n_in in groups)
 
 
-def _solve_bytes(groups: dict[tuple[str, int], list[int]], dtype_bytes: int, limit: int) -> tuple[int, int]:
+def _solve_bytes(
+    groups: dict[tuple[str, int], list[int]], dtype_bytes: int, limit: int, device_on_host: bool = True
+) -> tuple[int, int]:
     """Temporaries of the largest GPTQ solve of ``_solve_groups`` beyond its Hessian and weights, and the
-    most chunks one group is solved in (modules sharing a Hessian are stacked, ``limit`` bytes at most)."""
+    most chunks one group is solved in (modules sharing a Hessian are stacked, ``limit`` bytes at most).
+
+    The working copy and the factor take the Hessian's own memory; its values are kept beside it meanwhile, in
+    host memory (the device's when that is the host)."""
     peak, most = 0, 1
     for (_, n_in), outs in groups.items():
         chunks = split_rows(outs, n_in, limit)
         most = max(most, len(chunks))
         n_out = max(sum(outs[i] for i in chunk) for chunk in chunks)
-        inverse = 2 * n_in**2 * 4  # dampened copy / Cholesky factor / triangular solve: two beside H
-        # H^-1 factor + W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype
-        # (the relative output error that follows works on row chunks: less than this)
-        columns = n_in**2 * 4 + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
+        kept = kept_bytes(n_in) if device_on_host else 0
+        inverse = n_in**2 * 4 + kept  # the Cholesky factor (three quarters of one blocked on the CPU)
+        # W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype (the factor is in
+        # the Hessian's memory; the relative output error that follows works on row chunks: less than this)
+        columns = kept + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
         peak = max(peak, inverse, columns)
     return peak, most
 
@@ -241,7 +249,7 @@ def plan_memory(
         hessians = _hessian_bytes(groups)
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)  # the solve's inverse Hessian factor
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
-        solve, chunks = _solve_bytes(groups, dtype_bytes, limit)
+        solve, chunks = _solve_bytes(groups, dtype_bytes, limit, device_on_host)
         freed = sum(size(n) for n in sg.frees)
         after = alive + made - freed
         if sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
@@ -262,7 +270,9 @@ def plan_memory(
         row.solve_cost = sum(
             float(o) * n_in**2 + float(n_in) ** 3 for (_, n_in), outs in solves.items() for o in outs
         )
-        work = max(row.device_peak if device_on_host else 0, save)
+        # on a GPU the solve's kept Hessian is in host memory, freed before the save
+        kept = max((kept_bytes(n_in) for _, n_in in groups), default=0)
+        work = max(row.device_peak if device_on_host else kept, save)
         row.host = PROCESS_BASELINE + resident_weights + during + work + held
         held = save if background else 0
         rows.append(row)

@@ -347,7 +347,8 @@ def gptq_quantize(
 
     Args:
         W: weight ``[out, in]``, any float dtype (not modified).
-        H: Hessian ``[in, in]`` from :func:`accumulate_hessian` (not modified).
+        H: Hessian ``[in, in]`` from :func:`accumulate_hessian`; its memory is the inverse
+            factor's scratch meanwhile, its values the same after.
         num_bits, symmetric, type: target format (``type="float"``: fp8 e4m3, symmetric).
         strategy, group_size: qparam granularity (``"tensor"``, ``"channel"``, ``"group"``).
         block_size: columns per lazy-update block.

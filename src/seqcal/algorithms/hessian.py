@@ -154,12 +154,22 @@ def is_symmetric(H: Tensor, rows: int = UPPER_BLOCK) -> bool:
     return all(torch.equal(H[r : r + rows, r:], H[r:, r : r + rows].T) for r in range(0, n, rows))
 
 
+KEPT_ROWS = 2 * UPPER_BLOCK  # rows per kept block of a Hessian's upper triangle (KeptHessian)
+
+
+def kept_bytes(n: int, rows: int = KEPT_ROWS) -> int:
+    """Bytes :class:`KeptHessian` keeps of an exactly symmetric float32 [n, n] Hessian."""
+    return sum((n - r) * min(rows, n - r) for r in range(0, n, rows)) * 4
+
+
 class KeptHessian:
     """A Hessian's values while its memory serves as scratch; :meth:`restore` writes them back, bit for bit.
 
     What is kept is the upper triangle in copies of row blocks (``H[r:r + rows, r:]``): about half of ``H``'s
     memory (``n^2 / 2 + n rows / 2`` values) where ``H`` is exactly symmetric (``symmetrize_upper`` makes it
-    so), a whole copy otherwise.
+    so), a whole copy otherwise. It is kept in host memory: on a GPU that takes nothing from the device, where
+    the solve then holds the Hessian and the Cholesky factor only. The copies are pinned and asynchronous on
+    CUDA, ordered on the current stream with the kernels that overwrite and later restore ``H``.
 
     Example:
         >>> H = symmetrize_upper(accumulate_hessian(None, torch.randn(64, 500), 0)[0])
@@ -168,20 +178,32 @@ class KeptHessian:
         True
     """
 
-    def __init__(self, H: Tensor, rows: int = 2 * UPPER_BLOCK) -> None:
+    def __init__(self, H: Tensor, rows: int = KEPT_ROWS) -> None:
         symmetric = is_symmetric(H)
-        self.whole = None if symmetric else H.clone()
-        self.upper = [H[r : r + rows, r:].clone() for r in range(0, H.shape[0], rows)] if symmetric else []
+        self.whole = None if symmetric else _to_host(H)
+        self.upper = [_to_host(H[r : r + rows, r:]) for r in range(0, H.shape[0], rows)] if symmetric else []
+
+    @property
+    def nbytes(self) -> int:
+        return self.whole.nbytes if self.whole is not None else sum(block.nbytes for block in self.upper)
 
     def restore(self, H: Tensor) -> Tensor:
         """The kept values into ``H``'s memory (in place), both triangles; returns ``H``."""
+        asynchronous = H.device.type == "cuda"
         if self.whole is not None:
-            return H.copy_(self.whole)
+            return H.copy_(self.whole, non_blocking=asynchronous)
         r = 0
         for block in self.upper:
-            H[r : r + block.shape[0], r:].copy_(block)
+            H[r : r + block.shape[0], r:].copy_(block, non_blocking=asynchronous)
             r += block.shape[0]
         return symmetrize_upper(H)
+
+
+def _to_host(t: Tensor) -> Tensor:
+    """A copy of ``t`` in host memory: pinned and asynchronous from CUDA (stream-ordered), a clone on the CPU."""
+    if t.device.type != "cuda":
+        return t.to("cpu", copy=True)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def quadratic_forms(A: Tensor, H: Tensor) -> Tensor:

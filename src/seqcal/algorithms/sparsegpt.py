@@ -77,7 +77,8 @@ def sparsegpt_prune(
 
     Args:
         W: weight ``[out, in]``, any float dtype (not modified).
-        H: Hessian ``[in, in]`` from :func:`seqcal.algorithms.accumulate_hessian` (not modified).
+        H: Hessian ``[in, in]`` from :func:`seqcal.algorithms.accumulate_hessian`; its memory is the inverse
+            factor's scratch meanwhile, its values the same after.
         sparsity: fraction pruned for unstructured masks (``n == 0``): exactly ``int(B * out * sparsity)``
             weights of every block of B columns. Ignored for N:M (the structure fixes it to ``n / m``).
         n, m: N:M structure (``n`` pruned of every ``m`` consecutive columns per row); ``0, 0`` unstructured.
