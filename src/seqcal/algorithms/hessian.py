@@ -179,13 +179,25 @@ class KeptHessian:
     """
 
     def __init__(self, H: Tensor, rows: int = KEPT_ROWS) -> None:
+        n = H.shape[0]
         symmetric = is_symmetric(H)
-        self.whole = None if symmetric else _to_host(H)
-        self.upper = [_to_host(H[r : r + rows, r:]) for r in range(0, H.shape[0], rows)] if symmetric else []
+        parts = [(H[r : r + rows, r:] if symmetric else H) for r in range(0, n, rows if symmetric else n)]
+        # one allocation for all of it: large enough to be mapped on its own (execution.host), so that its
+        # pages go back to the OS when the solve ends instead of staying in the heap
+        flat = _host_empty(sum(p.numel() for p in parts), H)
+        asynchronous = H.device.type == "cuda"
+        kept, start = [], 0
+        for part in parts:
+            kept.append(
+                flat[start : start + part.numel()].view(part.shape).copy_(part, non_blocking=asynchronous)
+            )
+            start += part.numel()
+        self.whole = None if symmetric else kept[0]
+        self.upper = kept if symmetric else []
 
     @property
     def nbytes(self) -> int:
-        return self.whole.nbytes if self.whole is not None else sum(block.nbytes for block in self.upper)
+        return sum(block.nbytes for block in ([self.whole] if self.whole is not None else self.upper))
 
     def restore(self, H: Tensor) -> Tensor:
         """The kept values into ``H``'s memory (in place), both triangles; returns ``H``."""
@@ -199,11 +211,10 @@ class KeptHessian:
         return symmetrize_upper(H)
 
 
-def _to_host(t: Tensor) -> Tensor:
-    """A copy of ``t`` in host memory: pinned and asynchronous from CUDA (stream-ordered), a clone on the CPU."""
-    if t.device.type != "cuda":
-        return t.to("cpu", copy=True)
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+def _host_empty(numel: int, like: Tensor) -> Tensor:
+    """Host memory for ``numel`` values of ``like``'s dtype: pinned when ``like`` is on CUDA (asynchronous,
+    stream-ordered copies)."""
+    return torch.empty(numel, dtype=like.dtype, pin_memory=like.device.type == "cuda")
 
 
 def quadratic_forms(A: Tensor, H: Tensor) -> Tensor:
