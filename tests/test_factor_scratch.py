@@ -16,6 +16,7 @@ from seqcal.algorithms.hessian import (
     symmetrize_upper,
 )
 from seqcal.algorithms.sparsegpt import sparsegpt_prune
+from test_products import _allocation_peak
 
 
 def _hessian(n: int, seed: int = 0, symmetric: bool = True) -> torch.Tensor:
@@ -136,18 +137,6 @@ def test_a_failed_solve_still_restores_the_hessian():
     assert torch.equal(H, before)
 
 
-def _allocation_peak(fn) -> int:
-    with torch.profiler.profile(
-        profile_memory=True, activities=[torch.profiler.ProfilerActivity.CPU]
-    ) as prof:
-        fn()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("path", ["native", "onednn"])
 def test_a_solve_holds_less_than_two_hessians_beside_its_own(monkeypatch, path):
     """The whole GPTQ solve of a wide input (a few weight rows) holds, besides the caller's Hessian and weight,
@@ -160,7 +149,9 @@ def test_a_solve_holds_less_than_two_hessians_beside_its_own(monkeypatch, path):
         n = 1024
         H = _hessian(n)
         W = torch.randn(8, n, generator=torch.Generator().manual_seed(7))
-        peak = _allocation_peak(lambda: gptq_quantize(W, H, num_bits=4, group_size=128, actorder="static"))
+        _, peak, _ = _allocation_peak(
+            lambda: gptq_quantize(W, H, num_bits=4, group_size=128, actorder="static")
+        )
     finally:
         products.use_onednn.cache_clear()
     assert peak / H.nbytes < 1.75, peak / H.nbytes
