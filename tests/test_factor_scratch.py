@@ -29,8 +29,8 @@ def _hessian(n: int, seed: int = 0, symmetric: bool = True) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["identity", "random", "one cycle", "reversal", "two swaps"])
 def test_permute_in_place_equals_the_indexed_copy(kind):
-    """Rows and columns permuted in the matrix's memory, with moves of a few rows (``rows=4``: cycles longer
-    than a move), equal ``H[perm][:, perm]``."""
+    """Rows and columns permuted in the matrix's memory, a strip of a few rows at a time (``rows=4``), equal
+    ``H[perm][:, perm]``: any square matrix, and one known to be symmetric (one transpose fewer)."""
     n = 37
     H = torch.randn(n, n, generator=torch.Generator().manual_seed(1))
     perm = {
@@ -40,10 +40,11 @@ def test_permute_in_place_equals_the_indexed_copy(kind):
         "reversal": torch.arange(n).flip(0),
         "two swaps": torch.tensor([1, 0, *range(2, n - 2), n - 1, n - 2]),
     }[kind]
-    expected = H[perm[:, None], perm]
-    A = H.clone()
-    assert gptq_module._permute_(A, perm, rows=4).data_ptr() == A.data_ptr()
-    assert torch.equal(A, expected)
+    for matrix, symmetric in ((H, False), (symmetrize_upper(H.clone()), True)):
+        expected = matrix[perm[:, None], perm]
+        A = matrix.clone()
+        assert gptq_module._permute_(A, perm, symmetric, rows=4).data_ptr() == A.data_ptr()
+        assert torch.equal(A, expected)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64])

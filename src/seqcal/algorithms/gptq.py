@@ -119,38 +119,31 @@ def _transpose_(t: Tensor, rows: int = 256) -> Tensor:
     return t
 
 
-def _permute_(H: Tensor, perm: Tensor, rows: int = 256) -> Tensor:
+def _permute_(H: Tensor, perm: Tensor, symmetric: bool = False, rows: int = 256) -> Tensor:
     """``H[perm][:, perm]`` in ``H``'s memory (contiguous, square), with temporaries of ``rows`` rows.
 
-    Columns row block by row block (a gather each); then rows along the cycles of ``perm`` (row ``i`` takes row
-    ``perm[i]``), ``rows`` rows per move, each move reading its source rows before any is written.
+    ``P^T H P = ((H^T P)^T) P``: columns are permuted a strip of rows at a time (a gather each), and a transpose in
+    place turns permuted columns into permuted rows; ``symmetric`` (``H == H^T`` exactly) skips the first
+    transpose. A constant number of passes, however many cycles ``perm`` has.
     """
-    n = H.shape[0]
-    for r in range(0, n, rows):
+    if not symmetric:
+        _transpose_(H, rows)  # H^T
+    _permute_columns_(H, perm, rows)  # H^T P
+    _transpose_(H, rows)  # P^T H
+    return _permute_columns_(H, perm, rows)  # P^T H P
+
+
+def _permute_columns_(H: Tensor, perm: Tensor, rows: int) -> Tensor:
+    """``H[:, perm]`` in ``H``'s memory, a strip of ``rows`` rows at a time."""
+    for r in range(0, H.shape[0], rows):
         H[r : r + rows] = H[r : r + rows].index_select(1, perm)
-    after = perm.tolist()
-    seen = [False] * n
-    for start in range(n):
-        if seen[start] or after[start] == start:
-            continue
-        cycle = [start]
-        seen[start] = True
-        while after[cycle[-1]] != start:
-            cycle.append(after[cycle[-1]])
-            seen[cycle[-1]] = True
-        first = H[start].clone()
-        for t in range(0, len(cycle) - 1, rows):  # row cycle[t] <- row cycle[t + 1]
-            end = min(t + rows, len(cycle) - 1)
-            to = torch.tensor(cycle[t:end], device=H.device)
-            H[to] = H[torch.tensor(cycle[t + 1 : end + 1], device=H.device)]
-        H[cycle[-1]] = first
     return H
 
 
-def _processing_hessian_(H: Tensor, perm: Tensor | None, dead: Tensor) -> Tensor:
+def _processing_hessian_(H: Tensor, perm: Tensor | None, dead: Tensor, symmetric: bool = False) -> Tensor:
     """``H`` float32 in processing order, dead inputs' diagonal set to 1, in ``H``'s memory."""
     if perm is not None:
-        _permute_(H, perm)
+        _permute_(H, perm, symmetric)
     H.diagonal()[dead if perm is None else dead[perm]] = 1
     return H
 
@@ -197,7 +190,7 @@ def _inverse_hessian_factor(
     steps: list[float] = []  # diagonal increments so far; each attempt applies them all, in order
     applied = mean_diag = 0.0
     for retry in range(max_retries + 1):
-        Hp = _processing_hessian_(H if retry == 0 else kept.restore(H), perm, dead)
+        Hp = _processing_hessian_(H if retry == 0 else kept.restore(H), perm, dead, kept.whole is None)
         if retry == 0:
             if not torch.isfinite(Hp.sum()):  # one reduction: any NaN/inf makes the sum non-finite
                 raise GPTQNumericalError(
