@@ -400,7 +400,7 @@ def test_gptq_solve_on_cuda_keeps_the_hessian_in_pinned_host_memory() -> None:
     del X
     W = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
     kept = KeptHessian(H)
-    assert kept.upper[0].device.type == "cpu" and kept.upper[0].is_pinned()
+    assert kept.blocks[0].device.type == "cpu" and kept.blocks[0].is_pinned()
     del kept
     before = H.clone()
     reference = gptq_quantize(W, before.clone(), num_bits=4, group_size=128, actorder="static")

@@ -247,7 +247,8 @@ def plan_memory(
             fetched = sum(size(n) for n in sg.target_inputs)
             activations = fetched * (2 if copies else 1) + tokens * widest_in * 4
         hessians = _hessian_bytes(groups)
-        inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)  # the solve's inverse Hessian factor
+        # the solve's Cholesky factor beside the Hessians, as the GPTQ modifier sizes its chunks (_chunk_limit)
+        inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
         solve, chunks = _solve_bytes(groups, dtype_bytes, limit, device_on_host)
         freed = sum(size(n) for n in sg.frees)
@@ -270,9 +271,10 @@ def plan_memory(
         row.solve_cost = sum(
             float(o) * n_in**2 + float(n_in) ** 3 for (_, n_in), outs in solves.items() for o in outs
         )
-        # on a GPU the solve's kept Hessian is in host memory, freed before the save
-        kept = max((kept_bytes(n_in) for _, n_in in groups), default=0)
-        work = max(row.device_peak if device_on_host else kept, save)
+        if device_on_host:
+            work = max(row.device_peak, save)
+        else:  # on a GPU the solve's kept Hessian is in host memory, freed before the save
+            work = max(max((kept_bytes(n_in) for _, n_in in groups), default=0), save)
         row.host = PROCESS_BASELINE + resident_weights + during + work + held
         held = save if background else 0
         rows.append(row)

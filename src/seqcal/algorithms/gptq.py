@@ -190,7 +190,7 @@ def _inverse_hessian_factor(
     steps: list[float] = []  # diagonal increments so far; each attempt applies them all, in order
     applied = mean_diag = 0.0
     for retry in range(max_retries + 1):
-        Hp = _processing_hessian_(H if retry == 0 else kept.restore(H), perm, dead, kept.whole is None)
+        Hp = _processing_hessian_(H if retry == 0 else kept.restore(H), perm, dead, kept.symmetric)
         if retry == 0:
             if not torch.isfinite(Hp.sum()):  # one reduction: any NaN/inf makes the sum non-finite
                 raise GPTQNumericalError(

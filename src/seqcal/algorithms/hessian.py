@@ -179,33 +179,30 @@ class KeptHessian:
     """
 
     def __init__(self, H: Tensor, rows: int = KEPT_ROWS) -> None:
-        n = H.shape[0]
-        symmetric = is_symmetric(H)
-        parts = [(H[r : r + rows, r:] if symmetric else H) for r in range(0, n, rows if symmetric else n)]
+        self.symmetric = is_symmetric(H)
+        parts = [H[r : r + rows, r:] for r in range(0, H.shape[0], rows)] if self.symmetric else [H]
         # one allocation for all of it: large enough to be mapped on its own (execution.host), so that its
         # pages go back to the OS when the solve ends instead of staying in the heap
         flat = _host_empty(sum(p.numel() for p in parts), H)
         asynchronous = H.device.type == "cuda"
-        kept, start = [], 0
+        self.blocks: list[Tensor] = []  # the upper triangle's row blocks, or the whole matrix
+        start = 0
         for part in parts:
-            kept.append(
-                flat[start : start + part.numel()].view(part.shape).copy_(part, non_blocking=asynchronous)
-            )
+            block = flat[start : start + part.numel()].view(part.shape)
+            self.blocks.append(block.copy_(part, non_blocking=asynchronous))
             start += part.numel()
-        self.whole = None if symmetric else kept[0]
-        self.upper = kept if symmetric else []
 
     @property
     def nbytes(self) -> int:
-        return sum(block.nbytes for block in ([self.whole] if self.whole is not None else self.upper))
+        return sum(block.nbytes for block in self.blocks)
 
     def restore(self, H: Tensor) -> Tensor:
         """The kept values into ``H``'s memory (in place), both triangles; returns ``H``."""
         asynchronous = H.device.type == "cuda"
-        if self.whole is not None:
-            return H.copy_(self.whole, non_blocking=asynchronous)
+        if not self.symmetric:
+            return H.copy_(self.blocks[0], non_blocking=asynchronous)
         r = 0
-        for block in self.upper:
+        for block in self.blocks:
             H[r : r + block.shape[0], r:].copy_(block, non_blocking=asynchronous)
             r += block.shape[0]
         return symmetrize_upper(H)

@@ -184,7 +184,7 @@ class GPTQModifier(QuantizationModifier):
             params = {id(p): p for m in subgraph.modules for p in model.get_submodule(m).parameters()}
             resident = sum(p.nbytes for p in params.values() if p.device.type != "meta")
             hessians = [H.nbytes for H in self._hessians.values()]
-            resident += sum(hessians) + max(hessians, default=0)  # and the solve's inverse factor
+            resident += sum(hessians) + max(hessians, default=0)  # and the solve's Cholesky factor
         return chunk_bytes(self._dense_solve, state.device_budget, resident)
 
     def _solve(self, names: list[str], model: torch.nn.Module, H: torch.Tensor, state: RunState) -> None:
