@@ -41,6 +41,7 @@ from seqcal.data.autobatch import AUTO
 from seqcal.execution.cache import store as cache_store
 from seqcal.execution.weights import params_under
 from seqcal.experts import shared_expert_inputs
+from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.plan_values import measure_values
 from seqcal.tracing.partition import Subgraph
@@ -373,9 +374,10 @@ def make_plan(
     batch_size = 1 if auto else int(batch_size)  # auto: planned per sample, then sized (_plan_auto_batch)
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
-    quantized = {n for m in modifiers for n in getattr(m, "modules", {})}
+    mods = ModifierSet.of(modifiers)
+    quantized = set(mods.quantized())
     bits = max(
-        (s.weights.num_bits for m in modifiers for s in getattr(m, "modules", {}).values()), default=16
+        (s.weights.num_bits for s in mods.quantized().values()), default=16
     )
     dtype_bytes = next((p.element_size() for p in model.parameters()), 4)
     # as the pipeline: offloaded weights, and a model in RAM on the cpu (staged), run on cuda when present
@@ -404,7 +406,7 @@ def make_plan(
         kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
                       cache_tier=cache_tier, device_on_host=on_host, resident_weights=resident,
                       device_budget=max_device_memory,
-                      solved=quantized | {n for m in modifiers for n in getattr(m, "pruned", {})})  # fmt: skip
+                      solved=quantized | set(mods.pruned()))  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,
                            widest=widest, **kwargs)  # fmt: skip
         if auto:

@@ -99,7 +99,7 @@ def estimate_checkpoint_bytes(model: torch.nn.Module, modifiers: Sequence[Any]) 
     """Bytes the compressed checkpoint will take (weights at their quantized width plus scales)."""
     bits: dict[str, int] = {}
     for modifier in modifiers:
-        for name, scheme in getattr(modifier, "modules", {}).items():
+        for name, scheme in modifier.quantizes().items():
             bits[name] = scheme.weights.num_bits
     total = 0
     for name, module in model.named_modules():

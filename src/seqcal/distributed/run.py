@@ -20,12 +20,16 @@ from seqcal.distributed.reduce import (
     tensors_of,
 )
 from seqcal.distributed.shards import ShardPlan, assign_owners
+from seqcal.modifiers import contract
 from seqcal.modifiers.base import QuantizedWeight
+from seqcal.modifiers.contract import ModifierSet
 from seqcal.tracing.partition import Subgraph
 
 
 class _Nothing:
     """Takes no statistics (a modifier whose statistics stay on the owner)."""
+
+    gathers = ()  # declares none
 
     def load_statistics(self, reduced: dict) -> None:
         pass
@@ -210,8 +214,8 @@ class ShardedRun:
         """The modules a statistic key ``<modifier>/<kind>:<module>[,<module>...]`` names; none for the keys of a
         modifier whose statistics every rank loads (transforms, ``compresses_everywhere``)."""
         position, _, rest = key.partition("/")
-        m = modifiers[int(position)]
-        if getattr(m, "transforms", False) or getattr(m, "compresses_everywhere", False):
+        mods = ModifierSet.of(modifiers)
+        if mods.everywhere(mods[int(position)]):
             return []
         return [n for n in rest.partition(":")[2].split(",") if n in self.shapes]
 
@@ -251,9 +255,8 @@ class ShardedRun:
         me, owner = self.group.rank, self.owns(index)
         if me in self._folders:
             self._fold_until(self.plan.shards, index, device)
-        shared = [
-            i for i, m in enumerate(modifiers) if everywhere or getattr(m, "compresses_everywhere", False)
-        ]
+        mods = ModifierSet.of(modifiers)
+        shared = [i for i, m in enumerate(mods) if everywhere or mods.compresses_everywhere(m)]
         if shared and self.group.world_size > 1:
             data = None
             if owner:  # sent before any modifier takes (and may scale in place) its statistics
@@ -355,7 +358,7 @@ def partials_of(modifiers: Sequence[Any]) -> Partial:
     """Every modifier's ``partial_statistics()``, keyed by its position in the recipe."""
     partial: Partial = {}
     for i, m in enumerate(modifiers):
-        partial.update({f"{i}/{key}": stats for key, stats in m.partial_statistics().items()})
+        partial.update({f"{i}/{key}": stats for key, stats in contract.partial_statistics(m).items()})
     return partial
 
 
@@ -364,7 +367,7 @@ def load_statistics(modifiers: Sequence[Any], total: Partial | None) -> None:
     values = tensors_of(total or {})
     for i, m in enumerate(modifiers):
         prefix = f"{i}/"
-        m.load_statistics({k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)})
+        contract.load_statistics(m, {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)})
 
 
 def _pack(
@@ -431,7 +434,7 @@ def solve_costs(subgraphs: Sequence[Any], modifiers: Sequence[Any], model: torch
     for sg in subgraphs:
         cost = 0.0
         # each module once: a transform's consumers are its quantizer's modules too (SmoothQuant, GPTQ)
-        for name in dict.fromkeys(n for m in modifiers if hasattr(m, "modules_in") for n in m.modules_in(sg)):
+        for name in dict.fromkeys(n for m in modifiers for n in m.modules_in(sg)):
             out_features, in_features = model.get_submodule(name).weight.shape[:2]
             cost += float(out_features) * in_features**2 + float(in_features) ** 3
         costs.append(cost)
@@ -462,13 +465,13 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
         f"{identity}|{modifiers!r}|{shapes}|{num_shards}|{data_fingerprint(batches)}|{threads}"
     )
     plan = ShardPlan(len(batches), num_shards, group.world_size)
-    unshared = [m.name for m in modifiers if not m.shares_statistics()]
+    unshared = ModifierSet.of(modifiers).unshared()
     if group.world_size > 1 and unshared:
         raise DistributedError(
             f"{unshared[0]} gathers statistics that do not yet reduce across processes (each would solve on its "
             f"own share of the data); run it in one process, without torchrun, or with --nproc-per-node 1"
         )
-    schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
+    schemes = ModifierSet.of(modifiers).quantized()
     costs = solve_costs(subgraphs, modifiers, model)
     if group.world_size == 1:  # one process solves everything: no module groups to spread
         return ShardedRun(plan, group, costs, schemes)

@@ -22,7 +22,9 @@ from seqcal.execution.transforms import (
     transform_from_inputs,
     transform_with_hooks,
 )
+from seqcal.modifiers import contract
 from seqcal.modifiers.base import Fold, fold_records, folds_from
+from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.kv_hooks import cache_update
 from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
 from seqcal.tracing.partition import Subgraph, target_ends
@@ -285,13 +287,14 @@ def calibrate_subgraphs(
     runner = GraphRunner(model, state.device)
     prof = profiler if profiler is not None else NullProfiler()
     _put_inputs(subgraphs, batches, cache, placeholders)
-    calibrating = any(m.needs_calibration for m in modifiers)
+    modifiers = ModifierSet.of(modifiers)
+    calibrating = modifiers.calibrating
     rows = []
     bar = tqdm(total=len(subgraphs), desc="calibrating", unit="subgraph", disable=not progress)
     try:
         for sg in subgraphs:
             start = time.perf_counter()
-            owned = any(m.modules_in(sg) for m in modifiers if hasattr(m, "modules_in"))
+            owned = modifiers.owns(sg)
             row: dict[str, Any] = {"index": sg.index, "targets": sg.targets, "rel_error": None}
             replay = sg.index < resume_from
             label = f"subgraph {sg.index}"
@@ -306,8 +309,7 @@ def calibrate_subgraphs(
                 for fold in _replayed_folds(sg, state):  # the divisions the interrupted run made here
                     divide_inputs(cache, sg, fold, len(batches))
                 for m in modifiers:  # their records of what the interrupted run did to it
-                    if hasattr(m, "replayed"):
-                        m.replayed(sg, runner.model, state)
+                    m.replayed(sg, runner.model, state)
                 if sg.outputs and calibrating:
                     with torch.no_grad():
                         _pass(runner, sg, batches, cache, state, None, prof, "propagation")
@@ -367,20 +369,19 @@ def _shards(state: Any, num_batches: int) -> list[range]:
     return list(state.sharding.local_shards()) if state.sharding is not None else [range(num_batches)]
 
 
-def _compress(
-    runner: GraphRunner, sg: Subgraph, modifiers: Sequence[Any], state: Any, prof: Profiler
-) -> bool:
+def _compress(runner: GraphRunner, sg: Subgraph, modifiers: ModifierSet, state: Any, prof: Profiler) -> bool:
     """Statistics of every shard folded on the processes that solve the subgraph (its owner, or one per module
     group), which compress their part; the weights go to every process. Returns whether weights changed."""
     label, sharding = f"subgraph {sg.index}", state.sharding
     if sharding is None:
+        contract.finish_local(modifiers)
         with prof.span("compress", label, subgraph=sg.index):
             return any([m.compress(sg, runner.model, state) for m in modifiers])
     with prof.span("communication", f"reduce {label}", subgraph=sg.index):
         sharding.reduce(sg.index, modifiers, state.device)
     before, changed = {*state.quantized, *state.sparsity}, False
     part = sharding.part(sg)  # what this process solves; a modifier that compresses everywhere (AWQ) does all
-    todo = [(m, sg if getattr(m, "compresses_everywhere", False) else part) for m in modifiers]
+    todo = [(m, sg if modifiers.compresses_everywhere(m) else part) for m in modifiers]
     todo = [(m, view) for m, view in todo if view is not None]
     if todo:
         with prof.span("compress", label, subgraph=sg.index):
@@ -488,7 +489,7 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
         for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
             with contextlib.ExitStack() as stack:
                 for m in modifiers:
-                    stack.enter_context(m.calibrate(sg, runner.model, state))
+                    stack.enter_context(contract.calibrating(m, sg, runner.model, state))
                 _pass(runner, sg, batches, cache, state, full if k == 0 else None, prof, "calibration", shard,
                       store=not owned)  # fmt: skip
             if state.sharding is not None:
@@ -510,8 +511,8 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
     a pass over every batch with the subgraph's modules already quantized (as inference computes them; outputs
     not kept), then their k_scale / v_scale are set (on the subgraph's owner, sent to the other processes); the
     propagation pass after it runs them as an fp8 KV cache holds them."""
-    kvs = [m for m in modifiers if getattr(m, "kv", None) is not None]
-    names = [n for n in sg.kv_updates if any(n in m.kv.modules and n not in m.kv.finished for m in kvs)]
+    kvs = ModifierSet.of(modifiers).with_kv()
+    names = [n for n in sg.kv_updates if any(n in kv.modules and n not in kv.finished for kv in modifiers.kv())]
     if not names:
         return
     label = f"subgraph {sg.index} (KV cache)"
@@ -551,7 +552,7 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
         The mean relative output error of the targets, as the modifiers measured it on all calibration
         inputs (``state.module_errors[name]["rel_error"]``; GPTQ computes it from its Hessian).
     """
-    if not all(getattr(m, "input_only", False) for m in modifiers):
+    if not modifiers.input_only:
         raise AssertionError("subgraphs cut before their targets need modifiers that use only module inputs")
     label = f"subgraph {sg.index}"
     transforms, modifiers = split_transforms(modifiers)  # transforms fold first; the cache follows them
@@ -569,7 +570,7 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
                     if j == 0 and i + 1 < len(shard):  # copied beside this batch's statistics (CUDA)
                         cache.prefetch(shard[i + 1], sg.target_inputs)
                     for m in modifiers:
-                        m.observe(names, x, state)
+                        contract.observe(m, names, x, state)
                     x = None  # not held through the next fetch, nor the solve (a batch of inputs on the device)
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, modifiers, state.device)

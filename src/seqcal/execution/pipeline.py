@@ -33,8 +33,9 @@ from seqcal.execution.weights import (
     targets_onloaded,
 )
 from seqcal.experts import routed_experts
-from seqcal.modifiers import RunState
+from seqcal.modifiers import RunState, contract
 from seqcal.modifiers.activations import quantized_inputs
+from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.kv_cache import quantized_kv
 from seqcal.modifiers.kv_hooks import kv_tap, kv_update_sites
 from seqcal.report.profile import NullProfiler, Profiler
@@ -168,6 +169,7 @@ def _run(
     staged: bool,
 ) -> RunState:  # fmt: skip
     start = time.perf_counter()
+    modifiers = ModifierSet.of(modifiers)  # their declarations, read once: every stage below asks this
     profiler = profiler if profiler is not None else NullProfiler()
     device = _execution_device(model, store)
     state = RunState(
@@ -177,7 +179,7 @@ def _run(
     for modifier in modifiers:
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:
-        if needing := [type(m).__name__ for m in modifiers if m.needs_calibration]:
+        if needing := [type(m).__name__ for m, n in zip(modifiers, modifiers.needs) if n.calibration]:
             raise ValueError(
                 f"pipeline='datafree' cannot run modifiers that need calibration data ({', '.join(needing)}: "
                 "GPTQ, or static input activations); give a dataset, or use a weight-only or dynamic scheme"
@@ -188,9 +190,7 @@ def _run(
     batching = batch_summary(batches)
     if batches:
         logger.info("seqcal: calibration batches: %s", describe_batches(batching))
-    targets = args.sequential_targets or next(
-        (m.sequential_targets for m in modifiers if getattr(m, "sequential_targets", None)), None
-    )
+    targets = args.sequential_targets or modifiers.sequential_targets()
     if not batches:
         rows = _whole_model(model, modifiers, state, [])
     elif args.pipeline == "basic":
@@ -201,7 +201,7 @@ def _run(
         subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
 
         def differs(candidate: SubgraphList) -> Divergence | None:
-            if not args.verify or not any(m.needs_calibration for m in modifiers):
+            if not args.verify or not modifiers.calibrating:
                 return None  # no forward pass will run through the partition
             # the trace's sample (its stand-in cache); eager and partitioned both on the calibration's kernels
             with profiler.span("verify", "partition vs eager"), linears_on_onednn(device):
@@ -237,7 +237,7 @@ def _run(
             stream = _streaming(
                 model, state, subgraphs, output if writes else None, weights, batches, modifiers, profiler
             )
-            schemes = {n: sc for m in modifiers for n, sc in getattr(m, "modules", {}).items()}
+            schemes = modifiers.quantized()
 
             def done(sg: Any) -> int | None:
                 if stream is not None:
@@ -288,9 +288,10 @@ def one_pass_subgraphs(
     """Subgraphs cut before the modifiers' modules, or None when that mode does not apply to this run."""
     if not args.one_pass or args.targets_per_subgraph != 1:
         return None
-    if not all(getattr(m, "input_only", False) for m in modifiers):
+    modifiers = ModifierSet.of(modifiers)
+    if not modifiers.input_only:
         return None
-    wanted = {n for m in modifiers for n in (*getattr(m, "modules", {}), *getattr(m, "pruned", {}))}
+    wanted = {*modifiers.quantized(), *modifiers.pruned()}
     if not wanted:
         return None
     # Only modules inside the layer stacks that the layer cut would trace around (the text decoder's
@@ -307,7 +308,7 @@ def one_pass_subgraphs(
         return None
     names = [n for n, _ in model.named_modules() if n in wanted]
     pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"
-    attention = sorted({n for m in modifiers if getattr(m, "kv", None) is not None for n in m.kv.modules})
+    attention = sorted({n for kv in modifiers.kv() for n in kv.modules})
     tap = None
     if attention:  # kv_cache_scheme: the keys and values reach the graph through a stand-in cache
         tap, argument = kv_tap(model, attention), _cache_argument(model)
@@ -358,8 +359,9 @@ def _log_cut(
         logger.info("seqcal: cutting after each of the sequential targets %s: %s", targets, layer_cut)
     elif not args.one_pass or args.targets_per_subgraph != 1:
         logger.info("seqcal: cutting after each layer (one_pass=False, CLI --layer-cut): %s", layer_cut)
-    elif not all(getattr(m, "input_only", False) for m in modifiers):
-        needs = [type(m).__name__ for m in modifiers if not getattr(m, "input_only", False)]
+    elif not ModifierSet.of(modifiers).input_only:
+        mods = ModifierSet.of(modifiers)
+        needs = [type(m).__name__ for m, n in zip(mods, mods.needs) if not n.input_only]
         logger.info(
             "seqcal: cutting after each layer (%s needs more than its modules' inputs): %s", needs, layer_cut
         )
@@ -417,7 +419,7 @@ def _streaming(
         model, state, output.args.output_dir, subgraphs, output.run_id, overwrite=output.args.overwrite,
         resume=output.args.resume, weights=weights, batches=batches, profiler=profiler,
     )  # fmt: skip
-    stuck = [m.name for m in modifiers if not getattr(m, "resumable", True)]
+    stuck = ModifierSet.of(modifiers).not_resumable()
     if output.stream.finished >= 0 and stuck:
         raise ResumeError(
             f"output_dir {output.args.output_dir} holds an interrupted run of {stuck[0]}, which cannot be resumed "
@@ -483,11 +485,12 @@ def _whole_model(
     start = time.perf_counter()
     with torch.no_grad(), contextlib.ExitStack() as stack:
         for modifier in modifiers:
-            stack.enter_context(modifier.calibrate(every, model, state))
+            stack.enter_context(contract.calibrating(modifier, every, model, state))
         for batch in batches:
             state.token_mask = batch["attention_mask"].bool() if "attention_mask" in batch else None
             model(**batch, **_no_cache(model))
         state.token_mask = None
+    contract.finish_local(modifiers)
     for modifier in modifiers:
         modifier.compress(every, model, state)
     return [

@@ -21,26 +21,25 @@ import torch
 from torch import fx
 
 from seqcal.modifiers.base import Fold
+from seqcal.modifiers.contract import ModifierSet
 
 logger = logging.getLogger("seqcal")
 
 
-def split_transforms(modifiers: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+def split_transforms(modifiers: Sequence[Any]) -> tuple[ModifierSet, ModifierSet]:
     """(modifiers with ``transforms``, the others), each in recipe order."""
-    transforms = [m for m in modifiers if getattr(m, "transforms", False)]
-    return transforms, [m for m in modifiers if m not in transforms]
+    return ModifierSet.of(modifiers).split()
 
 
 def owns(modifier: Any, sg: Any) -> bool:
-    return bool(modifier.modules_in(sg)) if hasattr(modifier, "modules_in") else False
+    return bool(modifier.modules_in(sg))
 
 
 def prepare_modifiers(model: torch.nn.Module, subgraphs: Any, sample: Mapping[str, Any], modifiers: Sequence[Any],
                       state: Any) -> None:  # fmt: skip
     """Give the transforms the traced graph (``prepare``) and add the producers they edit to the modules of
     the subgraphs that run their consumers (onloaded with them, written to the checkpoint after them)."""
-    transforms, _ = split_transforms(modifiers)
-    preparing = [m for m in modifiers if m in transforms or getattr(m, "needs_graph", False)]
+    preparing = ModifierSet.of(modifiers).preparing()
     if not preparing:
         return
     graph = linear_graph(model, sample, subgraphs)
@@ -168,8 +167,7 @@ def reduce_statistics(state: Any, sg: Any, transforms: Sequence[Any]) -> None:
 
 def notify(fold: Fold, others: Sequence[Any], model: torch.nn.Module, state: Any) -> None:
     for m in others:
-        if hasattr(m, "on_fold"):
-            m.on_fold(fold, model, state)
+        m.on_fold(fold, model, state)
 
 
 def _source_of(sg: Any, fold: Fold) -> str:

@@ -406,4 +406,4 @@ def quantizes_activations(modifiers: list[Any]) -> bool:
         >>> quantizes_activations(parse_recipe("recipes/rtn_fp8_static.yaml").modifiers)  # doctest: +SKIP
         True
     """
-    return any(g.input_activations is not None for m in modifiers for g in getattr(m, "groups", {}).values())
+    return any(g.input_activations is not None for m in modifiers for g in m.scheme_groups().values())

@@ -43,6 +43,7 @@ import torch
 from torch import fx
 
 from seqcal.mappings import Mapping, fold_scales
+from seqcal.modifiers.needs import REDUCTIONS, Gather, Needs, gathers_unshared
 from seqcal.tracing.partition import Subgraph
 
 
@@ -76,10 +77,6 @@ class QuantizedWeight:
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
     input_global_scale: torch.Tensor | None = None
-
-
-# How partial statistics of virtual shards combine (seqcal.distributed.reduce): elementwise, in shard order.
-REDUCTIONS = ("sum", "max", "min")
 
 
 @dataclass
@@ -270,6 +267,61 @@ class Modifier:
     # False: an interrupted run cannot be resumed, because this modifier changes weights that a replayed
     # subgraph cannot put back (neither quantized nor recorded in ``RunState.changed_modules``).
     resumable: ClassVar[bool] = True
+
+    # Statistics the framework gathers for this modifier from each of its modules' inputs, in every cut, and
+    # reduces across processes in shard order; ``compress`` reads them with ``gathered(module)``.
+    gathers: ClassVar[tuple[Gather, ...]] = ()
+
+    def needs(self) -> Needs:
+        """What this modifier needs from the pipeline: every stage asks this (through ``ModifierSet``), never
+        the attributes it is made from (the class flags above and below, set per instance where an argument
+        decides, as a kv_cache_scheme makes a data-free quantizer calibrate)."""
+        return Needs(
+            calibration=self.needs_calibration,
+            input_only=self.input_only,
+            transforms=self.transforms,
+            graph=self.needs_graph,
+            everywhere=self.compresses_everywhere,
+            shared_statistics=self.shares_statistics() and not gathers_unshared(type(self)),
+            resumable=self.resumable,
+        )
+
+    def gathered(self, module: str) -> dict[str, torch.Tensor]:
+        """The declared statistics (``gathers``) of ``module``, every batch's, reduced: inside ``compress``.
+
+        Raises:
+            KeyError: no calibration batch reached ``module`` (or the class declares no ``gathers``).
+        """
+        values = self.__dict__.get("_gathered")
+        if values is None or module not in values.reduced:
+            raise KeyError(f"{self.name}: no statistics were gathered for {module} (no calibration input reached it)")
+        return values.reduced[module]
+
+    def modules_in(self, subgraph: Subgraph) -> list[str]:
+        """The modules of this modifier whose weights ``subgraph`` uses (none by default)."""
+        return []
+
+    def quantizes(self) -> dict[str, Any]:
+        """Module name -> compressed-tensors scheme of every Linear this modifier quantizes (after validate)."""
+        return {}
+
+    def prunes(self) -> dict[str, Any]:
+        """Module name -> sparsity of every Linear this modifier prunes (after validate)."""
+        return {}
+
+    def scheme_groups(self) -> dict[str, Any]:
+        """The recipe's compressed-tensors scheme groups (config group name -> QuantizationScheme), known before
+        the model is: whether the recipe quantizes activations, say."""
+        return {}
+
+    def kv_calibration(self) -> Any:
+        """The KV-cache calibration (``modifiers.kv_cache.KVCacheCalibration``) when this modifier quantizes the
+        KV cache, else None."""
+        return None
+
+    def layer_targets(self) -> Any:
+        """Layer classes or patterns to calibrate one by one (llm-compressor's ``sequential_targets``), or None."""
+        return None
 
     @classmethod
     def argument_names(cls) -> list[str]:

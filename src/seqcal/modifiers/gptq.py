@@ -93,6 +93,9 @@ class GPTQModifier(QuantizationModifier):
         super().initialize(model, state)
         self._dense_solve = dense_solve_bytes(model, self.modules)
 
+    def layer_targets(self) -> str | list[str] | None:
+        return self.sequential_targets
+
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
         names = [n for n in self.modules_in(subgraph) if n not in state.quantized]

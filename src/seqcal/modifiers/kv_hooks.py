@@ -226,7 +226,7 @@ def quantized_kv(
     """
     handles = []
     try:
-        for kv in [m.kv for m in modifiers if getattr(m, "kv", None) is not None]:
+        for kv in [kv for m in modifiers if (kv := m.kv_calibration()) is not None]:
             for name, argument in kv.modules.items():
                 module = model.get_submodule(name)
                 handles.append(

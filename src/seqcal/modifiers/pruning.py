@@ -137,6 +137,9 @@ class PruningModifier(Modifier):
         if note := getattr(self, "_note", None):
             state.log.append(note)
 
+    def prunes(self) -> dict[str, float]:
+        return self.pruned
+
     def modules_in(self, subgraph: Subgraph) -> list[str]:
         """The modules this modifier prunes that ``subgraph`` uses (as ``QuantizationModifier.modules_in``)."""
         if subgraph.target_inputs:

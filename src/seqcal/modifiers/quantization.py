@@ -117,6 +117,15 @@ class QuantizationModifier(Modifier):
             self.kv.initialize(model)
             state.kv_cache_scheme = self.kv.args
 
+    def quantizes(self) -> dict[str, QuantizationScheme]:
+        return self.modules
+
+    def scheme_groups(self) -> dict[str, QuantizationScheme]:
+        return self.groups
+
+    def kv_calibration(self) -> KVCacheCalibration | None:
+        return self.kv
+
     def modules_in(self, subgraph: Subgraph) -> list[str]:
         """The modules of this modifier whose weights ``subgraph`` uses (for a subgraph cut before its
         targets: the targets only; an opaque statement touching a parent module does not pull its children in).

@@ -107,9 +107,9 @@ class Recipe:
         claimed: dict[str, int] = {}  # module name -> index of the first modifier that quantizes it
         for i, modifier in enumerate(self.modifiers):
             modifier.validate(model)
-            for name in getattr(modifier, "modules", {}):
+            for name in modifier.quantizes():
                 claimed.setdefault(name, i)
-            shared = [n for n in getattr(modifier, "modules", {}) if claimed[n] != i]
+            shared = [n for n in modifier.quantizes() if claimed[n] != i]
             if shared:
                 first = self.modifiers[claimed[shared[0]]]
                 shown = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
