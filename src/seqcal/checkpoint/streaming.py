@@ -112,8 +112,11 @@ class StreamingCheckpoint:
         self.finished = -1
         self._edited_restored = False
         self.checkpoint_bytes = CHECKPOINT_BYTES if checkpoint_bytes is None else checkpoint_bytes
+        # a resumed directory whose interrupted run recorded no finished subgraph (it starts over)
+        self.resumed_empty = False
         if resume and (self.path / PROGRESS_NAME).is_file():
             self.writer, self.finished = self._resume()
+            self.resumed_empty = self.finished < 0
         elif resume and (self.path / CONFIG_NAME).is_file():
             shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)  # left if killed after the save's end
             raise ResumeError(f"{self.path} holds a finished checkpoint: nothing to resume")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import inspect
 import logging
 import re
@@ -15,7 +16,8 @@ import torch
 
 from seqcal.algorithms.columns import clear_graphs
 from seqcal.algorithms.products import linears_on_onednn
-from seqcal.checkpoint.streaming import ResumeError, StreamingCheckpoint
+from seqcal.checkpoint.preflight import DiskSpaceError
+from seqcal.checkpoint.streaming import CHECKPOINT_BYTES, ResumeError, StreamingCheckpoint
 from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.distributed.run import resume_point, start_sharded_run, traffic_report
@@ -149,6 +151,14 @@ def run_pipeline(
     try:
         data = batches if batches is not None else data_args
         return _run(model, tokenizer, modifiers, data, args, output, store, profiler, staged)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC or output is None or output.args.output_dir is None:
+            raise
+        raise DiskSpaceError(
+            f"the disk of {output.args.output_dir} filled up while the checkpoint was written ({exc}); free space "
+            "there and run the same command again with --resume (resume=True): the subgraphs recorded as "
+            "finished are not computed again"
+        ) from exc
     finally:
         if staged:
             restore_in_memory(model, store)
@@ -428,6 +438,13 @@ def _streaming(
         )
     if output.stream.finished >= 0:
         logger.warning("seqcal: resuming after subgraph %d of %d", output.stream.finished, len(subgraphs))
+    elif output.args.resume:
+        logger.warning(
+            "seqcal: resume: nothing to replay in %s (%s); starting from the first subgraph. Progress is recorded "
+            "each time %d MiB of finished modules have been written, and at the end", output.args.output_dir,
+            "an interrupted run stopped before its first progress record" if output.stream.resumed_empty
+            else "no interrupted run there", CHECKPOINT_BYTES // 2**20,
+        )  # fmt: skip
     return output.stream
 
 

@@ -3,6 +3,7 @@
 from seqcal.modifiers.awq import AWQModifier
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptq import GPTQModifier
+from seqcal.modifiers.needs import Gather, Needs
 from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.smoothquant import SmoothQuantModifier
 from seqcal.modifiers.sparsegpt import SparseGPTModifier
@@ -22,7 +23,9 @@ __all__ = [
     "MODIFIERS",
     "AWQModifier",
     "GPTQModifier",
+    "Gather",
     "Modifier",
+    "Needs",
     "QuantizationModifier",
     "QuantizedWeight",
     "RunState",

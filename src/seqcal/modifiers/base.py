@@ -323,6 +323,11 @@ class Modifier:
         """Layer classes or patterns to calibrate one by one (llm-compressor's ``sequential_targets``), or None."""
         return None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in vars(cls):  # a subclass is named after itself in messages and recipes, not its parent
+            cls.name = cls.__name__
+
     @classmethod
     def argument_names(cls) -> list[str]:
         return [f.name for f in fields(cls)] if hasattr(cls, "__dataclass_fields__") else []

@@ -36,6 +36,7 @@ import torch
 import yaml
 
 from seqcal.modifiers import MODIFIERS, AWQModifier, Modifier, QuantizationModifier
+from seqcal.recipe.imports import entry_point_class, is_import_path, modifier_class
 from seqcal.recipe.llmc_format import (
     UNSUPPORTED_MODIFIERS,
     RecipeError,
@@ -134,9 +135,10 @@ class Recipe:
         """
         groups: list[dict[str, Any]] = [{}]
         for modifier in self.modifiers:
-            if modifier.name in groups[-1]:
+            key = recipe_key(modifier)
+            if key in groups[-1]:
                 groups.append({})  # a group names each modifier once; a new group keeps the order
-            groups[-1][modifier.name] = _plain(modifier.to_dict(), modifier.name)
+            groups[-1][key] = _plain(modifier.to_dict(), modifier.name)
         stage = {
             ("DEFAULT" if i == 0 else f"DEFAULT_{i + 1}") + "_modifiers": g for i, g in enumerate(groups)
         }
@@ -275,7 +277,7 @@ def _collect_level(mapping: dict, loc: _Locator, stage: str | None) -> list[_Ent
             entries += _collect_level(value, loc, stage=key)
         elif _is_group_key(key):
             entries += _collect_group(value, key, at, loc, stage or "")
-        elif _looks_like_modifier(key):
+        elif _looks_like_modifier(key) or is_import_path(key):
             entries.append(_Entry(key, value, at, stage or ""))
         else:
             expected = (
@@ -333,6 +335,10 @@ def _modifier_class(entry: _Entry) -> type[Modifier]:
     name = entry.name
     if isinstance(name, str) and name in MODIFIERS:
         return MODIFIERS[name]
+    if is_import_path(name):
+        return modifier_class(name, entry.where)
+    if isinstance(name, str) and (registered := entry_point_class(name, entry.where)) is not None:
+        return registered
     supported = ", ".join(MODIFIERS)
     if name in UNSUPPORTED_MODIFIERS:
         raise RecipeError(
@@ -340,7 +346,10 @@ def _modifier_class(entry: _Entry) -> type[Modifier]:
             f"supported: {supported}. Remove it from the recipe, or run this recipe with llm-compressor"
         )
     hint = _closest(str(name), [*MODIFIERS, *UNSUPPORTED_MODIFIERS])
-    raise RecipeError(f"{entry.where}: unknown modifier {name!r}{hint}; seqcal's modifiers are: {supported}")
+    raise RecipeError(
+        f"{entry.where}: unknown modifier {name!r}{hint}; seqcal's modifiers are: {supported}, or a modifier of "
+        "your own by import path ('my_pkg.my_module:MyModifier')"
+    )
 
 
 def _arguments(entry: _Entry, cls: type[Modifier], loc: _Locator) -> dict[str, Any]:
@@ -406,3 +415,13 @@ def _bind_awq(modifiers: list[Any]) -> list[Any]:
 
 def _is_group_key(key: Any) -> bool:
     return isinstance(key, str) and (key == "modifiers" or key.endswith("_modifiers"))
+
+
+def recipe_key(modifier: Modifier) -> str:
+    """How a recipe names ``modifier``: its registry name, else its class's import path (``pkg.module:Class``),
+    so that the recipe.yaml written beside a checkpoint runs again (a class defined in ``__main__`` cannot be
+    imported by another process: its name is written, and naming it again needs the same script)."""
+    cls = type(modifier)
+    if MODIFIERS.get(modifier.name) is cls or cls.__module__ == "__main__":
+        return modifier.name
+    return f"{cls.__module__}:{cls.__qualname__}"
