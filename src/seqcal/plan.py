@@ -376,9 +376,7 @@ def make_plan(
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
     mods = ModifierSet.of(modifiers)
     quantized = set(mods.quantized())
-    bits = max(
-        (s.weights.num_bits for s in mods.quantized().values()), default=16
-    )
+    bits = max((s.weights.num_bits for s in mods.quantized().values()), default=16)
     dtype_bytes = next((p.element_size() for p in model.parameters()), 4)
     # as the pipeline: offloaded weights, and a model in RAM on the cpu (staged), run on cuda when present
     on_cpu = all(p.device.type in ("cpu", "meta") for p in model.parameters())

@@ -511,8 +511,9 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
     a pass over every batch with the subgraph's modules already quantized (as inference computes them; outputs
     not kept), then their k_scale / v_scale are set (on the subgraph's owner, sent to the other processes); the
     propagation pass after it runs them as an fp8 KV cache holds them."""
-    kvs = ModifierSet.of(modifiers).with_kv()
-    names = [n for n in sg.kv_updates if any(n in kv.modules and n not in kv.finished for kv in modifiers.kv())]
+    mods = ModifierSet.of(modifiers)
+    kvs, calibrations = mods.with_kv(), mods.kv()
+    names = [n for n in sg.kv_updates if any(n in kv.modules and n not in kv.finished for kv in calibrations)]
     if not names:
         return
     label = f"subgraph {sg.index} (KV cache)"

@@ -294,7 +294,9 @@ class Modifier:
         """
         values = self.__dict__.get("_gathered")
         if values is None or module not in values.reduced:
-            raise KeyError(f"{self.name}: no statistics were gathered for {module} (no calibration input reached it)")
+            raise KeyError(
+                f"{self.name}: no statistics were gathered for {module} (no calibration input reached it)"
+            )
         return values.reduced[module]
 
     def modules_in(self, subgraph: Subgraph) -> list[str]:
@@ -325,7 +327,9 @@ class Modifier:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "name" not in vars(cls):  # a subclass is named after itself in messages and recipes, not its parent
+        if "name" not in vars(
+            cls
+        ):  # a subclass is named after itself in messages and recipes, not its parent
             cls.name = cls.__name__
 
     @classmethod
