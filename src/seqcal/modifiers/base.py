@@ -43,7 +43,7 @@ import torch
 from torch import fx
 
 from seqcal.mappings import Mapping, fold_scales
-from seqcal.modifiers.needs import REDUCTIONS, Gather, Needs, gathers_unshared
+from seqcal.modifiers.needs import REDUCTIONS, Gather, Needs
 from seqcal.tracing.partition import Subgraph
 
 
@@ -282,7 +282,7 @@ class Modifier:
             transforms=self.transforms,
             graph=self.needs_graph,
             everywhere=self.compresses_everywhere,
-            shared_statistics=self.shares_statistics() and not gathers_unshared(type(self)),
+            shared_statistics=self.shares_statistics(),
             resumable=self.resumable,
         )
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from seqcal.modifiers.activations import real_tokens
 from seqcal.modifiers.base import Statistic
-from seqcal.modifiers.needs import Gather, Needs
+from seqcal.modifiers.needs import Gather, Needs, gathers_unshared
 
 if TYPE_CHECKING:
     from seqcal.modifiers.base import Modifier, RunState
@@ -106,7 +107,11 @@ class ModifierSet(tuple):
         if isinstance(modifiers, ModifierSet):
             return modifiers
         mods = cls(modifiers)
-        mods.needs = tuple(m.needs() for m in mods)
+        # whatever a modifier declares, hooks of its own below its parent's reduction do not reduce
+        mods.needs = tuple(
+            replace(m.needs(), shared_statistics=False) if gathers_unshared(type(m)) else m.needs()
+            for m in mods
+        )
         for m, needs in zip(mods, mods.needs):
             if type(m).gathers and needs.transforms:
                 raise ValueError(f"{m.name}: declared statistics (gathers) are not available to transforms yet; "
