@@ -20,7 +20,7 @@ from dist_helpers import data, env_for_cli, run, start, tensor_hashes, wait_all
 from save_helpers import save_llama
 from seqcal.distributed.run import ShardedRun
 from seqcal.entrypoint import oneshot
-from seqcal.modifiers import GPTQModifier, QuantizationModifier, contract
+from seqcal.modifiers import Gather, GPTQModifier, QuantizationModifier, contract
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.needs import gathers_unshared
 from seqcal.recipe import parse_recipe
@@ -162,3 +162,44 @@ def test_the_command_line_runs_a_modifier_named_by_import_path(smollm2_dir: Path
     assert done.returncode == 0, done.stderr[-2000:]
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["config_groups"]["group_0"]["weights"]["group_size"] == 32
+
+
+@dataclass
+class _ReferenceProbe(QuantizationModifier):
+    """Round-to-nearest that records what the full-precision stream gave each module."""
+
+    gathers = (
+        Gather("ref_sum", lambda x, ref: ref.sum(0), reference=True),
+        Gather("gap", lambda x, ref: (ref - x).abs().sum().reshape(1), reference=True),
+    )
+    needs_calibration = True
+
+    def compress(self, subgraph, model, state) -> bool:  # noqa: ANN001
+        self.__dict__.setdefault("seen", {}).update({n: self.gathered(n) for n in self.modules_in(subgraph)})
+        return super().compress(subgraph, model, state)
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_the_full_precision_stream_gives_each_module_the_unquantized_models_inputs(one_pass: bool) -> None:
+    from save_helpers import tiny_llama
+
+    model, reference = tiny_llama(), tiny_llama()
+    reference.load_state_dict(model.state_dict())
+    rows = [{"input_ids": [t % 128 for t in r["input_ids"]]} for r in data(4, 24)]  # equal lengths: no padding
+    sums: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: sums.__setitem__(n, sums.get(n, 0) + a[0].sum((0, 1))))
+             for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear)]  # fmt: skip
+    with torch.no_grad():
+        for row in rows:
+            reference(input_ids=torch.tensor([row["input_ids"]]))
+    for h in hooks:
+        h.remove()
+    channel = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    probe = _ReferenceProbe(config_groups={"g": {"targets": ["Linear"], "weights": channel}}, ignore=["lm_head"])
+    oneshot(model=model, dataset=rows, recipe=probe, one_pass=one_pass, max_seq_length=24, batch_size=1)
+    assert set(probe.seen) == {n for n in sums if n != "lm_head"}
+    for name, got in probe.seen.items():
+        torch.testing.assert_close(got["ref_sum"], sums[name].float(), rtol=1e-4, atol=1e-3)
+    first, last = "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"
+    assert probe.seen[first]["gap"].item() == 0  # nothing quantized before the first layer's inputs
+    assert probe.seen[last]["gap"].item() > 0  # the calibration stream's inputs come from quantized layers

@@ -16,6 +16,7 @@ from seqcal.algorithms.products import linears_on_onednn
 from seqcal.errors import SeqcalError
 from seqcal.execution.cache.store import ActivationCache
 from seqcal.execution.host import trim_host_memory
+from seqcal.execution.reference import reference_pass
 from seqcal.execution.transforms import (
     divide_inputs,
     split_transforms,
@@ -268,6 +269,7 @@ def calibrate_subgraphs(
     restore: Callable[[Subgraph], None] | None = None,
     on_subgraph_start: Callable[[Subgraph], int | None] | None = None,
     profiler: Profiler | None = None,
+    reference: ActivationCache | None = None,
 ) -> list[dict[str, Any]]:
     """The sequential calibration loop (DESIGN data flow), one subgraph at a time.
 
@@ -281,12 +283,17 @@ def calibrate_subgraphs(
     Subgraphs before ``resume_from`` were finished by an interrupted run: ``restore`` puts their saved
     quantized weights back and they only run the propagation pass.
 
+    ``reference``: the full-precision stream's cache, when a modifier reads full-precision inputs
+    (``execution.reference``); every subgraph also runs on it, before its modules are compressed.
+
     Returns:
         One dict per subgraph: index, targets, seconds, rel_error (quantized vs full precision output).
     """
     runner = GraphRunner(model, state.device)
     prof = profiler if profiler is not None else NullProfiler()
     _put_inputs(subgraphs, batches, cache, placeholders)
+    if reference is not None:
+        _put_inputs(subgraphs, batches, reference, placeholders)
     modifiers = ModifierSet.of(modifiers)
     calibrating = modifiers.calibrating
     rows = []
@@ -304,6 +311,9 @@ def calibrate_subgraphs(
                     if isinstance(moved, int):
                         args["bytes"] = moved
             if replay:
+                if reference is not None and sg.outputs:  # the model's own weights, before the saved ones
+                    with prof.span("calibration", f"{label} (full precision)", subgraph=sg.index):
+                        reference_pass(runner, sg, batches, reference, lambda: _autocast(state))
                 with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
                     _restore(sg, restore, runner.model, state)
                 for fold in _replayed_folds(sg, state):  # the divisions the interrupted run made here
@@ -316,11 +326,13 @@ def calibrate_subgraphs(
                 row["replayed"] = True
             elif sg.outputs or owned:
                 row["rel_error"] = _run_one(
-                    runner, sg, batches, modifiers, cache, state, calibrating, owned, prof
+                    runner, sg, batches, modifiers, cache, state, calibrating, owned, prof, reference
                 )
             with prof.span("cache", "drop", subgraph=sg.index, names=len(sg.frees)):
                 for name in sg.frees:
                     cache.drop_name(name)
+                    if reference is not None:
+                        reference.drop_name(name)
             if on_subgraph_done is not None and not replay:
                 with prof.span("offload", label, subgraph=sg.index) as args:
                     moved = on_subgraph_done(sg)  # e.g. save it, release its weights
@@ -465,7 +477,7 @@ def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]
 
 def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
              cache: ActivationCache, state: Any, calibrating: bool, owned: bool,
-             prof: Profiler) -> float | None:  # fmt: skip
+             prof: Profiler, reference: ActivationCache | None = None) -> float | None:  # fmt: skip
     """One subgraph's passes and solve; ``owned``: a modifier has modules in it (``calibrate_subgraphs``)."""
     label = f"subgraph {sg.index}"
     with torch.no_grad():
@@ -475,7 +487,7 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
                     m.compress(sg, runner.model, state)
             return None
         if sg.target_inputs:
-            return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof)
+            return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof, reference)
         # a subgraph holding modules to compress is run again after the solve, and that propagation pass
         # stores the outputs; the calibration pass stores them only for subgraphs with nothing to compress
         transforms, modifiers = split_transforms(modifiers)  # transforms fold before the others observe
@@ -487,11 +499,19 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
             transform_with_hooks(runner.model, sg, run, len(batches), transforms, modifiers, state)
         full: dict[int, Any] = {}
         for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
-            with contextlib.ExitStack() as stack:
-                for m in modifiers:
-                    stack.enter_context(contract.calibrating(m, sg, runner.model, state))
-                _pass(runner, sg, batches, cache, state, full if k == 0 else None, prof, "calibration", shard,
-                      store=not owned)  # fmt: skip
+            # with a full-precision stream, batch by batch: its module inputs paired with the calibration's
+            for j, part in enumerate([shard] if reference is None else [[b] for b in shard]):
+                paired = None
+                if reference is not None:
+                    capture = ModifierSet.of(modifiers).float_modules(sg)
+                    paired = reference_pass(
+                        runner, sg, batches, reference, lambda: _autocast(state), part, capture
+                    )
+                with contextlib.ExitStack() as stack:
+                    for m in modifiers:
+                        stack.enter_context(contract.calibrating(m, sg, runner.model, state, paired))
+                    _pass(runner, sg, batches, cache, state, full if k == j == 0 else None, prof, "calibration",
+                          part, store=not owned)  # fmt: skip
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, modifiers, state.device)
         trim_host_memory()  # as in _run_from_inputs: the solve's temporaries on a trimmed heap
@@ -542,7 +562,8 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
 
 
 def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]],
-                     modifiers: Sequence[Any], cache: ActivationCache, state: Any, prof: Profiler) -> float | None:  # fmt: skip
+                     modifiers: Sequence[Any], cache: ActivationCache, state: Any, prof: Profiler,
+                     reference: ActivationCache | None = None) -> float | None:  # fmt: skip
     """One pass for a subgraph cut before its targets: calibrate from their cached inputs, then run it once.
 
     The targets' inputs were computed by earlier subgraphs (with every earlier module already quantized), so
@@ -570,12 +591,18 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
                     x = cache.fetch(b, source)
                     if j == 0 and i + 1 < len(shard):  # copied beside this batch's statistics (CUDA)
                         cache.prefetch(shard[i + 1], sg.target_inputs)
+                    ref = reference.fetch(b, source) if reference is not None else None
                     for m in modifiers:
-                        contract.observe(m, names, x, state)
-                    x = None  # not held through the next fetch, nor the solve (a batch of inputs on the device)
+                        contract.observe(m, names, x, state, ref)
+                    x = ref = (
+                        None  # not held through the next fetch, nor the solve (a batch of inputs on the device)
+                    )
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, modifiers, state.device)
         state.token_mask = None
+    if reference is not None and sg.outputs:  # with the subgraph's weights as the model has them
+        with prof.span("calibration", f"{label} (full precision)", subgraph=sg.index, batches=len(batches)):
+            reference_pass(runner, sg, batches, reference, lambda: _autocast(state))
     trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
     _compress(runner, sg, modifiers, state, prof)
     if sg.kv_updates:

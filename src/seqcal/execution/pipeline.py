@@ -24,6 +24,7 @@ from seqcal.distributed.run import resume_point, start_sharded_run, traffic_repo
 from seqcal.distributed.shards import DEFAULT_SHARDS
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache, tier_device
 from seqcal.execution.executor import calibrate_subgraphs
+from seqcal.execution.reference import reference_cache
 from seqcal.execution.transforms import prepare_modifiers
 from seqcal.execution.weights import (
     SubgraphWeights,
@@ -236,10 +237,17 @@ def _run(
             with onloading, linears_on_onednn(device):
                 subgraphs, batches = _layerwise_fallback(model, batches, targets, err)
         prepare_modifiers(model, subgraphs, batches[0], modifiers, state)  # v2: graph, producers they edit
-        with ActivationCache(
-            offload=args.offload, offload_dir=args.offload_dir, device=device, max_memory=args.cache_max_memory,
-            store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
-        ) as cache:  # fmt: skip
+
+        def new_cache() -> ActivationCache:
+            return ActivationCache(
+                offload=args.offload, offload_dir=args.offload_dir, device=device, max_memory=args.cache_max_memory,
+                store_dtype=STORE_DTYPES[args.cache_dtype] if args.cache_dtype else None,
+            )  # fmt: skip
+
+        if modifiers.float_inputs:
+            logger.info("seqcal: a modifier reads full-precision inputs: a second activation cache holds the "
+                        "full-precision stream, and every subgraph runs once more on it")  # fmt: skip
+        with new_cache() as cache, reference_cache(modifiers.float_inputs, new_cache) as reference:
             weights = SubgraphWeights(model, store, subgraphs, device, staged) if store is not None else None
             state.sharding = start_sharded_run(model, modifiers, subgraphs, batches, args.num_shards, repr(args)
                                                + repr(output.run_id if output else None))  # fmt: skip
@@ -276,6 +284,7 @@ def _run(
                     restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
                     on_subgraph_start=weights.onload if weights is not None else None,
                     profiler=profiler, progress=logger.getEffectiveLevel() < logging.ERROR,  # off for `-q`
+                    reference=reference,
                 )  # fmt: skip
     for modifier in modifiers:
         modifier.finalize(model, state)

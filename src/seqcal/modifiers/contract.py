@@ -53,12 +53,23 @@ class Gathered:
         ] = {}  # module -> name -> value since the last hand-over
         self.reduced: dict[str, dict[str, torch.Tensor]] = {}  # module -> name -> value of every shard
 
-    def add(self, module: str, x: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """One batch's input ``x [..., in]`` of ``module``; ``mask`` is its token mask (False: padding)."""
+    def add(
+        self, module: str, x: torch.Tensor, mask: torch.Tensor | None, ref: torch.Tensor | None = None
+    ) -> None:
+        """One batch's input ``x [..., in]`` of ``module``; ``mask`` is its token mask (False: padding); ``ref``
+        the same batch's input of ``module`` in the full-precision model (for ``Gather.reference``)."""
         rows = real_tokens(x.detach(), mask).float()  # [tokens, in]
+        ref_rows = real_tokens(ref.detach(), mask).float() if ref is not None else None
         values = self._shard.setdefault(module, {})
         for name, g in self.gathers.items():
-            values[name] = _combine(g.reduce, values.get(name), g.of(rows))
+            if not g.reference:
+                value = g.of(rows)
+            elif ref_rows is None:
+                raise RuntimeError(f"{module}: the statistic {name!r} needs the full-precision input, which the "
+                                   "run did not provide")  # fmt: skip
+            else:
+                value = g.of(rows, ref_rows.to(rows.device))
+            values[name] = _combine(g.reduce, values.get(name), value)
 
     def partials(self) -> dict[str, dict[str, Statistic]]:
         """This shard's values as partial statistics (``gather:<module>`` keys), handed over and forgotten."""
@@ -112,6 +123,11 @@ class ModifierSet(tuple):
             replace(m.needs(), shared_statistics=False) if gathers_unshared(type(m)) else m.needs()
             for m in mods
         )
+        if mods.float_inputs and (mods.transforms() or mods.kv()):
+            what = (mods.transforms() or mods.with_kv())[0].name
+            raise ValueError(f"{what} cannot run in one recipe with a modifier that reads the full-precision "
+                             "inputs (a Gather with reference=True): its folds or fp8 KV cache would reach only one "
+                             "of the two streams; run them in separate recipes")  # fmt: skip
         for m, needs in zip(mods, mods.needs):
             if type(m).gathers and needs.transforms:
                 raise ValueError(f"{m.name}: declared statistics (gathers) are not available to transforms yet; "
@@ -129,6 +145,15 @@ class ModifierSet(tuple):
         sub = ModifierSet(self[i] for i in indices)
         sub.needs = tuple(self.needs[i] for i in indices)
         return sub
+
+    @property
+    def float_inputs(self) -> bool:
+        """Some modifier reads its modules' inputs in the full-precision model too (``Gather.reference``)."""
+        return any(g.reference for m in self for g in type(m).gathers)
+
+    def float_modules(self, subgraph: Subgraph) -> list[str]:
+        """The modules of ``subgraph`` whose full-precision inputs a modifier reads."""
+        return [n for m in self if any(g.reference for g in type(m).gathers) for n in m.modules_in(subgraph)]
 
     def need(self, modifier: Modifier) -> Needs:
         return self.needs[self.index(modifier)]
@@ -190,23 +215,28 @@ class ModifierSet(tuple):
         return next((t for m in self if (t := m.layer_targets())), None)
 
 
-def observe(modifier: Modifier, names: list[str], x: torch.Tensor, state: RunState) -> None:
+def observe(
+    modifier: Modifier, names: list[str], x: torch.Tensor, state: RunState, ref: torch.Tensor | None = None
+) -> None:
     """One batch's input ``x`` of the module group ``names`` (the one-pass cut): declared statistics of the
-    modifier's modules among them, then the modifier's own ``observe``."""
+    modifier's modules among them, then the modifier's own ``observe``; ``ref`` is the group's input in the
+    full-precision stream, when the run keeps one."""
     if type(modifier).gathers:
         store, mine = gathered_of(modifier), modifier.quantizes().keys() | modifier.prunes().keys()
         for name in names:
             if name in mine:
-                store.add(name, x, state.token_mask)
+                store.add(name, x, state.token_mask, ref)
     modifier.observe(names, x, state)
 
 
 @contextlib.contextmanager
 def calibrating(
-    modifier: Modifier, subgraph: Subgraph, model: torch.nn.Module, state: RunState
-) -> Iterator[None]:
+    modifier: Modifier, subgraph: Subgraph, model: torch.nn.Module, state: RunState,
+    reference: dict[str, torch.Tensor] | None = None,
+) -> Iterator[None]:  # fmt: skip
     """The layer cut's calibration pass of ``subgraph``: pre-hooks feeding the declared statistics of the
-    modifier's modules in it, and the modifier's own ``calibrate``; every hook removed on exit."""
+    modifier's modules in it, and the modifier's own ``calibrate``; every hook removed on exit. ``reference``:
+    module name -> the batch's input of that module in the full-precision stream (one batch per pass)."""
     handles = []
     try:
         if type(modifier).gathers:
@@ -214,7 +244,7 @@ def calibrating(
             for name in modifier.modules_in(subgraph):
 
                 def hook(_module: torch.nn.Module, args: tuple, name: str = name) -> None:
-                    store.add(name, args[0], state.token_mask)
+                    store.add(name, args[0], state.token_mask, (reference or {}).get(name))
 
                 handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
         with modifier.calibrate(subgraph, model, state):

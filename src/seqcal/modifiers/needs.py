@@ -52,6 +52,10 @@ class Gather:
         of: one batch's contribution from the module's input ``x [tokens, in]`` (float32, padding tokens
             dropped); e.g. ``lambda x: x.pow(2).sum(0)``, or ``lambda x: x.new_tensor([len(x)])`` for a count.
         reduce: how contributions combine, elementwise: "sum", "max" or "min".
+        reference: ``of(x, x_ref)`` also gets the module's input in the full-precision model (the same tokens
+            with no module before it quantized), for asymmetric calibration (GPTAQ). The pipeline then keeps a
+            second, full-precision stream of the activations beside the calibration's (twice the activation
+            cache, and one more forward pass of every subgraph).
 
     Example:
         >>> g = Gather("sq", lambda x: x.pow(2).sum(0))
@@ -60,8 +64,9 @@ class Gather:
     """
 
     name: str
-    of: Callable[[torch.Tensor], torch.Tensor]
+    of: Callable[..., torch.Tensor]
     reduce: str = "sum"
+    reference: bool = False
 
     def __post_init__(self) -> None:
         if self.reduce not in REDUCTIONS:
