@@ -57,7 +57,9 @@ def processor(arch: str) -> Any:
     """The processor of ``arch`` built in code (PIL image processors; no torchvision)."""
     tok = tokenizer(arch)
     if arch == "llava":
-        images = transformers.CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+        images = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}
+        )
         return transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4,
                                            vision_feature_select_strategy="default",
                                            num_additional_image_tokens=1, image_token="<image>")  # fmt: skip
@@ -139,7 +141,9 @@ def audio_rows(proc: Any, model_config: Any, n: int, silent: bool = False) -> li
     """``n`` Whisper rows: log-mel features of 1 s of noise (``silent``: zeros) and decoder start ids."""
     rows = []
     for i in range(n):
-        wave = np.zeros(1600, np.float32) if silent else np.random.default_rng(i).normal(size=1600).astype("f4")
+        wave = (
+            np.zeros(1600, np.float32) if silent else np.random.default_rng(i).normal(size=1600).astype("f4")
+        )
         feats = proc.feature_extractor(wave, sampling_rate=1600, return_tensors="np").input_features
         ids = [[model_config.decoder_start_token_id] + [4 + (i + k) % len(WORDS) for k in range(5)]]
         rows.append({"input_features": feats.tolist(), "decoder_input_ids": ids})

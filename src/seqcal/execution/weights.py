@@ -113,7 +113,9 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     params = dict(model.named_parameters(remove_duplicate=False))
     # tied parameters share one object; a name absent from the files reads it under the stored name
     store.aliases.update({n: first for n, first in _tied_names(model).items() if not store.has(n)})
-    store.aliases = {n: store.aliases.get(key, key) for n, key in store.aliases.items()}  # tied to a renamed one
+    store.aliases = {
+        n: store.aliases.get(key, key) for n, key in store.aliases.items()
+    }  # tied to a renamed one
     missing = [n for n in params if not store.has(n)]
     merged = _merged_on_load(model, missing)
     if merged:

@@ -182,7 +182,9 @@ def _collate(rows: list[dict[str, Any]], media: MediaArgs, where: str) -> dict[s
     return out
 
 
-def _checked(batch: dict[str, Any], inputs: set[str], model_name: str, where: str, limit: int) -> dict[str, Any]:
+def _checked(
+    batch: dict[str, Any], inputs: set[str], model_name: str, where: str, limit: int
+) -> dict[str, Any]:
     """``batch`` after checking that the forward takes each key and no sequence passes ``max_seq_length``."""
     for key, value in batch.items():
         if key not in inputs:
@@ -211,8 +213,10 @@ def text_only_note(model: torch.nn.Module, args: DataArgs | None) -> str | None:
         return None
     if isinstance(args.dataset, PreparedBatches) and any(MEDIA_KEYS & set(b) for b in args.dataset):
         return None
-    return (f"{type(model).__name__} takes images or audio, but it was calibrated on text alone: its vision or "
-            "audio path saw no calibration data; give rows mapped through its processor to calibrate with them")
+    return (
+        f"{type(model).__name__} takes images or audio, but it was calibrated on text alone: its vision or "
+        "audio path saw no calibration data; give rows mapped through its processor to calibrate with them"
+    )
 
 
 def media_batches_of(batches: Sequence[Mapping[str, Any]]) -> int:

@@ -70,7 +70,9 @@ def processor_source(model: Any, tokenizer: Any) -> Path | None:
 
 def has_processor(processor: Any, source: Path | None) -> bool:
     """Whether a processor object is given or ``source`` holds a processor's files."""
-    return processor is not None or (source is not None and any((source / f).is_file() for f in PROCESSOR_FILES))
+    return processor is not None or (
+        source is not None and any((source / f).is_file() for f in PROCESSOR_FILES)
+    )
 
 
 def save_processor(processor: Any, source: Path | None, output_dir: str | Path) -> list[str]:
