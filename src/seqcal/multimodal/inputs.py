@@ -18,7 +18,7 @@ import dataclasses
 import inspect
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -217,8 +217,3 @@ def text_only_note(model: torch.nn.Module, args: DataArgs | None) -> str | None:
         f"{type(model).__name__} takes images or audio, but it was calibrated on text alone: its vision or "
         "audio path saw no calibration data; give rows mapped through its processor to calibrate with them"
     )
-
-
-def media_batches_of(batches: Sequence[Mapping[str, Any]]) -> int:
-    """How many of ``batches`` carry image or audio inputs."""
-    return sum(bool(MEDIA_KEYS & set(b)) for b in batches)
