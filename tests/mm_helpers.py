@@ -36,6 +36,11 @@ SPECIALS: dict[str, dict[str, int]] = {
 }  # fmt: skip
 IMAGE_SIDE = {"llava": 8, "qwen2_5_vl": 8, "gemma3": 16}
 PROMPT = "what does this image shows"
+# A chat template that renders an image item as Gemma 3's image marker (the processor expands it).
+GEMMA3_TEMPLATE = (
+    "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<start_of_image> "
+    "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+)
 
 
 def tokenizer(arch: str) -> PreTrainedTokenizerFast:
@@ -65,7 +70,9 @@ def processor(arch: str) -> Any:
                                            num_additional_image_tokens=1, image_token="<image>")  # fmt: skip
     if arch == "gemma3":
         images = transformers.Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
-        return transformers.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
+        return transformers.Gemma3Processor(
+            image_processor=images, tokenizer=tok, image_seq_length=4, chat_template=GEMMA3_TEMPLATE
+        )
     if arch == "qwen2_5_vl":  # its processor needs a torchvision video processor: the image processor alone
         return QwenParts(tok, transformers.Qwen2VLImageProcessorPil(
             patch_size=2, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=64))  # fmt: skip
