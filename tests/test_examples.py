@@ -217,3 +217,25 @@ def test_learned_rounding_lowers_the_mlp_error_and_its_checkpoint_reloads(
         want = reference(input_ids=ids).logits
     got = reload_logits(out, ids)
     assert ((got - want).norm() / want.norm()).item() < 0.1
+
+
+def test_gemma3_and_whisper_examples_calibrate_on_images_and_audio(tmp_path: Path) -> None:
+    import numpy as np
+
+    import mm_helpers as mh
+
+    gemma, _ = mh.save_tiny("gemma3", tmp_path)
+    (tmp_path / "images").mkdir()
+    for i in range(2):
+        mh.image(i, 16).save(tmp_path / "images" / f"{i}.png")
+    scheme = ["--scheme", "W8A8", "--num-calibration-samples", "2", "--max-seq-length", "64"]
+    proc = run_example("gemma3_images.py", "--model", str(gemma), "--images", str(tmp_path / "images"),
+                       "--output-dir", str(tmp_path / "g"), *scheme, cwd=tmp_path)  # fmt: skip
+    assert "reloads as Gemma3ForConditionalGeneration" in proc.stdout
+    whisper, _ = mh.save_tiny("whisper", tmp_path)
+    (tmp_path / "audio").mkdir()
+    for i in range(2):
+        np.save(tmp_path / "audio" / f"{i}.npy", np.random.default_rng(i).normal(size=1600).astype("f4"))
+    proc = run_example("whisper_audio.py", "--model", str(whisper), "--audio", str(tmp_path / "audio"),
+                       "--output-dir", str(tmp_path / "w"), *scheme, cwd=tmp_path)  # fmt: skip
+    assert "reloads as WhisperForConditionalGeneration" in proc.stdout

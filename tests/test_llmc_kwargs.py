@@ -53,8 +53,8 @@ REFUSED_DEFAULTS = {"max_seq_length"}  # llm-compressor's None (the model's maxi
 # A value each refusing rule cannot honour.
 UNSUPPORTED_VALUES: dict[str, Any] = {
     "save_compressed": False, "tie_word_embeddings": False, "config_name": "other/config",
-    "distill_teacher": "teacher", "recipe_args": ["x=1"], "stage": "quant_stage", "data_collator": lambda b: b,
-    "pad_to_max_length": True, "streaming": True, "preprocessing_func": str.lower, "raw_kwargs": {"cache": 1},
+    "distill_teacher": "teacher", "recipe_args": ["x=1"], "stage": "quant_stage", "pad_to_max_length": True,
+    "streaming": True, "raw_kwargs": {"cache": 1},
     "dvc_data_repository": "dvc://x", "sequential_targets_per_subgraph": 2,
     "propagate_error": False, "use_loss_mask": True,
 }  # fmt: skip

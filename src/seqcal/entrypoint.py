@@ -23,6 +23,9 @@ from seqcal.experts import linearize_experts
 from seqcal.input_checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
 from seqcal.llmc_compat import needs_translation as needs_llmc_translation
 from seqcal.llmc_compat import translate as translate_llmc_kwargs
+from seqcal.multimodal.inputs import MediaArgs
+from seqcal.multimodal.processor import processor_source, split_processor
+from seqcal.multimodal.run import finish_media, prepare_media
 from seqcal.plan import make_plan
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
@@ -80,9 +83,10 @@ def load_model(
     With ``offload_weights`` (the default of the sequential pipeline for a directory) no weight is read
     here: parameters stay on meta and each subgraph reads its own from the safetensors files.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from seqcal.models import resolve_model
+    from seqcal.multimodal.classes import from_pretrained
 
     store = None
     if isinstance(args.model, torch.nn.Module):
@@ -97,9 +101,7 @@ def load_model(
                     source, None if dtype == "auto" else dtype, args.trust_remote_code
                 )
             else:
-                model = AutoModelForCausalLM.from_pretrained(
-                    source, dtype=dtype, trust_remote_code=args.trust_remote_code
-                )
+                model = from_pretrained(source, dtype, args.trust_remote_code)
         except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint is the cause
             raise ModelLoadError.wrap(source, exc) from exc
     tokenizer = args.tokenizer
@@ -146,6 +148,8 @@ def oneshot(
     verify: bool = True,
     moe_calibrate_all_experts: bool = True,
     num_shards: int = DEFAULT_SHARDS,
+    data_collator: Any = None,
+    preprocessing_func: Any = None,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -210,6 +214,9 @@ def oneshot(
             every token of its layer (its Hessian is not starved by the router), while the layer's output
             keeps the real routing. False: each expert sees only the tokens routed to it; one that gets none
             is quantized round-to-nearest (the log and report list it).
+        data_collator / preprocessing_func: rows mapped through a processor (images, audio): a function of a
+            list of rows giving one batch, and one applied to each row first (llm-compressor's route;
+            ``seqcal.multimodal.inputs``). Every input a batch holds reaches the model's forward.
         num_shards: virtual shards of the calibration batches. Statistics are accumulated per shard and
             folded in shard order, so the checkpoint is the same for one process and for any number of
             processes (``torchrun``, or a ``torch.distributed`` group the caller started; seqcal.distributed).
@@ -257,6 +264,7 @@ def oneshot(
                                                                                  output_dir, dry_run))  # fmt: skip
     # Fused MoE experts become per-expert Linears for the run (recipes reach them by their checkpoint names);
     # the returned model has its fused experts back. After an error it keeps the Linears (same outputs).
+    tok, processor = split_processor(tok)  # a processor given as tokenizer: its tokenizer batches text
     experts = linearize_experts(loaded, calibrate_all=moe_calibrate_all_experts)
     parsed.validate(loaded)
     plan = None
@@ -285,6 +293,9 @@ def oneshot(
         max_device_memory=parse_bytes(max_device_memory), cache_max_memory=pipe_args.cache_max_memory,
         equal_lengths=not moe_calibrate_all_experts,  # experts fed only their tokens would see padding
     )  # fmt: skip
+    media = prepare_media(data_args, loaded, MediaArgs(data_collator, preprocessing_func), processor,
+                          processor_source(model_args.model, model_args.tokenizer))  # fmt: skip
+    data_args = media.data_args
     check_data_for_model(loaded, tok, data_args, model_args.model)
     recipe_yaml = parsed.to_yaml()
     # By content, never repr(data_args) (a DataLoader's repr is its address): the stream adds the batches' hash.
@@ -296,6 +307,7 @@ def oneshot(
         state = run_pipeline(
             loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler, batches
         )
+        state.log.extend(media.notes)
         if out_args.output_dir is not None and group.writes:
             tok = _reload_tokenizer(reload_from, trust_remote_code) if reload_from else tok
             from seqcal.checkpoint.writer import save_checkpoint
@@ -307,6 +319,7 @@ def oneshot(
                 else:
                     save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
                                     overwrite=out_args.overwrite)  # fmt: skip
+            finish_media(media, out_args.output_dir)
             write_error_report(state.report, out_args.output_dir)
     merge_rank_profiles(profile, group)  # one trace, a process per rank
     experts.restore()

@@ -49,7 +49,9 @@ class Rule:
 ALIASES: dict[str, str] = {
     "trust_remote_code_model": "trust_remote_code",
     "concatenate_data": "concatenate",
-    "processor": "tokenizer",  # a tokenizer/processor object, or a directory or Hub id to load it from
+    # a tokenizer or processor object (its tokenizer batches text, the processor is saved with the checkpoint),
+    # or a directory or Hub id to load the tokenizer from (its processor files are copied beside the checkpoint)
+    "processor": "tokenizer",
     "precision": "dtype",  # "auto", "float32", "bfloat16", "float16"
     "dataset_path": "dataset",  # a local json/csv/... file; seqcal's dataset takes paths too
     # earlier releases: True replaced MoE blocks by ones that send every token to every expert
@@ -103,12 +105,6 @@ RULES: dict[str, Rule] = {
         refusal="seqcal runs every stage of a recipe in order; pass a recipe holding only the stage to run",
     ),
     # ---- dataset arguments
-    "data_collator": Rule(
-        ("truncation", "padding"),
-        f"{_PADDING} (with batch_size=1 all collators agree)",
-        "seqcal builds its batches itself; pass ready batches as a torch DataLoader of "
-        "{'input_ids', 'attention_mask'} dicts in dataset=",
-    ),
     "pad_to_max_length": Rule(
         (False,), _PADDING, f"{_PADDING}: padding to max_seq_length adds only masked tokens"
     ),
@@ -121,11 +117,10 @@ RULES: dict[str, Rule] = {
     "overwrite_cache": Rule(None, "seqcal keeps no cache of preprocessed datasets"),
     "preprocessing_num_workers": Rule(None, "seqcal tokenizes the calibration samples in this process"),
     "dataloader_num_workers": Rule(None, "seqcal tokenizes the calibration samples in this process"),
-    "remove_columns": Rule(None, "seqcal reads only text_column, 'messages' or 'input_ids' from a row"),
-    "preprocessing_func": Rule(
-        (None,),
-        refusal="seqcal does not run code on rows; apply the function yourself "
-        "(Dataset.map) and pass the result as dataset=",
+    "remove_columns": Rule(
+        None,
+        "seqcal reads only text_column, 'messages' or 'input_ids' from a text row; rows with images or audio "
+        "must hold model inputs only (a column the forward does not take is an error naming it)",
     ),
     "raw_kwargs": Rule(
         (None, {}),

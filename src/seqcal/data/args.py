@@ -37,6 +37,10 @@ class CalibrationDataError(SeqcalError, ValueError):
     """The calibration dataset cannot be turned into batches; the message says where and what is valid."""
 
 
+class PreparedBatches(list):
+    """Batches built and checked already (image or audio rows, ``seqcal.multimodal.inputs``): used as they are."""
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)

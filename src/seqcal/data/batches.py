@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from seqcal.data.args import ACCEPTED, CalibrationDataError, DataArgs, _dataset_kind
+from seqcal.data.args import ACCEPTED, CalibrationDataError, DataArgs, PreparedBatches, _dataset_kind
 from seqcal.data.autobatch import AUTO, BatchLimits, group_by_length
 from seqcal.data.sources import (
     _HEADING,
@@ -86,6 +86,8 @@ def load_calibration_batches(
         >>> batches = load_calibration_batches(DataArgs(["Some text.", "More text."], batch_size=2), tok)
         >>> batches[0]["attention_mask"].sum(1)  # tokens per sample
     """
+    if isinstance(args.dataset, PreparedBatches):
+        return list(args.dataset)
     if isinstance(args.dataset, DataLoader):
         return _loader_batches(args)
     pad_id = _pad_id(args, tokenizer)
@@ -142,7 +144,7 @@ def needs_tokenizer(args: DataArgs) -> bool:
         (True, False)
     """
     kind = _dataset_kind(args.dataset)
-    if kind == "loader":
+    if kind == "loader" or isinstance(args.dataset, PreparedBatches):
         return False
     rows, _ = _ROW_READERS[kind](args)
     for row in rows:

@@ -94,7 +94,9 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     Returns:
         (model in eval mode with meta parameters, WeightStore).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from seqcal.multimodal.classes import build, checkpoint_aliases
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     # `dtype` since transformers 4.56; reading `torch_dtype` there logs a deprecation warning on every run
@@ -102,14 +104,18 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = build(config, dtype, trust_remote_code)  # the class the checkpoint was saved from
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # tied parameters become one object, found below under the name on disk
     store = WeightStore.from_checkpoint(path, dtype=dtype)
     _map_experts(model, store)
+    store.aliases.update(checkpoint_aliases(model, store.has))  # modules transformers renames as it loads
     params = dict(model.named_parameters(remove_duplicate=False))
     # tied parameters share one object; a name absent from the files reads it under the stored name
     store.aliases.update({n: first for n, first in _tied_names(model).items() if not store.has(n)})
+    store.aliases = {
+        n: store.aliases.get(key, key) for n, key in store.aliases.items()
+    }  # tied to a renamed one
     missing = [n for n in params if not store.has(n)]
     merged = _merged_on_load(model, missing)
     if merged:

@@ -1,0 +1,96 @@
+"""The model's processor (image processor, feature extractor, chat template) beside the checkpoint.
+
+A processor object given to ``oneshot`` (``processor=``, llm-compressor's name for ``tokenizer``) is split
+into its tokenizer, which batches text as any tokenizer does, and the processor, saved with the checkpoint.
+For a model given as a directory, its processor files are copied into the checkpoint as they are, so
+processors that need optional packages to load (transformers' torchvision-backed video processors) are kept
+without loading them.
+
+Example:
+    >>> tok, processor = split_processor(AutoProcessor.from_pretrained("llava-dir"))  # doctest: +SKIP
+    >>> save_processor(processor, Path("llava-dir"), Path("out"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+# Files of a processor besides the tokenizer's (transformers' names), copied from the model's directory.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+# Attributes of a processor object that hold the part applied to images or audio.
+_MEDIA_PARTS = ("image_processor", "feature_extractor", "video_processor", "audio_processor")
+
+
+def split_processor(tokenizer: Any) -> tuple[Any, Any]:
+    """(the tokenizer to batch text with, the processor to save or None) from a tokenizer or a processor.
+
+    Example:
+        >>> split_processor(tok)  # a plain tokenizer  # doctest: +SKIP
+        (tok, None)
+    """
+    inner = getattr(tokenizer, "tokenizer", None)
+    if inner is not None and any(getattr(tokenizer, part, None) is not None for part in _MEDIA_PARTS):
+        return inner, tokenizer
+    if hasattr(tokenizer, "model_input_names") and not hasattr(tokenizer, "encode") and inner is None:
+        return None, tokenizer  # an image processor or feature extractor alone: no text side
+    return tokenizer, None
+
+
+def processor_source(model: Any, tokenizer: Any) -> Path | None:
+    """The directory whose processor files go with the checkpoint: ``tokenizer`` when it names one, else the
+    model's (for a Hub id, its local snapshot); None when neither is a directory.
+
+    Args:
+        model: the ``model`` argument (a directory, 'default', a Hub id or a loaded model).
+        tokenizer: the ``tokenizer`` / ``processor`` argument.
+    """
+    for given in (tokenizer, model):
+        if not isinstance(given, (str, Path)):
+            continue
+        if Path(given).is_dir():
+            return Path(given)
+        try:
+            from seqcal.models import resolve_model
+
+            path = Path(resolve_model(str(given)))
+        except (OSError, ValueError):  # not found offline: no files to copy from it
+            continue
+        if path.is_dir():
+            return path
+    return None
+
+
+def has_processor(processor: Any, source: Path | None) -> bool:
+    """Whether a processor object is given or ``source`` holds a processor's files."""
+    return processor is not None or (
+        source is not None and any((source / f).is_file() for f in PROCESSOR_FILES)
+    )
+
+
+def save_processor(processor: Any, source: Path | None, output_dir: str | Path) -> list[str]:
+    """Write the processor beside the checkpoint: ``processor.save_pretrained``, else copy ``source``'s files.
+
+    Args:
+        processor: a processor object (None: copy from ``source``).
+        source: the directory the model (or its processor) came from, or None.
+        output_dir: the checkpoint directory.
+
+    Returns:
+        The processor files now in ``output_dir`` (names).
+    """
+    out = Path(output_dir)
+    if processor is not None:
+        processor.save_pretrained(str(out))
+    elif source is not None and source.resolve() != out.resolve():
+        for name in PROCESSOR_FILES:
+            if (source / name).is_file() and not (out / name).exists():
+                shutil.copyfile(source / name, out / name)
+    return [name for name in PROCESSOR_FILES if (out / name).is_file()]
