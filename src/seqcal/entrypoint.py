@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from seqcal.backend.host import onednn_cache_limited
 from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
 from seqcal.data.autobatch import default_batch_size, with_auto_limits
@@ -16,7 +17,6 @@ from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
 from seqcal.distributed.group import merge_rank_profiles
 from seqcal.errors import ModelLoadError
-from seqcal.execution.host import limit_onednn_cache, map_large_allocations
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
@@ -110,6 +110,8 @@ def load_model(
     return model.eval(), tokenizer, store
 
 
+# oneDNN's caches capped before the run's first bf16 matmul, os.environ as it was on return (backend.host)
+@onednn_cache_limited()
 def oneshot(
     model: Any,
     dataset: Any = None,
@@ -222,8 +224,6 @@ def oneshot(
         >>> oneshot(model="default", dataset="default", recipe="recipes/gptq_w4a16_g64.yaml",
         ...         output_dir="out", num_calibration_samples=64, max_seq_length=512)  # doctest: +SKIP
     """
-    limit_onednn_cache()  # before the run's first bf16 matmul (a no-op if the process had one already)
-    map_large_allocations()  # the solves' large temporaries in their own mappings (host.MMAP_THRESHOLD)
     if needs_llmc_translation(dict(locals())):  # llm-compressor's keywords: seqcal's own, or an error
         return oneshot(**translate_llmc_kwargs(oneshot, dict(locals())))
     with launched() as started:  # under torchrun: the process group for this call, then this call again in it

@@ -20,7 +20,7 @@ from seqcal.distributed.reduce import (
     tensors_of,
 )
 from seqcal.distributed.shards import ShardPlan, assign_owners
-from seqcal.modifiers.base import QuantizedWeight
+from seqcal.records import QuantizedWeight
 from seqcal.tracing.partition import Subgraph
 
 

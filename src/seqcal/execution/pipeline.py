@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from seqcal.algorithms.columns import clear_graphs
-from seqcal.algorithms.products import linears_on_onednn
+from seqcal.backend import linears_on_onednn
+from seqcal.backend.cuda_graphs import clear_graphs
 from seqcal.checkpoint.streaming import ResumeError, StreamingCheckpoint
 from seqcal.data.autobatch import batch_summary, describe_batches
 from seqcal.data.batches import DataArgs, load_calibration_batches
@@ -22,7 +22,9 @@ from seqcal.distributed.run import resume_point, start_sharded_run, traffic_repo
 from seqcal.distributed.shards import DEFAULT_SHARDS
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache, tier_device
 from seqcal.execution.executor import calibrate_subgraphs
+from seqcal.execution.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.execution.transforms import prepare_modifiers
+from seqcal.execution.verify import Divergence, refuse, verify_partition
 from seqcal.execution.weights import (
     SubgraphWeights,
     WeightStore,
@@ -41,9 +43,7 @@ from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
 from seqcal.tracing.leaves import normalize_trace_into
 from seqcal.tracing.partition import OnePassError
-from seqcal.tracing.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing.targets import infer_candidates
-from seqcal.tracing.verify import Divergence, refuse, verify_partition
 
 logger = logging.getLogger("seqcal")
 
@@ -80,7 +80,7 @@ class PipelineArgs:
     # results either way, so it is left out of the run's fingerprint.
     trace_into: str | list[str] | None = field(default=None, repr=False)
     # Check the partition against the model's own forward on a second, differently shaped batch before
-    # calibrating (seqcal.tracing.verify). A check, not a setting of the result: left out of the fingerprint.
+    # calibrating (seqcal.execution.verify). A check, not a setting of the result: left out of the fingerprint.
     verify: bool = field(default=True, repr=False)
     # Device memory (bytes) the run may use; GPTQ sizes its stacked solves from it. The results do not depend
     # on it (solves are split by rows), so it is left out of the fingerprint.
@@ -369,7 +369,7 @@ def verify_run(
     subgraphs: SubgraphList, batch: dict[str, Any], store: WeightStore | None, device: torch.device
 ) -> Divergence | None:
     """Check ``subgraphs`` against the model's forward on a batch shaped unlike ``batch`` (see
-    ``seqcal.tracing.verify``); offloaded weights are read per module for the eager run and per subgraph for
+    ``seqcal.execution.verify``); offloaded weights are read per module for the eager run and per subgraph for
     the partitioned one, so the check stays within the run's memory bound."""
     start = time.perf_counter()
     if store is None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from seqcal.modifiers.base import Fold
+from seqcal.records import Fold
 
 logger = logging.getLogger("seqcal")
 
