@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
+from seqcal.backend.host import limit_onednn_cache, map_large_allocations
 from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
 from seqcal.data.autobatch import parse_batch_size
 from seqcal.distributed import DEFAULT_SHARDS, writer_rank
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
-from seqcal.execution.host import limit_onednn_cache, map_large_allocations
 from seqcal.report import FORMATS
 
 _SAMPLE_TEXTS = (

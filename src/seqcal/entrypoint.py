@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from seqcal.backend.host import onednn_cache_limited
 from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
 from seqcal.data.autobatch import default_batch_size, with_auto_limits
@@ -15,7 +16,6 @@ from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
 from seqcal.distributed.group import merge_rank_profiles
 from seqcal.errors import ModelLoadError
-from seqcal.execution.host import limit_onednn_cache, map_large_allocations
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
@@ -68,6 +68,8 @@ def load_model(
     return model.eval(), tokenizer, store
 
 
+# oneDNN's caches capped before the run's first bf16 matmul, os.environ as it was on return (backend.host)
+@onednn_cache_limited()
 def oneshot(
     model: Any,
     dataset: Any = None,
@@ -192,8 +194,6 @@ def oneshot(
 
 def run_oneshot(args: OneshotArgs) -> Any:
     """``oneshot``'s stages on its typed arguments: load, plan, data, calibrate, save."""
-    limit_onednn_cache()  # before the run's first bf16 matmul (a no-op if the process had one already)
-    map_large_allocations()  # the solves' large temporaries in their own mappings (host.MMAP_THRESHOLD)
     group = process_group()
     pipe_args, out_args = _pipeline_args(args), args.output_args()
     parsed = parse_recipe(args.recipe)

@@ -368,7 +368,7 @@ def make_plan(
         ...                 sequential_targets=None, tracing_ignore=[]).table())  # doctest: +SKIP
     """
     from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
-    from seqcal.tracing.subgraphs import trace_subgraphs
+    from seqcal.execution.subgraphs import trace_subgraphs
 
     auto = batch_size == AUTO
     batch_size = 1 if auto else int(batch_size)  # auto: planned per sample, then sized (_plan_auto_batch)

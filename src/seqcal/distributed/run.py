@@ -21,8 +21,8 @@ from seqcal.distributed.reduce import (
 )
 from seqcal.distributed.shards import ShardPlan, assign_owners
 from seqcal.modifiers import contract
-from seqcal.modifiers.base import QuantizedWeight
 from seqcal.modifiers.contract import ModifierSet
+from seqcal.records import QuantizedWeight
 from seqcal.tracing.partition import Subgraph
 
 

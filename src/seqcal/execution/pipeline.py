@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from seqcal.algorithms.columns import clear_graphs
-from seqcal.algorithms.products import linears_on_onednn
+from seqcal.backend import linears_on_onednn
+from seqcal.backend.cuda_graphs import clear_graphs
 from seqcal.checkpoint.preflight import DiskSpaceError
 from seqcal.checkpoint.streaming import CHECKPOINT_BYTES, ResumeError, StreamingCheckpoint
 from seqcal.data.autobatch import batch_summary, describe_batches
@@ -25,7 +25,9 @@ from seqcal.distributed.shards import DEFAULT_SHARDS
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache, tier_device
 from seqcal.execution.executor import calibrate_subgraphs
 from seqcal.execution.reference import reference_cache
+from seqcal.execution.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.execution.transforms import prepare_modifiers
+from seqcal.execution.verify import Divergence, refuse, verify_partition
 from seqcal.execution.weights import (
     SubgraphWeights,
     WeightStore,
@@ -45,9 +47,7 @@ from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
 from seqcal.tracing.leaves import normalize_trace_into
 from seqcal.tracing.partition import OnePassError
-from seqcal.tracing.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.tracing.targets import infer_candidates
-from seqcal.tracing.verify import Divergence, refuse, verify_partition
 
 logger = logging.getLogger("seqcal")
 
@@ -84,7 +84,7 @@ class PipelineArgs:
     # results either way, so it is left out of the run's fingerprint.
     trace_into: str | list[str] | None = field(default=None, repr=False)
     # Check the partition against the model's own forward on a second, differently shaped batch before
-    # calibrating (seqcal.tracing.verify). A check, not a setting of the result: left out of the fingerprint.
+    # calibrating (seqcal.execution.verify). A check, not a setting of the result: left out of the fingerprint.
     verify: bool = field(default=True, repr=False)
     # Device memory (bytes) the run may use; GPTQ sizes its stacked solves from it. The results do not depend
     # on it (solves are split by rows), so it is left out of the fingerprint.
@@ -390,7 +390,7 @@ def verify_run(
     subgraphs: SubgraphList, batch: dict[str, Any], store: WeightStore | None, device: torch.device
 ) -> Divergence | None:
     """Check ``subgraphs`` against the model's forward on a batch shaped unlike ``batch`` (see
-    ``seqcal.tracing.verify``); offloaded weights are read per module for the eager run and per subgraph for
+    ``seqcal.execution.verify``); offloaded weights are read per module for the eager run and per subgraph for
     the partitioned one, so the check stays within the run's memory bound."""
     start = time.perf_counter()
     if store is None:

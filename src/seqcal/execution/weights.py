@@ -28,8 +28,8 @@ from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 
+from seqcal.backend.host import trim_host_memory
 from seqcal.errors import ModelLoadError
-from seqcal.execution.host import trim_host_memory
 
 
 @dataclass
