@@ -22,9 +22,9 @@ implementation's empirical scale of the second term; ``alpha = 1`` is the paper'
 ``dXXT = 0`` (``X~ == X``) is GPTQ, code for code. Both terms use lazy batch updates (GPTQ paper, Sec. 3.4):
 in blocks of ``block_size`` columns and, inside a block, sub-blocks of ``SUB_BLOCK``.
 
-One difference from the reference implementation (and GPTQModel's port): there, the update of later blocks
-multiplies ``P`` by the block's *rounded* columns while the update inside a block uses ``w_q``; here both use
-``w_q``, so the result does not depend on ``block_size`` (up to float rounding), as GPTQ's does not.
+Unlike the reference implementation (and GPTQModel's port), whose update of later blocks multiplies ``P`` by
+the block's *rounded* columns (``w_q`` inside the block), both updates use ``w_q``: the result does not depend
+on ``block_size`` (up to float rounding), as GPTQ's does not.
 """
 
 from __future__ import annotations
@@ -118,25 +118,21 @@ def asymmetry_matrix(dXXT: Tensor, Hinv: Tensor, alpha: float = DEFAULT_ALPHA) -
 
 def _check_inputs(W: Tensor, H: Tensor, dXXT: Tensor, strategy: str, group_size: int | None, **kw) -> None:
     n_in = W.shape[1] if W.ndim == 2 else -1
+    bits, block, actorder = kw["type"], kw["block_size"], kw["actorder"]
+    # fmt: off
     problems = [
         (W.ndim != 2, f"W must be 2-D [out, in], got shape {list(W.shape)}; flatten it first"),
         (H.shape != (n_in, n_in), f"H must be [{n_in}, {n_in}] for W {list(W.shape)}, got {list(H.shape)}"),
         (dXXT.shape != (n_in, n_in), f"dXXT must be [{n_in}, {n_in}] like H, got {list(dXXT.shape)}"),
         (strategy not in STRATEGIES, f"unknown strategy {strategy!r}; valid: {STRATEGIES}"),
-        (
-            strategy == "group" and (not group_size or group_size < 0 or n_in % group_size != 0),
-            f"group strategy needs a group_size > 0 dividing in_features {n_in}, got {group_size}",
-        ),
-        (kw["block_size"] <= 0, f"block_size must be > 0, got {kw['block_size']}"),
-        (
-            kw["type"] != "int",
-            f"only integer weights are supported, got type={kw['type']!r}; use GPTQ for fp8",
-        ),
-        (
-            kw["actorder"] is not None and kw["actorder"] not in ACTORDER,
-            f"unknown actorder {kw['actorder']!r}; valid: None, {sorted(ACTORDER)}",
-        ),
+        (strategy == "group" and (not group_size or group_size < 0 or n_in % group_size != 0),
+         f"group strategy needs a group_size > 0 dividing in_features {n_in}, got {group_size}"),
+        (block <= 0, f"block_size must be > 0, got {block}"),
+        (bits != "int", f"only integer weights are supported, got type={bits!r}; use GPTQ for fp8"),
+        (actorder is not None and actorder not in ACTORDER,
+         f"unknown actorder {actorder!r}; valid: None, {sorted(ACTORDER)}"),
     ]
+    # fmt: on
     for bad, message in problems:
         if bad:
             raise ValueError(f"gptaq_quantize: {message}")
@@ -192,6 +188,36 @@ def _order(H: Tensor, dead: Tensor, actorder: str | None) -> Tensor | None:
     return torch.argsort(diag, descending=True, stable=True)
 
 
+def _factor_and_mismatch(
+    H: Tensor, dXXT: Tensor, device: torch.device, actorder: str | None, alpha: float, dampening_frac: float,
+    max_retries: int, damp_growth: float,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor, float, int]:  # fmt: skip
+    """``(dead [in], perm or None, U, P, dampening_frac used, retries)``, ``U`` and ``P`` in processing order."""
+    Hp = H.detach().to(device=device, dtype=torch.float32, copy=True)  # [in, in]
+    dead = Hp.diagonal() == 0  # inputs never seen in X~
+    perm = _order(Hp, dead, actorder)
+    D = dXXT.detach().to(device=device, dtype=torch.float32, copy=True)  # [in, in]
+    D[:, dead] = 0  # nothing can compensate with an input the quantized model never sees
+    if perm is not None:
+        Hp, D = Hp[perm][:, perm], D[perm][:, perm]
+    Hp.diagonal()[dead if perm is None else dead[perm]] = 1
+    U, frac, retries = _inverse_factor(Hp, dampening_frac, max_retries, damp_growth)
+    del Hp
+    return dead, perm, U, asymmetry_matrix(D, U, alpha), frac, retries
+
+
+def _fit_dead_inputs_(WT: Tensor, W: Tensor, P: Tensor, dead: Tensor, perm: Tensor | None) -> None:
+    """Add the dead inputs' terms ``w_i P_{i,F}`` (``w_i`` the original weight) to ``WT`` [in, out] up front: a dead
+    input is quantized to 0, but its float output ``W_:,i x_i`` is still fitted by the later columns. Nothing
+    updates a dead column (``U`` is diagonal there, ``P``'s column zero): the loop would add the same at its turn.
+    """
+    if not bool(dead.any()):
+        return
+    original = dead.nonzero().squeeze(1)  # [k] original column indices
+    at = original if perm is None else torch.argsort(perm)[original]  # their positions in processing order
+    WT.addmm_(P[at].T, W.detach()[:, original].T.to(torch.float32))  # [in, k] @ [k, out]
+
+
 def _weight_and_qparams(
     W32: Tensor, perm: Tensor | None, actorder: str | None, group_size: int | None, qkw: dict
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
@@ -213,8 +239,8 @@ def _weight_and_qparams(
 
 @contextlib.contextmanager
 def _one_thread(device: torch.device) -> Iterator[None]:
-    """The column loop's tiny ops on one CPU intra-op thread (as GPTQ's loop: the thread hand-offs cost more than
-    the ops, and the products then round as GPTQ's do); the caller's setting restored after."""
+    """The column loop's tiny ops on one CPU intra-op thread, as GPTQ's (hand-offs cost more than the ops; the
+    products round as GPTQ's); the caller's setting restored after."""
     before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -283,30 +309,15 @@ def gptaq_quantize(
     qkw = dict(num_bits=num_bits, symmetric=symmetric, strategy=strategy, group_size=group_size, type=type)
     qkw.update(observer=observer, observer_kwargs=observer_kwargs, importance=importance)
 
-    Hp = H.detach().to(device=W.device, dtype=torch.float32, copy=True)  # [in, in]
-    dead = Hp.diagonal() == 0  # inputs never seen in X~
     order = ACTORDER.get(actorder) if actorder else None
-    perm = _order(Hp, dead, order)
-    D = dXXT.detach().to(device=W.device, dtype=torch.float32, copy=True)  # [in, in]
-    D[:, dead] = 0  # nothing can compensate with an input the quantized model never sees
-    if perm is not None:
-        Hp, D = Hp[perm][:, perm], D[perm][:, perm]
-    Hp.diagonal()[dead if perm is None else dead[perm]] = 1
-    Hinv, frac, retries = _inverse_factor(Hp, dampening_frac, max_retries, damp_growth)
-    del Hp
-    P = asymmetry_matrix(D, Hinv, alpha)  # [in, in], processing order
-    del D
-
+    dead, perm, Hinv, P, frac, retries = _factor_and_mismatch(
+        H, dXXT, W.device, order, alpha, dampening_frac, max_retries, damp_growth
+    )
     W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
     W32[:, dead] = 0
     WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W32, perm, order, group_size, qkw)
     del W32
-    if bool(dead.any()):  # their float output W_:,i x_i is still fitted, by the later columns (rows i of P)
-        at = (
-            dead.nonzero().squeeze(1) if perm is None else dead[perm].nonzero().squeeze(1)
-        )  # processing order
-        W_dead = W.detach().T.to(torch.float32)[at if perm is None else perm[at]]  # [dead, out]
-        WT.addmm_(P[at].T, W_dead)  # what the loop would add: nothing updates a dead column's w_q
+    _fit_dead_inputs_(WT, W, P, dead, perm)
     # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
     scale = scale.to(scale_dtype)
     scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
@@ -321,16 +332,9 @@ def gptaq_quantize(
         inv = torch.argsort(perm)
         Q, codes = Q[:, inv], codes[:, inv]
     return GPTQResult(
-        Q=Q,
-        q=codes,
-        scale=scale,
-        zero_point=zero_point,
-        g_idx=g_idx,
-        loss=row_loss.sum().item(),
-        dampening_frac=frac,
-        retries=retries,
-        row_loss=row_loss,
-    )
+        Q=Q, q=codes, scale=scale, zero_point=zero_point, g_idx=g_idx, loss=row_loss.sum().item(),
+        dampening_frac=frac, retries=retries, row_loss=row_loss,
+    )  # fmt: skip
 
 
 def _quantize_columns(
