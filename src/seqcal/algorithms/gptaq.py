@@ -40,6 +40,7 @@ from seqcal.algorithms import products
 from seqcal.algorithms.gptq import GPTQNumericalError, GPTQResult
 from seqcal.algorithms.observe import weight_qparams
 from seqcal.algorithms.quant import STRATEGIES, Strategy, quant_range
+from seqcal.backend import onednn_applies
 
 # The reference implementation's scale of the input-mismatch term (its authors' most stable choice).
 DEFAULT_ALPHA = 0.25
@@ -162,7 +163,7 @@ def _inverse_factor(
         Hr = Hp.flip(0, 1).contiguous()  # R Hp R
         for step in steps:
             Hr.diagonal().add_(step)
-        if products.onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF:  # float32 CPU: GPTQ's blocked factor
+        if onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF:  # float32 CPU: GPTQ's blocked factor
             inv = products.inverse_cholesky_factor_(Hr)
         else:
             Lr, info = torch.linalg.cholesky_ex(Hr)
