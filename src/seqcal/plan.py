@@ -255,7 +255,7 @@ def plan_memory(
         freed = sum(size(n) for n in sg.frees)
         after = alive + made - freed
         if sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
-            # modules, the propagation pass after a solve) drops each batch's inputs after it (executor._pass)
+            # modules, the propagation pass after a solve) drops each batch's inputs after it (passes.run_pass)
             during = max(alive * batches + made, after * batches + freed)
         else:  # nothing to solve: its one pass stores every batch's outputs before the inputs are dropped
             during = (alive + made) * batches

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from seqcal.backend.host import trim_host_memory
 from seqcal.execution.cache.store import ActivationCache
+from seqcal.execution.passes import autocast, local_shards, relative_error, run_pass, token_mask
 from seqcal.execution.reference import reference_pass
 from seqcal.execution.transforms import (
     divide_inputs,
@@ -23,8 +24,8 @@ from seqcal.modifiers import contract
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.kv_hooks import cache_update
 from seqcal.records import Fold, fold_records, folds_from
-from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
-from seqcal.tracing.partition import Subgraph, target_ends
+from seqcal.report.profile import NullProfiler, Profiler
+from seqcal.tracing.partition import Subgraph
 from seqcal.tracing.runner import GraphRunner as GraphRunner  # re-exported: moved beside the graph
 from seqcal.tracing.runner import SubgraphExecutionError as SubgraphExecutionError
 
@@ -92,46 +93,6 @@ def run_subgraphs(
     return outputs
 
 
-# Samples whose subgraph outputs are kept in full precision to measure the quantization error per subgraph
-# (the first ones; counted in samples, not batches, so that batch_size="auto" keeps as little as batch 1).
-ERROR_SAMPLE_ROWS = 4
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((t for t in map(_first_tensor, value) if t is not None), None)
-    if isinstance(value, dict):
-        return next((t for t in map(_first_tensor, value.values()) if t is not None), None)
-    return None
-
-
-def _relative_error(got: Any, want: Any) -> float | None:
-    a, b = _first_tensor(got), _first_tensor(want)
-    if a is None or b is None or a.shape != b.shape:
-        return None
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-def _error_sample(value: Any, mask: torch.Tensor | None, rows: int) -> tuple[Any, int]:
-    """The first ``rows`` samples of a target's output, their real tokens only, and the samples it covers.
-
-    Outputs at padding positions are no quantization error (nothing reads them); a value not shaped like the
-    token mask is kept whole.
-    """
-    t = _first_tensor(value)
-    if t is None or mask is None or tuple(t.shape[:2]) != tuple(mask.shape):
-        return value, mask.shape[0] if mask is not None else 1
-    n = min(rows, t.shape[0])
-    return t[:n][mask[:n].to(t.device)], n  # [tokens, ...]: a copy, the batch's output is not held
-
-
-def _token_mask(batch: Mapping[str, Any]) -> torch.Tensor | None:
-    mask = batch.get("attention_mask")
-    return mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-
-
 def calibrate_subgraphs(
     model: torch.nn.Module,
     subgraphs: Sequence[Subgraph],
@@ -190,7 +151,7 @@ def calibrate_subgraphs(
             if replay:
                 if reference is not None and sg.outputs:  # the model's own weights, before the saved ones
                     with prof.span("calibration", f"{label} (full precision)", subgraph=sg.index):
-                        reference_pass(runner, sg, batches, reference, lambda: _autocast(state))
+                        reference_pass(runner, sg, batches, reference, lambda: autocast(state))
                 with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
                     _restore(sg, restore, runner.model, state)
                 for fold in _replayed_folds(sg, state):  # the divisions the interrupted run made here
@@ -199,7 +160,7 @@ def calibrate_subgraphs(
                     m.replayed(sg, runner.model, state)
                 if sg.outputs and calibrating:
                     with torch.no_grad():
-                        _pass(runner, sg, batches, cache, state, None, prof, "propagation")
+                        run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
                 row["replayed"] = True
             elif sg.outputs or owned:
                 row["rel_error"] = _run_one(
@@ -253,11 +214,6 @@ def _replayed_folds(sg: Subgraph, state: Any) -> list[Fold]:
     return folds_from(meta["folds"], [tensors[str(i)] for i in range(len(tensors))])
 
 
-def _shards(state: Any, num_batches: int) -> list[range]:
-    """This process's virtual shards as ranges of its batches (all batches at once without sharding)."""
-    return list(state.sharding.local_shards()) if state.sharding is not None else [range(num_batches)]
-
-
 def _compress(runner: GraphRunner, sg: Subgraph, modifiers: ModifierSet, state: Any, prof: Profiler) -> bool:
     """Statistics of every shard folded on the processes that solve the subgraph (its owner, or one per module
     group), which compress their part; the weights go to every process. Returns whether weights changed."""
@@ -286,72 +242,6 @@ def _compress(runner: GraphRunner, sg: Subgraph, modifiers: ModifierSet, state: 
     return changed
 
 
-def _autocast(state: Any) -> contextlib.AbstractContextManager:
-    """Mixed precision as on GPUs: matmuls in the compute dtype, weights and norms in their own dtype.
-
-    One autocast region per pass, so each weight is cast once per pass, not once per batch.
-    """
-    compute = getattr(state, "compute_dtype", None)
-    return torch.autocast(state.device.type, dtype=compute) if compute else contextlib.nullcontext()
-
-
-def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
-          state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
-          indices: Sequence[int] | None = None, until: str | None = None, store: bool = True) -> None:  # fmt: skip
-    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (none when each run stops after
-    the node named ``until``, or with ``store`` False: a later pass stores them); ``keep`` collects target
-    outputs of a few batches.
-
-    The propagation pass is the subgraph's last read of its inputs: the values past their last use
-    (``sg.frees``) are dropped batch by batch as it goes, so each batch's inputs are freed before the next
-    batch's outputs are allocated and reuse their memory. Dropped at the end of the subgraph instead, the
-    inputs and outputs of every batch would be alive at once (the peak) and the heap's free pages handed
-    back after each subgraph would be faulted in again by the next one.
-
-    On CUDA the next batch's inputs are copied to the device while the current one computes
-    (``ActivationCache.prefetch``), and its outputs go to the host on a side stream; the pass ends with the
-    compute stream ordered after those copies (``settle``), before a solve changes weights in place.
-    """
-    targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
-    kept = 0  # samples whose outputs ``keep`` holds
-    indices = list(range(len(batches)) if indices is None else indices)
-    last_read = track == "propagation" and until is None
-    frees = [name for name in sg.frees if name in sg.inputs] if last_read else []
-    with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(indices)):
-        for i, b in enumerate(indices):
-            batch = batches[b]
-            state.token_mask = _token_mask(batch)
-            with prof.span("cache", "fetch", subgraph=sg.index, batch=b) as args:
-                env = {name: cache.fetch(b, name) for name in sg.inputs}
-                if prof.enabled:
-                    args["bytes"] = tensor_bytes(env)
-                if i + 1 < len(indices):
-                    cache.prefetch(indices[i + 1], sg.inputs)
-            sampled = keep is not None and kept < ERROR_SAMPLE_ROWS and targets
-            read_after = targets[-1:] if sampled else ()  # the error sample's; the rest go at their last read
-            runner.run(sg, env, until, release=read_after)
-            if until is not None:
-                continue
-            # without store the propagation pass after the solve stores them: not both passes' outputs at once
-            if store:
-                with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
-                    waited = cache.copy_wait_seconds
-                    for name in sg.outputs:
-                        cache.put(b, name, env[name])
-                    if prof.enabled:
-                        args["bytes"] = tensor_bytes([env[name] for name in sg.outputs])
-                        if cache.copy_wait_seconds > waited:  # for the previous batch's copies to the host
-                            args["waited_s"] = round(cache.copy_wait_seconds - waited, 6)
-            if sampled:
-                keep[b], rows = _error_sample(env[targets[-1]], state.token_mask, ERROR_SAMPLE_ROWS - kept)
-                kept += rows
-            for name in frees:
-                if (b, name) in cache:
-                    cache.drop(b, name)
-        cache.settle()
-    state.token_mask = None
-
-
 def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
              cache: ActivationCache, state: Any, calibrating: bool, owned: bool,
              prof: Profiler, reference: ActivationCache | None = None) -> float | None:  # fmt: skip
@@ -371,34 +261,34 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
         if transforms:
 
             def run(ix: Sequence[int]) -> None:  # the passes below store the outputs
-                _pass(runner, sg, batches, cache, state, None, prof, "calibration", ix, store=False)
+                run_pass(runner, sg, batches, cache, state, None, prof, "calibration", ix, store=False)
 
             transform_with_hooks(runner.model, sg, run, len(batches), transforms, modifiers, state)
         full: dict[int, Any] = {}
-        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+        for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
             # with a full-precision stream, batch by batch: its module inputs paired with the calibration's
             for j, part in enumerate([shard] if reference is None else [[b] for b in shard]):
                 paired = None
                 if reference is not None:
                     capture = ModifierSet.of(modifiers).float_modules(sg)
                     paired = reference_pass(
-                        runner, sg, batches, reference, lambda: _autocast(state), part, capture
+                        runner, sg, batches, reference, lambda: autocast(state), part, capture
                     )
                 with contextlib.ExitStack() as stack:
                     for m in modifiers:
                         stack.enter_context(contract.calibrating(m, sg, runner.model, state, paired))
-                    _pass(runner, sg, batches, cache, state, full if k == j == 0 else None, prof, "calibration",
+                    run_pass(runner, sg, batches, cache, state, full if k == j == 0 else None, prof, "calibration",
                           part, store=not owned)  # fmt: skip
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, modifiers, state.device)
         trim_host_memory()  # as in _run_from_inputs: the solve's temporaries on a trimmed heap
         if not _compress(runner, sg, modifiers, state, prof):
             if owned:  # nothing changed after all: the outputs are the calibration pass's, not stored yet
-                _pass(runner, sg, batches, cache, state, None, prof, "propagation")
+                run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
             return None
         quant: dict[int, Any] = {}
-        _pass(runner, sg, batches, cache, state, quant, prof, "propagation")
-    errors = [e for b in full if (e := _relative_error(quant.get(b), full[b])) is not None]
+        run_pass(runner, sg, batches, cache, state, quant, prof, "propagation")
+    errors = [e for b in full if (e := relative_error(quant.get(b), full[b])) is not None]
     return sum(errors) / len(errors) if errors else None
 
 
@@ -416,11 +306,11 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
     label = f"subgraph {sg.index} (KV cache)"
     last = [node.name for node in sg.nodes if cache_update(node) in names][-1]  # nothing after it is needed
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
-        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+        for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
             with contextlib.ExitStack() as stack:
                 for m in kvs:
                     stack.enter_context(m.kv.observe_updates(names))
-                _pass(runner, sg, batches, cache, state, None, prof, "calibration", shard, until=last)
+                run_pass(runner, sg, batches, cache, state, None, prof, "calibration", shard, until=last)
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, kvs, state.device, split=False)
     sharding = state.sharding
@@ -457,13 +347,13 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
     transforms, modifiers = split_transforms(modifiers)  # transforms fold first; the cache follows them
     if transforms:
         with prof.span("calibration", f"{label} (transforms)", subgraph=sg.index, batches=len(batches)):
-            masks = [_token_mask(batch) for batch in batches]
+            masks = [token_mask(batch) for batch in batches]
             transform_from_inputs(runner.model, sg, cache, masks, transforms, modifiers, state)
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
-        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+        for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
             shard = list(shard)
             for i, b in enumerate(shard):
-                state.token_mask = _token_mask(batches[b])
+                state.token_mask = token_mask(batches[b])
                 for j, (source, names) in enumerate(sg.target_inputs.items()):
                     x = cache.fetch(b, source)
                     if j == 0 and i + 1 < len(shard):  # copied beside this batch's statistics (CUDA)
@@ -479,12 +369,12 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
         state.token_mask = None
     if reference is not None and sg.outputs:  # with the subgraph's weights as the model has them
         with prof.span("calibration", f"{label} (full precision)", subgraph=sg.index, batches=len(batches)):
-            reference_pass(runner, sg, batches, reference, lambda: _autocast(state))
+            reference_pass(runner, sg, batches, reference, lambda: autocast(state))
     trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
     _compress(runner, sg, modifiers, state, prof)
     if sg.kv_updates:
         _calibrate_kv(runner, sg, batches, modifiers, cache, state, prof)
     if sg.outputs:
-        _pass(runner, sg, batches, cache, state, None, prof, "propagation")
+        run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
     errors = [e for n in sg.targets if (e := state.module_errors.get(n, {}).get("rel_error")) is not None]
     return sum(errors) / len(errors) if errors else None
