@@ -77,6 +77,20 @@ def test_matching_inputs_give_gptq_code_for_code(cfg):
     _assert_same_result(gptaq_quantize(W, H, D, **cfg), gptq_quantize(W, H.clone(), **cfg))
 
 
+def test_wide_inputs_give_gptq_code_for_code_with_the_blocked_factor(monkeypatch):
+    """Past ``products.FACTOR_LEAF`` inputs, float32 CPU factors go through oneDNN's blocked kernel where it is
+    chosen (AMD CPUs): GPTAQ takes the same path as GPTQ."""
+    from seqcal.algorithms import products
+
+    monkeypatch.setattr(products, "use_onednn", lambda: True)
+    X, _ = _inputs(8, n=1024, d=products.FACTOR_LEAF + 128)
+    X[:, 7] = 0  # and a dead input
+    W = _weight(8, out=16, d=X.shape[1])
+    H, D = _stats(X, X)
+    cfg = dict(group_size=128, symmetric=False, actorder="weight")
+    _assert_same_result(gptaq_quantize(W, H, D, **cfg), gptq_quantize(W, H, **cfg))
+
+
 def test_alpha_zero_is_gptq_whatever_the_mismatch():
     X, X_tilde = _inputs(1)
     W = _weight(1)

@@ -5,26 +5,20 @@ output, ``min ||W X^T - Q X~^T||^2``, where ``X [tokens, in]`` are the layer's i
 and ``X~ [tokens, in]`` its inputs in the model quantized so far. Each layer thereby also corrects the error of
 the quantized inputs it receives, instead of only its own rounding error (GPTQ's ``min ||(W - Q) X~^T||^2``).
 
-Notation as in ``gptq.py``: ``W [out, in]``, ``H = 2 X~^T X~ / tokens [in, in]`` (the Hessian of the quantized
-inputs, accumulated exactly as GPTQ's), ``Hinv`` the upper Cholesky factor ``U`` of ``H^-1`` (``H^-1 = U^T U``),
-and ``dXXT = 2 (X - X~)^T X~ / tokens [in, in]`` (same normalisation: the factor cancels in ``P`` below).
+Notation as in ``gptq.py``: ``W [out, in]``, ``H = 2 X~^T X~ / tokens [in, in]`` (GPTQ's Hessian, of ``X~``),
+``Hinv`` the upper Cholesky factor ``U`` of ``H^-1``, and ``dXXT = 2 (X - X~)^T X~ / tokens [in, in]``.
 
-The solve is GPTQ's column loop plus one term. Column ``q`` of ``W`` (its value ``w_q`` when its turn comes,
-before rounding) is rounded to ``c_q``; the later columns ``F = {q + 1, ...}`` absorb
+The solve is GPTQ's column loop plus one term. Column ``q`` (its value ``w_q`` when its turn comes) is rounded to
+``c_q``; the later columns ``F`` absorb its rounding error, ``-(w_q - c_q) / U_qq * U_{q,F}`` as in GPTQ, and
+its share of the input mismatch, ``w_q (x_q - x~_q)``: ``+ w_q P_{q,F}`` with ``P_{q,F} = dXXT_{q,F} H_FF^-1``,
+the least-squares fit of ``x_q - x~_q`` by the quantized inputs not yet fixed (paper, Eq. 18).
 
-* its rounding error, as in GPTQ: ``-(w_q - c_q) / U_qq * U_{q,F}``;
-* its share of the input mismatch, ``w_q (x_q - x~_q)``: ``+ w_q P_{q,F}`` with ``P_{q,F} = dXXT_{q,F} H_FF^-1``,
-  the least-squares fit of ``(x_q - x~_q)`` by the quantized inputs not yet fixed (paper, Eq. 18).
-
-With ``H_FF^-1 = U_FF^T U_FF`` (the trailing block of the factor), all rows at once:
-``P = alpha * triu(dXXT U^T, 1) U``, strictly upper triangular. ``alpha`` (0.25 by default) is the reference
-implementation's empirical scale of the second term; ``alpha = 1`` is the paper's formula, and ``alpha = 0`` or
-``dXXT = 0`` (``X~ == X``) is GPTQ, code for code. Both terms use lazy batch updates (GPTQ paper, Sec. 3.4):
-in blocks of ``block_size`` columns and, inside a block, sub-blocks of ``SUB_BLOCK``.
-
-Unlike the reference implementation (and GPTQModel's port), whose update of later blocks multiplies ``P`` by
-the block's *rounded* columns (``w_q`` inside the block), both updates use ``w_q``: the result does not depend
-on ``block_size`` (up to float rounding), as GPTQ's does not.
+With ``H_FF^-1 = U_FF^T U_FF``, all rows at once: ``P = alpha * triu(dXXT U^T, 1) U`` (strictly upper
+triangular). ``alpha = 0.25`` (default) is the reference implementation's empirical scale, ``alpha = 1`` the
+paper's formula; ``alpha = 0`` or ``dXXT = 0`` (``X~ == X``) is GPTQ, code for code. Lazy batch updates as GPTQ's
+(blocks of ``block_size``, sub-blocks of ``SUB_BLOCK``); unlike the reference implementation (and GPTQModel's),
+whose update of later blocks multiplies ``P`` by the block's *rounded* columns, both levels use ``w_q``: the
+result does not depend on ``block_size`` (up to float rounding).
 """
 
 from __future__ import annotations
@@ -54,10 +48,9 @@ ACTORDER: dict[str, str] = {"weight": "weight", "static": "weight", "group": "gr
 def accumulate_dxxt(dXXT: Tensor | None, X: Tensor, X_tilde: Tensor, n_seen: int) -> tuple[Tensor, int]:
     """Running average ``dXXT_n = 2 / n * sum_t (x_t - x~_t)^T x~_t`` over tokens, in float32.
 
-    The same token count and update order as ``hessian.accumulate_hessian`` (``D *= n / (n + m);
-    D += 2 / (n + m) (X - X~)^T X~``): call both on every batch with the same ``n_seen``, ``H`` on ``X~``.
-    ``X`` and ``X~`` are the same tokens (drop padding from both); their difference is taken in float32, so bf16
-    inputs lose nothing there.
+    The same token average as ``hessian.accumulate_hessian``: call both on every batch with the same ``n_seen``,
+    ``H`` on ``X~``. ``X`` and ``X~`` are the same tokens (padding dropped from both); their difference is taken
+    in float32, so bf16 inputs lose nothing there.
 
     Args:
         dXXT: current ``[in, in]`` float32 (updated in place), or None to start one on ``X~``'s device.
@@ -98,13 +91,16 @@ def accumulate_dxxt(dXXT: Tensor | None, X: Tensor, X_tilde: Tensor, n_seen: int
     return dXXT, n
 
 
-def asymmetry_matrix(dXXT: Tensor, Hinv: Tensor, alpha: float = DEFAULT_ALPHA) -> Tensor:
+def asymmetry_matrix(
+    dXXT: Tensor, Hinv: Tensor, alpha: float = DEFAULT_ALPHA, out: Tensor | None = None
+) -> Tensor:
     """``P = alpha * triu(dXXT U^T, 1) U``: row ``q`` is ``alpha * dXXT_{q,F} H_FF^-1`` on the later columns F.
 
     Args:
         dXXT: ``[in, in]`` float32 in processing order.
         Hinv: ``U`` ``[in, in]``, the upper Cholesky factor of ``H^-1`` in the same order.
         alpha: scale of the input-mismatch term.
+        out: where to write ``P`` (``dXXT`` itself is allowed: it is read first), or None for a new matrix.
 
     Returns:
         ``P`` ``[in, in]``, strictly upper triangular.
@@ -114,7 +110,8 @@ def asymmetry_matrix(dXXT: Tensor, Hinv: Tensor, alpha: float = DEFAULT_ALPHA) -
         >>> bool(asymmetry_matrix(torch.ones(3, 3), U, 1.0).diagonal().eq(0).all())
         True
     """
-    return (dXXT @ Hinv.T).triu_(1).mul_(alpha) @ Hinv
+    T = (dXXT @ Hinv.T).triu_(1).mul_(alpha)  # [in, in]
+    return torch.mm(T, Hinv) if out is None else torch.mm(T, Hinv, out=out)
 
 
 def _check_inputs(W: Tensor, H: Tensor, dXXT: Tensor, strategy: str, group_size: int | None, **kw) -> None:
@@ -167,11 +164,16 @@ def _inverse_factor(
             inv = products.inverse_cholesky_factor_(Hr)
         else:
             Lr, info = torch.linalg.cholesky_ex(Hr)
-            eye = torch.eye(n, dtype=Hr.dtype, device=Hr.device)
-            inv = None if info.item() != 0 else torch.linalg.solve_triangular(Lr, eye, upper=False)
+            # Hr is spent: the identity in its memory, column-major as the solve lays out its own output
+            inv = None if info.item() != 0 else Hr.zero_().fill_diagonal_(1).t()
+            if inv is not None:
+                torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
+            del Lr
+        del Hr
         if inv is None:
             continue
         U = inv.flip(0, 1).contiguous()  # R Lr^-1 R
+        del inv
         if torch.isfinite(U.sum()) and bool((U.diagonal() > 0).all()):
             return U, frac, retry
     raise GPTQNumericalError(
@@ -180,31 +182,35 @@ def _inverse_factor(
     )
 
 
-def _order(H: Tensor, dead: Tensor, actorder: str | None) -> Tensor | None:
-    """Processing order of the input columns: most active first (descending ``diag(H)``), or None."""
-    if actorder is None:
-        return None
-    diag = H.diagonal().clone()  # [in]
-    diag[dead] = 1
-    return torch.argsort(diag, descending=True, stable=True)
-
-
 def _factor_and_mismatch(
     H: Tensor, dXXT: Tensor, device: torch.device, actorder: str | None, alpha: float, dampening_frac: float,
     max_retries: int, damp_growth: float,
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, float, int]:  # fmt: skip
-    """``(dead [in], perm or None, U, P, dampening_frac used, retries)``, ``U`` and ``P`` in processing order."""
+    """``(dead [in], perm or None, U, P, dampening_frac used, retries)``, ``U`` and ``P`` in processing order.
+
+    At most three [in, in] float32 matrices at once besides the caller's ``H`` and ``dXXT``.
+    """
     Hp = H.detach().to(device=device, dtype=torch.float32, copy=True)  # [in, in]
     dead = Hp.diagonal() == 0  # inputs never seen in X~
-    perm = _order(Hp, dead, actorder)
-    D = dXXT.detach().to(device=device, dtype=torch.float32, copy=True)  # [in, in]
-    D[:, dead] = 0  # nothing can compensate with an input the quantized model never sees
+    perm = None  # processing order with actorder: most active first (descending diag(H))
+    if actorder is not None:
+        perm = torch.argsort(Hp.diagonal().masked_fill(dead, 1), descending=True, stable=True)
     if perm is not None:
-        Hp, D = Hp[perm][:, perm], D[perm][:, perm]
+        Hp = _permute_(Hp, perm)
     Hp.diagonal()[dead if perm is None else dead[perm]] = 1
     U, frac, retries = _inverse_factor(Hp, dampening_frac, max_retries, damp_growth)
     del Hp
-    return dead, perm, U, asymmetry_matrix(D, U, alpha), frac, retries
+    D = dXXT.detach().to(device=device, dtype=torch.float32, copy=True)  # [in, in]
+    D[:, dead] = 0  # nothing can compensate with an input the quantized model never sees
+    if perm is not None:
+        D = _permute_(D, perm)
+    return dead, perm, U, asymmetry_matrix(D, U, alpha, out=D), frac, retries
+
+
+def _permute_(A: Tensor, perm: Tensor) -> Tensor:
+    """``A[perm][:, perm]`` in ``A``'s memory, one [in, in] temporary at a time."""
+    A.copy_(A[perm])
+    return A.copy_(A[:, perm])
 
 
 def _fit_dead_inputs_(WT: Tensor, W: Tensor, P: Tensor, dead: Tensor, perm: Tensor | None) -> None:
@@ -220,11 +226,13 @@ def _fit_dead_inputs_(WT: Tensor, W: Tensor, P: Tensor, dead: Tensor, perm: Tens
 
 
 def _weight_and_qparams(
-    W32: Tensor, perm: Tensor | None, actorder: str | None, group_size: int | None, qkw: dict
+    W: Tensor, dead: Tensor, perm: Tensor | None, actorder: str | None, group_size: int | None, qkw: dict
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """``WT [in, out]`` in processing order, ``scale, zero_point``, ``col_group [in]`` (the qparam column of each
-    processed column) and ``g_idx`` (``actorder="group"`` with groups only), as GPTQ computes them."""
-    n_in = W32.shape[1]
+    """``WT [in, out]`` float32 in processing order, dead inputs 0, ``scale, zero_point``, ``col_group [in]`` (the
+    qparam column of each processed column) and ``g_idx`` (``actorder="group"`` with groups), as GPTQ's."""
+    n_in = W.shape[1]
+    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
+    W32[:, dead] = 0  # inputs never seen: any weight is free, so make it 0
     col_group = torch.arange(n_in, device=W32.device)
     col_group = col_group // group_size if qkw["strategy"] == "group" else torch.zeros_like(col_group)
     if actorder is None:
@@ -240,8 +248,7 @@ def _weight_and_qparams(
 
 @contextlib.contextmanager
 def _one_thread(device: torch.device) -> Iterator[None]:
-    """The column loop's tiny ops on one CPU intra-op thread, as GPTQ's (hand-offs cost more than the ops; the
-    products round as GPTQ's); the caller's setting restored after."""
+    """The column loop's tiny ops on one CPU intra-op thread, as GPTQ's (and so its products round as there)."""
     before = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -274,11 +281,9 @@ def gptaq_quantize(
 ) -> GPTQResult:
     """Quantize ``W`` with GPTAQ given ``H`` of its quantized-model inputs and ``dXXT`` (module docstring).
 
-    Everything GPTQ-specific is as ``gptq.gptq_quantize`` does it: dead inputs (``H_ii == 0``: never seen in
-    ``X~``) get ``H_ii = 1`` and ``Q[:, i] = 0``, qparams are observed once on the masked weight and rounded to
-    ``scale_dtype`` first, dampening ``dampening_frac * mean(diag(H))`` grows ``damp_growth``x per failed
-    Cholesky, then :class:`GPTQNumericalError`; ``actorder`` as there. What a dead input contributes to the float
-    output, ``W[:, i] x_i``, the later columns still fit (its row of ``P``); nothing is compensated with it.
+    The rest is as ``gptq.gptq_quantize`` does it: dead inputs (``H_ii == 0``) get ``H_ii = 1`` and ``Q[:, i] = 0``
+    (their float output ``W[:, i] x_i`` is still fitted), qparams observed once on the masked weight, dampening
+    grown ``damp_growth``x per failed Cholesky, then :class:`GPTQNumericalError`, ``actorder``.
 
     Args:
         W: weight ``[out, in]``, any float dtype (not modified).
@@ -309,15 +314,11 @@ def gptaq_quantize(
         scale_dtype = W.dtype if W.dtype.is_floating_point and W.dtype.itemsize >= 2 else torch.float16
     qkw = dict(num_bits=num_bits, symmetric=symmetric, strategy=strategy, group_size=group_size, type=type)
     qkw.update(observer=observer, observer_kwargs=observer_kwargs, importance=importance)
-
     order = ACTORDER.get(actorder) if actorder else None
     dead, perm, Hinv, P, frac, retries = _factor_and_mismatch(
         H, dXXT, W.device, order, alpha, dampening_frac, max_retries, damp_growth
     )
-    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
-    W32[:, dead] = 0
-    WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W32, perm, order, group_size, qkw)
-    del W32
+    WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W, dead, perm, order, group_size, qkw)
     _fit_dead_inputs_(WT, W, P, dead, perm)
     # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
     scale = scale.to(scale_dtype)
@@ -342,27 +343,24 @@ def _quantize_columns(
     WT: Tensor, Hinv: Tensor, P: Tensor, scaleT: Tensor, zeroT: Tensor, col_group: Tensor, block_size: int,
     num_bits: int,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The column loop on ``WT = W^T`` [in, out] float32 in processing order, which it overwrites.
-
-    ``scaleT, zeroT`` [G, out or 1] float32, ``col_group`` [in] the qparam row of each processed column.
-    Returns ``(QT [in, out] float32, codes [out, in] int8, row_loss [out])``, in processing order.
+    """The column loop on ``WT = W^T`` [in, out] float32 in processing order, which it overwrites. ``scaleT, zeroT``
+    [G, out or 1] float32, ``col_group`` [in] the qparam row of each processed column. Returns ``(QT [in, out] float32, codes [out, in] int8, row_loss [out])``, in processing order.
     """
     n_in, n_out = WT.shape
     # a symmetric scheme's zero point adds and subtracts nothing: skip those kernels
     qrange = (*quant_range(num_bits, "int"), not bool(zeroT.any()))
     CT = torch.empty_like(WT)  # [in, out] codes, as floats until the end
-    WqT = torch.empty_like(WT)  # [in, out] each column's value when its turn came, before rounding: w_q
     groups = col_group.tolist()
     losses = torch.zeros(n_out, dtype=torch.float32, device=WT.device)
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
-        Err1 = torch.empty_like(W1)  # [B, out]: rounding errors / U_qq
+        Err1, Wq1 = torch.empty_like(W1), torch.empty_like(W1)  # [B, out]: rounding errors / U_qq, and w_q
         rows = [(scaleT[g], zeroT[g]) for g in groups[i1:i2]]
-        _column_block(W1, CT[i1:i2], Err1, WqT[i1:i2], Hinv[i1:i2, i1:i2], P[i1:i2, i1:i2], rows, qrange)
+        _column_block(W1, CT[i1:i2], Err1, Wq1, Hinv[i1:i2, i1:i2], P[i1:i2, i1:i2], rows, qrange)
         losses += (Err1 * Err1).sum(0)
         WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks: rounding,
-        WT[i2:].addmm_(P[i1:i2, i2:].T, WqT[i1:i2])  # and input mismatch
+        WT[i2:].addmm_(P[i1:i2, i2:].T, Wq1)  # and input mismatch
     codes = CT.T.to(torch.int8)  # [out, in]
     gidx = col_group.to(WT.device)
     torch.sub(CT, zeroT[gidx], out=WT).mul_(scaleT[gidx])  # WT is spent: Q^T = (c - z) * s, per element
