@@ -41,6 +41,12 @@ GEMMA3_TEMPLATE = (
     "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<start_of_image> "
     "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
 )
+# The same for Llava: an image item becomes its <image> marker; a plain-string content is the text.
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+)
 
 
 def tokenizer(arch: str) -> PreTrainedTokenizerFast:
@@ -67,7 +73,8 @@ def processor(arch: str) -> Any:
         )
         return transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4,
                                            vision_feature_select_strategy="default",
-                                           num_additional_image_tokens=1, image_token="<image>")  # fmt: skip
+                                           num_additional_image_tokens=1, image_token="<image>",
+                                           chat_template=LLAVA_TEMPLATE)  # fmt: skip
     if arch == "gemma3":
         images = transformers.Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
         return transformers.Gemma3Processor(

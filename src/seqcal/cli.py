@@ -315,7 +315,8 @@ def _add_oneshot(sub: Any) -> None:
     one = sub.add_parser("oneshot", help="quantize a model with a recipe and calibration data")
     one.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
     one.add_argument("--recipe", required=True, help="recipe YAML file (llm-compressor format accepted)")
-    one.add_argument("--dataset", default="default", help="calibration data: file, HF name, or 'default'")
+    one.add_argument("--dataset", default="default", help="calibration data: file, HF name, or 'default' (JSON "
+                     "lines rows may hold images or audio: chat messages or image/audio columns)")  # fmt: skip
     one.add_argument("--text-column", default="text", help="column with the text in JSON/CSV/Parquet/HF data")
     one.add_argument("--splits", default=None, help="HF split, e.g. train or 'train[:512]' (default: "
                      "calibration, then train, then the only split)")  # fmt: skip
