@@ -124,3 +124,25 @@ def test_silent_audio_gives_another_checkpoint(runs, tmp_path: Path) -> None:
     assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith("weight_packed"))
     assert all(torch.equal(a[k], b[k]) for k in a if any(p in k for p in KEPT))
 
+
+def test_an_offloaded_siglip_tower_with_its_pooling_head_runs() -> None:
+    """SigLIP's pooling head is an nn.MultiheadAttention, whose forward reads out_proj.weight without calling
+    out_proj: run offloaded, the safety hooks must onload it whole (it failed with "meta vs cpu" before)."""
+    import copy
+
+    from seqcal.execution.weights import safety_hooks, stage_in_memory
+
+    config = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, image_size=8, patch_size=4)  # fmt: skip
+    torch.manual_seed(0)
+    eager = transformers.SiglipVisionModel(config).eval()
+    assert type(eager.get_submodule("head.attention")).__name__ == "MultiheadAttention"
+    model = copy.deepcopy(eager)
+    store = stage_in_memory(model)  # every parameter on meta, its value in the store
+    pixels = torch.randn(2, 3, 8, 8)
+    with torch.no_grad(), safety_hooks(model, store, torch.device("cpu")):
+        got = model(pixel_values=pixels).pooler_output
+    with torch.no_grad():
+        want = eager(pixel_values=pixels).pooler_output
+    torch.testing.assert_close(got, want)
+    assert all(p.device.type == "meta" for p in model.parameters())  # given back after the call
