@@ -163,3 +163,20 @@ def test_audio_rows_give_features_and_decoder_ids(tmp_path: Path) -> None:
     assert torch.equal(got[1]["input_features"], want)
     resampled = got[0]["input_features"]  # 800 samples read back at 16 bits, resampled: close, not equal
     assert resampled.shape == want.shape and not torch.equal(resampled, want)
+
+
+def test_trace_takes_image_rows_and_checks_the_partition_on_them(llava, tmp_path: Path, capsys) -> None:
+    path, _, _ = llava
+    mh.image(0, 8).save(tmp_path / "a.png")
+    mh.image(1, 12).save(tmp_path / "b.png")
+    rows = [chat("a.png"), {"text": f"{QUESTION} the red cat", "image": "b.png"}]  # two lengths: padded
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    graph = tmp_path / "graph.json"
+    assert main(["trace", "--model", str(path), "--dataset", str(tmp_path / "rows.jsonl"), "--check",
+                 "--export", str(graph)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "check on a padded batch of (2, " in out and "OK" in out
+    inputs = {
+        n["name"]: n["shapes"] for n in json.loads(graph.read_text())["nodes"] if n["op"] == "placeholder"
+    }
+    assert inputs["pixel_values"] == [[1, 3, 8, 8]]  # traced on the first row's image

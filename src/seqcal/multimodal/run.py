@@ -149,6 +149,35 @@ def _raw_rows(data_args: DataArgs | None) -> tuple[Any, str, Path | None] | None
     return rows, where, (path.parent.resolve() if kind == "path" and path.is_file() else None)
 
 
+def trace_inputs(
+    dataset: str | None, model_arg: str, dtype: str, max_seq_length: int
+) -> tuple[Any, Any, Any]:
+    """For ``seqcal trace --dataset rows.jsonl``: (model, the sample to trace: the first row alone, the batch
+    to check the partition on: the first two rows in one batch) when the file holds image or audio rows, the
+    model loaded with its own class and the rows through its directory's processor; else (None, None, None).
+
+    Args:
+        dataset: the ``--dataset`` file (None: text).
+        model_arg: the ``--model`` directory, Hub id or 'default'.
+        dtype: "float32", "bfloat16" or "float16".
+        max_seq_length: the longest sequence allowed.
+    """
+    path = Path(dataset) if dataset else None
+    if path is None or path.suffix.lower() != ".jsonl" or not path.is_file():
+        return None, None, None
+    args = DataArgs(str(path), 2, max_seq_length, 1, shuffle_calibration_samples=False)
+    if _raw_rows(args) is None:
+        return None, None, None
+    from seqcal.models import resolve_model
+    from seqcal.multimodal.classes import from_pretrained
+
+    source = Path(resolve_model(model_arg))
+    model = from_pretrained(str(source), getattr(torch, dtype)).eval()
+    sample = own_route(args, model, None, source).dataset[0]
+    check = own_route(dataclasses.replace(args, batch_size=2), model, None, source).dataset[0]
+    return model, sample, check
+
+
 def _load_processor(source: Path | None) -> Any:
     if not has_processor(None, source):
         where = f"the directory {str(source)!r}" if source is not None else "the loaded model"
