@@ -65,6 +65,22 @@ def test_chat_rows_become_exactly_the_processors_inputs(llava) -> None:
     assert all(torch.equal(column[0][k], want[k]) for k in want)
 
 
+def test_a_datasets_dataset_with_an_image_column(llava, tmp_path: Path) -> None:
+    from datasets import Dataset
+
+    _, proc, model = llava
+    mh.image(0, 8).save(tmp_path / "a.png")
+    ds = Dataset.from_list(
+        [{"text": QUESTION, "image": str(tmp_path / "a.png")}, {"text": QUESTION, "image": None}]
+    )
+    got = route(ds, model, proc, batch_size=1)
+    assert (
+        len(got) == 2 and "pixel_values" in got[0] and "pixel_values" not in got[1]
+    )  # a text row in between
+    want = route([chat(mh.image(0, 8))], model, proc)[0]
+    assert all(torch.equal(got[0][k], want[k]) for k in want)
+
+
 def test_images_the_processor_cannot_batch_are_grouped_by_size(llava) -> None:
     _, _, model = llava
     raw = mh.processor("llava")
@@ -138,6 +154,15 @@ def test_chat_rows_need_a_chat_template(llava) -> None:
     raw.chat_template = None
     with pytest.raises(CalibrationDataError, match="row 0: chat rows need the processor's chat template"):
         route([chat(mh.image(0, 8))], model, raw)
+
+
+def test_a_row_the_processor_refuses_is_named_with_the_reason(llava) -> None:
+    _, _, model = llava
+    raw = mh.processor("llava")
+    raw.chat_template = None  # the text is used as given: without the <image> marker, the image has no place
+    with pytest.raises(CalibrationDataError, match=r"row 0: the processor LlavaProcessor could not process the "
+                       r"row \(.*image"):  # fmt: skip
+        route([{"text": QUESTION, "image": mh.image(0, 8)}], model, raw)
 
 
 def _wav(path: Path, samples: np.ndarray, rate: int) -> None:

@@ -30,6 +30,8 @@ from seqcal.multimodal.processor import PROCESSOR_FILES, has_processor, save_pro
 from seqcal.multimodal.rows import MEDIA_COLUMNS, batches, is_media_row, media_rows, sampling_rate
 
 logger = logging.getLogger("seqcal")
+# Files whose rows may hold raw images or audio (JSON rows; a dataset folder is read as well).
+_ROW_FILES = (".jsonl", ".json", ".parquet")
 
 
 @dataclass
@@ -133,8 +135,9 @@ def _raw_rows(data_args: DataArgs | None) -> tuple[Any, str, Path | None] | None
         return None
     dataset = data_args.dataset
     kind = _dataset_kind(dataset)
-    if kind == "path" and not Path(str(dataset)).expanduser().exists():
-        return None  # a Hub name or 'default': text (a Hub dataset with images: pass it as a Dataset)
+    path = Path(str(dataset)).expanduser() if kind == "path" else None
+    if path is not None and not (path.is_dir() or path.suffix.lower() in _ROW_FILES and path.is_file()):
+        return None  # text files, Hub names, 'default' (a Hub dataset with images: pass it as a Dataset)
     if kind == "hf":
         first = dataset[next(iter(dataset))] if type(dataset).__name__ == "DatasetDict" else dataset
         if not (set(first.column_names) & {"messages", *MEDIA_COLUMNS}):
@@ -145,8 +148,7 @@ def _raw_rows(data_args: DataArgs | None) -> tuple[Any, str, Path | None] | None
     scan = rows if kind != "hf" else [rows[0]] if len(rows) else []
     if not any(is_media_row(r) for r in scan):
         return None
-    path = Path(str(dataset)).expanduser()
-    return rows, where, (path.parent.resolve() if kind == "path" and path.is_file() else None)
+    return rows, where, (path.parent.resolve() if path is not None and path.is_file() else None)
 
 
 def trace_inputs(
