@@ -81,6 +81,24 @@ def test_a_datasets_dataset_with_an_image_column(llava, tmp_path: Path) -> None:
     assert all(torch.equal(got[0][k], want[k]) for k in want)
 
 
+def test_a_preprocessing_function_maps_raw_rows_itself(llava) -> None:
+    """With preprocessing_func= (llm-compressor's route) the rows are the function's, not seqcal's to map."""
+    from seqcal.multimodal.inputs import MediaArgs
+    from seqcal.multimodal.run import prepare_media
+
+    _, proc, model = llava
+    seen = []
+
+    def preprocess(row: dict) -> dict:
+        seen.append(row["text"])
+        return dict(proc(text=f"<image> {row['text']}", images=row["image"], return_tensors="pt"))
+
+    rows = [{"text": QUESTION, "image": mh.image(0, 8)}]
+    args = DataArgs(rows, num_calibration_samples=1, max_seq_length=64, batch_size=1)
+    got = prepare_media(args, model, MediaArgs(preprocessing_func=preprocess), proc, None).data_args.dataset
+    assert seen == [QUESTION] and len(got) == 1 and "pixel_values" in got[0]
+
+
 def test_images_the_processor_cannot_batch_are_grouped_by_size(llava) -> None:
     _, _, model = llava
     raw = mh.processor("llava")

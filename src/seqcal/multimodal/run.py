@@ -73,7 +73,8 @@ def prepare_media(
     if media.given and data_args is None:
         raise CalibrationDataError("data_collator / preprocessing_func were given to a data-free run; drop them "
                                    "or use pipeline='sequential' with a dataset")  # fmt: skip
-    data_args = own_route(data_args, model, processor, source)
+    if not media.given:  # a collator or preprocessing function maps the rows itself (llm-compressor's route)
+        data_args = own_route(data_args, model, processor, source)
     data_args = with_media_batches(data_args, model, media)
     carries = isinstance(getattr(data_args, "dataset", None), PreparedBatches) and any(
         MEDIA_KEYS & set(b) for b in data_args.dataset
