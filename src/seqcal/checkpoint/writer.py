@@ -41,7 +41,6 @@ from seqcal.checkpoint.config import (
     quantization_config,
 )
 from seqcal.checkpoint.tensors import _module_tensors
-from seqcal.evaluation.errors import ERRORS_PNG, REPORT_FILENAME
 from seqcal.modifiers.base import RunState
 from seqcal.records import QuantizedWeight
 
@@ -65,6 +64,8 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 PROGRESS_NAME = "seqcal_progress.json"  # present while a run is unfinished: what `resume=True` continues
+REPORT_FILENAME = "quantization_report.json"  # the per-module errors (seqcal.evaluation.errors writes it)
+ERRORS_PNG = "quantization_errors.png"  # its plot (seqcal oneshot draws it there by default)
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
 HEADER_RESERVE = 1024**2  # bytes kept free at the start of a shard for its JSON header (~7000 tensors)
 _SAFETENSORS_DTYPES = {

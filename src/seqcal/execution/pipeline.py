@@ -41,9 +41,11 @@ from seqcal.modifiers.kv_cache import quantized_kv
 from seqcal.modifiers.kv_hooks import kv_tap, kv_update_sites
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
+from seqcal.tracing.diagnostics import Problem
+from seqcal.tracing.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
 from seqcal.tracing.leaves import normalize_trace_into
-from seqcal.tracing.partition import OnePassError
-from seqcal.tracing.targets import infer_candidates
+from seqcal.tracing.partition import OnePassError, Subgraph, partition
+from seqcal.tracing.targets import infer_candidates, match_targets
 
 logger = logging.getLogger("seqcal")
 
@@ -448,10 +450,6 @@ def _layerwise_fallback(
     model: torch.nn.Module, batches: list[dict[str, Any]], targets: list[str] | None, err: TracingError
 ) -> tuple[SubgraphList, list[dict[str, Any]]]:
     """Tracing failed: calibrate layer by layer with hooks if the targets form a simple chain, else re-raise."""
-    from seqcal.tracing.diagnostics import Problem
-    from seqcal.tracing.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
-    from seqcal.tracing.partition import partition
-    from seqcal.tracing.targets import infer_candidates, match_targets
 
     found = match_targets(model, targets) if targets else infer_candidates(model)
     order = [name for name, _ in model.named_modules() if name in set(found.values())]
@@ -476,8 +474,6 @@ def _whole_model(
 ) -> list[dict[str, Any]]:
     """pipeline 'basic' (one pass of the whole model, no tracing) and 'datafree' (no pass at all)."""
     import contextlib
-
-    from seqcal.tracing.partition import Subgraph
 
     every = Subgraph(index=0, nodes=[], modules=[n for n, _ in model.named_modules() if n])
     start = time.perf_counter()
