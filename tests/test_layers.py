@@ -20,7 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("algorithms", "models"),  # pure tensor math; model names -> directories
     ("records",),  # the data that crosses stages (QuantizedWeight, Statistic, Fold)
     ("tracing", "execution.cache", "data"),  # trace, partition, run a graph; the activation cache; batches
-    ("experts", "kv_writes", "observers", "report", "input_checks"),
+    ("experts", "observers", "report", "input_checks"),
     ("mappings",),
     ("modifiers",),
     ("recipe", "checkpoint"),
