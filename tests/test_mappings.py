@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from seqcal.execution.transforms import linear_graph
-from seqcal.kv_writes import cache_write_names
 from seqcal.mappings import (
     Mapping,
     derive_mappings,
@@ -17,6 +16,7 @@ from seqcal.mappings import (
     fold_scales,
     resolve_mappings,
 )
+from seqcal.mappings.kv_writes import cache_write_names
 from zoo import ARCHS
 
 

@@ -37,8 +37,10 @@ import torch
 
 from seqcal.algorithms.hessian import kept_bytes
 from seqcal.checkpoint import streaming
-from seqcal.data.autobatch import AUTO
+from seqcal.data.autobatch import AUTO, auto_batch_limits, samples_per_batch
 from seqcal.execution.cache import store as cache_store
+from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
+from seqcal.execution.subgraphs import trace_subgraphs
 from seqcal.execution.weights import params_under
 from seqcal.experts import shared_expert_inputs
 from seqcal.modifiers.contract import ModifierSet
@@ -325,7 +327,6 @@ def _plan_auto_batch(model: torch.nn.Module, plan: MemoryPlan, subgraphs: list[S
     Batch-sized values scale with the samples per batch (masks and position tables that do not are
     overcounted: the plan errs high), so the one-sample measurement is scaled, not measured again.
     """
-    from seqcal.data.autobatch import auto_batch_limits, samples_per_batch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     limits = auto_batch_limits(model, kwargs["seq_len"], plan=plan, device=device,
@@ -367,8 +368,6 @@ def make_plan(
         >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,
         ...                 sequential_targets=None, tracing_ignore=[]).table())  # doctest: +SKIP
     """
-    from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
-    from seqcal.execution.subgraphs import trace_subgraphs
 
     auto = batch_size == AUTO
     batch_size = 1 if auto else int(batch_size)  # auto: planned per sample, then sized (_plan_auto_batch)

@@ -18,6 +18,10 @@ from typing import Any
 
 import torch
 
+from seqcal.execution.subgraphs import model_device
+from seqcal.report.profile import tensor_bytes
+from seqcal.tracing.runner import GraphRunner
+
 PROBE_TOKENS = (4, 8, 16)  # tokens per row of the stand-in runs that measure the crossing values
 
 
@@ -58,9 +62,6 @@ def measure_values(subgraphs: Any, batch_size: int, seq_len: int) -> tuple[dict[
     Example:
         >>> values, widest = measure_values(trace_subgraphs(model, sample), 1, 2048)  # doctest: +SKIP
     """
-    from seqcal.execution.subgraphs import model_device
-    from seqcal.report.profile import tensor_bytes
-    from seqcal.tracing.runner import GraphRunner
 
     runner, device = GraphRunner(subgraphs.model), model_device(subgraphs.model)
     sizes: dict[str, list[int]] = {}

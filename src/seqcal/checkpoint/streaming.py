@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -39,11 +38,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from seqcal.algorithms import dequantize, formats
 from seqcal.checkpoint.identity import data_fingerprint, differences
+from seqcal.checkpoint.resume_files import _deferred, _undo_close, dequantize_into, saved_weight
 from seqcal.checkpoint.writer import (
     CONFIG_NAME,
-    INDEX_NAME,
     PROGRESS_NAME,
     CheckpointWriter,
     ModelLayout,
@@ -52,9 +50,7 @@ from seqcal.checkpoint.writer import (
 )
 from seqcal.errors import SeqcalError
 from seqcal.modifiers.base import RunState
-from seqcal.modifiers.formats import weight_format
-from seqcal.modifiers.schemes import strategy_of
-from seqcal.records import QuantizedWeight, fold_records, folds_from
+from seqcal.records import fold_records, folds_from
 from seqcal.report.profile import NullProfiler
 from seqcal.tracing.partition import Subgraph
 
@@ -371,23 +367,8 @@ class StreamingCheckpoint:
         scales = [tensors.pop(f"{i}:fold:scales") for i in range(len(json.loads(records)))]
         self.state.replay_folds = folds_from(records, scales)
         for name in sorted({k.split(":")[0] for k in tensors}):
-            scheme = schemes[name]
-            group_size = scheme.weights.group_size if strategy_of(scheme.weights) == "group" else None
-            qw = QuantizedWeight(q=tensors[f"{name}:q"], scale=tensors[f"{name}:scale"],
-                                 zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme,
-                                 global_scale=tensors.get(f"{name}:global_scale"),
-                                 input_scale=tensors.get(f"{name}:input_scale"),
-                                 input_zero_point=tensors.get(f"{name}:input_zero_point"),
-                                 input_global_scale=tensors.get(f"{name}:input_global_scale"))  # fmt: skip
-            weight = self.model.get_submodule(name).weight
-            fmt = weight_format(scheme)  # block fp8, NVFP4, MX
-            if fmt is not None:
-                values = formats.dequantize(
-                    qw.q, qw.scale, qw.zero_point, fmt, qw.global_scale, dtype=weight.dtype
-                )
-            else:
-                values = dequantize(qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype)
-            weight.data = values.to(weight.device)
+            qw = saved_weight(tensors, name, schemes[name])
+            dequantize_into(self.model.get_submodule(name).weight, qw)
             self.state.quantized[name] = qw
         self._trim({k.split(":")[0] for k in tensors}, sg)
 
@@ -409,25 +390,3 @@ class StreamingCheckpoint:
         out = self.writer.close(checkpoint_config(self.model, self.state, self.layout))
         shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)
         return out
-
-
-def _deferred(metadata: Mapping[str, str]) -> set[str]:
-    """The producers of the folds a subgraph's file records (``divided``)."""
-    return {producer for producer, _, _ in json.loads(metadata.get("divided", "[]"))}
-
-
-def _undo_close(path: Path, closing: Mapping[str, str]) -> None:
-    """Put an interrupted save back as it was recorded: shards under their partial names, no config or index.
-
-    ``CheckpointWriter.close`` notes the renames it is about to make in the progress file; a kill during them
-    (or after ``config.json``, before the progress file is removed) leaves some shards renamed. The resumed
-    run finishes the save again, so each is renamed back, and ``config.json`` goes first: the directory must
-    not look finished while it is not.
-    """
-    if not closing:
-        return
-    (path / CONFIG_NAME).unlink(missing_ok=True)
-    (path / INDEX_NAME).unlink(missing_ok=True)
-    for partial, final in closing.items():
-        if not (path / partial).exists() and (path / final).is_file():
-            os.replace(path / final, path / partial)

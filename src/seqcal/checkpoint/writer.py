@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +39,8 @@ from seqcal.checkpoint.config import (
     checkpoint_config,
     quantization_config,
 )
+from seqcal.checkpoint.shard_file import _ShardFile
 from seqcal.checkpoint.tensors import _module_tensors
-from seqcal.evaluation.errors import ERRORS_PNG, REPORT_FILENAME
 from seqcal.modifiers.base import RunState
 from seqcal.records import QuantizedWeight
 
@@ -65,63 +64,9 @@ CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 PROGRESS_NAME = "seqcal_progress.json"  # present while a run is unfinished: what `resume=True` continues
+REPORT_FILENAME = "quantization_report.json"  # the per-module errors (seqcal.evaluation.errors writes it)
+ERRORS_PNG = "quantization_errors.png"  # its plot (seqcal oneshot draws it there by default)
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
-HEADER_RESERVE = 1024**2  # bytes kept free at the start of a shard for its JSON header (~7000 tensors)
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.int64: "I64", torch.int32: "I32",
-    torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
-
-
-class _ShardFile:
-    """A safetensors file written tensor by tensor: the bytes go to disk when added, the header at the end.
-
-    The header's room is reserved up front and filled with the JSON padded by spaces (the format allows
-    trailing whitespace), so no tensor waits in RAM for its shard to fill: streaming the checkpoint costs
-    no memory beyond the tensor being written.
-    """
-
-    def __init__(self, path: Path, reserve: int = HEADER_RESERVE) -> None:
-        self.path, self.reserve = path, reserve
-        self.entries: dict[str, dict[str, Any]] = {}
-        self.size = 0  # data bytes so far
-        self._header_bytes = 64  # braces, separators and the format metadata
-        self._file = open(path, "wb")  # noqa: SIM115 - closed by finish() or discard()
-        self._file.write(b"\0" * (8 + reserve))
-
-    def fits(self, name: str, tensor: Tensor) -> bool:
-        """Whether the header has room for one more entry."""
-        return self._header_bytes + len(name) + 32 + 8 * tensor.dim() + 48 <= self.reserve
-
-    def add(self, name: str, tensor: Tensor) -> int:
-        """Write ``tensor``'s bytes; returns how many."""
-        t = tensor.detach().to("cpu").contiguous()
-        if t.dtype not in _SAFETENSORS_DTYPES:
-            raise ValueError(
-                f"CheckpointWriter: {name!r} has dtype {t.dtype}, which safetensors cannot store"
-            )
-        data = t.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
-        self._file.write(memoryview(data))
-        entry = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                 "data_offsets": [self.size, self.size + data.nbytes]}  # fmt: skip
-        self.entries[name] = entry
-        self._header_bytes += len(json.dumps({name: entry}, separators=(",", ":")))
-        self.size += data.nbytes
-        return data.nbytes
-
-    def finish(self, metadata: dict[str, str]) -> None:
-        """Write the header into its reserved room and close the file."""
-        header = json.dumps({"__metadata__": metadata, **self.entries}, separators=(",", ":")).encode()
-        if len(header) > self.reserve:  # fits() keeps this from happening
-            raise AssertionError(f"{self.path}: header of {len(header)} bytes exceeds its {self.reserve}")
-        self._file.seek(0)
-        self._file.write(struct.pack("<Q", self.reserve) + header.ljust(self.reserve, b" "))
-        self._file.close()
-
-    def discard(self) -> None:
-        self._file.close()
-        self.path.unlink(missing_ok=True)
 
 
 class CheckpointWriter:

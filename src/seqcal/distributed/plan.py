@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from seqcal.distributed.shards import ShardPlan
+from seqcal.distributed.shards import ShardPlan, assign_owners
 
 _SCALES_PER_WEIGHT = 4 / 32  # bytes of scales per quantized weight at the smallest group (32), as fp32
 
@@ -33,7 +33,6 @@ def world_rows(plan: Any, world_size: int, num_shards: int, num_batches: int, dt
     Example:
         >>> world_rows(make_plan(...), 2, 8, 128, 2)[1]["reduce_bytes"]  # doctest: +SKIP
     """
-    from seqcal.distributed.shards import assign_owners
 
     shards = ShardPlan(num_batches, num_shards, world_size)
     batches_of = [sum(len(shards.batches_of(s)) for s in shards.shards_of(r)) for r in range(world_size)]

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from seqcal.checkpoint.identity import data_fingerprint
 from seqcal.distributed.exchange import load_statistics, pack, partials_of, unpack
-from seqcal.distributed.group import ProcessGroup
+from seqcal.distributed.group import DistributedError, ProcessGroup, process_group
 from seqcal.distributed.parts import part_of, solve_costs
 from seqcal.distributed.reduce import (
     Partial,
@@ -20,6 +21,7 @@ from seqcal.distributed.reduce import (
 )
 from seqcal.distributed.shards import ShardPlan, assign_owners
 from seqcal.modifiers.contract import ModifierSet
+from seqcal.modifiers.formats import fused_groups
 from seqcal.tracing.partition import Subgraph
 
 
@@ -321,8 +323,6 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
     Raises:
         DistributedError: the ranks were started differently. ShardingError: more ranks than shards.
     """
-    from seqcal.checkpoint.identity import data_fingerprint
-    from seqcal.distributed.group import DistributedError, process_group
 
     group = process_group()
     shapes = [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
@@ -344,7 +344,6 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
         return ShardedRun(plan, group, costs, schemes)
     shapes = {name: (int(w.shape[0]), int(w.shape[1])) for name, module in model.named_modules()
               if isinstance(w := getattr(module, "weight", None), torch.Tensor) and w.ndim == 2}  # fmt: skip
-    from seqcal.modifiers.formats import fused_groups
 
     together = fused_groups(model, [n for n in schemes if n in shapes])  # one global scale per fused group
     return ShardedRun(plan, group, costs, schemes, shapes, together)

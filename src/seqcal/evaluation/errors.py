@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-REPORT_FILENAME = "quantization_report.json"
-ERRORS_PNG = "quantization_errors.png"  # its plot (seqcal oneshot draws it there by default)
+from seqcal.checkpoint.writer import ERRORS_PNG as ERRORS_PNG  # re-exported: files of the output directory
+from seqcal.checkpoint.writer import REPORT_FILENAME as REPORT_FILENAME
+from seqcal.data.autobatch import describe_batches
 
 
 def format_error_table(report: Mapping[str, Any], *, top: int = 10) -> str:
@@ -70,8 +71,6 @@ def format_error_table(report: Mapping[str, Any], *, top: int = 10) -> str:
         sections.append(title + "\n" + _table(["module", "gptq loss", "time (s)"], rows, "<rr"))
     batches = report.get("batches")
     if isinstance(batches, Mapping) and batches.get("samples"):
-        from seqcal.data.autobatch import describe_batches
-
         sections.append(f"calibration: {describe_batches(batches)}")
     return "\n\n".join(sections) if sections else "(empty error report: no subgraphs and no modules)"
 

@@ -23,8 +23,10 @@ from seqcal.experts import routed_experts
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.kv_hooks import kv_tap, kv_update_sites
 from seqcal.tracing import TracingError
-from seqcal.tracing.partition import OnePassError
-from seqcal.tracing.targets import infer_candidates
+from seqcal.tracing.diagnostics import Problem
+from seqcal.tracing.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
+from seqcal.tracing.partition import OnePassError, partition
+from seqcal.tracing.targets import infer_candidates, match_targets
 
 logger = logging.getLogger("seqcal")
 
@@ -159,10 +161,6 @@ def layerwise_fallback(
     model: torch.nn.Module, batches: list[dict[str, Any]], targets: list[str] | None, err: TracingError
 ) -> tuple[SubgraphList, list[dict[str, Any]]]:
     """Tracing failed: calibrate layer by layer with hooks if the targets form a simple chain, else re-raise."""
-    from seqcal.tracing.diagnostics import Problem
-    from seqcal.tracing.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
-    from seqcal.tracing.partition import partition
-    from seqcal.tracing.targets import infer_candidates, match_targets
 
     found = match_targets(model, targets) if targets else infer_candidates(model)
     order = [name for name, _ in model.named_modules() if name in set(found.values())]

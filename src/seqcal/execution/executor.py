@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from seqcal.backend.host import trim_host_memory
+from seqcal.distributed.reduce import named_from_bytes, named_to_bytes
 from seqcal.execution.cache.store import ActivationCache
 from seqcal.execution.passes import autocast, local_shards, relative_error, run_pass, token_mask
 from seqcal.execution.reference import reference_pass
@@ -203,7 +204,6 @@ def _replayed_folds(sg: Subgraph, state: Any) -> list[Fold]:
     folds, state.replay_folds = state.replay_folds, []
     if state.sharding is None or state.sharding.group.world_size == 1 or not sg.target_inputs:
         return folds
-    from seqcal.distributed.reduce import named_from_bytes, named_to_bytes
 
     data = None
     if state.sharding.group.writes:

@@ -43,6 +43,7 @@ from seqcal.modifiers.kv_cache import quantized_kv
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
 from seqcal.tracing.leaves import normalize_trace_into
+from seqcal.tracing.partition import Subgraph
 
 logger = logging.getLogger("seqcal")
 
@@ -351,10 +352,6 @@ def _whole_model(
     model: torch.nn.Module, modifiers: list[Any], state: RunState, batches: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """pipeline 'basic' (one pass of the whole model, no tracing) and 'datafree' (no pass at all)."""
-    import contextlib
-
-    from seqcal.tracing.partition import Subgraph
-
     every = Subgraph(index=0, nodes=[], modules=[n for n, _ in model.named_modules() if n])
     start = time.perf_counter()
     with torch.no_grad(), contextlib.ExitStack() as stack:

@@ -11,6 +11,7 @@ import torch
 
 from seqcal.execution.cache.store import ActivationCache
 from seqcal.execution.executor import run_subgraphs
+from seqcal.execution.verify import refuse, verify_partition
 from seqcal.tracing import TraceResult, split_inputs, trace
 from seqcal.tracing.leaves import TraceInto
 from seqcal.tracing.partition import Subgraph, partition
@@ -184,7 +185,6 @@ def trace_subgraphs(
 
 def _verify(subgraphs: SubgraphList, sample: Mapping[str, Any]) -> None:
     """Refuse a partition whose outputs differ from eager on a second sample (weights on meta: skipped)."""
-    from seqcal.execution.verify import refuse, verify_partition
 
     if any(p.device.type == "meta" for p in subgraphs.model.parameters()):
         logger.info("seqcal: weights on meta, so the partition is not checked against the model's forward")

@@ -22,6 +22,7 @@ from torch import fx
 
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.records import Fold
+from seqcal.tracing import TracingError, trace
 
 logger = logging.getLogger("seqcal")
 
@@ -60,7 +61,6 @@ def linear_graph(model: torch.nn.Module, sample: Mapping[str, Any], subgraphs: A
     """
     if subgraphs is not None and any(sg.target_inputs for sg in subgraphs):
         return subgraphs.traced.graph
-    from seqcal.tracing import TracingError, trace  # the tracer is heavy; only transforms need it here
 
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "." in n]
     pattern = "re:^(" + "|".join(re.escape(n) for n in names) + ")$"

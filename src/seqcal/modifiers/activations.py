@@ -32,6 +32,7 @@ from torch import Tensor
 from seqcal.algorithms import FP8_DTYPE, compute_qparams, quant_range
 from seqcal.algorithms.fp4 import nvfp4_fake_quantize_groups, nvfp4_global_scale
 from seqcal.algorithms.quant import round_fp8
+from seqcal.modifiers.formats import fused_groups
 from seqcal.observers import ActivationObserver, check_static_input, make_observer, observer_name
 from seqcal.records import Statistic
 
@@ -248,8 +249,6 @@ class InputCalibration:
         if not names:
             return
         if self._fused is None:
-            from seqcal.modifiers.formats import fused_groups  # formats imports nothing from here
-
             self._fused = fused_groups(model, [n for n, a in self.args.items() if nvfp4_inputs(a)])
         group_of = {m: g for g in self._fused for m in g}
         for name in [n for n in names if n not in self._global_scales]:

@@ -19,6 +19,7 @@ import torch
 from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms.formats import WeightFormat, global_scale_of
+from seqcal.experts import LinearExperts
 
 # Sibling Linears that vLLM loads as one merged weight (its models' ``packed_modules_mapping``), by leaf name:
 # matched under any parent module, so any architecture using these names is covered.
@@ -69,7 +70,6 @@ def fused_groups(model: torch.nn.Module, names: Iterable[str]) -> list[tuple[str
     Returns:
         Tuples of qualified names, e.g. ``("model.layers.0.self_attn.q_proj", ..k_proj, ..v_proj)``.
     """
-    from seqcal.experts import LinearExperts  # the experts package imports nothing from modifiers
 
     selected = set(names)
     leaf_sets = set(FUSED_SIBLINGS.values())

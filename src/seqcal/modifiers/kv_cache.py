@@ -34,6 +34,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from torch import Tensor
 
+from seqcal.modifiers.activations import observer_from_statistics, observer_statistics
 from seqcal.modifiers.kv_hooks import (
     CACHE_ARGUMENTS,
     ObservingCache,
@@ -264,7 +265,6 @@ class KVCacheCalibration:
     def partial_statistics(self) -> dict[str, dict[str, Any]]:
         """This shard's key and value ranges (``Modifier.partial_statistics``), then forgotten: per attention
         module and kind ``kv:<module>:k`` / ``kv:<module>:v``, as ``activations.observer_statistics`` gives them."""
-        from seqcal.modifiers.activations import observer_statistics  # activations imports nothing from here
 
         out = {f"kv:{name}:{kind}": observer_statistics(o) for (name, kind), o in self.observers.items()
                if o.range is not None}  # fmt: skip
@@ -273,7 +273,6 @@ class KVCacheCalibration:
 
     def load_statistics(self, reduced: dict[str, dict[str, Tensor]]) -> None:
         """Observers holding the ranges of every shard combined (``partial_statistics``' keys)."""
-        from seqcal.modifiers.activations import observer_from_statistics
 
         for key, stats in reduced.items():
             if key.startswith("kv:"):

@@ -19,6 +19,8 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from torch import Tensor
 
+from seqcal.modifiers.activations import qdq
+
 
 class _Calibrated(Protocol):
     """What the hooks read of a KV-cache calibration (``seqcal.modifiers.kv_cache.KVCacheCalibration``)."""
@@ -183,7 +185,6 @@ def fake_quantized_kv(model: torch.nn.Module, scales: dict[str, tuple[Tensor, Te
 
 def fp8_kv(k_scale: Tensor, v_scale: Tensor) -> Any:
     """``(keys, values) -> (keys, values)`` fake-quantized to fp8 with static scales, as vLLM's fp8 KV cache."""
-    from seqcal.modifiers.activations import qdq  # activations imports nothing from here
 
     fp8 = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
 

@@ -16,6 +16,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
+from seqcal.experts import fused_modules
 from seqcal.modifiers.activations import check_activations
 from seqcal.observers import check_weight_observer
 
@@ -240,7 +241,6 @@ def _refuse_fused(model: torch.nn.Module, targets: list[str], ignore: Sequence[s
     The targets reach such a module when they select every Linear (its weights play that part), or when a
     class or ``re:`` pattern matches the module or one of its parameters.
     """
-    from seqcal.experts import fused_modules  # the experts package imports nothing from here
 
     reached = []
     for name, module in fused_modules(model):

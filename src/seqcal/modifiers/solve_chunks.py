@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from seqcal.experts import routed_experts
+
 # float32 copies of the stacked [rows, in] weight during a solve (algorithms.gptq): W, Q, codes, errors
 SOLVE_COPIES = 4
 # A floor, so that a tight budget still stacks a few experts (each chunk repeats the Hessian's Cholesky and
@@ -69,7 +71,6 @@ def dense_solve_bytes(model: torch.nn.Module, names: Iterable[str]) -> int:
         >>> dense_solve_bytes(model, modifier.modules)  # doctest: +SKIP
         33554432
     """
-    from seqcal.experts import routed_experts
 
     names = list(names)
     experts = set(routed_experts(model, names))

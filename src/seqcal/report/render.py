@@ -7,10 +7,26 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from seqcal.execution.subgraphs import SubgraphList
+import torch
+
+
+class SubgraphList(Protocol):
+    """What the report reads of ``seqcal.execution.subgraphs.SubgraphList`` (the report is drawn from the
+    traced graph and imports nothing that runs it)."""
+
+    model: torch.nn.Module
+    targets: list[str]
+    placeholders: dict[str, str]
+    traced: Any  # seqcal.tracing.TraceResult
+
+    def __len__(self) -> int: ...
+
+    def table(self) -> list[dict[str, Any]]: ...
+
+    def check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, Any]: ...
+
 
 LAYOUTS = ("auto", "graphviz", "builtin")  # SVG: graphviz when `dot` exists (auto), or the built-in layout
 MAX_TENSORS_PER_NODE = 16  # a node returning a cache or many tensors lists only its first ones

@@ -13,7 +13,9 @@ from seqcal.tracing.decide import Guard
 from seqcal.tracing.diagnostics import Problem, TracingError
 from seqcal.tracing.leaves import TraceInto, resolve_trace_into
 from seqcal.tracing.partition import target_ends
-from seqcal.tracing.rewrite import OpaqueSite
+from seqcal.tracing.policy import LeafPolicy
+from seqcal.tracing.retries import trace_with_retries
+from seqcal.tracing.sources import OpaqueSite
 from seqcal.tracing.targets import (
     called_targets,
     check_targets,
@@ -22,7 +24,6 @@ from seqcal.tracing.targets import (
     match_targets,
     matches,
 )
-from seqcal.tracing.tracer import LeafPolicy, trace_with_retries
 from seqcal.tracing.values import contains_proxy
 
 MAX_DECIDE_ROUNDS = 8  # traces with more runtime tests decided each time (one branch can uncover another)

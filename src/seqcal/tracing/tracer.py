@@ -19,25 +19,19 @@ import logging
 import types
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
 from torch.fx.proxy import Proxy, TraceError
 
+from seqcal.tracing.astutil import names_of
 from seqcal.tracing.decide import Concrete, DecidingTracer
-from seqcal.tracing.diagnostics import Problem, TracingError, locate, refusal
+from seqcal.tracing.diagnostics import Problem, TracingError
 from seqcal.tracing.functions import FunctionContext, autograd_forward, module_params
-from seqcal.tracing.rewrite import (
-    OpaqueSite,
-    RewritePlan,
-    SourceFunction,
-    StmtId,
-    compile_rewritten,
-    names_of,
-    rewrite_source,
-)
+from seqcal.tracing.policy import LeafPolicy, ModuleRefused, StatementFailed, TraceState
+from seqcal.tracing.rewrite import compile_rewritten, rewrite_source
+from seqcal.tracing.sources import OpaqueSite, RewritePlan, SourceFunction, StmtId
 from seqcal.tracing.values import (
     _PLAIN_TYPES,
     MUTATORS,
@@ -51,65 +45,6 @@ from seqcal.tracing.values import (
 )
 
 logger = logging.getLogger("seqcal")
-
-# Distinct statements that fail symbolically (shared by all instances of a class) plus refused modules.
-MAX_RETRACES = 256
-
-
-class StatementFailed(Exception):
-    """Internal: a statement tried symbolically failed; it is retried as an opaque node."""
-
-    def __init__(self, sid: StmtId, cause: BaseException) -> None:
-        super().__init__(f"statement at {sid} failed: {cause!r}")
-        self.sid = sid
-        self.cause = cause
-
-
-class ModuleRefused(Exception):
-    """Internal: tracing into a module opened by ``trace_into`` failed; it is retried as a leaf."""
-
-    def __init__(self, name: str, module: torch.nn.Module, cause: BaseException) -> None:
-        super().__init__(f"tracing into {name} failed: {cause!r}")
-        self.name = name
-        self.module = module
-        self.cause = cause
-
-
-@dataclass
-class LeafPolicy:
-    """Which modules are targets, which hold targets, and which are traced into (``trace_into``).
-
-    A module is traced when it holds a target or is opened (and its class was not refused on an earlier
-    attempt); every other module, targets included unless opened, is a leaf.
-    """
-
-    targets: dict[int, str]  # id(module) -> qualified name
-    holders: set[int]  # ids of modules that contain a target (not targets themselves)
-    user_leaf: Callable[[torch.nn.Module, str], bool] = lambda m, name: False
-    opened: set[int] = field(default_factory=set)  # ids of modules traced into although they hold no target
-    refused: set[type] = field(default_factory=set)  # opened classes whose forward could not be traced
-
-    def is_leaf(self, module: torch.nn.Module, name: str) -> bool:
-        if id(module) in self.holders:
-            return False
-        return id(module) not in self.opened or type(module) in self.refused
-
-    def is_opened(self, module: torch.nn.Module) -> bool:
-        """Traced because ``trace_into`` asked for it (not because it holds a target)."""
-        return id(module) in self.opened and type(module) not in self.refused
-
-
-@dataclass
-class TraceState:
-    """What survives between retraces: statements to make opaque and why they failed."""
-
-    force_opaque: set[StmtId] = field(default_factory=set)
-    failures: dict[StmtId, str] = field(default_factory=dict)
-    refusals: list[Problem] = field(default_factory=list)  # opened modules kept as leaves, and why
-    sources: dict[Any, SourceFunction] = field(default_factory=dict)  # parsed forwards (never edited)
-    method_refs: dict[Any, set[str]] = field(default_factory=dict)  # method -> self attributes it reads
-    decidable: set[StmtId] = field(default_factory=set)  # ``if`` statements that cannot be made opaque
-    decide: set[StmtId] = field(default_factory=set)  # those decided on the sample, with a guard
 
 
 class SeqTracer(DecidingTracer):
@@ -430,48 +365,3 @@ def _defining_class(cls: type, func: Callable[..., Any]) -> type:
             if value is func or getattr(value, "__wrapped__", None) is func or inspect.unwrap(value) is func:
                 return klass
     return cls
-
-
-def trace_with_retries(
-    root: torch.nn.Module,
-    tensors: dict[str, Any],
-    constants: dict[str, Any],
-    policy: LeafPolicy,
-    ignored: frozenset[str],
-    decide: frozenset[StmtId] = frozenset(),
-) -> tuple[fx.Graph, SeqTracer, TraceState]:
-    """Trace, turning every simple statement that fails symbolically into an opaque node, until it passes.
-
-    ``decide``: statements whose runtime tests are decided on the sample, with guards (see ``decide.py``).
-
-    Raises:
-        TracingError: a statement that reaches a target failed; the error names file, line and fix.
-    """
-    state = TraceState(decide=set(decide))
-    for _ in range(MAX_RETRACES):
-        tracer = SeqTracer(policy, ignored, state)
-        try:
-            graph = tracer.trace_root(root, tensors, constants)
-            return graph, tracer, state
-        except StatementFailed as failed:
-            state.force_opaque.add(failed.sid)
-            state.failures[failed.sid] = f"{type(failed.cause).__name__}: {failed.cause}"
-        except ModuleRefused as refused:
-            policy.refused.add(type(refused.module))
-            state.refusals.append(
-                refusal(refused.name, refused.module, refused.cause, tracer.rewritten_files, root)
-            )
-            logger.warning("seqcal: %s", str(state.refusals[-1]).strip())
-        except TracingError:
-            raise
-        except Exception as exc:
-            raise TracingError([locate(exc, tracer.rewritten_files, root)]) from exc
-    raise TracingError(
-        [
-            Problem(
-                where=type(root).__qualname__,
-                what=f"gave up after {MAX_RETRACES} retraces",
-                fix="report a bug",
-            )
-        ]
-    )

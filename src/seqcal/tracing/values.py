@@ -12,7 +12,7 @@ import torch
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.fx.proxy import Proxy
 
-from seqcal.tracing.rewrite import OpaqueSite
+from seqcal.tracing.sources import OpaqueSite
 
 SCOPE = "seqcal_module"  # node.meta key: qualified name of the innermost module whose forward made the node
 

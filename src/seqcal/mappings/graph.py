@@ -1,30 +1,9 @@
-"""Smoothing mappings from the traced graph: which module produces the input of each group of Linears.
-
-A *mapping* pairs a producer with the consumers that read its output directly: a norm (RMSNorm, LayerNorm)
-before q/k/v or gate/up (kind ``"norm"``: scales fold into its weight and bias), or a Linear whose output
-rows reach the next Linear through operations that act on each channel linearly (kind ``"linear"``:
-v_proj -> attention -> o_proj, through transformers' KV-cache write (``seqcal.kv_writes``), and
-up_proj -> act(gate) * up -> down_proj). Folding ``s`` into a mapping
-(:func:`fold_scales`) divides the producer's output by ``s`` and multiplies the consumers' input columns by
-``s``: the float model computes the same function, and the consumers now read ``X / s``.
-
-Candidates that would change the model are skipped with a reason (logged, and returned by
-:func:`derive_mappings`): a norm whose output does not scale with its weight (Gemma's ``x * (1 + w)``),
-attention with grouped kv heads (v_proj narrower than o_proj's input), rotary embeddings, an activation
-function or a residual add in between, or a producer output read by something other than the consumers.
-
-Explicit mappings (a recipe's ``mappings``) override the graph: SmoothQuant's ``[[balance regexes],
-smooth regex]`` pairs or AWQ's ``{smooth_layer, balance_layers}`` dicts (:func:`resolve_mappings`).
-
-Example:
-    >>> maps = resolve_mappings(model, subgraphs.traced.graph)  # doctest: +SKIP
-    >>> maps[0]  # doctest: +SKIP
-    Mapping(producer='model.layers.0.input_layernorm', consumers=('...q_proj', '...k_proj', '...v_proj'), kind='norm')
+"""Smoothing mappings derived from the traced graph: for each group of Linears reading one value, the module that
+produces it (a norm, or a Linear through per-channel operations), or why there is none (``Skipped``).
 """
 
 from __future__ import annotations
 
-import logging
 import operator
 import re
 from collections.abc import Sequence
@@ -34,17 +13,20 @@ from typing import Any
 import torch
 from torch import fx
 
-from seqcal.algorithms.smoothing import divide_producer, multiply_consumer
-from seqcal.kv_writes import cache_write_input, kv_groups
-from seqcal.records import Mapping as Mapping  # re-exported: defined beside Fold
-
-logger = logging.getLogger("seqcal")
+from seqcal.mappings.kv_writes import cache_write_input, kv_groups
+from seqcal.records import Mapping
 
 KINDS = ("norm", "linear")
+
+
 # Methods that move channels without mixing them (the last dim stays the channel dim or is split into heads
 # in order): a per-channel scale passes through them.
 _TRANSPARENT_METHODS = {"view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten", "to"}
+
+
 _SHAPE_ONLY = {"shape", "size", "dim", "dtype", "device", "ndim"}
+
+
 # Opaque statements that only reshape (HF attention's `attn_output.reshape(*input_shape, -1).contiguous()`)
 _RESHAPE_SOURCE = re.compile(
     r"^[\w.]+\s*=\s*[\w.]+(\.(reshape|view|transpose|contiguous|flatten)\([^()]*\))+$"
@@ -258,158 +240,3 @@ def _depends_on(args: Sequence[Any], producer: str) -> bool:
                 break
             stack.extend(n.all_input_nodes)
     return hits > 1
-
-
-# --- explicit mappings ------------------------------------------------------------------------------------
-
-
-def matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
-    """A recipe pattern against a module: ``re:`` regex (``re.match`` on the qualified name), exact name,
-    or class name (llm-compressor's rule for mappings, targets and ignore)."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return name == pattern or type(module).__name__ == pattern
-
-
-def _pairs(explicit: Sequence[Any], who: str) -> list[tuple[list[str], str]]:
-    """(balance regexes, smooth regex) from SmoothQuant's lists or AWQ's dicts."""
-    out = []
-    for entry in explicit:
-        if isinstance(entry, dict) and "smooth_layer" in entry and "balance_layers" in entry:
-            out.append((list(entry["balance_layers"]), str(entry["smooth_layer"])))
-        elif isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[1], str):
-            balance = entry[0] if isinstance(entry[0], (list, tuple)) else [entry[0]]
-            out.append(([str(b) for b in balance], entry[1]))
-        else:
-            raise ValueError(
-                f"{who}: mapping {entry!r} is neither [[balance regexes], smooth regex] nor "
-                "{smooth_layer: regex, balance_layers: [regexes]}; write it in one of those forms"
-            )
-    return out
-
-
-def common_depth(a: str, b: str) -> int:
-    """Number of leading dotted components ``a`` and ``b`` share (the scope rule of explicit mappings)."""
-    n = 0
-    for x, y in zip(a.split("."), b.split(".")):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def explicit_mappings(
-    model: torch.nn.Module, explicit: Sequence[Any], who: str = "mappings"
-) -> list[Mapping]:
-    """Resolve a recipe's mappings against ``model``; each smooth match gets the balance matches of its scope.
-
-    Raises:
-        ValueError (one sentence): a regex that matches no module, a producer that is neither a norm nor a
-            Linear, an offset norm, or consumers of different input widths.
-    """
-    named = list(model.named_modules())
-    arch = type(model).__name__
-    out = []
-    for balance, smooth in _pairs(explicit, who):
-        producers = [(n, m) for n, m in named if matches(smooth, n, m)]
-        for pattern in [smooth, *balance]:
-            if not any(matches(pattern, n, m) for n, m in named):
-                raise ValueError(
-                    f"{who}: {pattern!r} matches no module of {arch}; fix the regex (module names look like "
-                    f"{named[-2][0]!r}) or leave mappings unset to derive them from the traced graph"
-                )
-        for pname, pmod in producers:
-            consumers = []
-            for pattern in balance:
-                hits = [n for n, m in named if matches(pattern, n, m) and n != pname]
-                best = max((common_depth(pname, n) for n in hits), default=0)
-                consumers += [n for n in hits if common_depth(pname, n) == best and n not in consumers]
-            out.append(_checked(model, pname, pmod, tuple(consumers), who))
-    return out
-
-
-def _checked(model: torch.nn.Module, pname: str, pmod: torch.nn.Module, consumers: tuple[str, ...],
-             who: str) -> Mapping:  # fmt: skip
-    arch = type(model).__name__
-    widths = {c: model.get_submodule(c).weight.shape[-1] for c in consumers}
-    if len(set(widths.values())) != 1:
-        raise ValueError(
-            f"{who}: the consumers of {pname} in {arch} read inputs of different widths ({widths}); one mapping "
-            "must list Linears that read the same tensor, e.g. [q_proj, k_proj, v_proj] or [gate_proj, up_proj]"
-        )
-    if _is_norm(pmod):
-        if reason := norm_fold_reason(pmod):
-            raise ValueError(f"{who}: {pname} in {arch}: {reason}; remove this mapping")
-        return Mapping(pname, consumers, "norm")
-    if isinstance(pmod, torch.nn.Linear):
-        return Mapping(pname, consumers, "linear")
-    raise ValueError(
-        f"{who}: smooth layer {pname} in {arch} is a {type(pmod).__name__}, neither a norm nor a Linear; "
-        "point the smooth regex at the norm or Linear whose output the balance layers read"
-    )
-
-
-def resolve_mappings(
-    model: torch.nn.Module,
-    graph: fx.Graph | None,
-    explicit: Sequence[Any] | None = None,
-    who: str = "mappings",
-) -> list[Mapping]:
-    """The mappings to smooth: ``explicit`` ones when given, else those derived from ``graph`` (skips logged).
-
-    Args:
-        model: the model.
-        graph: a traced graph with the Linears as call_module nodes (ignored when ``explicit`` is given).
-        explicit: a recipe's mappings (SmoothQuant or AWQ format), or None.
-        who: the modifier, for messages.
-
-    Returns:
-        The mappings, in graph (or recipe) order.
-
-    Example:
-        >>> resolve_mappings(model, None, [[["re:.*q_proj", "re:.*k_proj"], "re:.*input_layernorm"]])  # doctest: +SKIP
-    """
-    if explicit:
-        return explicit_mappings(model, explicit, who)
-    if graph is None:
-        raise ValueError(f"{who}: without explicit mappings a traced graph is needed to derive them")
-    mappings, skipped = derive_mappings(model, graph)
-    for skip in skipped:
-        logger.info("seqcal: %s: not smoothing %s: %s", who, ", ".join(skip.consumers), skip.reason)
-    return mappings
-
-
-# --- the fold ---------------------------------------------------------------------------------------------
-
-
-def fold_scales(model: torch.nn.Module, mapping: Mapping, scales: torch.Tensor) -> None:
-    """Divide the producer's output by ``scales`` and multiply the consumers' input columns by them.
-
-    The float model's function is unchanged; the consumers now read ``X / scales``. Callers inside the
-    pipeline use ``RunState.fold`` (which also records the fold so cached inputs and statistics follow).
-
-    Args:
-        model: the model (parameters on a real device).
-        mapping: from :func:`resolve_mappings`.
-        scales: ``s [in]`` positive, in the consumers' input width.
-
-    Example:
-        >>> fold_scales(model, Mapping("norm", ("fc1", "fc2"), "norm"), torch.full((64,), 2.0))  # doctest: +SKIP
-    """
-    producer = model.get_submodule(mapping.producer)
-    bias = getattr(producer, "bias", None)
-    # A fused Linear producer wider than the scales (qkv_proj -> o_proj) feeds the consumers from its last
-    # rows (the v part): only those are divided.
-    rows = (
-        slice(producer.weight.shape[0] - scales.shape[0], None) if mapping.kind == "linear" else slice(None)
-    )
-    with torch.no_grad():
-        weight, new_bias = divide_producer(
-            producer.weight.data[rows], None if bias is None else bias.data[rows], scales
-        )
-        producer.weight.data[rows] = weight
-        if new_bias is not None:
-            producer.bias.data[rows] = new_bias
-        for name in mapping.consumers:
-            consumer = model.get_submodule(name)
-            consumer.weight.data = multiply_consumer(consumer.weight.data, scales)

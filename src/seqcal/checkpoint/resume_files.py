@@ -1,0 +1,64 @@
+"""Reading back what a resumable run saved: the quantized weights of a finished subgraph, the producers whose
+folds a replay divides again, and a save interrupted while it was closing (``StreamingCheckpoint``'s resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seqcal.algorithms import dequantize, formats
+from seqcal.checkpoint.writer import CONFIG_NAME, INDEX_NAME
+from seqcal.modifiers.formats import weight_format
+from seqcal.modifiers.schemes import strategy_of
+from seqcal.records import QuantizedWeight
+
+
+def saved_weight(tensors: Mapping[str, torch.Tensor], name: str, scheme: Any) -> QuantizedWeight:
+    """Module ``name``'s quantized weight from a subgraph's resume file (``tensors``: its ``name:q``,
+    ``name:scale``, ... entries), following ``scheme`` (a compressed-tensors QuantizationScheme)."""
+    return QuantizedWeight(q=tensors[f"{name}:q"], scale=tensors[f"{name}:scale"],
+                           zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme,
+                           global_scale=tensors.get(f"{name}:global_scale"),
+                           input_scale=tensors.get(f"{name}:input_scale"),
+                           input_zero_point=tensors.get(f"{name}:input_zero_point"),
+                           input_global_scale=tensors.get(f"{name}:input_global_scale"))  # fmt: skip
+
+
+def dequantize_into(weight: torch.Tensor, qw: QuantizedWeight) -> None:
+    """Set ``weight`` (a module's parameter) to ``qw``'s dequantized values, in its dtype and on its device."""
+    scheme = qw.scheme
+    fmt = weight_format(scheme)  # block fp8, NVFP4, MX
+    if fmt is not None:
+        values = formats.dequantize(qw.q, qw.scale, qw.zero_point, fmt, qw.global_scale, dtype=weight.dtype)
+    else:
+        group_size = scheme.weights.group_size if strategy_of(scheme.weights) == "group" else None
+        values = dequantize(qw.q, qw.scale, qw.zero_point, group_size=group_size, dtype=weight.dtype)
+    weight.data = values.to(weight.device)
+
+
+def _deferred(metadata: Mapping[str, str]) -> set[str]:
+    """The producers of the folds a subgraph's file records (``divided``)."""
+    return {producer for producer, _, _ in json.loads(metadata.get("divided", "[]"))}
+
+
+def _undo_close(path: Path, closing: Mapping[str, str]) -> None:
+    """Put an interrupted save back as it was recorded: shards under their partial names, no config or index.
+
+    ``CheckpointWriter.close`` notes the renames it is about to make in the progress file; a kill during them
+    (or after ``config.json``, before the progress file is removed) leaves some shards renamed. The resumed
+    run finishes the save again, so each is renamed back, and ``config.json`` goes first: the directory must
+    not look finished while it is not.
+    """
+    if not closing:
+        return
+    (path / CONFIG_NAME).unlink(missing_ok=True)
+    (path / INDEX_NAME).unlink(missing_ok=True)
+    for partial, final in closing.items():
+        if not (path / partial).exists() and (path / final).is_file():
+            os.replace(path / final, path / partial)
