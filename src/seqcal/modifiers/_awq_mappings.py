@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from seqcal.mappings import Mapping, common_depth, matches, norm_fold_reason
+from seqcal.modifiers.names import checkpoint_names
 
 # llm-compressor's default_mappings (Llama-like decoders), used when a recipe gives none.
 DEFAULT_MAPPINGS: tuple[dict[str, Any], ...] = (
@@ -93,19 +94,21 @@ def resolve(
             (one sentence naming the mapping and the fix).
     """
     explicit = mappings is not None
-    modules = dict(model.named_modules())
+    modules, aliases = dict(model.named_modules()), checkpoint_names(model)
     resolved: list[AWQMapping] = []
     skipped: list[str] = []
     for i, entry in enumerate(mappings if explicit else DEFAULT_MAPPINGS):
         smooth_pat, balance_pats = _check_entry(entry, i, where)
-        smooths = [n for n, m in modules.items() if n and matches(smooth_pat, n, m)]
+        smooths = [n for n, m in modules.items() if n and matches(smooth_pat, n, m, aliases.get(n))]
         if not smooths and explicit:
             raise ValueError(f"{where}: mappings[{i}].smooth_layer {smooth_pat!r} matches no module of the "
                              "model; use a 're:' pattern on module names such as 're:.*input_layernorm$'")  # fmt: skip
         for smooth in smooths:
             balance: list[str] = []
             for pat in balance_pats:
-                found = [n for n, m in modules.items() if n and n != smooth and matches(pat, n, m)]
+                found = [
+                    n for n, m in modules.items() if n and n != smooth and matches(pat, n, m, aliases.get(n))
+                ]
                 if not found:
                     if explicit:
                         raise ValueError(f"{where}: mappings[{i}].balance_layers pattern {pat!r} matches no "

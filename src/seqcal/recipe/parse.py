@@ -55,6 +55,11 @@ LEGACY_ARGUMENTS: dict[str, dict[str, str | None]] = {
     "GPTQModifier": {"percdamp": "dampening_frac"},
     "QuantizationModifier": {"sequential_update": None},
 }
+# llm-compressor's Modifier base fields, which its recipe.yaml writes for every modifier: accepted and ignored
+# by the modifiers that do not take them as arguments. A one-shot run has no training steps for start, end and
+# update to schedule, index and group only order modifiers (seqcal runs them in file order), and
+# requires_calibration_data states what the modifier's class needs (seqcal decides from its arguments).
+BASE_ARGUMENTS: tuple[str, ...] = ("index", "group", "start", "end", "update", "requires_calibration_data")
 _EXAMPLE = "'quant_stage: {quant_modifiers: {GPTQModifier: {scheme: W4A16, ignore: [lm_head]}}}'"
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -355,8 +360,8 @@ def _arguments(entry: _Entry, cls: type[Modifier], loc: _Locator) -> dict[str, A
     out: dict[str, Any] = {}
     for key, value in entry.args.items():
         at = loc.at(entry.args, key)
-        if key == "group":
-            continue  # llm-compressor's group label; seqcal runs modifiers in file order
+        if key in BASE_ARGUMENTS and key not in valid:
+            continue
         if key in legacy:
             if legacy[key] is None:
                 continue
