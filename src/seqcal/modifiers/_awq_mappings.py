@@ -73,6 +73,9 @@ def _check_entry(entry: Any, i: int, where: str) -> tuple[str, list[str]]:
             f"{where}: mappings[{i}] must be {{smooth_layer: 're:...', balance_layers: ['re:...', ...]}}, "
             f"got {entry!r}"
         )
+    if entry.get("activation_hook_target") is not None:  # llm-compressor 0.14 writes it, null by default
+        raise ValueError(f"{where}: mappings[{i}].activation_hook_target is not supported: seqcal takes the "
+                         "activations from the balance layers' own inputs; remove it")  # fmt: skip
     return entry["smooth_layer"], list(entry["balance_layers"])
 
 
