@@ -102,7 +102,7 @@ def test_other_tags_are_refused_and_nothing_runs(tmp_path: Path, value: str, mes
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", ["gptq_w4a16_actorder_weight", "smoothquant_gptq_w8a8", "rtn_fp8_dynamic"])
+@pytest.mark.parametrize("name", ["gptq_w4a16_actorder_weight", "rtn_fp8_dynamic"])
 def test_llmc_recipe_yaml_runs_unchanged(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     oneshot(

@@ -34,6 +34,18 @@ UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
     "AutoRoundModifier", "SpinQuantModifier", "QuIPModifier", "REAPPruningModifier", "OutputDistillationModifier",
 )
 # fmt: on
+IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
+# Older llm-compressor argument names: modifier -> old name -> current name, or None (accepted, ignored:
+# it never changed the result).
+LEGACY_ARGUMENTS: dict[str, dict[str, str | None]] = {
+    "GPTQModifier": {"percdamp": "dampening_frac"},
+    "QuantizationModifier": {"sequential_update": None},
+}
+# llm-compressor's Modifier base fields, which its recipe.yaml writes for every modifier: accepted and ignored
+# by the modifiers that do not take them as arguments. A one-shot run has no training steps for start, end and
+# update to schedule, index and group only order modifiers (seqcal runs them in file order), and
+# requires_calibration_data states what the modifier's class needs (seqcal decides from its arguments).
+BASE_ARGUMENTS: tuple[str, ...] = ("index", "group", "start", "end", "update", "requires_calibration_data")
 _APPLY = "tag:yaml.org,2002:python/object/apply:"
 # The enums llm-compressor 0.14's recipe.yaml writes as Python tags -> the values each may hold (read as strings).
 # fmt: off

@@ -18,7 +18,9 @@ AWQModifier with that scheme).
 `version`, `metadata` and `args` at top level are ignored.
 
 Recipes are read with PyYAML's safe loader only (DESIGN invariant 8): tags such as `!GPTQModifier` or
-`!!python/...` are rejected, and `eval(...)` strings are refused, never evaluated. The loader, `RecipeError`
+`!!python/...` are rejected, except the enum, tuple and device tags llm-compressor 0.14 writes into its
+recipe.yaml, which are read as plain values (``llmc_format.LLMC_TAGS``), and `eval(...)` strings are refused,
+never evaluated. llm-compressor's Modifier base fields (BASE_ARGUMENTS) are accepted and ignored. The loader, `RecipeError`
 and the message helpers live in `seqcal.recipe.llmc_format`; this module re-exports `RecipeError` and
 `UNSUPPORTED_MODIFIERS`.
 """
@@ -37,6 +39,9 @@ import yaml
 
 from seqcal.modifiers import MODIFIERS, AWQModifier, Modifier, QuantizationModifier
 from seqcal.recipe.llmc_format import (
+    BASE_ARGUMENTS,
+    IGNORED_TOP_LEVEL_KEYS,
+    LEGACY_ARGUMENTS,
     UNSUPPORTED_MODIFIERS,
     RecipeError,
     _closest,
@@ -48,18 +53,6 @@ from seqcal.recipe.llmc_format import (
     _plain,
 )
 
-IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
-# Older llm-compressor argument names: modifier -> old name -> current name, or None (accepted, ignored:
-# it never changed the result).
-LEGACY_ARGUMENTS: dict[str, dict[str, str | None]] = {
-    "GPTQModifier": {"percdamp": "dampening_frac"},
-    "QuantizationModifier": {"sequential_update": None},
-}
-# llm-compressor's Modifier base fields, which its recipe.yaml writes for every modifier: accepted and ignored
-# by the modifiers that do not take them as arguments. A one-shot run has no training steps for start, end and
-# update to schedule, index and group only order modifiers (seqcal runs them in file order), and
-# requires_calibration_data states what the modifier's class needs (seqcal decides from its arguments).
-BASE_ARGUMENTS: tuple[str, ...] = ("index", "group", "start", "end", "update", "requires_calibration_data")
 _EXAMPLE = "'quant_stage: {quant_modifiers: {GPTQModifier: {scheme: W4A16, ignore: [lm_head]}}}'"
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
