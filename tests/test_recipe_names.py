@@ -83,10 +83,12 @@ def test_mappings_take_checkpoint_names() -> None:
     balance = ["re:.*block_sparse_moe.experts.0.w1", "re:.*block_sparse_moe.experts.0.w3"]
     (mapping,) = explicit_mappings(model, [[balance, "re:.*post_attention_layernorm"]], "m")
     assert mapping.consumers == ("model.layers.0.mlp.experts.0.w1", "model.layers.0.mlp.experts.0.w3")
-    kept = SmoothQuantModifier(mappings=[[["re:.*q_proj", "re:.*k_proj"], "re:.*input_layernorm"]],
-                               ignore=["re:.*block_sparse_moe.*", "re:.*input_layernorm", "re:.*_proj"])  # fmt: skip
+    ignore = ["re:.*post_attention_layernorm", "re:.*block_sparse_moe.experts.0.w[13]", "re:.*vision.*"]
+    kept = SmoothQuantModifier(mappings=[[balance, "re:.*post_attention_layernorm"]], ignore=ignore)
     kept.validate(model)
-    assert kept.resolved == []  # producer and every consumer ignored: the mapping is left out
+    assert kept.resolved == []  # producer and both consumers ignored (the consumers by checkpoint name)
+    (line,) = kept.warnings
+    assert "ignore entry 're:.*vision.*' matches no module of MixtralForCausalLM" in line
 
 
 def test_an_ignore_entry_that_matches_nothing_is_a_warning_in_the_report(tmp_path: Path) -> None:

@@ -95,6 +95,7 @@ calibration_function=None, algorithm='smoothquant')
             logger.info("seqcal: %s: num_calibration_steps is ignored (ranges use every calibration batch)",
                         self.name)  # fmt: skip
         self.resolved: list[Mapping] = []
+        self.warnings: list[str] = []  # ignore entries that match no module (``_kept``)
         self._prepared = False  # prepare() ran: the sequential pipeline orders transforms before quantizers
         self._ranges: dict[str, ChannelRange] = {}  # first consumer -> range of the group's input
 
@@ -113,11 +114,19 @@ calibration_function=None, algorithm='smoothquant')
             )
         else:
             self.resolved = self._kept(model, resolve_mappings(model, graph, None, self.name))
+        state.log.extend(w for w in self.warnings if w not in state.log)
         logger.info("seqcal: %s: %d mappings (%s)", self.name, len(self.resolved),
                     ", ".join(m.producer for m in self.resolved[:2]) + (", ..." if len(self.resolved) > 2 else ""))  # fmt: skip
 
     def _kept(self, model: torch.nn.Module, mappings: list[Mapping]) -> list[Mapping]:
-        aliases = checkpoint_names(model)
+        aliases, named = checkpoint_names(model), list(model.named_modules())
+        self.warnings = [  # ignore entries that match nothing: said in the log and the run's report
+            f"{self.name}: ignore entry {p!r} matches no module of {type(model).__name__}; it changes nothing here"
+            for p in self.ignore
+            if not any(matches(p, n, m, aliases.get(n)) for n, m in named)
+        ]
+        for line in self.warnings:
+            logger.warning("seqcal: %s", line)
 
         def ignored(name: str) -> bool:
             return any(matches(p, name, model.get_submodule(name), aliases.get(name)) for p in self.ignore)
