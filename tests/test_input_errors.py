@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from seqcal import trace_subgraphs
 from seqcal.data import CalibrationDataError, DataArgs, load_calibration_batches
 from seqcal.entrypoint import oneshot
-from seqcal.modifiers import GPTQModifier, QuantizationModifier
+from seqcal.modifiers import GPTQModifier, QuantizationModifier, RunState
 from seqcal.recipe.parse import Recipe, RecipeError, parse_recipe
 from seqcal.tracing.targets import infer_candidates
 from test_data import make_tokenizer
@@ -85,7 +85,6 @@ def test_modifiers_on_disjoint_modules_are_accepted() -> None:
     [
         ({"targets": ["Linaer"]}, "'Linaer'", "did you mean 'Linear'"),
         ({"targets": ["re:.*q_prj"]}, "'re:.*q_prj'", "q_proj"),
-        ({"ignore": ["lm_haed"]}, "ignore entry 'lm_haed'", "did you mean 'lm_head'"),
     ],
 )
 def test_a_pattern_that_matches_nothing_is_named_with_close_matches(kwargs, pattern, close) -> None:
@@ -103,6 +102,16 @@ def test_an_ignore_entry_for_modules_this_model_lacks_only_warns(caplog) -> None
         modifier.validate(tiny_llama())
     assert "ignore entry 're:.*(vision|visual).*' matches no module of LlamaForCausalLM" in caplog.text
     assert "lm_head" not in modifier.modules and "model.layers.0.mlp.up_proj" in modifier.modules
+
+
+def test_an_ignore_typo_warns_with_the_close_name_and_reaches_the_report() -> None:
+    """An ignore entry that matches nothing is a warning (log and report), with the closest names; the module it
+    meant to keep is quantized, which the warning says."""
+    modifier, state = GPTQModifier(scheme="W4A16", ignore=["lm_haed"]), RunState()
+    modifier.initialize(tiny_llama(), state)
+    (line,) = state.log
+    assert "ignore entry 'lm_haed' matches no module of LlamaForCausalLM (did you mean 'lm_head'?)" in line
+    assert "lm_head" in modifier.modules
 
 
 def test_target_typo_in_a_yaml_recipe_stops_oneshot(tmp_path: Path) -> None:

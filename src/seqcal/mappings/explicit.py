@@ -14,15 +14,18 @@ from seqcal.mappings.graph import (
     _is_norm,
     norm_fold_reason,
 )
+from seqcal.mappings.names import checkpoint_names
 from seqcal.records import Mapping
 
 
-def matches(pattern: str, name: str, module: torch.nn.Module) -> bool:
+def matches(pattern: str, name: str, module: torch.nn.Module, alias: str | None = None) -> bool:
     """A recipe pattern against a module: ``re:`` regex (``re.match`` on the qualified name), exact name,
-    or class name (llm-compressor's rule for mappings, targets and ignore)."""
+    or class name (llm-compressor's rule for mappings, targets and ignore). ``alias`` is the module's name in
+    the checkpoint when transformers renamed it at load (``seqcal.mappings.names``); either name matches."""
+    names = (name,) if alias is None else (name, alias)
     if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return name == pattern or type(module).__name__ == pattern
+        return any(re.match(pattern[3:], n) is not None for n in names)
+    return pattern in names or type(module).__name__ == pattern
 
 
 def _pairs(explicit: Sequence[Any], who: str) -> list[tuple[list[str], str]]:
@@ -61,13 +64,13 @@ def explicit_mappings(
         ValueError (one sentence): a regex that matches no module, a producer that is neither a norm nor a
             Linear, an offset norm, or consumers of different input widths.
     """
-    named = list(model.named_modules())
+    named, aliases = list(model.named_modules()), checkpoint_names(model)
     arch = type(model).__name__
     out = []
     for balance, smooth in _pairs(explicit, who):
-        producers = [(n, m) for n, m in named if matches(smooth, n, m)]
+        producers = [(n, m) for n, m in named if matches(smooth, n, m, aliases.get(n))]
         for pattern in [smooth, *balance]:
-            if not any(matches(pattern, n, m) for n, m in named):
+            if not any(matches(pattern, n, m, aliases.get(n)) for n, m in named):
                 raise ValueError(
                     f"{who}: {pattern!r} matches no module of {arch}; fix the regex (module names look like "
                     f"{named[-2][0]!r}) or leave mappings unset to derive them from the traced graph"
@@ -75,7 +78,7 @@ def explicit_mappings(
         for pname, pmod in producers:
             consumers = []
             for pattern in balance:
-                hits = [n for n, m in named if matches(pattern, n, m) and n != pname]
+                hits = [n for n, m in named if matches(pattern, n, m, aliases.get(n)) and n != pname]
                 best = max((common_depth(pname, n) for n in hits), default=0)
                 consumers += [n for n in hits if common_depth(pname, n) == best and n not in consumers]
             out.append(_checked(model, pname, pmod, tuple(consumers), who))

@@ -4,9 +4,10 @@ from seqcal.modifiers.awq import AWQModifier
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptaq import GPTAQModifier
 from seqcal.modifiers.gptq import GPTQModifier
+from seqcal.modifiers.magnitude import ConstantPruningModifier, MagnitudePruningModifier
 from seqcal.modifiers.needs import Gather, Needs
 from seqcal.modifiers.quantization import QuantizationModifier
-from seqcal.modifiers.smoothquant import SmoothQuantModifier
+from seqcal.modifiers.smoothquant import LogarithmicEqualizationModifier, SmoothQuantModifier
 from seqcal.modifiers.sparsegpt import SparseGPTModifier
 from seqcal.modifiers.wanda import WandaPruningModifier
 
@@ -19,14 +20,20 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "AWQModifier": AWQModifier,
     "SparseGPTModifier": SparseGPTModifier,
     "WandaPruningModifier": WandaPruningModifier,
+    "LogarithmicEqualizationModifier": LogarithmicEqualizationModifier,
+    "MagnitudePruningModifier": MagnitudePruningModifier,
+    "ConstantPruningModifier": ConstantPruningModifier,
 }
 
 __all__ = [
     "MODIFIERS",
     "AWQModifier",
     "GPTAQModifier",
+    "ConstantPruningModifier",
     "GPTQModifier",
     "Gather",
+    "LogarithmicEqualizationModifier",
+    "MagnitudePruningModifier",
     "Modifier",
     "Needs",
     "QuantizationModifier",

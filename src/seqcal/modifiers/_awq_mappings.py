@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from seqcal.mappings import Mapping, common_depth, matches, norm_fold_reason
+from seqcal.mappings.names import checkpoint_names
 
 # llm-compressor's default_mappings (Llama-like decoders), used when a recipe gives none.
 DEFAULT_MAPPINGS: tuple[dict[str, Any], ...] = (
@@ -72,6 +73,9 @@ def _check_entry(entry: Any, i: int, where: str) -> tuple[str, list[str]]:
             f"{where}: mappings[{i}] must be {{smooth_layer: 're:...', balance_layers: ['re:...', ...]}}, "
             f"got {entry!r}"
         )
+    if entry.get("activation_hook_target") is not None:  # llm-compressor 0.14 writes it, null by default
+        raise ValueError(f"{where}: mappings[{i}].activation_hook_target is not supported: seqcal takes the "
+                         "activations from the balance layers' own inputs; remove it")  # fmt: skip
     return entry["smooth_layer"], list(entry["balance_layers"])
 
 
@@ -93,19 +97,21 @@ def resolve(
             (one sentence naming the mapping and the fix).
     """
     explicit = mappings is not None
-    modules = dict(model.named_modules())
+    modules, aliases = dict(model.named_modules()), checkpoint_names(model)
     resolved: list[AWQMapping] = []
     skipped: list[str] = []
     for i, entry in enumerate(mappings if explicit else DEFAULT_MAPPINGS):
         smooth_pat, balance_pats = _check_entry(entry, i, where)
-        smooths = [n for n, m in modules.items() if n and matches(smooth_pat, n, m)]
+        smooths = [n for n, m in modules.items() if n and matches(smooth_pat, n, m, aliases.get(n))]
         if not smooths and explicit:
             raise ValueError(f"{where}: mappings[{i}].smooth_layer {smooth_pat!r} matches no module of the "
                              "model; use a 're:' pattern on module names such as 're:.*input_layernorm$'")  # fmt: skip
         for smooth in smooths:
             balance: list[str] = []
             for pat in balance_pats:
-                found = [n for n, m in modules.items() if n and n != smooth and matches(pat, n, m)]
+                found = [
+                    n for n, m in modules.items() if n and n != smooth and matches(pat, n, m, aliases.get(n))
+                ]
                 if not found:
                     if explicit:
                         raise ValueError(f"{where}: mappings[{i}].balance_layers pattern {pat!r} matches no "

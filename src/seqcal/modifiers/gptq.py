@@ -44,6 +44,8 @@ class GPTQModifier(QuantizationModifier):
         actorder: None, "static"/"weight" (column order by diag(H), same format) or "group" (g_idx saved).
         sequential_targets: layer classes to calibrate one by one (overrides the pipeline's inference).
         offload_hessians: accepted for llm-compressor compatibility; Hessians of one subgraph stay on device.
+        batched_quantization: accepted for llm-compressor compatibility ("auto", a positive integer or None):
+            stacking modules into one solve never changes the result; seqcal sizes its stacks itself.
         hessian_products: "float32" (default) or "bfloat16": dtype of each batch's X^T X matmul (the
             Hessian itself always accumulates in float32).
 
@@ -61,9 +63,17 @@ class GPTQModifier(QuantizationModifier):
     offload_hessians: bool = False
     hessian_products: str = "float32"  # seqcal: "bfloat16" computes each batch's X^T X on bf16 units
     sequential_update: bool = True  # deprecated in llm-compressor; accepted and ignored
+    # llm-compressor 0.14 stacks same-shape modules into one solve ("auto": sized from free GPU memory, an int: at
+    # most that many, None: one at a time). Rows are independent, so stacking never changes the codes; seqcal
+    # stacks the modules sharing a Hessian, sized from max_device_memory (solve_chunks). Checked, then ignored.
+    batched_quantization: str | int | None = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        bq = self.batched_quantization
+        if not (bq is None or bq == "auto" or (type(bq) is int and bq > 0)):
+            raise ValueError(f"{self.name}: batched_quantization must be 'auto', a positive integer or null, "
+                             f"got {bq!r}")  # fmt: skip
         if self.hessian_products not in ("float32", "bfloat16"):
             raise ValueError(
                 f"{self.name}: hessian_products must be 'float32' or 'bfloat16', got {self.hessian_products!r}"

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from seqcal.algorithms.sparsity import lowest_mask, nm_mask, parse_mask_structure, sparsity_of
+from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.base import Modifier, RunState, Statistic
 from seqcal.modifiers.hessians import SharedInputs
 from seqcal.modifiers.schemes import _check_patterns, matches_target
@@ -78,9 +79,9 @@ class PruningModifier(Modifier):
         return f"{self._n}:{self._m}" if self._n else "unstructured"
 
     def validate(self, model: torch.nn.Module) -> None:
-        modules = list(model.named_modules())
-        _check_patterns(model, modules, [t for t in self.targets if t != "Linear"], self.ignore, self.name)
-        layers = [(n, m) for n, m in modules if matches_target(m, n, self.targets)]
+        modules, aliases = list(model.named_modules()), checkpoint_names(model)
+        self.warnings = _check_patterns(model, modules, self.targets, self.ignore, self.name, aliases)
+        layers = [(n, m) for n, m in modules if matches_target(m, n, self.targets, aliases.get(n))]
         if isinstance(self.sparsity, list) and len(self.sparsity) != len(layers):
             raise ValueError(
                 f"{self.name}: sparsity is a list of {len(self.sparsity)} values but targets {self.targets} "
@@ -90,7 +91,7 @@ class PruningModifier(Modifier):
         for i, (layer, module) in enumerate(layers):
             value = self.sparsity[i] if isinstance(self.sparsity, list) else self.sparsity
             for sub, child in module.named_modules(prefix=layer):
-                if sub in self.pruned or matches_target(child, sub, self.ignore):
+                if sub in self.pruned or matches_target(child, sub, self.ignore, aliases.get(sub)):
                     continue
                 if isinstance(child, _PRUNABLE_ELSEWHERE):
                     raise ValueError(
@@ -134,6 +135,7 @@ class PruningModifier(Modifier):
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self.pruned:
             self.validate(model)
+        state.log.extend(w for w in getattr(self, "warnings", []) if w not in state.log)
         if note := getattr(self, "_note", None):
             state.log.append(note)
 

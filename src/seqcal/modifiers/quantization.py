@@ -41,6 +41,9 @@ class QuantizationModifier(Modifier):
         weight_observer, input_observer, output_observer: observer names that override the scheme's
             (llm-compressor's arguments), e.g. weight_observer="imatrix_mse".
         observer: the same as a mapping {weights: ..., input: ..., output: ...} (not together with the above).
+        bypass_divisibility_checks: llm-compressor's switch to skip its early check that group sizes divide the
+            inputs. seqcal's quantizers and checkpoints need whole groups, so it changes nothing where they divide
+            and cannot make ragged groups possible: such modules are still refused, the message says why.
 
     Weight observers are llm-compressor's: minmax (default), mse, imatrix_mse (MSE weighted by the inputs'
     E[x^2], which makes this modifier calibrate on data). See seqcal.algorithms.observe.
@@ -61,10 +64,14 @@ class QuantizationModifier(Modifier):
     input_observer: str | None = None
     output_observer: str | None = None
     observer: dict[str, str] | None = None
+    bypass_divisibility_checks: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore, str):
             self.ignore = [self.ignore]
+        if not isinstance(self.bypass_divisibility_checks, bool):
+            raise ValueError(f"{self.name}: bypass_divisibility_checks must be true or false, "
+                             f"got {self.bypass_divisibility_checks!r}")  # fmt: skip
         self.kv: KVCacheCalibration | None = None
         if self.kv_cache_scheme is not None:
             self.kv = KVCacheCalibration(kv_cache_args(self.kv_cache_scheme, self.name), self.name)
@@ -95,7 +102,8 @@ class QuantizationModifier(Modifier):
             check_supported(group, f"{self.name} group {name!r}")
 
     def validate(self, model: torch.nn.Module) -> None:
-        self.modules = resolve_modules(model, self.groups, self.ignore, self.name)
+        self.warnings: list[str] = []  # ignore entries that match nothing, for the run's report
+        self.modules = resolve_modules(model, self.groups, self.ignore, self.name, self.warnings)
         self.inputs = InputCalibration(self.modules)
         self.importance = ImportanceCalibration(self.modules)
         if not self.modules:
@@ -105,7 +113,13 @@ class QuantizationModifier(Modifier):
             )
         # Before any calibration: a width the format cannot hold would stop the run later, at that module's
         # solve, after every subgraph before it was calibrated.
-        check_widths(model, self.modules, self.name)
+        try:
+            check_widths(model, self.modules, self.name)
+        except ValueError as exc:
+            if not self.bypass_divisibility_checks:
+                raise
+            raise ValueError(f"{exc} (bypass_divisibility_checks skips only llm-compressor's early check: seqcal "
+                             "quantizes whole groups, it has no ragged last group)") from None  # fmt: skip
         self._fused = fused_groups(model, self.modules)
         if self.kv is not None:
             self.kv.validate(model)
@@ -113,6 +127,7 @@ class QuantizationModifier(Modifier):
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self.modules:
             self.validate(model)
+        state.log.extend(w for w in getattr(self, "warnings", []) if w not in state.log)
         if self.kv is not None:
             self.kv.initialize(model)
             state.kv_cache_scheme = self.kv.args

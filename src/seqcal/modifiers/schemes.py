@@ -17,13 +17,11 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
 from seqcal.experts import fused_modules
+from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.activations import check_activations
 from seqcal.observers import check_weight_observer
 
 logger = logging.getLogger("seqcal")
-# difflib ratio from which a name that matches nothing is taken for a typo: "lm_haed" ~ "lm_head" (0.86),
-# "q_prj" ~ "q_proj" (0.91); "lm_head" ~ "head" (0.73) is another architecture's name, not a typo.
-_TYPO = 0.8
 
 # Presets whose math seqcal implements: int weights (tensor/channel/group), fp8 weights (also block-wise), fp4
 # NVFP4 and MX (fp4/fp6/fp8 with e8m0 group scales) weights, dynamic activations (declared in the checkpoint,
@@ -182,13 +180,24 @@ def strategy_of(args: QuantizationArgs) -> str:
     return str(args.strategy.value if hasattr(args.strategy, "value") else args.strategy)
 
 
-def matches_target(module: torch.nn.Module, name: str, patterns: Sequence[str]) -> bool:
-    """compressed-tensors' matching: a class name ("Linear") or an ``re:`` pattern on the qualified name."""
+def matches_target(
+    module: torch.nn.Module, name: str, patterns: Sequence[str], alias: str | None = None
+) -> bool:
+    """compressed-tensors' matching: a class name ("Linear"), an ``re:`` pattern or the qualified name itself.
+
+    Names are tried as the model has them in memory and, when given, as the checkpoint has them (``alias``, from
+    ``seqcal.mappings.names.checkpoint_names``: transformers 5 renames some modules at load).
+
+    Example:
+        >>> matches_target(torch.nn.Linear(1, 1), "m.mlp.gate", ["re:.*block_sparse_moe.gate"], "m.block_sparse_moe.gate")
+        True
+    """
+    names = (name,) if alias is None else (name, alias)
     for pattern in patterns:
         if pattern.startswith("re:"):
-            if re.match(pattern[3:], name):
+            if any(re.match(pattern[3:], n) for n in names):
                 return True
-        elif pattern == name or type(module).__name__ == pattern:
+        elif pattern in names or type(module).__name__ == pattern:
             return True
     return False
 
@@ -198,6 +207,7 @@ def resolve_modules(
     groups: dict[str, QuantizationScheme],
     ignore: Sequence[str],
     where: str = "recipe",
+    warnings: list[str] | None = None,
 ) -> dict[str, QuantizationScheme]:
     """Module name -> scheme for every Linear matched by a group's targets and not ignored.
 
@@ -209,32 +219,41 @@ def resolve_modules(
         groups: the modifier's schemes, each with its ``targets``.
         ignore: class names or ``re:`` patterns of modules left in full precision.
         where: the modifier's name, for error messages.
+        warnings: a list that gets one line per ignore entry that matches no module (for the run's report).
+
+    Patterns match a module's in-memory name or its checkpoint name (``seqcal.mappings.names``).
 
     Returns:
         Qualified module name -> its scheme, in module order.
 
     Raises:
-        ValueError: a target matches no module of the model, or an ignore entry matches none but is close
-            to a module's name or class (a typo); the message names the pattern and the close names.
+        ValueError: a target matches no module of the model; the message names the pattern and the close names.
 
     Example:
         >>> resolve_modules(model, resolve_schemes("W4A16", None, "Linear", "m"), ["lm_head"])  # doctest: +SKIP
     """
     modules = list(model.named_modules())
-    _check_patterns(model, modules, [t for g in groups.values() for t in g.targets], ignore, where)
+    aliases = checkpoint_names(model)
+    missed = _check_patterns(
+        model, modules, [t for g in groups.values() for t in g.targets], ignore, where, aliases
+    )
+    if warnings is not None:
+        warnings += missed
     found: dict[str, QuantizationScheme] = {}
     for name, module in modules:
-        if not isinstance(module, torch.nn.Linear) or matches_target(module, name, ignore):
+        if not isinstance(module, torch.nn.Linear) or matches_target(module, name, ignore, aliases.get(name)):
             continue
         for group in groups.values():
-            if matches_target(module, name, group.targets):
+            if matches_target(module, name, group.targets, aliases.get(name)):
                 found[name] = group
                 break
-    _refuse_fused(model, [t for g in groups.values() for t in g.targets], ignore, where)
+    _refuse_fused(model, [t for g in groups.values() for t in g.targets], ignore, where, aliases)
     return found
 
 
-def _refuse_fused(model: torch.nn.Module, targets: list[str], ignore: Sequence[str], where: str) -> None:
+def _refuse_fused(
+    model: torch.nn.Module, targets: list[str], ignore: Sequence[str], where: str, aliases: dict[str, str]
+) -> None:
     """DESIGN invariant 9: weights of 3+ dimensions the targets reach (fused experts seqcal could not take
     apart into Linears) would be saved in full precision; refuse before any work instead of saying nothing.
 
@@ -244,10 +263,11 @@ def _refuse_fused(model: torch.nn.Module, targets: list[str], ignore: Sequence[s
 
     reached = []
     for name, module in fused_modules(model):
-        if matches_target(module, name, ignore):
+        if matches_target(module, name, ignore, aliases.get(name)):
             continue
         params = [f"{name}.{p}" for p, t in module.named_parameters(recurse=False) if t.dim() >= 3]
-        if "Linear" in targets or any(matches_target(module, n, targets) for n in [name, *params]):
+        named = [(name, aliases.get(name)), *((p, None) for p in params)]
+        if "Linear" in targets or any(matches_target(module, n, targets, a) for n, a in named):
             reached.append((name, module, params))
     if reached:
         name, module, params = reached[0]
@@ -266,26 +286,34 @@ def _check_patterns(
     targets: list[str],
     ignore: Sequence[str],
     where: str,
-) -> None:
-    """Refuse a target that matches no module, and an ignore entry that is a near miss (a typo).
+    aliases: dict[str, str] | None = None,
+) -> list[str]:
+    """Refuse a target that matches no module; warn about an ignore entry that matches none.
 
-    "Linear" is left to the caller's "no Linear layer" check. An ignore entry with no close match names
-    something this architecture does not have (a recipe shared across models): it is only a warning.
+    "Linear" is left to the caller's "no Linear layer" check. An ignore entry that matches nothing changes
+    nothing (a recipe shared across models names what this architecture does not have, or it is a typo): it is
+    logged as a warning naming it, with the closest names, and returned for the run's report.
+
+    Returns:
+        The warnings (one per ignore entry that matches nothing), to be added to ``RunState.log``.
     """
+    aliases = aliases if aliases is not None else checkpoint_names(model)
+    warnings = []
     for kind, patterns in (("targets", [t for t in targets if t != "Linear"]), ("ignore", list(ignore))):
         for pattern in dict.fromkeys(patterns):
-            if any(matches_target(m, n, [pattern]) for n, m in modules):
+            if any(matches_target(m, n, [pattern], aliases.get(n)) for n, m in modules):
                 continue
-            hint, close = _near(pattern, modules)
+            hint = _near(pattern, modules)
             message = f"{where}: {kind} entry {pattern!r} matches no module of {type(model).__name__}{hint}"
-            if kind == "targets" or close:
+            if kind == "targets":
                 raise ValueError(message)
             logger.warning("seqcal: %s; it changes nothing here", message)
+            warnings.append(f"{message}; it changes nothing here")
+    return warnings
 
 
-def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> tuple[str, bool]:
-    """A hint with the closest class names (for a class name) or module names (for an ``re:`` pattern),
-    and whether one is so close that the pattern is likely a typo of it."""
+def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> str:
+    """A hint with the closest class names (for a class name) or module names (for an ``re:`` pattern)."""
     classes = sorted({type(m).__name__ for _, m in modules})
     if pattern.startswith("re:"):
         # Compare the pattern's literal tail ("q_prj" of "re:.*q_prj") with the modules' last name parts.
@@ -294,9 +322,9 @@ def _near(pattern: str, modules: list[tuple[str, torch.nn.Module]]) -> tuple[str
         close = difflib.get_close_matches(tail, leaves, n=3, cutoff=0.6)
         valid = "an 're:' pattern is matched with re.match from the start of the qualified module name"
         hint = f" (close module names: {', '.join(close)}); {valid}" if close else f"; {valid}"
-        return hint, bool(difflib.get_close_matches(tail, leaves, n=1, cutoff=_TYPO))
+        return hint
     names = classes + [n for n, _ in modules if n]
     close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.6)
     hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
     valid = f"give a module class name (one of {', '.join(classes[:12])}) or an 're:' name pattern"
-    return f"{hint}; {valid}", bool(difflib.get_close_matches(pattern, names, n=1, cutoff=_TYPO))
+    return f"{hint}; {valid}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -23,13 +22,20 @@ from typing import Any, ClassVar
 import torch
 from torch import fx
 
-from seqcal.algorithms.smoothing import ChannelRange, smoothing_scales, update_channel_range
-from seqcal.mappings import Mapping, explicit_mappings, resolve_mappings
+from seqcal.algorithms.smoothing import (
+    MINIMUM_SMOOTHING_SCALE,
+    ChannelRange,
+    smoothing_scales,
+    update_channel_range,
+)
+from seqcal.mappings import Mapping, explicit_mappings, matches, resolve_mappings
+from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.activations import real_tokens
 from seqcal.modifiers.base import Modifier, RunState, Statistic
 from seqcal.tracing.partition import Subgraph
 
 logger = logging.getLogger("seqcal")
+ALGORITHMS = ("smoothquant", "log_equalization")
 
 
 @dataclass
@@ -44,10 +50,15 @@ class SmoothQuantModifier(Modifier):
             are ignored, as in llm-compressor).
         num_calibration_steps: accepted for llm-compressor compatibility and ignored: the ranges are taken
             over every calibration batch (set ``num_calibration_samples`` to use fewer).
+        calibration_function: llm-compressor's hook to run calibration with a custom function; a recipe cannot
+            hold one (only null is accepted): seqcal runs the calibration data through the model itself.
+        algorithm: "smoothquant" (the scales above) or "log_equalization" (``s = max|X| / log2(2 + max|X|)``,
+            Logarithmic Equalization, Wang et al., 2023, as ``LogarithmicEqualizationModifier``).
 
     Example:
         >>> SmoothQuantModifier(smoothing_strength=0.8)
-        SmoothQuantModifier(smoothing_strength=0.8, mappings=None, ignore=[], num_calibration_steps=None)
+        SmoothQuantModifier(smoothing_strength=0.8, mappings=None, ignore=[], num_calibration_steps=None, \
+calibration_function=None, algorithm='smoothquant')
     """
 
     name: ClassVar[str] = "SmoothQuantModifier"
@@ -58,8 +69,19 @@ class SmoothQuantModifier(Modifier):
     mappings: list[Any] | None = None
     ignore: list[str] = field(default_factory=list)
     num_calibration_steps: int | None = None
+    calibration_function: Any = None
+    algorithm: str = "smoothquant"
 
     def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"{self.name}: algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}"
+            )
+        if self.calibration_function is not None:
+            raise ValueError(f"{self.name}: calibration_function is not supported: seqcal runs the calibration data "
+                             "through the model itself; remove it")  # fmt: skip
+        if self.ignore is None:  # llm-compressor's default
+            self.ignore = []
         alpha = self.smoothing_strength
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
             raise ValueError(f"{self.name}: smoothing_strength must be a number in [0, 1], got {alpha!r}")
@@ -73,30 +95,41 @@ class SmoothQuantModifier(Modifier):
             logger.info("seqcal: %s: num_calibration_steps is ignored (ranges use every calibration batch)",
                         self.name)  # fmt: skip
         self.resolved: list[Mapping] = []
+        self.warnings: list[str] = []  # ignore entries that match no module (``_kept``)
         self._prepared = False  # prepare() ran: the sequential pipeline orders transforms before quantizers
         self._ranges: dict[str, ChannelRange] = {}  # first consumer -> range of the group's input
 
     def validate(self, model: torch.nn.Module) -> None:
         if self.mappings:  # explicit mappings are checked before any weight is touched
-            self.resolved = self._kept(explicit_mappings(model, self.mappings, self.name))
+            self.resolved = self._kept(model, explicit_mappings(model, self.mappings, self.name))
 
     def prepare(self, graph: fx.Graph | None, model: torch.nn.Module, state: RunState) -> None:
         self._prepared = True
         if self.mappings:
-            self.resolved = self._kept(explicit_mappings(model, self.mappings, self.name))
+            self.resolved = self._kept(model, explicit_mappings(model, self.mappings, self.name))
         elif graph is None:
             raise ValueError(
                 f"{self.name}: {type(model).__name__} could not be traced with its Linears as nodes, so no "
                 "mapping can be derived; give mappings: [[[balance regexes], smooth regex], ...] in the recipe"
             )
         else:
-            self.resolved = self._kept(resolve_mappings(model, graph, None, self.name))
+            self.resolved = self._kept(model, resolve_mappings(model, graph, None, self.name))
+        state.log.extend(w for w in self.warnings if w not in state.log)
         logger.info("seqcal: %s: %d mappings (%s)", self.name, len(self.resolved),
                     ", ".join(m.producer for m in self.resolved[:2]) + (", ..." if len(self.resolved) > 2 else ""))  # fmt: skip
 
-    def _kept(self, mappings: list[Mapping]) -> list[Mapping]:
+    def _kept(self, model: torch.nn.Module, mappings: list[Mapping]) -> list[Mapping]:
+        aliases, named = checkpoint_names(model), list(model.named_modules())
+        self.warnings = [  # ignore entries that match nothing: said in the log and the run's report
+            f"{self.name}: ignore entry {p!r} matches no module of {type(model).__name__}; it changes nothing here"
+            for p in self.ignore
+            if not any(matches(p, n, m, aliases.get(n)) for n, m in named)
+        ]
+        for line in self.warnings:
+            logger.warning("seqcal: %s", line)
+
         def ignored(name: str) -> bool:
-            return any(name == p or (p.startswith("re:") and re.match(p[3:], name)) for p in self.ignore)
+            return any(matches(p, name, model.get_submodule(name), aliases.get(name)) for p in self.ignore)
 
         return [m for m in mappings if not (ignored(m.producer) and all(ignored(c) for c in m.consumers))]
 
@@ -169,8 +202,45 @@ class SmoothQuantModifier(Modifier):
                 logger.info("seqcal: %s", note)
                 continue
             weights = [model.get_submodule(c).weight for c in m.consumers]
-            s = smoothing_scales(channel_range, weights, float(self.smoothing_strength))
+            if self.algorithm == "log_equalization":
+                s = log_equalization_scales(channel_range)
+            else:
+                s = smoothing_scales(channel_range, weights, float(self.smoothing_strength))
             state.fold(model, m, s)
             state.module_errors.setdefault(m.producer, {})["smoothing_scale_max"] = s.max().item()
             changed = True
         return changed
+
+
+def log_equalization_scales(channel_range: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Logarithmic Equalization's scales (Wang et al., 2023) as llm-compressor computes them: with ``r_j`` the
+    dynamic range ``max X_j - min X_j`` of input channel ``j``, ``s_j = r_j / log2(2 + r_j)``.
+
+    Args:
+        channel_range: per-channel (min, max) of the group's input, each [in].
+
+    Returns:
+        [in] float32 scales, each >= ``MINIMUM_SMOOTHING_SCALE`` (a dead channel must not divide by zero).
+
+    Example:
+        >>> log_equalization_scales((torch.tensor([-4.0, 0.0]), torch.tensor([2.0, 0.0]))).tolist()
+        [2.0, 1e-05]
+    """
+    lo, hi = channel_range
+    r = (hi - lo).float()  # [in]
+    return (r / torch.log2(2 + r)).clamp_min(MINIMUM_SMOOTHING_SCALE)
+
+
+@dataclass
+class LogarithmicEqualizationModifier(SmoothQuantModifier):
+    """llm-compressor's LogarithmicEqualizationModifier: SmoothQuant with ``algorithm: log_equalization`` (its
+    scales ``r / log2(2 + r)`` of each input channel's dynamic range ``r``; the weights play no part, so
+    ``smoothing_strength`` is accepted and unused). Same arguments, mappings and folds as SmoothQuantModifier.
+
+    Example:
+        >>> LogarithmicEqualizationModifier().algorithm
+        'log_equalization'
+    """
+
+    name: ClassVar[str] = "LogarithmicEqualizationModifier"
+    algorithm: str = "log_equalization"

@@ -2,7 +2,10 @@
 
 ``_load`` parses YAML with ``yaml.SafeLoader`` only (DESIGN invariant 8) and records where each mapping key
 is, so ``_Locator`` can point messages at "file:line"; repeated keys are refused instead of silently
-overwritten. ``RecipeError``, ``UNSUPPORTED_MODIFIERS`` and the message helpers (``_kind``, ``_closest``,
+overwritten. The Python tags llm-compressor's ``recipe.yaml`` holds (``yaml.dump`` of its modifiers: an enum
+such as ``!!python/object/apply:compressed_tensors.quantization.quant_args.ActivationOrdering [weight]``, a
+``!!python/tuple``, a ``torch.device``) are read as the plain values they stand for by constructors for exactly
+those tags (``LLMC_TAGS``); nothing is imported or called, and every other tag is still refused. ``RecipeError``, ``UNSUPPORTED_MODIFIERS`` and the message helpers (``_kind``, ``_closest``,
 ``_looks_like_modifier``, ``_has_eval``, ``_plain``) live here too; ``seqcal.recipe.parse`` turns the
 loaded data into modifiers and re-exports the public names.
 
@@ -28,11 +31,34 @@ from seqcal.modifiers import MODIFIERS
 # llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
 # fmt: off
 UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
-    "AutoRoundModifier", "LogarithmicEqualizationModifier",
-    "SpinQuantModifier", "QuIPModifier", "MagnitudePruningModifier",
-    "ConstantPruningModifier", "OutputDistillationModifier",
+    "AutoRoundModifier", "SpinQuantModifier", "QuIPModifier", "REAPPruningModifier", "OutputDistillationModifier",
 )
 # fmt: on
+IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
+# Older llm-compressor argument names: modifier -> old name -> current name, or None (accepted, ignored:
+# it never changed the result).
+LEGACY_ARGUMENTS: dict[str, dict[str, str | None]] = {
+    "GPTQModifier": {"percdamp": "dampening_frac"},
+    "QuantizationModifier": {"sequential_update": None},
+}
+# llm-compressor's Modifier base fields, which its recipe.yaml writes for every modifier: accepted and ignored
+# by the modifiers that do not take them as arguments. A one-shot run has no training steps for start, end and
+# update to schedule, index and group only order modifiers (seqcal runs them in file order), and
+# requires_calibration_data states what the modifier's class needs (seqcal decides from its arguments).
+BASE_ARGUMENTS: tuple[str, ...] = ("index", "group", "start", "end", "update", "requires_calibration_data")
+_APPLY = "tag:yaml.org,2002:python/object/apply:"
+# The enums llm-compressor 0.14's recipe.yaml writes as Python tags -> the values each may hold (read as strings).
+# fmt: off
+LLMC_TAGS: dict[str, tuple[str, ...]] = {
+    "compressed_tensors.quantization.quant_args.ActivationOrdering": ("weight", "static", "group", "dynamic"),
+    "compressed_tensors.quantization.quant_args.QuantizationStrategy": (
+        "tensor", "channel", "group", "block", "token", "tensor_group", "attn_head"),
+    "compressed_tensors.quantization.quant_args.QuantizationType": ("int", "float"),
+    "compressed_tensors.quantization.quant_args.DynamicType": ("local",),
+    "llmcompressor.modifiers.transform.spinquant.base.SpinquantRotation": ("R1", "R2", "R3", "R4"),
+}
+# fmt: on
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "npu", "meta")
 
 
 class RecipeError(SeqcalError, ValueError):
@@ -68,6 +94,56 @@ class _LineLoader(yaml.SafeLoader):
 
 
 _LineLoader.add_constructor("tag:yaml.org,2002:map", _LineLoader.construct_lined_map)
+
+
+def _tag_arguments(loader: _LineLoader, node: yaml.Node, what: str, sizes: tuple[int, ...]) -> list[Any]:
+    """The scalar arguments of an ``apply:`` tag, checked: a list of ``sizes`` plain values, nothing nested."""
+    line = f"{loader.source}:{node.start_mark.line + 1}"
+    if not isinstance(node, yaml.SequenceNode) or len(node.value) not in sizes:
+        raise RecipeError(f"{line}: {what} must hold a list of {' or '.join(map(str, sizes))} value(s), like "
+                          f"llm-compressor writes it; write the plain value instead of the tag")  # fmt: skip
+    if not all(isinstance(item, yaml.ScalarNode) for item in node.value):
+        raise RecipeError(f"{line}: {what} holds nested values; write the plain value instead of the tag")
+    return [loader.construct_scalar(item) for item in node.value]
+
+
+def _construct_enum(loader: _LineLoader, suffix: str, node: yaml.Node) -> str:
+    """An enum of ``LLMC_TAGS``, read as its value (``ActivationOrdering [weight]`` -> "weight")."""
+    where = f"{loader.source}:{node.start_mark.line + 1}"
+    if suffix not in LLMC_TAGS:
+        raise RecipeError(
+            f"{where}: invalid YAML: the tag '!!python/object/apply:{suffix}' would run Python code; recipes are "
+            "read with YAML's safe loader, which reads only the enums llm-compressor writes (as plain values): "
+            "write the plain value instead (nothing in a recipe is executed)"
+        )
+    (value,) = _tag_arguments(loader, node, suffix.rsplit(".", 1)[-1], (1,))
+    if value not in LLMC_TAGS[suffix]:
+        raise RecipeError(f"{where}: {value!r} is not a value of {suffix.rsplit('.', 1)[-1]}; one of "
+                          f"{', '.join(LLMC_TAGS[suffix])}")  # fmt: skip
+    return str(value)
+
+
+def _construct_device(loader: _LineLoader, node: yaml.Node) -> str:
+    """``!!python/object/apply:torch.device [cuda, 0]`` read as "cuda:0" (the string torch.device takes)."""
+    args = _tag_arguments(loader, node, "torch.device", (1, 2))
+    kind, index = str(args[0]), args[1] if len(args) > 1 else None
+    if kind.split(":")[0] not in _DEVICE_TYPES or (index is not None and not str(index).isdigit()):
+        raise RecipeError(
+            f"{loader.source}:{node.start_mark.line + 1}: {args} is not a device; write e.g. 'cpu'"
+        )
+    return kind if index is None else f"{kind}:{index}"
+
+
+def _construct_apply(loader: _LineLoader, suffix: str, node: yaml.Node) -> str:
+    return (
+        _construct_device(loader, node) if suffix == "torch.device" else _construct_enum(loader, suffix, node)
+    )
+
+
+_LineLoader.add_multi_constructor(_APPLY, _construct_apply)
+_LineLoader.add_constructor(  # llm-compressor writes SmoothQuant's mappings as tuples: read as lists
+    "tag:yaml.org,2002:python/tuple", lambda loader, node: loader.construct_sequence(node, deep=True)
+)
 
 
 def _hashable(value: Any) -> bool:

@@ -18,7 +18,9 @@ AWQModifier with that scheme).
 `version`, `metadata` and `args` at top level are ignored.
 
 Recipes are read with PyYAML's safe loader only (DESIGN invariant 8): tags such as `!GPTQModifier` or
-`!!python/...` are rejected, and `eval(...)` strings are refused, never evaluated. The loader, `RecipeError`
+`!!python/...` are rejected, except the enum, tuple and device tags llm-compressor 0.14 writes into its
+recipe.yaml, which are read as plain values (``llmc_format.LLMC_TAGS``), and `eval(...)` strings are refused,
+never evaluated. llm-compressor's Modifier base fields (BASE_ARGUMENTS) are accepted and ignored. The loader, `RecipeError`
 and the message helpers live in `seqcal.recipe.llmc_format`; this module re-exports `RecipeError` and
 `UNSUPPORTED_MODIFIERS`.
 """
@@ -38,6 +40,9 @@ import yaml
 from seqcal.modifiers import MODIFIERS, AWQModifier, Modifier, QuantizationModifier
 from seqcal.recipe.imports import entry_point_class, is_import_path, modifier_class
 from seqcal.recipe.llmc_format import (
+    BASE_ARGUMENTS,
+    IGNORED_TOP_LEVEL_KEYS,
+    LEGACY_ARGUMENTS,
     UNSUPPORTED_MODIFIERS,
     RecipeError,
     _closest,
@@ -49,13 +54,6 @@ from seqcal.recipe.llmc_format import (
     _plain,
 )
 
-IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
-# Older llm-compressor argument names: modifier -> old name -> current name, or None (accepted, ignored:
-# it never changed the result).
-LEGACY_ARGUMENTS: dict[str, dict[str, str | None]] = {
-    "GPTQModifier": {"percdamp": "dampening_frac"},
-    "QuantizationModifier": {"sequential_update": None},
-}
 _EXAMPLE = "'quant_stage: {quant_modifiers: {GPTQModifier: {scheme: W4A16, ignore: [lm_head]}}}'"
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -364,8 +362,8 @@ def _arguments(entry: _Entry, cls: type[Modifier], loc: _Locator) -> dict[str, A
     out: dict[str, Any] = {}
     for key, value in entry.args.items():
         at = loc.at(entry.args, key)
-        if key == "group":
-            continue  # llm-compressor's group label; seqcal runs modifiers in file order
+        if key in BASE_ARGUMENTS and key not in valid:
+            continue
         if key in legacy:
             if legacy[key] is None:
                 continue
