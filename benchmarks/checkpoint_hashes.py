@@ -20,6 +20,7 @@ torch version and the CPU, since the bytes depend on them.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -129,8 +130,10 @@ def environment(settings: Settings) -> dict[str, object]:
 
 
 def source_commit() -> str:
-    """The checkout's commit, with ``+changes`` when ``src/`` differs from it (the code the runs import)."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    """The last commit that changed ``src/`` (the code the runs import), with ``+changes`` when it is edited."""
+    head = subprocess.run(
+        ["git", "log", "-1", "--format=%h", "--", "src"], cwd=ROOT, capture_output=True, text=True
+    )
     dirty = subprocess.run(["git", "status", "--porcelain", "src"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode != 0:
         return "unknown (not a git checkout)"
@@ -252,18 +255,39 @@ def calibration_file(dataset: str) -> Path:
 
 
 def record(path: Path, names: list[str], settings: Settings, work: Path) -> None:
-    """Run every recipe of ``names`` and write the baseline to ``path``."""
+    """Run every recipe of ``names`` and write each one's hashes to ``path`` as soon as it is done.
+
+    A record already at ``path`` made with the same settings, data, code and environment keeps its other
+    recipes (so recipes can be recorded by separate processes); any other record is replaced.
+
+    Args:
+        path: the JSON to write.
+        names: keys of ``RECIPES``.
+        settings: calibration size, threads and data.
+        work: folder of the checkpoints.
+    """
     data = calibration_file(settings.dataset)
-    result = {"settings": asdict(settings), "dataset_sha256": sha256(data.read_bytes()), "commit": source_commit(),
-              "environment": environment(settings), "skipped_files": SKIPPED, "recipes": {}}  # fmt: skip
+    header = {"settings": asdict(settings), "dataset_sha256": sha256(data.read_bytes()), "commit": source_commit(),
+              "environment": environment(settings), "skipped_files": SKIPPED}  # fmt: skip
     for name in names:
         line, hashes, seconds = run_recipe(name, settings, work)
-        result["recipes"][name] = {"command": line, "seconds": round(seconds, 1), **hashes}
+        _merge(path, header, name, {"command": line, "seconds": round(seconds, 1), **hashes})
         print(
-            f"{name}: {len(hashes['files'])} files, {len(hashes['tensors'])} tensors hashed ({seconds:.1f} s)"
+            f"{name}: {len(hashes['files'])} files, {len(hashes['tensors'])} tensors, {seconds:.1f} s -> {path}"
         )
-    path.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    print(f"recorded in {path}")
+
+
+def _merge(path: Path, header: dict, name: str, entry: dict) -> None:
+    with open(path, "a+", encoding="utf-8") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)  # another process recording other recipes may write at the same time
+        file.seek(0)
+        text = file.read()
+        old = json.loads(text) if text.strip() else {}
+        same = all(old.get(key) == value for key, value in header.items())
+        result = {**header, "recipes": {**(old.get("recipes", {}) if same else {}), name: entry}}
+        file.seek(0)
+        file.truncate()
+        file.write(json.dumps(result, indent=1, sort_keys=True) + "\n")
 
 
 def check(path: Path, names: list[str] | None, work: Path) -> int:
