@@ -23,7 +23,8 @@ from save_helpers import checkpoint_tensors, local, reload, tiny_llama
 from seqcal.checkpoint.writer import save_checkpoint
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.modifiers import GPTQModifier, QuantizationModifier, QuantizedWeight, RunState, activations
-from seqcal.modifiers.activations import dynamic_fake_quantize, input_fake_quantize, quantized_inputs
+from seqcal.modifiers.activations import quantized_inputs
+from seqcal.modifiers.fake_inputs import dynamic_fake_quantize, input_fake_quantize
 from seqcal.observers import OBSERVERS, make_observer
 from seqcal.recipe.parse import parse_recipe
 

@@ -29,28 +29,22 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from torch import Tensor
 
-from seqcal.algorithms import FP8_DTYPE, compute_qparams, quant_range
-from seqcal.algorithms.fp4 import nvfp4_fake_quantize_groups, nvfp4_global_scale
-from seqcal.algorithms.quant import round_fp8
+from seqcal.algorithms import FP8_DTYPE
+from seqcal.algorithms.fp4 import nvfp4_global_scale
+from seqcal.modifiers.fake_inputs import (
+    enum_value,
+    input_fake_quantize,
+    nvfp4_inputs,
+)
 from seqcal.modifiers.formats import fused_groups
 from seqcal.observers import ActivationObserver, check_static_input, make_observer, observer_name
 from seqcal.records import Statistic
-
-
-def _value(enum_or_str: object) -> str:
-    return str(getattr(enum_or_str, "value", enum_or_str))
 
 
 def static_inputs(scheme: QuantizationScheme) -> QuantizationArgs | None:
     """The scheme's input activation arguments when they are static, else None."""
     acts = scheme.input_activations
     return acts if acts is not None and acts.dynamic is False else None
-
-
-def nvfp4_inputs(args: QuantizationArgs | None) -> bool:
-    """Whether input activations are NVFP4's: fp4, ``tensor_group``, group scales computed at inference
-    (``dynamic: local``) from a calibrated global scale."""
-    return args is not None and _value(args.dynamic) == "local" and _value(args.strategy) == "tensor_group"
 
 
 def calibrated_inputs(scheme: QuantizationScheme) -> QuantizationArgs | None:
@@ -79,26 +73,26 @@ def check_activations(scheme: QuantizationScheme, where: str) -> None:
     acts = scheme.input_activations
     if acts is None:
         return
-    if _value(acts.dynamic) == "local":
+    if enum_value(acts.dynamic) == "local":
         _check_nvfp4_inputs(acts, where)
     elif acts.dynamic is False:
         check_static_input(acts, where)
-    elif acts.dynamic is not True or _value(acts.strategy) not in ("token", "tensor", "group"):
+    elif acts.dynamic is not True or enum_value(acts.strategy) not in ("token", "tensor", "group"):
         raise ValueError(
-            f"{where}: dynamic input activations with strategy {_value(acts.strategy)!r} (dynamic="
-            f"{_value(acts.dynamic)}) are not supported; use strategy 'token' (W8A8, FP8_DYNAMIC) or 'tensor'"
+            f"{where}: dynamic input activations with strategy {enum_value(acts.strategy)!r} (dynamic="
+            f"{enum_value(acts.dynamic)}) are not supported; use strategy 'token' (W8A8, FP8_DYNAMIC) or 'tensor'"
         )
 
 
 def _check_nvfp4_inputs(acts: QuantizationArgs, where: str) -> None:
     """``dynamic: local`` (group scales at inference under a calibrated global scale) is NVFP4's only."""
-    nvfp4 = (_value(acts.type), acts.num_bits, _value(acts.strategy), acts.group_size) == (
+    nvfp4 = (enum_value(acts.type), acts.num_bits, enum_value(acts.strategy), acts.group_size) == (
         "float", 4, "tensor_group", 16) and acts.symmetric and acts.scale_dtype in (None, FP8_DTYPE)  # fmt: skip
     if not nvfp4:
         raise ValueError(
             f"{where}: input activations with dynamic 'local' are NVFP4's (fp4 float, strategy tensor_group, "
-            f"group_size 16, symmetric, fp8 scales), got {_value(acts.type)} {acts.num_bits}-bit, strategy "
-            f"{_value(acts.strategy)!r}, group_size {acts.group_size}; use the NVFP4 preset"
+            f"group_size 16, symmetric, fp8 scales), got {enum_value(acts.type)} {acts.num_bits}-bit, strategy "
+            f"{enum_value(acts.strategy)!r}, group_size {acts.group_size}; use the NVFP4 preset"
         )
     check_static_input(acts, where)  # the observer of the global scale: an unknown name lists the valid ones
     if observer_name(acts) not in ("minmax", "static_minmax", "memoryless_minmax"):
@@ -257,87 +251,6 @@ class InputCalibration:
             amax = torch.stack([torch.maximum(hi.max(), -lo.min()) for lo, hi in ranges]).amax()
             scale = nvfp4_global_scale(amax)  # in the observed dtype, then float32: generate_gparam's order
             self._global_scales.update({m: scale.clone() for m in members})  # own tensors for safetensors
-
-
-def qdq(x: Tensor, scale: Tensor, zero: Tensor | None, args: QuantizationArgs) -> Tensor:
-    """Quantize-dequantize in one pass, as compressed-tensors' fused ``_quantize_dequantize``: the codes stay
-    in x's dtype (no int8 / fp8 tensor in between), the result is in the scale's dtype.
-
-    Args:
-        x: activations; ``scale`` / ``zero`` broadcast against it.
-        args: the activation format (num_bits, type).
-
-    Returns:
-        ``(round(clamp(x / scale + zero)) - zero) * scale``.
-    """
-    qmin, qmax = quant_range(args.num_bits, _value(args.type))
-    scaled = x / scale
-    if zero is not None:
-        scaled = scaled + zero.to(x.dtype)
-    scaled = scaled.clamp(qmin, qmax)  # a new tensor: fp8 rounds it in place
-    codes = round_fp8(scaled, out_of_place=False) if _value(args.type) == "float" else torch.round(scaled)
-    codes = codes.to(scale.dtype)
-    if zero is not None:
-        codes = codes - zero.to(scale.dtype)
-    return codes * scale
-
-
-def dynamic_fake_quantize(x: Tensor, args: QuantizationArgs) -> Tensor:
-    """Fake-quantize ``x`` with qparams computed from it, as compressed-tensors' dynamic forward does.
-
-    ``token``: one scale per token for ``[batch, seq, in]`` (per tensor for other ranks, as there);
-    ``tensor``: one scale; ``group``: one per token and group of ``group_size`` columns.
-
-    Example:
-        >>> y = dynamic_fake_quantize(torch.randn(2, 5, 16), QuantizationArgs(strategy="token", dynamic=True))
-    """
-    strategy, kind = _value(args.strategy), _value(args.type)
-    if strategy == "token" and x.dim() == 3:
-        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [batch, seq, 1]
-    elif strategy == "group":
-        grouped = x.unflatten(-1, (x.shape[-1] // args.group_size, args.group_size))
-        lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)  # [..., groups]
-        scale, zero = compute_qparams(lo, hi, num_bits=args.num_bits, symmetric=args.symmetric, type=kind)
-        zero = None if args.symmetric else zero.unsqueeze(-1)
-        return qdq(grouped, scale.unsqueeze(-1), zero, args).flatten(-2).to(x.dtype)
-    else:
-        lo, hi = x.amin(), x.amax()
-    scale, zero = compute_qparams(lo, hi, num_bits=args.num_bits, symmetric=args.symmetric, type=kind)
-    return qdq(x, scale, None if args.symmetric else zero, args)
-
-
-def input_fake_quantize(x: Tensor, qw: Any) -> Tensor:
-    """The input ``x`` of a quantized module as its runtime sees it (``qw``: its QuantizedWeight).
-
-    Returns ``x`` unchanged for weight-only schemes, and for static ones not calibrated yet.
-    """
-    args = qw.scheme.input_activations
-    if args is None or x.numel() == 0:
-        return x
-    if nvfp4_inputs(args):  # fp4 with per-token group scales under the calibrated global scale
-        if qw.input_global_scale is None:
-            return x
-        return nvfp4_fake_quantize_groups(x, qw.input_global_scale, args.group_size)
-    if args.dynamic is not False:
-        if (
-            _value(args.type) == "float"
-            and args.num_bits != 8
-            or getattr(args, "scale_dtype", None) is not None
-        ):
-            # MX activations (fp4/fp6/fp8 with e8m0 group scales) are computed at inference and not emulated
-            # here: downstream modules calibrate on the unquantized inputs, as for every scheme before.
-            return x
-        return dynamic_fake_quantize(x, args)
-    if qw.input_scale is None:
-        return x
-    scale = qw.input_scale.to(x.device)
-    zero = None if qw.input_zero_point is None else qw.input_zero_point.to(x.device)
-    if _value(args.strategy) == "group":  # [..., groups, group_size] against [groups, 1]
-        grouped = x.unflatten(-1, (scale.shape[-1], args.group_size))
-        zero = None if zero is None else zero.unsqueeze(-1)
-        return qdq(grouped, scale.unsqueeze(-1), zero, args).flatten(-2).to(x.dtype)
-    # x / scale in the promoted dtype, dequantized in the scale's dtype, as compressed-tensors' forward
-    return qdq(x, scale, zero, args)
 
 
 @contextlib.contextmanager

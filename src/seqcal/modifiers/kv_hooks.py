@@ -19,7 +19,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs
 from torch import Tensor
 
-from seqcal.modifiers.activations import qdq
+from seqcal.modifiers.fake_inputs import qdq
 
 
 class _Calibrated(Protocol):

@@ -20,7 +20,7 @@ import importlib
 import importlib.metadata
 import re
 
-from seqcal.modifiers import Modifier
+from seqcal.modifiers import MODIFIERS, Modifier
 from seqcal.recipe.llmc_format import RecipeError
 
 ENTRY_POINT_GROUP = "seqcal.modifiers"
@@ -70,3 +70,13 @@ def _checked(obj: object, path: str, where: str) -> type[Modifier]:
             "seqcal.modifiers.Modifier (or one of its subclasses, such as QuantizationModifier)"
         )
     return obj
+
+
+def recipe_key(modifier: Modifier) -> str:
+    """How a recipe names ``modifier``: its registry name, else its class's import path (``pkg.module:Class``),
+    so that the recipe.yaml written beside a checkpoint runs again (a class defined in ``__main__`` cannot be
+    imported by another process: its name is written, and naming it again needs the same script)."""
+    cls = type(modifier)
+    if MODIFIERS.get(modifier.name) is cls or cls.__module__ == "__main__":
+        return modifier.name
+    return f"{cls.__module__}:{cls.__qualname__}"

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from seqcal.errors import SeqcalError
-from seqcal.modifiers import MODIFIERS
+from seqcal.modifiers import MODIFIERS, AWQModifier, QuantizationModifier
 
 # llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
 # fmt: off
@@ -250,4 +250,26 @@ def _plain(value: Any, where: str) -> Any:
         return value
     raise RecipeError(
         f"{where}: cannot write a {type(value).__name__} to a recipe; use YAML values (str, number, list, dict)"
+    )
+
+
+def bind_awq(modifiers: list[Any]) -> list[Any]:
+    """llm-compressor 0.14's AWQ form: a bare AWQModifier (no scheme) followed by a QuantizationModifier is one
+    AWQModifier with that modifier's scheme, targets and ignore (AWQ needs the scheme to search its scales)."""
+    out: list[Any] = []
+    for modifier in modifiers:
+        previous = out[-1] if out else None
+        if type(modifier) is QuantizationModifier and isinstance(previous, AWQModifier) and previous.bare:
+            out[-1] = previous.bind(modifier)
+        else:
+            out.append(modifier)
+    return out
+
+
+def is_bare_gptq(entry: Any) -> bool:
+    """A GPTQModifier without its own scheme (the legacy form that uses the QuantizationModifier before it)."""
+    if entry.name != "GPTQModifier":
+        return False
+    return entry.args is None or (
+        isinstance(entry.args, dict) and not {"scheme", "config_groups"} & set(entry.args)
     )

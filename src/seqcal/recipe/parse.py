@@ -37,8 +37,8 @@ from typing import Any, Union
 import torch
 import yaml
 
-from seqcal.modifiers import MODIFIERS, AWQModifier, Modifier, QuantizationModifier
-from seqcal.recipe.imports import entry_point_class, is_import_path, modifier_class
+from seqcal.modifiers import MODIFIERS, Modifier, QuantizationModifier
+from seqcal.recipe.imports import entry_point_class, is_import_path, modifier_class, recipe_key
 from seqcal.recipe.llmc_format import (
     BASE_ARGUMENTS,
     IGNORED_TOP_LEVEL_KEYS,
@@ -52,6 +52,8 @@ from seqcal.recipe.llmc_format import (
     _Locator,
     _looks_like_modifier,
     _plain,
+    bind_awq,
+    is_bare_gptq,
 )
 
 _EXAMPLE = "'quant_stage: {quant_modifiers: {GPTQModifier: {scheme: W4A16, ignore: [lm_head]}}}'"
@@ -77,7 +79,7 @@ class Recipe:
     source: str | None = None
 
     def __post_init__(self) -> None:
-        self.modifiers = _bind_awq(list(self.modifiers))
+        self.modifiers = bind_awq(list(self.modifiers))
         where = self.source or "recipe"
         if not self.modifiers:
             raise RecipeError(f"{where}: a recipe needs at least one modifier ({', '.join(MODIFIERS)})")
@@ -233,7 +235,7 @@ def _from_data(data: Any, loc: _Locator) -> Recipe:
     built: list[tuple[Modifier, _Entry]] = []
     for entry in _collect(data, loc):
         inherited = None
-        if _is_bare_gptq(entry) and built and type(built[-1][0]) is QuantizationModifier:
+        if is_bare_gptq(entry) and built and type(built[-1][0]) is QuantizationModifier:
             if built[-1][1].stage == entry.stage:  # legacy pair: GPTQ takes the scheme of the modifier before
                 inherited = built.pop()[0]
         built.append((_build(entry, loc, inherited), entry))
@@ -389,37 +391,5 @@ def _arguments(entry: _Entry, cls: type[Modifier], loc: _Locator) -> dict[str, A
 # --- small helpers --------------------------------------------------------------------------------------
 
 
-def _is_bare_gptq(entry: _Entry) -> bool:
-    """A GPTQModifier without its own scheme (the legacy form that uses the QuantizationModifier before it)."""
-    if entry.name != "GPTQModifier":
-        return False
-    return entry.args is None or (
-        isinstance(entry.args, dict) and not {"scheme", "config_groups"} & set(entry.args)
-    )
-
-
-def _bind_awq(modifiers: list[Any]) -> list[Any]:
-    """llm-compressor 0.14's AWQ form: a bare AWQModifier (no scheme) followed by a QuantizationModifier is one
-    AWQModifier with that modifier's scheme, targets and ignore (AWQ needs the scheme to search its scales)."""
-    out: list[Any] = []
-    for modifier in modifiers:
-        previous = out[-1] if out else None
-        if type(modifier) is QuantizationModifier and isinstance(previous, AWQModifier) and previous.bare:
-            out[-1] = previous.bind(modifier)
-        else:
-            out.append(modifier)
-    return out
-
-
 def _is_group_key(key: Any) -> bool:
     return isinstance(key, str) and (key == "modifiers" or key.endswith("_modifiers"))
-
-
-def recipe_key(modifier: Modifier) -> str:
-    """How a recipe names ``modifier``: its registry name, else its class's import path (``pkg.module:Class``),
-    so that the recipe.yaml written beside a checkpoint runs again (a class defined in ``__main__`` cannot be
-    imported by another process: its name is written, and naming it again needs the same script)."""
-    cls = type(modifier)
-    if MODIFIERS.get(modifier.name) is cls or cls.__module__ == "__main__":
-        return modifier.name
-    return f"{cls.__module__}:{cls.__qualname__}"
