@@ -1,5 +1,6 @@
 """Modifiers: the algorithms that hook into the sequential loop. Registry by recipe name."""
 
+from seqcal.modifiers.autoround import AutoRoundModifier
 from seqcal.modifiers.awq import AWQModifier
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptq import GPTQModifier
@@ -16,11 +17,13 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "AWQModifier": AWQModifier,
     "SparseGPTModifier": SparseGPTModifier,
     "WandaPruningModifier": WandaPruningModifier,
+    "AutoRoundModifier": AutoRoundModifier,
 }
 
 __all__ = [
     "MODIFIERS",
     "AWQModifier",
+    "AutoRoundModifier",
     "GPTQModifier",
     "Modifier",
     "QuantizationModifier",

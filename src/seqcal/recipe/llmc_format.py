@@ -28,7 +28,7 @@ from seqcal.modifiers import MODIFIERS
 # llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
 # fmt: off
 UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
-    "AutoRoundModifier", "LogarithmicEqualizationModifier",
+    "LogarithmicEqualizationModifier",
     "SpinQuantModifier", "QuIPModifier", "MagnitudePruningModifier",
     "ConstantPruningModifier", "OutputDistillationModifier",
 )
