@@ -22,7 +22,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--lr", type=float, default=5e-3, help="0: auto-round's default (1 / iters)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--bits", type=int, default=4)
@@ -36,7 +36,7 @@ def main() -> None:
     windows = load_file(args.tokens)["input_ids"][: args.samples]  # [N, seq]
     data = [w.unsqueeze(0) for w in windows]
     ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", bits=args.bits, group_size=args.group_size,
-                   sym=True, iters=args.iters, lr=args.lr, batch_size=args.batch_size, nsamples=len(data),
+                   sym=True, iters=args.iters, lr=args.lr or None, batch_size=args.batch_size, nsamples=len(data),
                    seqlen=windows.shape[1], dataset=data, device_map="cpu", enable_torch_compile=False)  # fmt: skip
     model, _ = ar.quantize()
     tuned = time.perf_counter() - start
