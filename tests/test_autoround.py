@@ -193,3 +193,15 @@ def test_schemes_it_cannot_learn_are_refused_before_calibrating(scheme: str, fra
 
 def test_more_than_one_process_is_refused() -> None:
     assert AutoRoundModifier(scheme="W4A16").shares_statistics() is False
+
+
+def test_zero_steps_is_round_to_nearest() -> None:
+    learned, rtn = tiny_llama(1), tiny_llama(1)
+    oneshot(
+        model=learned,
+        dataset=data(2),
+        recipe=AutoRoundModifier(config_groups=SYM, ignore=["lm_head"], iters=0),
+    )
+    oneshot(model=rtn, dataset=data(2), recipe=QuantizationModifier(config_groups=SYM, ignore=["lm_head"]))
+    for (name, a), b in zip(learned.named_parameters(), rtn.parameters(), strict=True):
+        assert torch.equal(a, b), name

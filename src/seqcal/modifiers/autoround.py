@@ -121,9 +121,8 @@ class AutoRoundModifier(QuantizationModifier):
         self._spans: dict[str, SpanCache] = {}  # decoder layer -> its recorded calls
         self._reference: list[torch.Tensor] | None = None  # full-precision outputs of the layer before
         self.losses: dict[str, tuple[float, float]] = {}  # layer -> (round to nearest, best learned) loss
-        if (
-            self.device_ids is not None or self.disable_opt_rtn
-        ):  # enable_torch_compile is on by default: not logged
+        # enable_torch_compile is on by default (llm-compressor's): not worth a line
+        if self.device_ids is not None or self.disable_opt_rtn:
             state.log.append(f"{self.name}: device_ids and disable_opt_rtn have no effect in seqcal (layers run on "
                              "the execution device; iters 0 is round to nearest)")  # fmt: skip
 
@@ -221,6 +220,8 @@ class AutoRoundModifier(QuantizationModifier):
                 best, kept = loss, {n: p.detached() for n, p in params.items()}
             for p in params.values():
                 sign_step_(p, linear_lr(lr, step, self.iters))
+        if self.iters == 0:  # round to nearest: nothing was learned or measured
+            best = first
         self.losses[layer] = (first, best)
         for n in names:
             module, kwn = model.get_submodule(n), kw[n]
@@ -228,7 +229,10 @@ class AutoRoundModifier(QuantizationModifier):
             gs = W[n].shape[-1] if kwn["group_size"] is None else kwn["group_size"]
             module.weight.data = dequantize(q, scale, zp, group_size=gs, dtype=W[n].dtype)
             state.quantized[n] = QuantizedWeight(q, scale, zp, None, self.modules[n])
-            state.module_errors.setdefault(n, {}).update(autoround_initial_loss=first, autoround_loss=best)
+            if self.iters:
+                state.module_errors.setdefault(n, {}).update(
+                    autoround_initial_loss=first, autoround_loss=best
+                )
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
