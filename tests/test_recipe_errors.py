@@ -33,16 +33,15 @@ quant_stage:
 """,
         ["<string>:4:", "actorder='group' has been removed", "actorder='weight'"],
     ),
-    "examples/autoround/quantization_w4a16 (AutoRound, retyped)": (
+    "examples/transform/spinquant_example (SpinQuant, retyped)": (
         """
 quant_stage:
   quant_modifiers:
-    AutoRoundModifier:
-      ignore: ["lm_head"]
-      scheme: "W4A16"
-      targets: ["Linear"]
+    SpinQuantModifier:
+      rotations: ["R1", "R2"]
+      transform_type: "hadamard"
 """,
-        ["<string>:4:", "AutoRoundModifier", "not supported by seqcal yet"],
+        ["<string>:4:", "SpinQuantModifier", "not supported by seqcal yet"],
     ),
     "examples/llama_1.1b/example_quant_recipe.yaml (sparseml-era scheme_overrides)": (
         """
@@ -131,10 +130,10 @@ BAD = {
         ],
     ),
     "unsupported modifier": (
-        "AutoRoundModifier: {scheme: W4A16}\nGPTQModifier: {scheme: W4A16}\n",
+        "SpinQuantModifier: {rotations: [R1]}\nGPTQModifier: {scheme: W4A16}\n",
         [
             "<string>:1:",
-            "AutoRoundModifier",
+            "SpinQuantModifier",
             "not supported by seqcal yet",
             "supported: QuantizationModifier",
         ],

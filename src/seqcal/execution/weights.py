@@ -239,6 +239,13 @@ def _hooked_params(module: torch.nn.Module) -> list[str]:
     return [n for n, _ in module.named_parameters(recurse=whole)]
 
 
+def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """``module``'s tensor at the relative ``name``: a Parameter, or the plain tensor a caller put in its place
+    for one call (``torch.func.functional_call``, as the span services' re-runs do)."""
+    owner, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, leaf)
+
+
 @contextlib.contextmanager
 def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.device) -> Iterator[None]:
     """Onload, for one call, the parameters a module reads (its direct ones, all of a ``READS_CHILDREN``
@@ -249,7 +256,7 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
 
     def pre(module: torch.nn.Module, args: Any) -> None:
         prefix, names = owned[id(module)]
-        local = [n for n in names if module.get_parameter(n).device.type == "meta"]
+        local = [n for n in names if _tensor(module, n).device.type == "meta"]
         onloaded[id(module)] = local
         for name in local:
             full = f"{prefix}.{name}" if prefix else name

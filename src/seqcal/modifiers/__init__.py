@@ -1,5 +1,6 @@
 """Modifiers: the algorithms that hook into the sequential loop. Registry by recipe name."""
 
+from seqcal.modifiers.autoround import AutoRoundModifier
 from seqcal.modifiers.awq import AWQModifier
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptaq import GPTAQModifier
@@ -23,6 +24,7 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "LogarithmicEqualizationModifier": LogarithmicEqualizationModifier,
     "MagnitudePruningModifier": MagnitudePruningModifier,
     "ConstantPruningModifier": ConstantPruningModifier,
+    "AutoRoundModifier": AutoRoundModifier,
 }
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "AWQModifier",
     "GPTAQModifier",
     "ConstantPruningModifier",
+    "AutoRoundModifier",
     "GPTQModifier",
     "Gather",
     "LogarithmicEqualizationModifier",

@@ -1,0 +1,117 @@
+"""seqcal's AutoRoundModifier vs auto-round 0.16.1 on SmolLM2-135M-Instruct (fp32): W4A16 symmetric, group 64.
+
+Both tools learn the rounding on the same calibration windows (the first ``--samples`` of WikiText-2 valid cut into
+512-token windows, ``_calib_tokens.py``; auto-round gets them as token tensors, so it sees exactly these windows),
+with the same steps, learning rate and batch size (default: auto-round's "light" setting, 50 steps, lr 5e-3, 8 rows),
+on the CPU without torch.compile. Each run is timed under GNU time (wall, CPU, peak RSS); then ``seqcal eval ppl``
+measures both checkpoints on the same WikiText-2 test windows (seqcal's compressed-tensors checkpoint; auto-round's
+model saved with its weights quantized and dequantized).
+
+auto-round lives in its own venv (it pins other versions of transformers and friends):
+    python -m venv /tmp/ar; /tmp/ar/bin/pip install torch==2.13.0; /tmp/ar/bin/pip install auto-round==0.16.1
+
+Usage (from the repo root):
+    .venv/bin/python benchmarks/autoround_smollm2.py [--runs seqcal,auto-round] [--iters 50] [--lr 5e-3]
+        [--samples 32] [--eval-windows 8] [--peer-python /tmp/ar/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import gptq_smollm2
+from gptq_smollm2 import ROOT, VENV, WORK, measure
+
+RECIPE = """quant_stage:
+  quant_modifiers:
+    AutoRoundModifier:
+      iters: {iters}
+      lr: {lr}
+      batch_size: {batch}
+      ignore: ["lm_head"]
+      config_groups:
+        group_0:
+          targets: ["Linear"]
+          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 64}}
+"""
+
+
+def seqcal_ppl(checkpoint: Path, windows: int) -> float:
+    """``seqcal eval ppl`` of ``checkpoint`` on the first ``windows`` 2048-token windows of WikiText-2 test."""
+    cmd = [f"{VENV}/bin/python", "-m", "seqcal.cli", "eval", "ppl", "--model", str(checkpoint), "--dataset",
+           str(gptq_smollm2.WIKI / "wiki.test.raw"), "--eval-windows", str(windows)]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return float(out.strip().splitlines()[-1].rsplit(":", 1)[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", default="seqcal,auto-round")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--lr", type=float, default=5e-3, help="0: both tools' default, 1 / iters")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--eval-windows", type=int, default=8)
+    parser.add_argument(
+        "--peer-python", default=os.environ.get("SEQCAL_BENCH_AUTOROUND_PYTHON", "/tmp/ar/bin/python")
+    )
+    args = parser.parse_args()
+    from seqcal.models import default_model_dir
+
+    model = default_model_dir()
+    WORK.mkdir(parents=True, exist_ok=True)
+    tokens = WORK / f"calib_{args.samples}x512.safetensors"
+    if not tokens.exists():
+        subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
+                        str(gptq_smollm2.WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", "512",
+                        "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    tag = f"{args.iters}it-lr{args.lr:g}"
+    recipe = WORK / f"autoround_{tag}.yaml"
+    recipe.write_text(RECIPE.format(iters=args.iters, lr=args.lr or "null", batch=args.batch_size))
+    commands = {
+        "seqcal": [f"{VENV}/bin/python", "benchmarks/_run_seqcal.py", "--recipe", str(recipe)],
+        "auto-round": [
+            args.peer_python,
+            "benchmarks/_run_autoround.py",
+            "--iters",
+            str(args.iters),
+            "--lr",
+            str(args.lr),
+            "--batch-size",
+            str(args.batch_size),
+            "--samples",
+            str(args.samples),
+        ],  # fmt: skip
+    }
+    results = {}
+    for name in args.runs.split(","):
+        out = WORK / f"autoround-{name}-{tag}"
+        wall, cpu, rss, _ = measure(
+            [*commands[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
+        )
+        ppl = seqcal_ppl(out, args.eval_windows)
+        results[name] = {
+            "wall_s": round(wall, 1),
+            "cpu_s": round(cpu, 1),
+            "peak_rss_gb": round(rss, 2),
+            "ppl": round(ppl, 2),
+        }
+        print(
+            f"{name:<11} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
+            flush=True,
+        )
+    if len(results) == 2:
+        ours, theirs = results["seqcal"], results["auto-round"]
+        print(f"seqcal / auto-round: ppl {ours['ppl'] / theirs['ppl']:.3f}x, wall {ours['wall_s'] / theirs['wall_s']:.2f}x,"
+              f" peak RSS {ours['peak_rss_gb'] / theirs['peak_rss_gb']:.2f}x; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    (WORK / f"autoround_results_{tag}.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""AutoRound (Cheng et al., 2024, "Optimize Weight Rounding via Signed Gradient Descent"): learned rounding.
+
+For a weight ``W [out, in]`` quantized in groups of ``g`` columns (``g = in``: per channel), AutoRound learns
+
+- ``V [out, in]`` in [-0.5, 0.5], added before rounding: ``q = clamp(round(W / s + V) + z)``;
+- ``alpha, beta [out, G]`` in [0, 1], which shrink each group's range: ``min' = alpha min``, ``max' = beta max``,
+  from which the scale ``s`` (and the zero point ``z``, asymmetric) follow as for round to nearest,
+
+by signed gradient descent (``p -= lr_t sign(dL/dp)``, ``lr_t`` decayed linearly to 0) on the error of a block's
+output against its full-precision output. ``V = 0, alpha = beta = 1`` is round to nearest with min-max ranges;
+rounding has a straight-through gradient. Scales follow the compressed-tensors convention
+(``seqcal.algorithms.quant.compute_qparams``), so the codes and scales go into a checkpoint as they are.
+
+The block runs under :class:`TrainingKernels` during the search: float32 products on the CPU take
+oneDNN's kernels in the backward pass too (``seqcal.backend.onednn``: MKL's AVX2 path on AMD CPUs is about
+half as fast).
+
+Example:
+    >>> from seqcal.algorithms.quant import dequantize, quantize
+    >>> W = torch.randn(8, 64)
+    >>> p = RoundingParams.start(W, group_size=32)
+    >>> Wq = learned_fake_quantize(W, p, num_bits=4, symmetric=True, group_size=32)
+    >>> s, z = learned_qparams(W, p.alpha, p.beta, num_bits=4, symmetric=True, group_size=32)
+    >>> torch.equal(Wq, dequantize(quantize(W, s, num_bits=4, group_size=32), s, group_size=32))
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from seqcal.algorithms.quant import quant_range, quantize
+from seqcal.backend import linear, onednn_for
+
+__all__ = [
+    "RoundingParams",
+    "TrainingKernels",
+    "batches_of",
+    "learned_codes",
+    "learned_fake_quantize",
+    "learned_qparams",
+    "linear_lr",
+    "masked_mse",
+    "sign_step_",
+]
+
+
+@dataclass
+class RoundingParams:
+    """The learned values of one weight: ``V [out, in]``, ``alpha`` and ``beta [out, G]`` (float32 leaves)."""
+
+    V: Tensor
+    alpha: Tensor
+    beta: Tensor
+
+    @classmethod
+    def start(cls, W: Tensor, group_size: int | None) -> RoundingParams:
+        """Round to nearest with min-max ranges (``V = 0``, ``alpha = beta = 1``), with gradients on.
+
+        Args:
+            W: weight ``[out, in]``.
+            group_size: columns per group; None: one group per row (channel).
+        """
+        groups = 1 if group_size is None else W.shape[-1] // group_size
+        ones = torch.ones(W.shape[0], groups, dtype=torch.float32, device=W.device)
+        V = torch.zeros(W.shape, dtype=torch.float32, device=W.device)
+        return cls(V.requires_grad_(), ones.clone().requires_grad_(), ones.requires_grad_())
+
+    def tensors(self) -> list[Tensor]:
+        return [self.V, self.alpha, self.beta]
+
+    def detached(self) -> RoundingParams:
+        """A copy without gradients (the best iterate so far)."""
+        return RoundingParams(*(t.detach().clone() for t in self.tensors()))
+
+
+def _round_ste(x: Tensor) -> Tensor:
+    """``round(x)`` with the identity's gradient (straight-through)."""
+    return x + (x.round() - x).detach()
+
+
+def _groups(W: Tensor, group_size: int | None) -> Tensor:
+    """``W [out, in]`` as ``[out, G, g]`` (``G = 1`` per channel)."""
+    return W.unsqueeze(1) if group_size is None else W.unflatten(-1, (W.shape[-1] // group_size, group_size))
+
+
+def learned_qparams(
+    W: Tensor, alpha: Tensor, beta: Tensor, *, num_bits: int, symmetric: bool, group_size: int | None
+) -> tuple[Tensor, Tensor | None]:
+    """Scale and (asymmetric) zero point of each group from its range shrunk by ``alpha`` / ``beta``.
+
+    Args:
+        W: weight ``[out, in]``.
+        alpha, beta: ``[out, G]`` factors of each group's minimum and maximum (clamped to [0, 1]).
+        num_bits, symmetric, group_size: the int format (``group_size`` None: per channel).
+
+    Returns:
+        ``(scale [out, G], zero_point [out, G] or None)`` in W's dtype, differentiable in ``alpha`` / ``beta``;
+        the zero point is rounded (straight-through) and clamped to the code range.
+    """
+    qmin, qmax = quant_range(num_bits)
+    Wg = _groups(W, group_size)  # [out, G, g]
+    w_min = Wg.amin(-1).clamp(max=0) * alpha.clamp(0, 1).to(W.dtype)  # 0 stays representable
+    w_max = Wg.amax(-1).clamp(min=0) * beta.clamp(0, 1).to(W.dtype)
+    if symmetric:
+        scale = torch.maximum(w_min.abs(), w_max) / ((qmax - qmin) / 2)
+    else:
+        scale = (w_max - w_min) / (qmax - qmin)
+    scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)  # an all-zero group
+    if symmetric:
+        return scale, None
+    return scale, _round_ste(qmin - w_min / scale).clamp(qmin, qmax)
+
+
+def learned_fake_quantize(
+    W: Tensor, p: RoundingParams, *, num_bits: int, symmetric: bool, group_size: int | None
+) -> Tensor:
+    """``W`` quantized with the learned rounding and ranges and dequantized, differentiable in ``p``.
+
+    Returns:
+        ``[out, in]`` in W's dtype: ``(clamp(round(W / s + V) + z) - z) s``.
+    """
+    qmin, qmax = quant_range(num_bits)
+    scale, zero = learned_qparams(
+        W, p.alpha, p.beta, num_bits=num_bits, symmetric=symmetric, group_size=group_size
+    )
+    s = scale.unsqueeze(-1)  # [out, G, 1]
+    z = 0 if zero is None else zero.unsqueeze(-1)
+    x = _groups(W, group_size) / s + _groups(p.V.to(W.dtype), group_size)
+    q = (_round_ste(x) + z).clamp(qmin, qmax)
+    return ((q - z) * s).reshape(W.shape)
+
+
+def learned_codes(
+    W: Tensor, p: RoundingParams, *, num_bits: int, symmetric: bool, group_size: int | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The codes, scales and zero points of ``W`` with the learned values (what the checkpoint stores).
+
+    Returns:
+        ``(q int8 [out, in], scale [out, G], zero_point int8 [out, G] or None)``; ``dequantize`` of them equals
+        :func:`learned_fake_quantize`.
+    """
+    with torch.no_grad():
+        scale, zero = learned_qparams(
+            W, p.alpha, p.beta, num_bits=num_bits, symmetric=symmetric, group_size=group_size
+        )
+        zp = None if zero is None else zero.to(torch.int8)
+        # round(W / s + V) + z == round((W + V s) / s + z): seqcal's quantize adds the zero point before rounding
+        shifted = W + (_groups(p.V.to(W.dtype), group_size) * scale.unsqueeze(-1)).reshape(W.shape)
+        gs = W.shape[-1] if group_size is None else group_size
+        q = quantize(shifted, scale, zp, num_bits=num_bits, group_size=gs)
+    return q, scale, zp
+
+
+def masked_mse(y: Tensor, target: Tensor, mask: Tensor | None) -> Tensor:
+    """Mean squared error of ``y`` against ``target`` ``[rows, seq, hidden]`` over the real tokens.
+
+    Args:
+        mask: ``[rows, seq]`` True for real tokens (None: every token).
+    """
+    err = (y.float() - target.float()).pow(2)  # [rows, seq, hidden]
+    if mask is None:
+        return err.mean()
+    m = mask.to(err.device, err.dtype).unsqueeze(-1)
+    return (err * m).sum() / (m.sum() * err.shape[-1]).clamp(min=1)
+
+
+def linear_lr(lr: float, step: int, steps: int) -> float:
+    """The learning rate of ``step`` (0-based) decayed linearly from ``lr`` to 0 over ``steps`` steps."""
+    return lr * (1.0 - step / steps)
+
+
+def sign_step_(p: RoundingParams, lr: float) -> None:
+    """One signed gradient step on ``p`` (in place), then its ranges clamped; gradients cleared.
+
+    Example:
+        >>> p = RoundingParams.start(torch.ones(1, 4), None)
+        >>> p.V.grad = torch.tensor([[1.0, -1.0, 0.0, 2.0]]); p.alpha.grad = p.beta.grad = torch.ones(1, 1)
+        >>> sign_step_(p, 0.25); p.V
+        tensor([[-0.2500,  0.2500,  0.0000, -0.2500]], requires_grad=True)
+    """
+    with torch.no_grad():
+        for t, (lo, hi) in zip(p.tensors(), ((-0.5, 0.5), (0.0, 1.0), (0.0, 1.0)), strict=True):
+            if t.grad is not None:
+                t.sub_(lr * t.grad.sign()).clamp_(lo, hi)
+                t.grad = None
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """``x @ w.T + b`` whose forward and backward products take oneDNN's float32 kernels (``seqcal.backend.linear``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return linear(x, w.contiguous(), b)
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor) -> tuple[Tensor | None, ...]:
+        x, w = ctx.saved_tensors
+        gx = gw = gb = None
+        g2 = gy.reshape(-1, gy.shape[-1])  # [tokens, out]
+        if ctx.needs_input_grad[0]:
+            gx = linear(gy, w.t().contiguous())  # [..., in]
+        if ctx.needs_input_grad[1]:
+            # [out, in] = gy^T x, as linear(gy^T, x^T)
+            gw = linear(g2.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous())
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return gx, gw, gb
+
+
+class TrainingKernels(TorchFunctionMode):
+    """Kernels for the search's differentiable re-runs: with ``linears``, float32 ``linear`` calls on the CPU run on
+    oneDNN in both directions (where ``products`` sends the forward-only ones: AMD CPUs with MKL). Everything else
+    runs as it is.
+
+    Args:
+        linears: route float32 Linears to oneDNN (off under autocast, which must see them).
+
+    Example:
+        >>> w = torch.randn(4, 8, requires_grad=True)
+        >>> with TrainingKernels():
+        ...     F.linear(torch.randn(64, 8), w).sum().backward()
+        >>> w.grad.shape
+        torch.Size([4, 8])
+    """
+
+    def __init__(self, linears: bool = True) -> None:
+        super().__init__()
+        self.linears = linears
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.linears and func is F.linear and args and _takes_onednn(*args, *kwargs.values()):
+            return _OneDNNLinear.apply(*args, *kwargs.values())
+        return func(*args, **kwargs)
+
+
+def _takes_onednn(x: Any, w: Any = None, b: Any = None) -> bool:
+    tensors = [t for t in (x, w, b) if t is not None]
+    return (
+        all(type(t) is Tensor and t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+        and w is not None
+        and w.dim() == 2
+        and torch.is_grad_enabled()
+        and onednn_for(x.device, x.numel() // max(x.shape[-1], 1))
+    )
+
+
+def batches_of(rows: int, size: int, steps: int, seed: int) -> Iterator[Tensor]:
+    """``steps`` random batches of ``min(size, rows)`` row indices (a fresh permutation per step), reproducible."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield torch.randperm(rows, generator=gen)[: min(size, rows)].sort().values

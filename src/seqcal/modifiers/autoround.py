@@ -1,0 +1,384 @@
+"""AutoRoundModifier: learned rounding and ranges per decoder layer (signed gradient descent), llm-compressor's
+arguments. Math in ``seqcal.algorithms.autoround``.
+
+The modifier is not ``input_only``, so the pipeline cuts after each layer. The layer's calibration pass records
+its calls (``SpanCache``); ``compress`` computes the layer's full-precision output on its *reference inputs*,
+learns the rounding offsets and min/max factors of every Linear of the layer against it (``iters`` steps of
+``batch_size`` rows; the best iterate by loss is kept), quantizes the Linears into ``state.quantized``, and the
+propagation pass gives the next layer the quantized layer's output, which the layer trains on.
+
+Reference inputs (``reference``): ``"full_precision"`` (default, auto-round's own): the unquantized model's
+activations, carried from layer to layer beside the quantized ones (one more copy of a layer's recorded hidden
+states), so that each layer also makes up for the error of the layers before it; ``"quantized"`` (llm-compressor's
+wrapper): the inputs the quantized layer sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch.func import functional_call
+
+from seqcal.algorithms import dequantize
+from seqcal.algorithms.autoround import (
+    RoundingParams,
+    TrainingKernels,
+    batches_of,
+    learned_codes,
+    learned_fake_quantize,
+    linear_lr,
+    masked_mse,
+    sign_step_,
+)
+from seqcal.backend import linears_on_onednn
+from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.formats import weight_format
+from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs
+from seqcal.modifiers.spans import SpanCache, moved
+from seqcal.tracing.partition import Subgraph
+
+REFERENCES = ("full_precision", "quantized")
+
+
+@dataclass
+class AutoRoundModifier(QuantizationModifier):
+    """AutoRound (Cheng et al., 2024) with llm-compressor's arguments: learned rounding per decoder layer.
+
+    Args (besides QuantizationModifier's targets, scheme, config_groups, ignore):
+        iters: signed gradient steps per layer (0: round to nearest).
+        lr: learning rate of the rounding offsets and range factors, decayed linearly to 0; None: 1 / iters.
+        batch_size: calibration rows per step.
+        enable_torch_compile, device_ids, disable_opt_rtn: llm-compressor's; accepted, no effect here (the layer
+            runs eagerly on the run's execution device; iters 0 is plain round to nearest).
+        amp: the search's forward and backward passes run under bfloat16 autocast (auto-round's ``amp``, on by
+            default there too: much faster on CPUs with bf16 instructions and on GPUs); the reference outputs, the
+            codes and the propagation keep the run's dtype. False: the search in the run's dtype.
+        reference: the inputs of the full-precision output each layer learns to match: "full_precision"
+            (auto-round's) or "quantized" (llm-compressor's wrapper). See the module docstring.
+        max_chunk_memory: bytes of recorded layer calls kept for the search (later batches are left out).
+        seed: of the random row batches.
+
+    Example:
+        >>> AutoRoundModifier(scheme="W4A16", ignore=["lm_head"], iters=50)  # doctest: +SKIP
+    """
+
+    name: ClassVar[str] = "AutoRoundModifier"
+    needs_calibration: ClassVar[bool] = True
+    input_only: ClassVar[bool] = False  # re-runs whole decoder layers on their recorded calls
+    iters: int = 200
+    lr: float | None = None
+    batch_size: int = 8
+    enable_torch_compile: bool = True
+    device_ids: str | None = None
+    disable_opt_rtn: bool = False
+    amp: bool = True
+    reference: str = "full_precision"
+    max_chunk_memory: int = 1 << 30
+    seed: int = 42
+
+    def __post_init__(self) -> None:
+        _check_int(self.name, "iters", self.iters, 0)
+        _check_int(self.name, "batch_size", self.batch_size, 1)
+        _check_int(self.name, "max_chunk_memory", self.max_chunk_memory, 1)
+        _check_int(self.name, "seed", self.seed, 0)
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
+                                    or not math.isfinite(self.lr) or self.lr <= 0):  # fmt: skip
+            raise ValueError(
+                f"{self.name}: lr must be a positive number or null (1 / iters), got {self.lr!r}"
+            )
+        for flag in ("enable_torch_compile", "disable_opt_rtn", "amp"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{self.name}: {flag} must be true or false, got {getattr(self, flag)!r}")
+        if self.reference not in REFERENCES:
+            raise ValueError(
+                f"{self.name}: reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}"
+            )
+        # the full-precision activations carried between layers are not in the checkpoint: a resumed run could
+        # not continue them, so it is refused (the pipeline says so) instead of giving other weights
+        self.resumable = self.reference == "quantized"
+        super().__post_init__()
+
+    def validate(self, model: torch.nn.Module) -> None:
+        super().validate(model)
+        for name, scheme in self.modules.items():
+            if why := _refusal(scheme):
+                raise ValueError(f"{self.name}: {name} {why}; AutoRound learns int weights (2 to 8 bits, per channel "
+                                 "or group) of weight-only schemes such as W4A16: use GPTQModifier or "
+                                 "QuantizationModifier for it, or add it to ignore")  # fmt: skip
+
+    def shares_statistics(self) -> bool:
+        """False: the rounding learned on a layer depends on every recorded call, which stay in their process;
+        a run with more than one process refuses this modifier."""
+        return False
+
+    def initialize(self, model: torch.nn.Module, state: RunState) -> None:
+        super().initialize(model, state)
+        self._spans: dict[str, SpanCache] = {}  # decoder layer -> its recorded calls
+        self._reference: list[torch.Tensor] | None = None  # full-precision outputs of the layer before
+        self.losses: dict[str, tuple[float, float]] = {}  # layer -> (round to nearest, best learned) loss
+        # enable_torch_compile is on by default (llm-compressor's): not worth a line
+        if self.device_ids is not None or self.disable_opt_rtn:
+            state.log.append(f"{self.name}: device_ids and disable_opt_rtn have no effect in seqcal (layers run on "
+                             "the execution device; iters 0 is round to nearest)")  # fmt: skip
+
+    @contextlib.contextmanager
+    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+        handles = []
+        try:  # entered once per virtual shard: the recorded calls carry over
+            for layer in subgraph.targets:
+                span = self._spans.setdefault(layer, SpanCache(self.max_chunk_memory))
+                hook = span.hook(lambda: state.token_mask)
+                handles.append(model.get_submodule(layer).register_forward_pre_hook(hook, with_kwargs=True))
+            with super().calibrate(subgraph, model, state):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+        changed = False
+        for layer in subgraph.targets:
+            span = self._spans.pop(layer, None)
+            names = [
+                n for n in self.modules_in(subgraph) if n.startswith(layer + ".") and n not in state.quantized
+            ]
+            if span is None or not span.calls:
+                self._reference = None
+                continue
+            calls = Calls.of(span.calls)
+            span.calls.clear()
+            with (
+                torch.no_grad(),
+                linears_on_onednn(state.device),
+                _autocast(state.device, state.compute_dtype),
+            ):
+                reference = self._reference_outputs(model.get_submodule(layer), calls, state.device)
+            self._reference = reference if self.reference == "full_precision" else None
+            if names:
+                self._learn(layer, names, calls, reference, model, state)
+                changed = True
+        return super().compress(subgraph, model, state) or changed  # the rest round to nearest (lm_head, ...)
+
+    def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
+        self._reference = None
+        super().replayed(subgraph, model, state)
+
+    def _reference_outputs(
+        self, layer: torch.nn.Module, calls: Calls, device: torch.device
+    ) -> list[torch.Tensor]:
+        """The layer's full-precision outputs on its reference inputs, one per (stacked) call."""
+        carried = self._reference
+        if carried is not None and not calls.accepts(carried):
+            carried = None  # the layers do not chain (another shape): the recorded inputs it is
+        out = []
+        for u, unit in enumerate(calls.units):
+            parts = []
+            for rows in torch.arange(unit.rows).split(self.batch_size):
+                args, kwargs = unit.select(rows, device)
+                if carried is not None:
+                    args, kwargs = _with_hidden(args, kwargs, carried[u][rows].to(device))
+                y = layer(*args, **kwargs)
+                parts.append((y[0] if isinstance(y, (tuple, list)) else y).detach())
+            out.append(torch.cat(parts))  # [rows, seq, hidden]
+        return out
+
+    def _training_precision(self, state: RunState) -> contextlib.AbstractContextManager:
+        """bfloat16 autocast (``amp``), else the run's compute dtype, else float32 Linears on oneDNN's kernels."""
+        dtype = torch.bfloat16 if self.amp else state.compute_dtype
+        stack = contextlib.ExitStack()
+        stack.enter_context(TrainingKernels(linears=dtype is None))  # under autocast the Linears stay torch's
+        stack.enter_context(_autocast(state.device, dtype))
+        return stack
+
+    def _learn(self, layer: str, names: list[str], calls: Calls, reference: list[torch.Tensor],
+               model: torch.nn.Module, state: RunState) -> None:  # fmt: skip
+        """Learn, then quantize, the Linears ``names`` of ``layer`` against ``reference``."""
+        block = model.get_submodule(layer)
+        kw = {n: _format(self.modules[n]) for n in names}
+        W = {n: model.get_submodule(n).weight.detach() for n in names}
+        params = {n: RoundingParams.start(W[n], kw[n]["group_size"]) for n in names}
+        frozen = {k: v.detach() for k, v in block.named_parameters()}
+        rel = {n: n[len(layer) + 1 :] + ".weight" for n in names}
+        lr = self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
+        best, first, kept = math.inf, math.nan, {n: p.detached() for n, p in params.items()}
+        for step, rows in enumerate(batches_of(calls.rows, self.batch_size, self.iters, self.seed)):
+            loss = 0.0
+            for share, args, kwargs, mask, target in calls.batch(rows, reference, state.device):
+                with torch.enable_grad(), self._training_precision(state):
+                    weights = {rel[n]: learned_fake_quantize(W[n], params[n], **kw[n]) for n in names}
+                    y = functional_call(block, {**frozen, **weights}, args, kwargs)
+                    value = masked_mse(y[0] if isinstance(y, (tuple, list)) else y, target, mask) * share
+                    value.backward()
+                loss += value.item()
+            first = loss if step == 0 else first
+            if loss < best:  # signed steps do not always descend: keep the best iterate seen
+                best, kept = loss, {n: p.detached() for n, p in params.items()}
+            for p in params.values():
+                sign_step_(p, linear_lr(lr, step, self.iters))
+        if self.iters == 0:  # round to nearest: nothing was learned or measured
+            best = first
+        self.losses[layer] = (first, best)
+        for n in names:
+            module, kwn = model.get_submodule(n), kw[n]
+            q, scale, zp = learned_codes(W[n], kept[n], **kwn)
+            gs = W[n].shape[-1] if kwn["group_size"] is None else kwn["group_size"]
+            module.weight.data = dequantize(q, scale, zp, group_size=gs, dtype=W[n].dtype)
+            state.quantized[n] = QuantizedWeight(q, scale, zp, None, self.modules[n])
+            if self.iters:
+                state.module_errors.setdefault(n, {}).update(
+                    autoround_initial_loss=first, autoround_loss=best
+                )
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def _format(scheme: Any) -> dict[str, Any]:
+    kw = quant_kwargs(scheme)
+    return {"num_bits": kw["num_bits"], "symmetric": kw["symmetric"], "group_size": kw["group_size"]}
+
+
+def _refusal(scheme: Any) -> str | None:
+    """Why AutoRound cannot learn ``scheme``'s weights (None: it can)."""
+    if scheme.input_activations is not None or scheme.output_activations is not None:
+        return "quantizes activations too"
+    if weight_format(scheme) is not None:
+        return f"has a {weight_format(scheme).strategy} format (block fp8, NVFP4, MX)"
+    kw = quant_kwargs(scheme)
+    if kw["type"] != "int" or not 2 <= kw["num_bits"] <= 8:
+        return f"has {kw['num_bits']}-bit {kw['type']} weights"
+    if kw["strategy"] not in ("group", "channel"):
+        return f"has {kw['strategy']!r} weight scales"
+    if kw["observer"] != "minmax":
+        return f"has the weight observer {kw['observer']!r} (AutoRound learns its ranges from min-max)"
+    return None
+
+
+def _check_int(owner: str, name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{owner}: {name} must be an integer >= {least}, got {value!r}")
+
+
+@dataclass
+class _Unit:
+    """Recorded calls made one: ``args``, ``kwargs`` whose batch-major tensors hold ``rows`` rows, and the mask."""
+
+    args: tuple
+    kwargs: dict
+    mask: torch.Tensor | None
+    rows: int
+
+    def select(self, rows: torch.Tensor, device: torch.device) -> tuple[tuple, dict]:
+        """The call restricted to ``rows`` (tensors of two or more dimensions whose first is ``self.rows``)."""
+        take = lambda t: t[rows.to(t.device)] if t.dim() >= 2 and t.shape[0] == self.rows else t  # noqa: E731
+        return moved(_map(self.args, take), device), moved(_map(self.kwargs, take), device)
+
+
+@dataclass
+class Calls:
+    """A layer's recorded calls as units of rows: one unit when every call has the same shapes (tensors equal
+    in every call kept once, batch-major ones concatenated), else one unit per call."""
+
+    units: list[_Unit]
+
+    @classmethod
+    def of(cls, calls: list[tuple[tuple, dict, torch.Tensor | None]]) -> Calls:
+        units = [_Unit(a, k, m, _hidden(a, k).shape[0]) for a, k, m in calls]
+        if len(units) > 1 and (stacked := _stacked(units)) is not None:
+            return cls([stacked])
+        return cls(units)
+
+    @property
+    def rows(self) -> int:
+        return sum(u.rows for u in self.units)
+
+    def accepts(self, carried: list[torch.Tensor]) -> bool:
+        """Whether ``carried`` (one tensor per unit) can stand for the units' hidden states."""
+        return len(carried) == len(self.units) and all(
+            c.shape == _hidden(u.args, u.kwargs).shape for c, u in zip(carried, self.units, strict=True)
+        )
+
+    def batch(
+        self, rows: torch.Tensor, reference: list[torch.Tensor], device: torch.device
+    ) -> Iterator[tuple]:
+        """The global ``rows`` as ``(share of the rows, args, kwargs, mask, target)`` per unit they fall in."""
+        start = 0
+        for u, unit in enumerate(self.units):
+            mine = rows[(rows >= start) & (rows < start + unit.rows)] - start
+            start += unit.rows
+            if len(mine):
+                args, kwargs = unit.select(mine, device)
+                mask = None if unit.mask is None else unit.mask[mine.to(unit.mask.device)]
+                yield len(mine) / len(rows), args, kwargs, mask, reference[u][mine.to(reference[u].device)]
+
+
+def _stacked(units: list[_Unit]) -> _Unit | None:
+    """``units`` as one, or None when a value differs between them and is not batch-major."""
+
+    def merge(values: list[Any]) -> Any:
+        v0 = values[0]
+        if isinstance(v0, torch.Tensor):
+            if all(
+                isinstance(v, torch.Tensor) and v.shape == v0.shape and torch.equal(v, v0) for v in values
+            ):
+                return v0  # the same in every call (positions, masks of unpadded batches)
+            if all(isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == u.rows
+                   and v.shape[1:] == v0.shape[1:] for v, u in zip(values, units, strict=True)):  # fmt: skip
+                return torch.cat(values)
+            raise _Unstackable
+        if isinstance(v0, (tuple, list)) and all(type(v) is type(v0) and len(v) == len(v0) for v in values):
+            return type(v0)(merge([v[i] for v in values]) for i in range(len(v0)))
+        if isinstance(v0, dict) and all(isinstance(v, dict) and v.keys() == v0.keys() for v in values):
+            return {k: merge([v[k] for v in values]) for k in v0}
+        if all(v is v0 or (type(v) in (int, float, bool, str, type(None)) and v == v0) for v in values):
+            return v0
+        raise _Unstackable
+
+    try:
+        args, kwargs = merge([u.args for u in units]), merge([u.kwargs for u in units])
+        masks = [torch.ones(u.rows, _hidden(u.args, u.kwargs).shape[1], dtype=torch.bool) if u.mask is None
+                 else u.mask.bool() for u in units]  # fmt: skip
+        if any(m.shape[1:] != masks[0].shape[1:] for m in masks):
+            return None
+    except _Unstackable:
+        return None
+    mask = torch.cat([m.cpu() for m in masks])
+    rows = sum(u.rows for u in units)
+    mask = None if bool(mask.all()) else mask
+    return _Unit(args, kwargs, mask, rows) if _hidden(args, kwargs).shape[0] == rows else None
+
+
+class _Unstackable(Exception):
+    """A recorded value differs between calls in a way that rows cannot be concatenated."""
+
+
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a decoder layer is called with: its first positional argument, else ``hidden_states``."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        raise ValueError("AutoRoundModifier: a sequential target was called without hidden states as its first "
+                         "argument or `hidden_states`; set sequential_targets to the model's decoder layers")  # fmt: skip
+    return hidden
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _map(value: Any, fn: Any) -> Any:
+    """``value`` with ``fn`` applied to each tensor in it (tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
