@@ -85,7 +85,7 @@ def load_model(
     """
     from transformers import AutoTokenizer
 
-    from seqcal.models import resolve_model
+    from seqcal.models import detach_from_files, resolve_model
     from seqcal.multimodal.classes import from_pretrained
 
     store = None
@@ -102,6 +102,7 @@ def load_model(
                 )
             else:
                 model = from_pretrained(source, dtype, args.trust_remote_code)
+                detach_from_files(model)  # else the checkpoint's pages stay beside each replaced weight
         except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint is the cause
             raise ModelLoadError.wrap(source, exc) from exc
     tokenizer = args.tokenizer
