@@ -27,6 +27,7 @@ from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
 from seqcal.multimodal.run import finish_media, prepare_media
 from seqcal.plan import make_plan
+from seqcal.plan_host import HostBudgetError, check_budget, check_whole_load, fit_host, host_report, total_ram
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
 
@@ -76,12 +77,13 @@ class OutputArgs:
 
 
 def load_model(
-    args: ModelArgs, offload_weights: bool = False
+    args: ModelArgs, offload_weights: bool = False, host_budget: int | None = None
 ) -> tuple[torch.nn.Module, Any, WeightStore | None]:
     """The model (eval mode), its tokenizer and, with ``offload_weights``, the store of its weights.
 
     With ``offload_weights`` (the default of the sequential pipeline for a directory) no weight is read
-    here: parameters stay on meta and each subgraph reads its own from the safetensors files.
+    here: parameters stay on meta and each subgraph reads its own from the safetensors files. Without it,
+    a ``host_budget`` (bytes) smaller than the weights on disk is refused before they are read.
     """
     from transformers import AutoTokenizer
 
@@ -101,8 +103,11 @@ def load_model(
                     source, None if dtype == "auto" else dtype, args.trust_remote_code
                 )
             else:
+                check_whole_load(source, host_budget)
                 model = from_pretrained(source, dtype, args.trust_remote_code)
                 detach_from_files(model)  # else the checkpoint's pages stay beside each replaced weight
+        except HostBudgetError:
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint is the cause
             raise ModelLoadError.wrap(source, exc) from exc
     tokenizer = args.tokenizer
@@ -139,6 +144,7 @@ def oneshot(
     resume: bool = False,
     dry_run: bool = False,
     max_device_memory: int | str | None = None,
+    max_host_memory: int | str | None = None,
     trust_remote_code: bool = False,
     profile: str | None = None,
     one_pass: bool = True,
@@ -192,6 +198,11 @@ def oneshot(
             A layer whose subgraph would not fit is cut at its children (attention, MLP; logged); the
             one-pass cut is already per module group, so there a subgraph that would not fit is only
             reported in a warning with the fix (smaller batch_size or max_seq_length).
+        max_host_memory: bytes or "12GB": the process's resident memory to stay under. The memory plan picks
+            the activation cache's RAM (the rest spilled to disk, as cache_max_memory) and, when the one-pass cut
+            cannot fit, the layer cut; each choice is logged. A budget no choice keeps is refused before any
+            weight is read, naming the smallest that works. quantization_report.json holds the predicted and
+            the measured peak ("host_memory").
         one_pass: when every modifier needs only its modules' inputs (GPTQ, round to nearest), cut the
             graph before each group of modules that read one input and run every subgraph once: each module
             is calibrated on inputs computed with all earlier modules already quantized. False (and an
@@ -250,6 +261,7 @@ def oneshot(
         num_shards=num_shards,
     )  # fmt: skip
     out_args = OutputArgs(output_dir, overwrite, resume)
+    host_budget = check_budget(parse_bytes(max_host_memory, "max_host_memory"), total_ram())
     parsed = parse_recipe(recipe)
     group.agree(
         "checking the output directory",
@@ -262,20 +274,34 @@ def oneshot(
         ),
     )
     loaded, tok, store = load_model(model_args, offload_weights=_offload_weights(model_args, pipe_args,
-                                                                                 output_dir, dry_run))  # fmt: skip
+                                                                                 output_dir, dry_run),
+                                    host_budget=host_budget)  # fmt: skip
     # Fused MoE experts become per-expert Linears for the run (recipes reach them by their checkpoint names);
     # the returned model has its fused experts back. After an error it keeps the Linears (same outputs).
     tok, processor = split_processor(tok)  # a processor given as tokenizer: its tokenizer batches text
     experts = linearize_experts(loaded, calibrate_all=moe_calibrate_all_experts)
     parsed.validate(loaded)
-    plan = None
-    if dry_run or max_device_memory is not None:
-        plan = make_plan(
-            loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
-            batch_size=batch_size, sequential_targets=pipe_args.sequential_targets,
-            tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
-            max_device_memory=parse_bytes(max_device_memory), one_pass=pipe_args.one_pass,
-        )  # fmt: skip
+    plan = fit = None
+    if dry_run or max_device_memory is not None or host_budget is not None:
+
+        def plan_cut(one_pass: bool) -> Any:
+            return make_plan(
+                loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
+                batch_size=batch_size, sequential_targets=pipe_args.sequential_targets,
+                tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
+                max_device_memory=parse_bytes(max_device_memory), one_pass=one_pass,
+                cache_max_memory=pipe_args.cache_max_memory,
+            )  # fmt: skip
+
+        plan = plan_cut(pipe_args.one_pass)
+        if host_budget is not None:  # the cut and the cache's RAM that keep the budget, or a refusal now
+            fit = fit_host(host_budget, plan, one_pass=plan.one_pass, other_cut=(lambda: plan_cut(False))
+                           if plan.one_pass else None, cache_max_memory=pipe_args.cache_max_memory,
+                           cache_in_ram=pipe_args.offload == "cpu")  # fmt: skip
+            plan, pipe_args.one_pass = fit.plan, fit.one_pass
+            pipe_args.cache_max_memory = fit.cache_max_memory
+            for line in fit.decisions:
+                logger.info("seqcal: %s", line)
         if dry_run:
             experts.restore()
             return plan
@@ -321,6 +347,7 @@ def oneshot(
                     save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
                                     overwrite=out_args.overwrite)  # fmt: skip
             finish_media(media, out_args.output_dir)
+            state.report["host_memory"] = host_report(host_budget, plan, fit)
             write_error_report(state.report, out_args.output_dir)
     merge_rank_profiles(profile, group)  # one trace, a process per rank
     experts.restore()
