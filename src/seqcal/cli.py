@@ -22,6 +22,7 @@ from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.execution.host import limit_onednn_cache, map_large_allocations
 from seqcal.report import FORMATS
+from seqcal.threads import choose_threads
 
 _SAMPLE_TEXTS = (
     "The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -366,6 +367,8 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--resume", action="store_true", help="continue an interrupted run in --output-dir")
     one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")
     one.add_argument("--max-host-memory", default=None, help=_MAX_HOST)
+    one.add_argument("--threads", type=int, default=None, metavar="N",
+                     help="threads torch computes with (default: the cores the load average leaves free)")  # fmt: skip
     one.add_argument("--cache-max-memory", default=None,
                      help="e.g. 4GB: RAM budget of the activation cache; the rest spills to disk")  # fmt: skip
     one.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float16"],
@@ -483,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     try:
         with console_logging(args.verbose, args.quiet):
+            choose_threads(getattr(args, "threads", None))  # process-wide: the cores others leave free
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("seqcal: interrupted", file=sys.stderr)

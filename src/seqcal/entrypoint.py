@@ -30,6 +30,7 @@ from seqcal.plan import make_plan
 from seqcal.plan_host import HostBudgetError, check_budget, check_whole_load, fit_host, host_report, total_ram
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
+from seqcal.threads import hint_threads
 
 logger = logging.getLogger("seqcal")
 
@@ -250,6 +251,7 @@ def oneshot(
             call = dict(locals())
             return oneshot(**{k: v for k, v in call.items() if k not in ("unknown", "started")}, **unknown)
     group = process_group()
+    hint_threads()  # torch's threads against the cores other processes leave free: how to set them
     model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code, model_revision)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batch_size = default_batch_size(device) if batch_size is None else batch_size

@@ -155,7 +155,7 @@ def fit_host(
         raise HostBudgetError(
             f"max_host_memory={budget / _GB:.2f} GB cannot be kept: the memory plan needs at least "
             f"{floor / _GB:.2f} GB even with the activation cache on disk, most of it {dominant(worst)}; raise "
-            "max_host_memory to that, or lower max_seq_length / batch_size"
+            f"max_host_memory to {floor / _GB:.2f} GB, or lower max_seq_length / batch_size"
         )
     if other_cut is not None and not decisions:
         decisions.append(f"max_host_memory {budget / _GB:.2f} GB: the {cut} (its floor, the cache on disk, is "
