@@ -148,3 +148,18 @@ def test_the_report_has_the_predicted_and_measured_peak(model_dir: Path, tmp_pat
     assert 0 < report["cache_max_memory"] < max(r.cache_ram for r in whole.rows) and report["one_pass"]
     assert report["measured_peak"] >= 100 * 2**20  # the process's own peak (torch alone is more)
     assert any("spills the rest to disk" in line for line in report["decisions"])
+
+
+def test_a_model_loaded_whole_is_refused_before_its_weights_are_read(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import seqcal.multimodal.classes as classes
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights read before the budget was checked")
+
+    monkeypatch.setattr(classes, "from_pretrained", refuse)
+    with pytest.raises(
+        HostBudgetError, match="loaded whole into RAM .no output_dir. and its weights alone take"
+    ):
+        oneshot(model=str(model_dir), recipe=GPTQ, dataset=token_data(4), max_host_memory="100MB")

@@ -85,20 +85,21 @@ def floor_of(plan: MemoryPlan, movable: bool = True) -> tuple[int, SubgraphPlan 
     return worst.host - (worst.cache_ram if movable else 0), worst
 
 
-def dominant(row: SubgraphPlan) -> str:
-    """What weighs most in ``row``'s floor, in words, with its size ("subgraph 3's own work (...): 0.61 GB")."""
+def dominant(row: SubgraphPlan) -> tuple[str, str]:
+    """What weighs most in ``row``'s floor, in words with its size, and what lowers it ("" when only a larger
+    budget does): ("subgraph 3's own work (mostly its GPTQ solve): 0.61 GB", "")."""
     device = {"its weights": row.weights, "its GPTQ Hessians": row.hessians,
               "its activations": row.activations, "its GPTQ solve": row.solve}  # fmt: skip
     # on the cpu its work is the device's share (else its save, or a Hessian kept on the host during the solve)
-    own = (
-        max(device, key=device.get) if row.work == row.device_peak else "its checkpoint save or kept Hessian"
-    )
-    parts = {"the weights held in RAM (the model is loaded whole; output_dir reads them per subgraph)":
-             row.resident, f"subgraph {row.index}'s own work (mostly {own})": row.work,
-             "the process itself (Python, torch, the model's skeleton)": PROCESS_BASELINE,
-             "the previous subgraph's save, still being written": row.held}  # fmt: skip
-    name = max(parts, key=parts.get)
-    return f"{name}: {parts[name] / _GB:.2f} GB"
+    own = max(device, key=device.get) if row.work == row.device_peak else "its save or kept Hessian"
+    parts = {"the weights held in RAM": (row.resident, ", or pass output_dir with the model's directory (its "
+                                                       "weights then read per subgraph)"),
+             f"subgraph {row.index}'s own work (mostly {own})": (row.work, ", or lower max_seq_length / batch_size"
+                                                                   if own == "its activations" else ""),
+             "the process itself (Python, torch, the model's skeleton)": (PROCESS_BASELINE, ""),
+             "the previous subgraph's save, still being written": (row.held, "")}  # fmt: skip
+    name = max(parts, key=lambda k: parts[k][0])
+    return f"{name}: {parts[name][0] / _GB:.2f} GB", parts[name][1]
 
 
 def cache_limit(plan: MemoryPlan, budget: int) -> int | None:
@@ -146,16 +147,17 @@ def fit_host(
         other_name = "layer cut" if one_pass else "one-pass cut"
         if other_floor <= budget:
             decisions.append(f"max_host_memory {budget / _GB:.2f} GB: the {other_name} instead of the {cut}, whose "
-                             f"floor is {floor / _GB:.2f} GB ({dominant(worst)}); the {other_name} needs "
+                             f"floor is {floor / _GB:.2f} GB ({dominant(worst)[0]}); the {other_name} needs "
                              f"{other_floor / _GB:.2f} GB")  # fmt: skip
             plan, one_pass, cut, floor, worst = other, not one_pass, other_name, other_floor, other_worst
         elif other_floor < floor:
             floor, worst = other_floor, other_worst
     if floor > budget:
+        cause, fix = dominant(worst) if worst is not None else ("the process itself", "")
         raise HostBudgetError(
             f"max_host_memory={budget / _GB:.2f} GB cannot be kept: the memory plan needs at least "
-            f"{floor / _GB:.2f} GB even with the activation cache on disk, most of it {dominant(worst)}; raise "
-            f"max_host_memory to {floor / _GB:.2f} GB, or lower max_seq_length / batch_size"
+            f"{floor / _GB:.2f} GB even with the activation cache on disk, most of it {cause}; raise "
+            f"max_host_memory to {floor / _GB:.2f} GB{fix}"
         )
     if other_cut is not None and not decisions:
         decisions.append(f"max_host_memory {budget / _GB:.2f} GB: the {cut} (its floor, the cache on disk, is "
