@@ -163,3 +163,13 @@ def test_a_model_loaded_whole_is_refused_before_its_weights_are_read(
         HostBudgetError, match="loaded whole into RAM .no output_dir. and its weights alone take"
     ):
         oneshot(model=str(model_dir), recipe=GPTQ, dataset=token_data(4), max_host_memory="100MB")
+
+
+def test_the_command_line_refuses_a_budget_in_one_line_with_the_smallest_that_works(model_dir: Path) -> None:
+    from test_cli import assert_user_error, seqcal
+
+    line = assert_user_error(
+        seqcal("plan", "--model", str(model_dir), "--recipe", GPTQ, "--max-host-memory", "100MB"),
+        "max_host_memory=0.10 GB cannot be kept: the memory plan needs at least", "raise max_host_memory to",
+    )  # fmt: skip
+    assert line.count(". ") == 0
