@@ -9,8 +9,8 @@ process may run on; the command line sets torch's threads from it (``choose_thre
 only says in the log how to set them (a library does not change process-wide settings behind its caller).
 
 Example:
-    >>> free_cores(load=1.0, cores=8, machine=8)
-    7
+    >>> free_cores(load=3.0, cores=8, machine=8)  # this process and two busy threads of others
+    6
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def free_cores(load: float | None = None, cores: int | None = None, machine: int
         machine: cores of the machine, over which the load average is counted (None: ``os.cpu_count``).
 
     Returns:
-        ``min(cores, machine - load)`` rounded, within ``[1, cores]``.
+        ``min(cores, machine - (load - 1))`` rounded, within ``[1, cores]``: one runnable thread of the load is
+        this process's own.
     """
     cores = cores or _cores()
     machine = machine or os.cpu_count() or cores
@@ -43,7 +44,8 @@ def free_cores(load: float | None = None, cores: int | None = None, machine: int
         if not hasattr(os, "getloadavg"):  # Windows: no load average, nothing to go by
             return cores
         load = _load()
-    return max(1, min(cores, round(machine - load)))
+    others = max(0.0, load - 1.0)  # the load average counts this process too (importing torch: one core)
+    return max(1, min(cores, round(machine - others)))
 
 
 def choose_threads(requested: int | None = None) -> int:
