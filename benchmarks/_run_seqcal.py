@@ -49,9 +49,9 @@ def main() -> None:
 
         seqcal.checkpoint.streaming.BACKGROUND = False
     if args.eager_columns:
-        import seqcal.algorithms.columns
+        import seqcal.backend.cuda_graphs
 
-        seqcal.algorithms.columns.CUDA_GRAPHS = False
+        seqcal.backend.cuda_graphs.CUDA_GRAPHS = False
     if args.copies_on_compute:
         import seqcal.execution.cache.store
 

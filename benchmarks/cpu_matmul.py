@@ -1,6 +1,6 @@
 """float32 products on this CPU: torch's default kernel (MKL on x86 builds) against oneDNN's, as seqcal uses
 them (``seqcal.algorithms.products``): rate and error against float64 for SmolLM2-135M's Linear shapes, one
-Hessian update, and attention (torch's kernel against ``products.attention``).
+Hessian update, and attention (torch's kernel against ``seqcal.backend.onednn.attention``).
 
 Usage: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_matmul.py [--tokens 512] [--threads 1]
 """
@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from seqcal.algorithms.hessian import UPPER_BLOCK
-from seqcal.algorithms.products import _linear_pointwise, add_transposed_products, attention, use_onednn
+from seqcal.algorithms.products import add_transposed_products
+from seqcal.backend.onednn import _linear_pointwise, attention, use_onednn
 
 
 def seconds(fn: Callable[[], object], repeat: int = 20) -> float:

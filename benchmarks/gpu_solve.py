@@ -17,7 +17,7 @@ import time
 
 import torch
 
-import seqcal.algorithms.columns as columns
+import seqcal.backend.cuda_graphs as cuda_graphs
 from seqcal.algorithms.gptq import gptq_quantize
 from seqcal.algorithms.hessian import accumulate_hessian
 
@@ -53,7 +53,7 @@ def time_hessian(device: torch.device, batches: int, tokens: int, width: int) ->
 
 
 def time_solves(device: torch.device) -> None:
-    default = columns.CUDA_GRAPHS
+    default = cuda_graphs.CUDA_GRAPHS
     g = torch.Generator(device=device).manual_seed(1)
     for label, (out, width) in SHAPES.items():
         X = torch.randn(4096, width, device=device, generator=g)
@@ -61,10 +61,10 @@ def time_solves(device: torch.device) -> None:
         W = torch.randn(out, width, device=device, generator=g).bfloat16()
         del X
         times, peaks, results = {}, {}, {}
-        columns.clear_graphs()
+        cuda_graphs.clear_graphs()
         # the second graphed solve replays the graphs the first one captured
         for mode in ("eager", "graph captured", "graph cached"):
-            columns.CUDA_GRAPHS = mode != "eager"
+            cuda_graphs.CUDA_GRAPHS = mode != "eager"
             if mode == "eager":
                 gptq_quantize(W[:256], H, group_size=128)  # warm-up (kernels, cuBLAS, cuSOLVER)
             sync(device)
@@ -81,7 +81,7 @@ def time_solves(device: torch.device) -> None:
         print(f"solve {label}: eager {times['eager']:.3f} s, graph captured {times['graph captured']:.3f} s, "
               f"cached {times['graph cached']:.3f} s ({times['eager'] / times['graph cached']:.1f}x), codes equal "
               f"{same}, solve peak MiB {peaks['eager']:.0f} / {peaks['graph cached']:.0f}")  # fmt: skip
-    columns.CUDA_GRAPHS = default
+    cuda_graphs.CUDA_GRAPHS = default
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """What handing the free heap back after every subgraph costs: time, page faults and peak RSS side by side.
 
-seqcal trims glibc's heap (``execution.host.trim_host_memory``) after each subgraph's calibration and after
+seqcal trims glibc's heap (``backend.host.trim_host_memory``) after each subgraph's calibration and after
 its release, so that RSS falls back to what is alive. Every page a trim hands back is faulted in again (and
 zeroed) when a later subgraph allocates as much. This runs the same GPTQ W4A16 job (``_run_seqcal.py``) once
 per trimming policy, each in its own process, and prints wall seconds, user / system CPU seconds, minor page
@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 CHILD = textwrap.dedent("""
     import ctypes, os, runpy, sys
     import seqcal.execution.executor as executor
-    import seqcal.execution.host as host
+    import seqcal.backend.host as host
     import seqcal.execution.weights as weights
 
     policy, script, calls, last_peak = sys.argv[1], sys.argv[2], [0], [0]

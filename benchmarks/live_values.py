@@ -18,9 +18,9 @@ import torch
 from gpu_bench import SHAPES
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from seqcal.execution.executor import GraphRunner
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
 from seqcal.recipe import parse_recipe
+from seqcal.tracing.runner import GraphRunner
 
 CONFIG = Path.home() / ".cache/seqcal/smollm2-135m-instruct"
 

@@ -23,9 +23,9 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs  # noqa: E402
+from seqcal.execution.subgraphs import trace_subgraphs  # noqa: E402
 from seqcal.experts import linearize_experts  # noqa: E402
 from seqcal.modifiers import GPTQModifier  # noqa: E402
-from seqcal.tracing.subgraphs import trace_subgraphs  # noqa: E402
 
 
 def timed(label: str, fn):  # noqa: ANN001, ANN201

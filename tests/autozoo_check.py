@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from autozoo import AutoArch, build, candidates, family, make_inputs
-from seqcal.tracing.verify import output_tensors
+from seqcal.execution.verify import output_tensors
 
 STATUSES = ("ok", "count-wrong", "mismatch", "runtime-error", "refused", "no-eager", "no-tiny-build")
 TOLERANCE = 1e-5

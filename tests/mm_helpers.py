@@ -22,7 +22,7 @@ from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from zoo import ARCHS
+import mm_more
 from zoo_inputs import BOI_TOKEN, EOI_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN
 
 WORDS = "the a an image picture photo shows cat dog red blue green what does this is of on in it".split()
@@ -33,6 +33,7 @@ SPECIALS: dict[str, dict[str, int]] = {
                    "<|video_pad|>": VIDEO_TOKEN},
     "gemma3": {"<image_soft_token>": IMAGE_TOKEN, "<start_of_image>": BOI_TOKEN, "<end_of_image>": EOI_TOKEN},
     "whisper": {"<|startoftranscript|>": 3},
+    **mm_more.SPECIALS,
 }  # fmt: skip
 IMAGE_SIDE = {"llava": 8, "qwen2_5_vl": 8, "gemma3": 16}
 PROMPT = "what does this image shows"
@@ -40,6 +41,12 @@ PROMPT = "what does this image shows"
 GEMMA3_TEMPLATE = (
     "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<start_of_image> "
     "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+)
+# The same for Llava: an image item becomes its <image> marker; a plain-string content is the text.
+LLAVA_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
 )
 
 
@@ -67,7 +74,8 @@ def processor(arch: str) -> Any:
         )
         return transformers.LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=4,
                                            vision_feature_select_strategy="default",
-                                           num_additional_image_tokens=1, image_token="<image>")  # fmt: skip
+                                           num_additional_image_tokens=1, image_token="<image>",
+                                           chat_template=LLAVA_TEMPLATE)  # fmt: skip
     if arch == "gemma3":
         images = transformers.Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
         return transformers.Gemma3Processor(
@@ -81,7 +89,7 @@ def processor(arch: str) -> Any:
             feature_size=8, sampling_rate=1600, hop_length=50, chunk_length=1, n_fft=100
         )  # 1 s of audio at 1600 Hz -> 32 frames = 2 * max_source_positions
         return transformers.WhisperProcessor(feature_extractor=features, tokenizer=tok)
-    raise KeyError(arch)
+    return mm_more.processor(arch, tok)
 
 
 class QwenParts:
@@ -105,7 +113,7 @@ class QwenParts:
 
 def save_tiny(arch: str, root: Path, with_processor: bool = True) -> tuple[Path, Any]:
     """Write the zoo's tiny ``arch`` model and its processor into ``root / arch``; return (path, processor)."""
-    model = ARCHS[arch].build()
+    model = mm_more.build(arch)
     if arch == "gemma3":  # as Gemma 3's own configs: SigLIP without its pooling head (unused by the model)
         model.config.vision_config.vision_use_head = False
         torch.manual_seed(0)

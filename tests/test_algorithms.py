@@ -400,33 +400,38 @@ def test_column_loop_graph_cache_keeps_its_budget_and_skips_failed_shapes(monkey
     """The CUDA-graph cache (policy only; the graphs themselves are tested in test_cuda.py): one entry per block
     shape, reused; least recently used out first when a new shape would exceed the byte budget; a shape larger
     than the budget, or one whose capture failed, runs eagerly (None)."""
-    import seqcal.algorithms.columns as columns
+    import seqcal.backend.cuda_graphs as cuda_graphs
+    from seqcal.algorithms.columns import column_block
 
     class Fake:  # stands in for BlockGraph: no device buffers on a CPU machine
-        def __init__(self, rows, cols, qcols, device, qrange, symmetric):
-            self.nbytes, self.failed = columns._graph_bytes(rows, cols, qcols, symmetric), None
+        def __init__(self, rows, cols, qcols, device, qrange, symmetric, loop):
+            self.nbytes, self.failed = cuda_graphs._graph_bytes(rows, cols, qcols, symmetric), None
             self.freed = False
 
         def reset(self):
             self.freed = True
 
-    monkeypatch.setattr(columns, "BlockGraph", Fake)
-    monkeypatch.setattr(columns, "_GRAPHS", type(columns._GRAPHS)())
+    monkeypatch.setattr(cuda_graphs, "BlockGraph", Fake)
+    monkeypatch.setattr(cuda_graphs, "_GRAPHS", type(cuda_graphs._GRAPHS)())
     dev, q = torch.device("cuda", 0), (-8, 7, "int")
-    size = columns._graph_bytes(128, 1000, 1000, True)
-    monkeypatch.setattr(columns, "GRAPH_CACHE_BYTES", 2 * size + size // 2)  # room for two of these
-    a = columns.block_graph(128, 1000, 1000, dev, q, True)
-    assert columns.block_graph(128, 1000, 1000, dev, q, True) is a  # reused
-    b = columns.block_graph(128, 1001, 1001, dev, q, True)
-    columns.block_graph(128, 1000, 1000, dev, q, True)  # a is now the most recently used
-    c = columns.block_graph(128, 1002, 1002, dev, q, True)  # evicts b, not a
-    assert b.freed and not a.freed and list(columns._GRAPHS.values()) == [a, c]
-    assert columns.block_graph(128, 1000, 1000, dev, q, False) is not a  # symmetry is part of the shape
-    assert columns.block_graph(128, 4000, 4000, dev, q, True) is None  # alone over the budget: eager
+    size = cuda_graphs._graph_bytes(128, 1000, 1000, True)
+    monkeypatch.setattr(cuda_graphs, "GRAPH_CACHE_BYTES", 2 * size + size // 2)  # room for two of these
+    a = cuda_graphs.block_graph(128, 1000, 1000, dev, q, True, column_block)
+    assert cuda_graphs.block_graph(128, 1000, 1000, dev, q, True, column_block) is a  # reused
+    b = cuda_graphs.block_graph(128, 1001, 1001, dev, q, True, column_block)
+    cuda_graphs.block_graph(128, 1000, 1000, dev, q, True, column_block)  # a is now the most recently used
+    c = cuda_graphs.block_graph(128, 1002, 1002, dev, q, True, column_block)  # evicts b, not a
+    assert b.freed and not a.freed and list(cuda_graphs._GRAPHS.values()) == [a, c]
+    assert (
+        cuda_graphs.block_graph(128, 1000, 1000, dev, q, False, column_block) is not a
+    )  # symmetry is part of the shape
+    assert (
+        cuda_graphs.block_graph(128, 4000, 4000, dev, q, True, column_block) is None
+    )  # alone over the budget: eager
     c.failed = "RuntimeError: capture failed"
-    assert columns.block_graph(128, 1002, 1002, dev, q, True) is None
-    columns.clear_graphs()
-    assert not columns._GRAPHS and a.freed
+    assert cuda_graphs.block_graph(128, 1002, 1002, dev, q, True, column_block) is None
+    cuda_graphs.clear_graphs()
+    assert not cuda_graphs._GRAPHS and a.freed
 
 
 def test_docstring_examples_run():

@@ -32,7 +32,7 @@ from seqcal.data.autobatch import (
 )
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.entrypoint import oneshot
-from seqcal.execution.executor import _error_sample
+from seqcal.execution.passes import error_sample
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.modifiers import GPTQModifier
 from test_data import make_tokenizer
@@ -226,10 +226,10 @@ def test_auto_errors_not_worse_and_report_shows_batches(tmp_path: Path) -> None:
 def test_error_sample_keeps_the_first_samples_real_tokens() -> None:
     out = torch.randn(3, 5, 8)  # [B, T, H]
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
-    kept, rows = _error_sample((out, None), mask, 2)
+    kept, rows = error_sample((out, None), mask, 2)
     assert rows == 2 and torch.equal(kept, torch.cat([out[0], out[1, :3]]))
     flat = out[0]
-    whole, rows = _error_sample(flat, mask, 2)  # not shaped like the mask: kept as it is
+    whole, rows = error_sample(flat, mask, 2)  # not shaped like the mask: kept as it is
     assert rows == 3 and whole is flat
 
 

@@ -88,7 +88,7 @@ def test_offloaded_run_on_cuda_matches_the_cpu_run(tmp_path: Path, one_pass: boo
 def test_cuda_holds_one_subgraph_and_gives_everything_back(tmp_path: Path, monkeypatch) -> None:
     """Peak device memory is a subgraph's weights plus its activations (and GPTQ's column-loop graphs, a fixed
     cost), not the model; nothing stays behind."""
-    import seqcal.algorithms.columns as columns
+    import seqcal.backend.cuda_graphs as cuda_graphs
     from seqcal.algorithms.gptq import gptq_quantize
 
     src = _saved_llama(tmp_path / "src", layers=12, hidden=256)
@@ -101,7 +101,7 @@ def test_cuda_holds_one_subgraph_and_gives_everything_back(tmp_path: Path, monke
     x = torch.ones(8, 8, device="cuda")
     (x @ x).sum().item()
     gptq_quantize(torch.randn(8, 256, device="cuda"), torch.eye(256, device="cuda"), group_size=128)
-    columns.clear_graphs()
+    cuda_graphs.clear_graphs()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
@@ -194,7 +194,7 @@ def test_half_precision_hessian_on_tensor_cores_is_the_float32_one(dtype: torch.
 def test_gptq_column_loop_as_cuda_graph_equals_the_eager_loop(kind: str, monkeypatch) -> None:
     """Full blocks replayed as one CUDA graph each give the eager loop's codes, weights and loss bit for bit
     (same kernels on the same values), with a remainder block and group scales crossing blocks."""
-    import seqcal.algorithms.columns as columns
+    import seqcal.backend.cuda_graphs as cuda_graphs
     from seqcal.algorithms.gptq import gptq_quantize
     from seqcal.algorithms.hessian import accumulate_hessian
 
@@ -206,13 +206,13 @@ def test_gptq_column_loop_as_cuda_graph_equals_the_eager_loop(kind: str, monkeyp
           "fp8": dict(num_bits=8, type="float", strategy="channel", group_size=None)}[kind]  # fmt: skip
     results = {}
     for graphs in (False, True, "again"):  # the graphed path: captured, then replayed from the cache
-        monkeypatch.setattr(columns, "CUDA_GRAPHS", bool(graphs))
+        monkeypatch.setattr(cuda_graphs, "CUDA_GRAPHS", bool(graphs))
         results[graphs] = gptq_quantize(W, H, block_size=128, **kw)
     eager = results[False]
     for graphed in (results[True], results["again"]):
         assert torch.equal(eager.q.float(), graphed.q.float()) and torch.equal(eager.Q, graphed.Q)
         assert eager.loss == graphed.loss and torch.equal(eager.scale, graphed.scale)
-    assert all(g.graph is not None and g.failed is None for g in columns._GRAPHS.values())
+    assert all(g.graph is not None and g.failed is None for g in cuda_graphs._GRAPHS.values())
 
 
 def test_column_loop_graphs_are_captured_once_per_shape_and_freed(monkeypatch) -> None:
@@ -220,11 +220,11 @@ def test_column_loop_graphs_are_captured_once_per_shape_and_freed(monkeypatch) -
     gives the eager result; the cache keeps to its byte budget and frees its buffers when cleared."""
     import threading
 
-    import seqcal.algorithms.columns as columns
+    import seqcal.backend.cuda_graphs as cuda_graphs
     from seqcal.algorithms.gptq import gptq_quantize
     from seqcal.algorithms.hessian import accumulate_hessian
 
-    columns.clear_graphs()
+    cuda_graphs.clear_graphs()
     captures = []
     real = torch.cuda.CUDAGraph.capture_begin
     monkeypatch.setattr(
@@ -236,9 +236,9 @@ def test_column_loop_graphs_are_captured_once_per_shape_and_freed(monkeypatch) -
     X = torch.randn(1024, 512, device="cuda", generator=g)
     H, _ = accumulate_hessian(None, X, 0)
     Ws = [torch.randn(256, 512, device="cuda", generator=g) for _ in range(3)]
-    monkeypatch.setattr(columns, "CUDA_GRAPHS", False)
+    monkeypatch.setattr(cuda_graphs, "CUDA_GRAPHS", False)
     eager = [gptq_quantize(W, H, group_size=128) for W in Ws]
-    monkeypatch.setattr(columns, "CUDA_GRAPHS", True)
+    monkeypatch.setattr(cuda_graphs, "CUDA_GRAPHS", True)
     stop, errors = threading.Event(), []
 
     # another thread's CUDA work (allocations, products, copies) during the capture; not random numbers: a
@@ -258,18 +258,18 @@ def test_column_loop_graphs_are_captured_once_per_shape_and_freed(monkeypatch) -
         stop.set()
         worker.join()
     assert not errors
-    assert len(captures) == 1 and len(columns._GRAPHS) == 1  # one shape: one capture for three solves
-    assert all(g.graph is not None and g.failed is None for g in columns._GRAPHS.values())
+    assert len(captures) == 1 and len(cuda_graphs._GRAPHS) == 1  # one shape: one capture for three solves
+    assert all(g.graph is not None and g.failed is None for g in cuda_graphs._GRAPHS.values())
     for a, b in zip(eager, graphed):
         assert torch.equal(a.q, b.q) and torch.equal(a.Q, b.Q) and a.loss == b.loss
-    one = next(iter(columns._GRAPHS.values())).nbytes
-    monkeypatch.setattr(columns, "GRAPH_CACHE_BYTES", one + one // 2)  # room for one graph of this size
+    one = next(iter(cuda_graphs._GRAPHS.values())).nbytes
+    monkeypatch.setattr(cuda_graphs, "GRAPH_CACHE_BYTES", one + one // 2)  # room for one graph of this size
     gptq_quantize(Ws[0][:192], H, group_size=128)  # a second shape evicts the first
-    assert len(columns._GRAPHS) == 1 and len(captures) == 2
-    cached = sum(g.nbytes for g in columns._GRAPHS.values())
+    assert len(cuda_graphs._GRAPHS) == 1 and len(captures) == 2
+    cached = sum(g.nbytes for g in cuda_graphs._GRAPHS.values())
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    columns.clear_graphs()
+    cuda_graphs.clear_graphs()
     torch.cuda.synchronize()
     assert before - torch.cuda.memory_allocated() >= cached  # the graphs' buffers are freed
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import seqcal.algorithms.gptq as gptq_module
+import seqcal.backend.onednn as kernels
 from seqcal.algorithms import GPTQNumericalError, gptq_quantize, products
 from seqcal.algorithms.hessian import (
     KeptHessian,
@@ -114,7 +115,7 @@ def test_a_retry_rebuilds_from_the_kept_values(monkeypatch, blocked):
     """The first Cholesky fails (1% dampening does not make this Hessian positive definite, 10% does): the retry
     rebuilds the permuted Hessian from the kept values, and the caller's Hessian is restored afterwards."""
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "onednn" if blocked else "native")
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
     try:
         n = products.FACTOR_LEAF + 40 if blocked else 200
         H = _indefinite(n, 0.03)
@@ -125,7 +126,7 @@ def test_a_retry_rebuilds_from_the_kept_values(monkeypatch, blocked):
         assert torch.equal(H, before)
         assert (result.Q - W).abs().max() < 0.1 * W.abs().max()
     finally:
-        products.use_onednn.cache_clear()
+        kernels.use_onednn.cache_clear()
 
 
 def test_a_failed_solve_still_restores_the_hessian():
@@ -145,7 +146,7 @@ def test_a_solve_holds_less_than_two_hessians_beside_its_own(monkeypatch, path):
     allocations, where the copy made before held 2 on LAPACK's path (copy and Cholesky factor) and 1.75 on the
     blocked one (copy and three quarter blocks), plus the permuted copy's gather."""
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", path)
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
     try:
         n = 1024
         H = _hessian(n)
@@ -154,7 +155,7 @@ def test_a_solve_holds_less_than_two_hessians_beside_its_own(monkeypatch, path):
             lambda: gptq_quantize(W, H, num_bits=4, group_size=128, actorder="static")
         )
     finally:
-        products.use_onednn.cache_clear()
+        kernels.use_onednn.cache_clear()
     assert peak / H.nbytes < 1.75, peak / H.nbytes
 
 

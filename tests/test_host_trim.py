@@ -12,12 +12,12 @@ import textwrap
 import pytest
 import torch
 
-from seqcal.execution.host import free_mkl_buffers, limit_onednn_cache, map_large_allocations
+from seqcal.backend.host import free_mkl_buffers, limit_onednn_cache, map_large_allocations
 
 # Run in a fresh process: the heap in use as glibc counts it (mallinfo2), and the trim under test.
 HEAP = textwrap.dedent("""
     import ctypes
-    from seqcal.execution.host import trim_host_memory
+    from seqcal.backend.host import trim_host_memory
 
     class Info(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in
@@ -52,7 +52,7 @@ SHAPES_SCRIPT = (
     textwrap.dedent("""
     import sys
     if sys.argv[1] == "cap":
-        from seqcal.execution.host import limit_onednn_cache
+        from seqcal.backend.host import limit_onednn_cache
         limit_onednn_cache()
 """)
     + HEAP
@@ -75,7 +75,7 @@ SHAPES_SCRIPT = (
 MAPPED_SCRIPT = HEAP + textwrap.dedent("""
     import sys
     import torch
-    from seqcal.execution.host import MMAP_THRESHOLD, map_large_allocations
+    from seqcal.backend.host import MMAP_THRESHOLD, map_large_allocations
 
     if sys.argv[1] == "call":
         print(map_large_allocations())

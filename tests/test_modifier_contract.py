@@ -185,7 +185,9 @@ def test_the_full_precision_stream_gives_each_module_the_unquantized_models_inpu
 
     model, reference = tiny_llama(), tiny_llama()
     reference.load_state_dict(model.state_dict())
-    rows = [{"input_ids": [t % 128 for t in r["input_ids"]]} for r in data(4, 24)]  # equal lengths: no padding
+    rows = [
+        {"input_ids": [t % 128 for t in r["input_ids"]]} for r in data(4, 24)
+    ]  # equal lengths: no padding
     sums: dict[str, torch.Tensor] = {}
     hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: sums.__setitem__(n, sums.get(n, 0) + a[0].sum((0, 1))))
              for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear)]  # fmt: skip
@@ -195,7 +197,9 @@ def test_the_full_precision_stream_gives_each_module_the_unquantized_models_inpu
     for h in hooks:
         h.remove()
     channel = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
-    probe = _ReferenceProbe(config_groups={"g": {"targets": ["Linear"], "weights": channel}}, ignore=["lm_head"])
+    probe = _ReferenceProbe(
+        config_groups={"g": {"targets": ["Linear"], "weights": channel}}, ignore=["lm_head"]
+    )
     oneshot(model=model, dataset=rows, recipe=probe, one_pass=one_pass, max_seq_length=24, batch_size=1)
     assert set(probe.seen) == {n for n in sums if n != "lm_head"}
     for name, got in probe.seen.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,9 +69,22 @@ def calibrate(arch: str, tmp_path: Path, blank: bool = False, **kw) -> tuple[Pat
     return path, quantized, out
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, torch.nn.Module, Path]]:
+    """``runs(arch, blank=False)``: ``calibrate`` once per module (the tests share each run)."""
+    done: dict[tuple[str, bool], tuple[Path, torch.nn.Module, Path]] = {}
+
+    def run(arch: str, blank: bool = False) -> tuple[Path, torch.nn.Module, Path]:
+        if (arch, blank) not in done:
+            done[arch, blank] = calibrate(arch, tmp_path_factory.mktemp(arch), blank=blank)
+        return done[arch, blank]
+
+    return run
+
+
 @pytest.mark.parametrize("arch", list(IGNORED))
-def test_calibrated_with_images_or_audio_reloads_with_its_class(arch: str, tmp_path: Path) -> None:
-    path, quantized, out = calibrate(arch, tmp_path)
+def test_calibrated_with_images_or_audio_reloads_with_its_class(arch: str, runs) -> None:
+    path, quantized, out = runs(arch)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == json.loads((path / "config.json").read_text())["architectures"]
     assert (out / "preprocessor_config.json").is_file() or (out / "processor_config.json").is_file()
@@ -91,10 +105,10 @@ def test_calibrated_with_images_or_audio_reloads_with_its_class(arch: str, tmp_p
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_the_images_are_used(tmp_path: Path) -> None:
+def test_the_images_are_used(runs) -> None:
     """Calibrating on blank images gives another checkpoint: the images reached the language model."""
-    _, _, real = calibrate("llava", tmp_path)
-    _, _, blank = calibrate("llava", tmp_path, blank=True)
+    _, _, real = runs("llava")
+    _, _, blank = runs("llava", blank=True)
     a, b = tensors(real), tensors(blank)
     assert a.keys() == b.keys()
     differ = [k for k in a if k.endswith("weight_packed") and not torch.equal(a[k], b[k])]

@@ -187,8 +187,8 @@ def test_subgraph_runs_drop_each_value_after_its_last_read() -> None:
     """``GraphRunner.run(..., release=keep)`` frees values as eager code does: after a run only the outputs and
     the kept values are left, a value is gone once the node reading it last has run (the MLP's gate output before
     the product is made), and the outputs are those of a run that keeps every value, bit for bit."""
-    from seqcal.execution.executor import GraphRunner
     from seqcal.recipe import parse_recipe
+    from seqcal.tracing.runner import GraphRunner
 
     model = tiny_llama()
     sample = _sample(torch.randint(0, 256, (2, 16)))

@@ -10,22 +10,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import seqcal.backend.onednn as kernels
 from seqcal.algorithms import products
 from seqcal.algorithms.hessian import UPPER_BLOCK, accumulate_hessian, add_products
 
-pytestmark = pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
-    reason="this torch has no oneDNN linear operator",
-)
+# Skipped only on a torch built without oneDNN; a oneDNN build without the operator fails here and in
+# tests/test_backend.py (the operator is private: a torch upgrade may drop it).
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
 
 @pytest.fixture
 def onednn(monkeypatch: pytest.MonkeyPatch):
     """oneDNN on, whatever this machine's CPU (the `auto` choice depends on it)."""
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "onednn")
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
     yield
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
 
 
 def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,13 +35,13 @@ def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
 def _count_onednn(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """Record the shapes of every call of the oneDNN operator (the real one still runs)."""
     calls: list[tuple] = []
-    real = products._linear_pointwise
+    real = kernels._linear_pointwise
 
     def counted(x, w, *rest):
         calls.append((tuple(x.shape), tuple(w.shape)))
         return real(x, w, *rest)
 
-    monkeypatch.setattr(products, "_linear_pointwise", counted)
+    monkeypatch.setattr(kernels, "_linear_pointwise", counted)
     return calls
 
 
@@ -58,7 +58,7 @@ def test_linear_matches_float64(onednn, monkeypatch, case):
     elif case == "bias":
         b = torch.randn(48, generator=g)
     calls = _count_onednn(monkeypatch)
-    y = products.linear(x, w, b)
+    y = kernels.linear(x, w, b)
     assert calls, "oneDNN was not used"
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     native = F.linear(x, w, b)
@@ -70,21 +70,21 @@ def test_linear_matches_float64(onednn, monkeypatch, case):
 def test_linear_keeps_torch_kernel_where_onednn_does_not_apply(onednn, monkeypatch):
     calls = _count_onednn(monkeypatch)
     w = torch.randn(16, 8)
-    few = torch.randn(products.MIN_ROWS - 1, 8)  # a routed expert's few tokens
-    assert torch.equal(products.linear(few, w), F.linear(few, w))
+    few = torch.randn(kernels.MIN_ROWS - 1, 8)  # a routed expert's few tokens
+    assert torch.equal(kernels.linear(few, w), F.linear(few, w))
     half = torch.randn(64, 8, dtype=torch.bfloat16)
-    assert torch.equal(products.linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
+    assert torch.equal(kernels.linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
     x = torch.randn(64, 8, requires_grad=True)  # gradients: the oneDNN operator has no backward
-    y = products.linear(x, w)
+    y = kernels.linear(x, w)
     y.sum().backward()
     assert torch.allclose(x.grad, w.sum(0).expand(64, 8))
     stand_in = torch.zeros(1, 1).expand(16, 8)  # a view: no copy of it is made (the memory plan's stand-ins)
-    assert torch.equal(products.linear(torch.randn(64, 8), stand_in), torch.zeros(64, 16))
+    assert torch.equal(kernels.linear(torch.randn(64, 8), stand_in), torch.zeros(64, 16))
     x, transposed = torch.randn(64, 8), torch.randn(8, 16).T
-    assert torch.equal(products.linear(x, transposed), F.linear(x, transposed))
+    assert torch.equal(kernels.linear(x, transposed), F.linear(x, transposed))
     assert calls == []
-    products.linear(torch.randn(products.MIN_ROWS, 8), w)
-    assert calls == [((products.MIN_ROWS, 8), (16, 8))]
+    kernels.linear(torch.randn(kernels.MIN_ROWS, 8), w)
+    assert calls == [((kernels.MIN_ROWS, 8), (16, 8))]
 
 
 def test_mode_routes_linear_modules_only_inside(onednn, monkeypatch):
@@ -94,12 +94,12 @@ def test_mode_routes_linear_modules_only_inside(onednn, monkeypatch):
     with torch.no_grad():
         outside = layer(x)
         assert calls == []
-        with products.linears_on_onednn("cpu"):
-            with products.linears_on_onednn("cpu"):  # nested: one mode on the stack
+        with kernels.linears_on_onednn("cpu"):
+            with kernels.linears_on_onednn("cpu"):  # nested: one mode on the stack
                 inside = layer(x)
             torch.nn.functional.relu(x)  # other functions run as they are
         assert len(calls) == 1
-        with products.linears_on_onednn("cuda"):  # another execution device: nothing changes
+        with kernels.linears_on_onednn("cuda"):  # another execution device: nothing changes
             layer(x)
         assert len(calls) == 1
     assert torch.allclose(inside, outside, atol=1e-6)
@@ -107,16 +107,16 @@ def test_mode_routes_linear_modules_only_inside(onednn, monkeypatch):
 
 def test_native_choice_and_bad_value(monkeypatch):
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
     try:
-        assert not products.use_onednn()
-        assert not products.onednn_applies(torch.randn(64, 8), torch.randn(4, 8))
+        assert not kernels.use_onednn()
+        assert not kernels.onednn_applies(torch.randn(64, 8), torch.randn(4, 8))
         monkeypatch.setenv("SEQCAL_CPU_MATMUL", "fast")
-        products.use_onednn.cache_clear()
+        kernels.use_onednn.cache_clear()
         with pytest.raises(ValueError, match="SEQCAL_CPU_MATMUL must be one of auto, onednn, native"):
-            products.use_onednn()
+            kernels.use_onednn()
     finally:
-        products.use_onednn.cache_clear()
+        kernels.use_onednn.cache_clear()
 
 
 @pytest.mark.parametrize("upper", [False, True])
@@ -170,7 +170,7 @@ def _attention_reference(q, k, v, mask=None, is_causal=False, scale=None):
 def test_attention_matches_float64_and_torch(onednn, monkeypatch, case):
     """Every mask form transformers passes, batch > 1, a query count not a multiple of the chunk, GQA."""
     g = torch.Generator().manual_seed(0)
-    B, H, Hk, L, S, D = 2, 6, 2, products.CAUSAL_CHUNK + 37, products.CAUSAL_CHUNK + 37, 16
+    B, H, Hk, L, S, D = 2, 6, 2, kernels.CAUSAL_CHUNK + 37, kernels.CAUSAL_CHUNK + 37, 16
     S = {"causal more keys": S + 20, "causal more queries": S - 40}.get(case, S)
     q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, L), (Hk, S), (Hk, S)))
     kw: dict = {"enable_gqa": True, "scale": 0.3 if case == "no mask" else None}
@@ -184,14 +184,14 @@ def test_attention_matches_float64_and_torch(onednn, monkeypatch, case):
         mask = torch.zeros(L, S).masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), torch.finfo().min)
         mask[3] = float("-inf")
     calls = _count_onednn(monkeypatch)
-    out = products.attention(q, k, v, mask, **kw)
+    out = kernels.attention(q, k, v, mask, **kw)
     assert out is not None and calls, "oneDNN was not used"
     ref = _attention_reference(q, k, v, mask, kw.get("is_causal", False), kw["scale"])
     assert (out.double() - ref).abs().max() < 1e-5
     torch_out = F.scaled_dot_product_attention(q, k, v, mask, **kw)
     assert torch.isfinite(out).all() and (out - torch_out).abs().max() < 1e-5
     if case == "causal gqa":  # each chunk of queries meets only the keys it may attend
-        chunks = [(a, min(a + products.CAUSAL_CHUNK, L)) for a in range(0, L, products.CAUSAL_CHUNK)]
+        chunks = [(a, min(a + kernels.CAUSAL_CHUNK, L)) for a in range(0, L, kernels.CAUSAL_CHUNK)]
         pairs = sum((e - a) * e for a, e in chunks)  # (query, key) pairs computed: 22489 of 27225
         assert sum(x[0] * x[1] * w[0] for x, w in calls) == 2 * B * H * pairs * D
 
@@ -212,11 +212,11 @@ def test_attention_of_half_types_in_float32(onednn, monkeypatch, dtype, masking)
             torch.zeros(160, 160).masked_fill(torch.ones(160, 160, dtype=torch.bool).triu(1), -1e4).to(dtype)
         )
     dtypes: list[tuple] = []  # operand dtypes of each oneDNN product
-    real = products._linear_pointwise
+    real = kernels._linear_pointwise
     monkeypatch.setattr(
-        products, "_linear_pointwise", lambda x, w, b: dtypes.append((x.dtype, w.dtype)) or real(x, w, b)
+        kernels, "_linear_pointwise", lambda x, w, b: dtypes.append((x.dtype, w.dtype)) or real(x, w, b)
     )
-    out = products.attention(q, k, v, mask, **kw)
+    out = kernels.attention(q, k, v, mask, **kw)
     assert out is not None and out.dtype == dtype, "oneDNN was not used"
     assert dtypes and set(dtypes) == {(torch.float32, torch.float32)}
     ref = _attention_reference(q, k, v, mask, kw.get("is_causal", False))
@@ -229,20 +229,20 @@ def test_attention_of_half_types_in_float32(onednn, monkeypatch, dtype, masking)
 def test_attention_falls_back_where_it_does_not_apply(onednn, monkeypatch):
     q = torch.randn(1, 2, 64, 8)
     calls = _count_onednn(monkeypatch)
-    assert products.attention(q, q, q, dropout_p=0.1) is None
-    assert products.attention(q, q, q, torch.ones(64, 64, dtype=torch.bool), is_causal=True) is None
-    assert products.attention(q.bfloat16(), q, q) is None  # mixed dtypes
-    assert products.attention(q.double(), q.double(), q.double()) is None
-    assert products.attention(q[:, :, :8], q[:, :, :8], q[:, :, :8]) is None  # fewer than MIN_ROWS queries
-    assert products.attention(q, q[:, :1], q[:, :1]) is None  # heads differ without enable_gqa
-    assert products.attention(q, q, q, torch.ones(3, 64, 64, dtype=torch.bool)) is None  # does not broadcast
-    assert products.attention(q, q, q, torch.zeros(64, 64, dtype=torch.int64)) is None
+    assert kernels.attention(q, q, q, dropout_p=0.1) is None
+    assert kernels.attention(q, q, q, torch.ones(64, 64, dtype=torch.bool), is_causal=True) is None
+    assert kernels.attention(q.bfloat16(), q, q) is None  # mixed dtypes
+    assert kernels.attention(q.double(), q.double(), q.double()) is None
+    assert kernels.attention(q[:, :, :8], q[:, :, :8], q[:, :, :8]) is None  # fewer than MIN_ROWS queries
+    assert kernels.attention(q, q[:, :1], q[:, :1]) is None  # heads differ without enable_gqa
+    assert kernels.attention(q, q, q, torch.ones(3, 64, 64, dtype=torch.bool)) is None  # does not broadcast
+    assert kernels.attention(q, q, q, torch.zeros(64, 64, dtype=torch.int64)) is None
     grad = q.clone().requires_grad_()
-    assert products.attention(grad, q, q) is None
+    assert kernels.attention(grad, q, q) is None
     with torch.no_grad():
-        assert products.attention(grad, q, q) is not None
+        assert kernels.attention(grad, q, q) is not None
     assert len(calls) == 2 * 2  # only the no_grad call: two heads, one chunk, a product each way
-    with products.linears_on_onednn("cpu"):  # inside the mode a refused call runs torch's own kernel
+    with kernels.linears_on_onednn("cpu"):  # inside the mode a refused call runs torch's own kernel
         y = F.scaled_dot_product_attention(q, q, q, dropout_p=0.0, is_causal=True)
         z = F.scaled_dot_product_attention(q.double(), q.double(), q.double())
     assert y.shape == q.shape and z.dtype == torch.float64
@@ -253,7 +253,7 @@ def test_attention_falls_back_where_it_does_not_apply(onednn, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", newer_torch)  # what the mode compares against
-    y = products._OneDNNLinears().__torch_function__(newer_torch, (), (q, q, q), {"future_option": 1})
+    y = kernels._OneDNNLinears().__torch_function__(newer_torch, (), (q, q, q), {"future_option": 1})
     assert y.shape == q.shape and len(calls) == 8  # torch's kernel ran it
 
 
@@ -276,7 +276,7 @@ def test_oneshot_runs_its_passes_and_hessians_on_onednn(onednn, monkeypatch):
     assert hessians == {((128, 48), (128, 48)), ((128, 48), (256, 48))}  # the 128 and 256 wide inputs
     assert attention == {((96, 32), (48, 32)), ((96, 48), (32, 48))}  # Q K^T and P V, head dim 32
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
     calls.clear()
     native = tiny_llama()
     oneshot(model=native, dataset=data, recipe=GPTQModifier(scheme="W8A16", ignore=["lm_head"]))
@@ -290,7 +290,7 @@ def test_oneshot_runs_its_passes_and_hessians_on_onednn(onednn, monkeypatch):
 def test_subgraph_list_run_stays_on_torch_kernels(onednn, monkeypatch):
     """The public SubgraphList.run() returns what the model's own forward returns, bit for bit: only calibration
     runs (and the pipeline's partition check, on both sides) take oneDNN."""
-    from seqcal.tracing.subgraphs import trace_subgraphs
+    from seqcal.execution.subgraphs import trace_subgraphs
     from test_oneshot import tiny_llama
 
     model = tiny_llama()
@@ -354,7 +354,7 @@ def test_gptq_inverse_factor_on_onednn_matches_lapack(onednn, monkeypatch):
     assert calls[0] == (n, n)  # then its recursive calls
     taken = len(calls)
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
     native = gptq_quantize(W, H, num_bits=8, group_size=64, actorder="static")
     assert len(calls) == taken
     # a code rounded the other way moves the errors spread to later columns: as the oneshot test above, within
@@ -433,7 +433,7 @@ def test_lapack_factor_in_the_hessians_memory_keeps_one_matrix_beside_it(monkeyp
     from seqcal.algorithms.hessian import KeptHessian
 
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
     n = 512
     H = _gptq_like_hessian(n, 2 * n)
     H = H.triu() + H.triu(1).T  # exactly symmetric, as the modifiers make it: the kept part is half of it
@@ -443,7 +443,7 @@ def test_lapack_factor_in_the_hessians_memory_keeps_one_matrix_beside_it(monkeyp
     (Hinv, _, _), peak, _ = _allocation_peak(
         lambda: gptq_module._inverse_hessian_factor(A, kept, perm, dead, 0.01, 0, 10.0)
     )
-    products.use_onednn.cache_clear()
+    kernels.use_onednn.cache_clear()
     assert Hinv.data_ptr() == A.data_ptr()
     assert peak / (n * n * 4) < 1.2, peak / (n * n * 4)
     assert torch.equal(Hinv, _reference_factor(H, perm, blocked=False))

@@ -18,7 +18,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from seqcal import SubgraphList, trace_subgraphs
-from seqcal.execution.executor import GraphRunner
 from seqcal.report import (
     NO_SPAN,
     TRACKS,
@@ -32,6 +31,7 @@ from seqcal.report import (
     to_svg,
     trace_report,
 )
+from seqcal.tracing.runner import GraphRunner
 
 LAYERS, HIDDEN, VOCAB = 3, 32, 128
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from seqcal import TracingError, trace_subgraphs
-from seqcal.tracing.verify import output_tensors
+from seqcal.execution.verify import output_tensors
 from zoo import ARCHS, ArchSpec
 
 # Architectures seqcal cannot partition yet. Each must fail loudly, naming the model source line.

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import seqcal.execution.pipeline
-import seqcal.tracing.subgraphs
+import seqcal.execution.subgraphs
 from seqcal import TracingError, oneshot, trace_subgraphs
+from seqcal.execution.verify import CHECK_TOKENS, EXTRA_PAD, check_sample
 from seqcal.tracing import trace
-from seqcal.tracing.verify import CHECK_TOKENS, EXTRA_PAD, check_sample
 from test_fallback import RECIPE, Chain, data
 
 TRACE_LEN = 12
@@ -98,7 +98,7 @@ def test_trace_subgraphs_verifies_by_default(caplog: pytest.LogCaptureFixture) -
 
 def test_a_specialised_partition_is_refused_with_where_it_differs(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Chain(guard=False)
-    monkeypatch.setattr(seqcal.tracing.subgraphs, "trace", _specialised_trace)
+    monkeypatch.setattr(seqcal.execution.subgraphs, "trace", _specialised_trace)
     # The trace sample itself cannot show it: on its length the partition is right.
     unchecked = trace_subgraphs(model, _sample(), verify=False)
     with torch.no_grad():
@@ -113,7 +113,7 @@ def test_a_specialised_partition_is_refused_with_where_it_differs(monkeypatch: p
 
 def test_a_partition_that_fails_on_another_shape_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
-        seqcal.tracing.subgraphs, "trace", lambda *a, **k: _specialised_trace(*a, edit=_only_length, **k)
+        seqcal.execution.subgraphs, "trace", lambda *a, **k: _specialised_trace(*a, edit=_only_length, **k)
     )
     with pytest.raises(TracingError) as err:
         trace_subgraphs(Chain(guard=False), _sample())
@@ -134,11 +134,11 @@ def _specialise_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
     real = seqcal.execution.pipeline.trace_subgraphs
 
     def specialised(*args: Any, **kwargs: Any) -> Any:
-        monkeypatch.setattr(seqcal.tracing.subgraphs, "trace", _specialised_trace)
+        monkeypatch.setattr(seqcal.execution.subgraphs, "trace", _specialised_trace)
         try:
             return real(*args, **kwargs)
         finally:
-            monkeypatch.setattr(seqcal.tracing.subgraphs, "trace", trace)
+            monkeypatch.setattr(seqcal.execution.subgraphs, "trace", trace)
 
     monkeypatch.setattr(seqcal.execution.pipeline, "trace_subgraphs", specialised)
 

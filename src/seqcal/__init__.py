@@ -1,10 +1,10 @@
 """seqcal: memory-bounded sequential calibration for post-training quantization of transformers models."""
 
 from seqcal.entrypoint import oneshot
+from seqcal.execution.subgraphs import SubgraphList, trace_subgraphs
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.recipe.parse import Recipe, parse_recipe
 from seqcal.tracing import TracingError
-from seqcal.tracing.subgraphs import SubgraphList, trace_subgraphs
 
 __all__ = [
     "GPTQModifier",

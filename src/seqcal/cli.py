@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
+from seqcal.backend.host import limit_onednn_cache, map_large_allocations
 from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
 from seqcal.data.autobatch import parse_batch_size
 from seqcal.distributed import DEFAULT_SHARDS, writer_rank
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
-from seqcal.execution.host import limit_onednn_cache, map_large_allocations
 from seqcal.report import FORMATS
 from seqcal.threads import choose_threads
 
@@ -106,10 +106,18 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     if args.trace_depth is not None and not args.trace_into:
         raise UsageError("--trace-depth limits --trace-into; add --trace-into all (or module classes)")
-    model, tokenizer = _load(args.model, args.dtype)
-    texts = _texts(args.dataset)
-    tokenizer.padding_side = "left"
-    sample = tokenizer(texts[:1], return_tensors="pt", truncation=True, max_length=args.max_seq_length)
+    from seqcal.multimodal.run import trace_inputs
+
+    model, sample, check = trace_inputs(args.dataset, args.model, args.dtype, args.max_seq_length)
+    if model is None:  # text: the model's tokenizer on the sample texts
+        model, tokenizer = _load(args.model, args.dtype)
+        texts = _texts(args.dataset)
+        tokenizer.padding_side = "left"
+        sample = tokenizer(texts[:1], return_tensors="pt", truncation=True, max_length=args.max_seq_length)
+        # Another batch than the trace sample: two rows of different length, left-padded.
+        check = tokenizer(
+            texts, return_tensors="pt", padding=True, truncation=True, max_length=args.max_seq_length
+        )
     start = time.perf_counter()
     subgraphs = trace_subgraphs(
         model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf,
@@ -128,10 +136,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     if not args.check:
         return 0
-    # Another batch than the trace sample: two rows of different length, left-padded.
-    check = tokenizer(
-        texts, return_tensors="pt", padding=True, truncation=True, max_length=args.max_seq_length
-    )
     with torch.no_grad():
         want = model(**check)
     got = subgraphs.run(**check, progress=not args.quiet)
@@ -317,7 +321,8 @@ def _add_oneshot(sub: Any) -> None:
     one = sub.add_parser("oneshot", help="quantize a model with a recipe and calibration data")
     one.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
     one.add_argument("--recipe", required=True, help="recipe YAML file (llm-compressor format accepted)")
-    one.add_argument("--dataset", default="default", help="calibration data: file, HF name, or 'default'")
+    one.add_argument("--dataset", default="default", help="calibration data: file, HF name, or 'default' (JSON "
+                     "lines rows may hold images or audio: chat messages or image/audio columns)")  # fmt: skip
     one.add_argument("--text-column", default="text", help="column with the text in JSON/CSV/Parquet/HF data")
     one.add_argument("--splits", default=None, help="HF split, e.g. train or 'train[:512]' (default: "
                      "calibration, then train, then the only split)")  # fmt: skip
@@ -462,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     trace.add_argument("--format", default=None, choices=sorted(FORMATS),
                        help="format of --output (default: from its suffix)")  # fmt: skip
-    trace.add_argument("--dataset", default=None, help="text file to take the sample and check batch from")
+    trace.add_argument("--dataset", default=None, help="text file to take the sample and check batch from, or "
+                       "a JSON lines file of image or audio rows (as for oneshot)")  # fmt: skip
     trace.add_argument("--max-seq-length", type=int, default=128)
     trace.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     trace.set_defaults(func=cmd_trace)

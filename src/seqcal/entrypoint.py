@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from seqcal.backend.host import onednn_cache_limited
 from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
 from seqcal.data.autobatch import default_batch_size, with_auto_limits
@@ -16,65 +16,29 @@ from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
 from seqcal.distributed.group import merge_rank_profiles
 from seqcal.errors import ModelLoadError
-from seqcal.execution.host import limit_onednn_cache, map_large_allocations
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
 from seqcal.input_checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
-from seqcal.llmc_compat import needs_translation as needs_llmc_translation
-from seqcal.llmc_compat import translate as translate_llmc_kwargs
 from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
 from seqcal.multimodal.run import finish_media, prepare_media
 from seqcal.plan import make_plan
-from seqcal.plan_host import HostBudgetError, check_budget, check_whole_load, fit_host, host_report, total_ram
+from seqcal.plan_host import (
+    HostBudgetError,
+    HostFit,
+    check_budget,
+    check_whole_load,
+    fit_host,
+    host_report,
+    total_ram,
+)
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
+from seqcal.run_args import DTYPES, ModelArgs, OneshotArgs
 from seqcal.threads import hint_threads
 
 logger = logging.getLogger("seqcal")
-
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelArgs:
-    """Which model, in which dtype. ``model`` is a directory, 'default', a Hub id or a loaded PreTrainedModel.
-
-    ``tokenizer`` is a tokenizer/processor object, or a directory or Hub id to load it from (None: the model's).
-    ``revision`` picks the branch, tag or commit of a Hub id.
-    """
-
-    model: Any
-    tokenizer: Any = None
-    dtype: str = "auto"
-    trust_remote_code: bool = False
-    revision: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
-        if not isinstance(self.model, (str, Path, torch.nn.Module)):
-            raise TypeError(
-                f"model must be a directory, 'default', a Hub id or a PreTrainedModel, got {type(self.model)}"
-            )
-
-
-@dataclass
-class OutputArgs:
-    """Where the checkpoint goes."""
-
-    output_dir: str | None = None
-    overwrite: bool = False
-    resume: bool = False
-
-    def __post_init__(self) -> None:
-        if self.resume and self.output_dir is None:
-            raise ValueError("resume=True needs the output_dir of the interrupted run")
-        if self.resume and self.overwrite:
-            raise ValueError(
-                "resume=True continues the run in output_dir; it cannot be combined with overwrite"
-            )
 
 
 def load_model(
@@ -119,6 +83,8 @@ def load_model(
     return model.eval(), tokenizer, store
 
 
+# oneDNN's caches capped before the run's first bf16 matmul, os.environ as it was on return (backend.host)
+@onednn_cache_limited()
 def oneshot(
     model: Any,
     dataset: Any = None,
@@ -242,118 +208,142 @@ def oneshot(
         >>> oneshot(model="default", dataset="default", recipe="recipes/gptq_w4a16_g64.yaml",
         ...         output_dir="out", num_calibration_samples=64, max_seq_length=512)  # doctest: +SKIP
     """
-    limit_onednn_cache()  # before the run's first bf16 matmul (a no-op if the process had one already)
-    map_large_allocations()  # the solves' large temporaries in their own mappings (host.MMAP_THRESHOLD)
-    if needs_llmc_translation(dict(locals())):  # llm-compressor's keywords: seqcal's own, or an error
-        return oneshot(**translate_llmc_kwargs(oneshot, dict(locals())))
-    with launched() as started:  # under torchrun: the process group for this call, then this call again in it
-        if started:
-            call = dict(locals())
-            return oneshot(**{k: v for k, v in call.items() if k not in ("unknown", "started")}, **unknown)
+    args = OneshotArgs.from_call({k: v for k, v in locals().items() if k != "unknown"}, unknown)
+    with launched():  # under torchrun: the process group for this call (none otherwise)
+        return run_oneshot(args)
+
+
+def run_oneshot(args: OneshotArgs) -> Any:
+    """``oneshot``'s stages on its typed arguments: load, plan, data, calibrate, save."""
     group = process_group()
     hint_threads()  # torch's threads against the cores other processes leave free: how to set them
-    model_args = ModelArgs(model, tokenizer, dtype, trust_remote_code, model_revision)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    batch_size = default_batch_size(device) if batch_size is None else batch_size
-    pipe_args = PipelineArgs(
-        pipeline=pipeline, sequential_targets=sequential_targets, tracing_ignore=list(tracing_ignore or []),
-        offload=offload, offload_dir=offload_dir, compute_dtype=compute_dtype, one_pass=one_pass,
-        cache_max_memory=parse_bytes(cache_max_memory, "cache_max_memory"), cache_dtype=cache_dtype,
-        trace_into=trace_into, verify=verify, max_device_memory=parse_bytes(max_device_memory),
-        num_shards=num_shards,
-    )  # fmt: skip
-    out_args = OutputArgs(output_dir, overwrite, resume)
-    host_budget = check_budget(parse_bytes(max_host_memory, "max_host_memory"), total_ram())
-    parsed = parse_recipe(recipe)
-    group.agree(
+    host_budget = check_budget(parse_bytes(args.max_host_memory, "max_host_memory"), total_ram())
+    pipe_args, out_args = _pipeline_args(args), args.output_args()
+    parsed = parse_recipe(args.recipe)
+    group.agree(  # only its writer reads it
         "checking the output directory",
-        lambda: (
-            check_output_dir(  # only its writer reads it
-                out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume
-            )
-            if group.writes
-            else None
-        ),
-    )
-    loaded, tok, store = load_model(model_args, offload_weights=_offload_weights(model_args, pipe_args,
-                                                                                 output_dir, dry_run),
-                                    host_budget=host_budget)  # fmt: skip
+        lambda: check_output_dir(out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume)
+        if group.writes else None,
+    )  # fmt: skip
+    model_args = args.model_args()
+    offload = _offload_weights(model_args, pipe_args, args.output_dir, args.dry_run)
+    loaded, tok, store = load_model(model_args, offload_weights=offload, host_budget=host_budget)
+    tok, processor = split_processor(tok)  # a processor given as tokenizer: its tokenizer batches text
     # Fused MoE experts become per-expert Linears for the run (recipes reach them by their checkpoint names);
     # the returned model has its fused experts back. After an error it keeps the Linears (same outputs).
-    tok, processor = split_processor(tok)  # a processor given as tokenizer: its tokenizer batches text
-    experts = linearize_experts(loaded, calibrate_all=moe_calibrate_all_experts)
+    experts = linearize_experts(loaded, calibrate_all=args.moe_calibrate_all_experts)
     parsed.validate(loaded)
-    plan = fit = None
-    if dry_run or max_device_memory is not None or host_budget is not None:
-
-        def plan_cut(one_pass: bool) -> Any:
-            return make_plan(
-                loaded, parsed.modifiers, num_samples=num_calibration_samples, seq_len=max_seq_length,
-                batch_size=batch_size, sequential_targets=pipe_args.sequential_targets,
-                tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
-                max_device_memory=parse_bytes(max_device_memory), one_pass=one_pass,
-                cache_max_memory=pipe_args.cache_max_memory,
-            )  # fmt: skip
-
-        plan = plan_cut(pipe_args.one_pass)
-        if host_budget is not None:  # the cut and the cache's RAM that keep the budget, or a refusal now
-            fit = fit_host(host_budget, plan, one_pass=plan.one_pass, other_cut=(lambda: plan_cut(False))
-                           if plan.one_pass else None, cache_max_memory=pipe_args.cache_max_memory,
-                           cache_in_ram=pipe_args.offload == "cpu")  # fmt: skip
-            plan, pipe_args.one_pass = fit.plan, fit.one_pass
-            pipe_args.cache_max_memory = fit.cache_max_memory
-            for line in fit.decisions:
-                logger.info("seqcal: %s", line)
-        if dry_run:
-            experts.restore()
-            return plan
-        for note in plan.notes:
-            logger.warning("seqcal: %s", note)
-        pipe_args.sequential_targets = plan.targets
+    plan, fit = _memory_plan(args, loaded, parsed, pipe_args, host_budget)
+    if args.dry_run:
+        experts.restore()
+        return plan
     check_environment(loaded, parsed.modifiers, out_args.output_dir, pipe_args.offload, pipe_args.offload_dir)
-    data_args = None
-    if pipe_args.pipeline != "datafree":
-        data_args = DataArgs(
-            dataset if dataset is not None else "default", num_calibration_samples, max_seq_length, batch_size,
-            shuffle_calibration_samples, text_column, splits, seed, concatenate, dataset_config_name,
-        )  # fmt: skip
-    data_args = with_auto_limits(
-        data_args, loaded, plan=plan, device=device,
-        max_device_memory=parse_bytes(max_device_memory), cache_max_memory=pipe_args.cache_max_memory,
-        equal_lengths=not moe_calibrate_all_experts,  # experts fed only their tokens would see padding
-    )  # fmt: skip
-    media = prepare_media(data_args, loaded, MediaArgs(data_collator, preprocessing_func), processor,
-                          processor_source(model_args.model, model_args.tokenizer))  # fmt: skip
-    data_args = media.data_args
+    data_args, media = _calibration_data(args, loaded, plan, pipe_args, processor)
     check_data_for_model(loaded, tok, data_args, model_args.model)
     recipe_yaml = parsed.to_yaml()
     # By content, never repr(data_args) (a DataLoader's repr is its address): the stream adds the batches' hash.
-    run = run_identity(recipe=recipe_yaml, model=loaded, pipeline=repr(pipe_args), dtype=str(dtype))
+    run = run_identity(recipe=recipe_yaml, model=loaded, pipeline=repr(pipe_args), dtype=str(args.dtype))
     output = OutputPlan(out_args, recipe_yaml, run)
-    batches, tok, reload_from = _batches_then_release(data_args, tok, owned=tokenizer is None)
+    batches, tok, reload_from = _batches_then_release(data_args, tok, owned=args.tokenizer is None)
     # writes the trace on the way out, also when a stage fails; one per process under torchrun, merged below
-    with Profiler(rank_path(profile)) as profiler:
+    with Profiler(rank_path(args.profile)) as profiler:
         state = run_pipeline(
             loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler, batches
         )
         state.log.extend(media.notes)
         if out_args.output_dir is not None and group.writes:
-            tok = _reload_tokenizer(reload_from, trust_remote_code) if reload_from else tok
-            from seqcal.checkpoint.writer import save_checkpoint
-            from seqcal.evaluation.perplexity import write_error_report
-
-            with profiler.span("save", "checkpoint"):
-                if output.stream is not None:
-                    output.stream.finish(tok, recipe_yaml)
-                else:
-                    save_checkpoint(loaded, state, out_args.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
-                                    overwrite=out_args.overwrite)  # fmt: skip
-            finish_media(media, out_args.output_dir)
+            tok = _reload_tokenizer(reload_from, args.trust_remote_code) if reload_from else tok
             state.report["host_memory"] = host_report(host_budget, plan, fit)
-            write_error_report(state.report, out_args.output_dir)
-    merge_rank_profiles(profile, group)  # one trace, a process per rank
+            _save(loaded, state, output, tok, recipe_yaml, profiler)
+            finish_media(media, out_args.output_dir)
+    merge_rank_profiles(args.profile, group)  # one trace, a process per rank
     experts.restore()
     return loaded
+
+
+def _pipeline_args(args: OneshotArgs) -> PipelineArgs:
+    return PipelineArgs(
+        pipeline=args.pipeline, sequential_targets=args.sequential_targets,
+        tracing_ignore=list(args.tracing_ignore or []), offload=args.offload, offload_dir=args.offload_dir,
+        compute_dtype=args.compute_dtype, one_pass=args.one_pass,
+        cache_max_memory=parse_bytes(args.cache_max_memory, "cache_max_memory"), cache_dtype=args.cache_dtype,
+        trace_into=args.trace_into, verify=args.verify, max_device_memory=parse_bytes(args.max_device_memory),
+        num_shards=args.num_shards,
+    )  # fmt: skip
+
+
+def _batch_size(args: OneshotArgs) -> int | str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return default_batch_size(device) if args.batch_size is None else args.batch_size
+
+
+def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_args: PipelineArgs,
+                 host_budget: int | None) -> tuple[Any, HostFit | None]:  # fmt: skip
+    """The memory plan when the run asks for one (dry_run, max_device_memory, max_host_memory); it may choose the
+    cut, and with a host budget the cache's RAM (``plan_host.fit_host``, logged), or refuse the budget."""
+    if not args.dry_run and args.max_device_memory is None and host_budget is None:
+        return None, None
+
+    def plan_cut(one_pass: bool) -> Any:
+        return make_plan(
+            model, parsed.modifiers, num_samples=args.num_calibration_samples, seq_len=args.max_seq_length,
+            batch_size=_batch_size(args), sequential_targets=pipe_args.sequential_targets,
+            tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
+            max_device_memory=parse_bytes(args.max_device_memory), one_pass=one_pass,
+            cache_max_memory=pipe_args.cache_max_memory,
+        )  # fmt: skip
+
+    plan, fit = plan_cut(pipe_args.one_pass), None
+    if host_budget is not None:  # the cut and the cache's RAM that keep the budget, or a refusal now
+        fit = fit_host(host_budget, plan, one_pass=plan.one_pass, other_cut=(lambda: plan_cut(False))
+                       if plan.one_pass else None, cache_max_memory=pipe_args.cache_max_memory,
+                       cache_in_ram=pipe_args.offload == "cpu")  # fmt: skip
+        plan, pipe_args.one_pass, pipe_args.cache_max_memory = fit.plan, fit.one_pass, fit.cache_max_memory
+        for line in fit.decisions:
+            logger.info("seqcal: %s", line)
+    if not args.dry_run:
+        for note in plan.notes:
+            logger.warning("seqcal: %s", note)
+        pipe_args.sequential_targets = plan.targets
+    return plan, fit
+
+
+def _calibration_data(args: OneshotArgs, model: torch.nn.Module, plan: Any, pipe_args: PipelineArgs,
+                      processor: Any) -> tuple[DataArgs | None, Any]:  # fmt: skip
+    """How the calibration batches are drawn (their size from the plan or config), images and audio included."""
+    data_args = None
+    if pipe_args.pipeline != "datafree":
+        data_args = DataArgs(
+            args.dataset if args.dataset is not None else "default", args.num_calibration_samples,
+            args.max_seq_length, _batch_size(args), args.shuffle_calibration_samples, args.text_column,
+            args.splits, args.seed, args.concatenate, args.dataset_config_name,
+        )  # fmt: skip
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    data_args = with_auto_limits(
+        data_args, model, plan=plan, device=device,
+        max_device_memory=parse_bytes(args.max_device_memory), cache_max_memory=pipe_args.cache_max_memory,
+        equal_lengths=not args.moe_calibrate_all_experts,  # experts fed only their tokens would see padding
+    )  # fmt: skip
+    model_args = args.model_args()
+    media = prepare_media(data_args, model, MediaArgs(args.data_collator, args.preprocessing_func), processor,
+                          processor_source(model_args.model, model_args.tokenizer))  # fmt: skip
+    return media.data_args, media
+
+
+def _save(model: torch.nn.Module, state: Any, output: OutputPlan, tok: Any, recipe_yaml: str,
+          profiler: Profiler) -> None:  # fmt: skip
+    """The checkpoint's last files (the streamed one), or the whole of it; then the error report."""
+    from seqcal.checkpoint.writer import save_checkpoint
+    from seqcal.evaluation.perplexity import write_error_report
+
+    out = output.args
+    with profiler.span("save", "checkpoint"):
+        if output.stream is not None:
+            output.stream.finish(tok, recipe_yaml)
+        else:
+            save_checkpoint(model, state, out.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
+                            overwrite=out.overwrite)  # fmt: skip
+    write_error_report(state.report, out.output_dir)
 
 
 def _offload_weights(

@@ -36,6 +36,7 @@ from torch import fx
 
 from seqcal.algorithms.smoothing import divide_producer, multiply_consumer
 from seqcal.kv_writes import cache_write_input, kv_groups
+from seqcal.records import Mapping as Mapping  # re-exported: defined beside Fold
 
 logger = logging.getLogger("seqcal")
 
@@ -48,21 +49,6 @@ _SHAPE_ONLY = {"shape", "size", "dim", "dtype", "device", "ndim"}
 _RESHAPE_SOURCE = re.compile(
     r"^[\w.]+\s*=\s*[\w.]+(\.(reshape|view|transpose|contiguous|flatten)\([^()]*\))+$"
 )
-
-
-@dataclass(frozen=True)
-class Mapping:
-    """A producer whose output the consumers read directly; smoothing scales fold between them.
-
-    Attributes:
-        producer: qualified name of the norm or Linear whose output is scaled by ``1 / s``.
-        consumers: qualified names of the Linears reading that output (their columns are scaled by ``s``).
-        kind: ``"norm"`` (1-D weight, optional bias) or ``"linear"`` (the producer's output rows).
-    """
-
-    producer: str
-    consumers: tuple[str, ...]
-    kind: str
 
 
 @dataclass(frozen=True)

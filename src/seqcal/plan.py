@@ -271,7 +271,7 @@ def plan_memory(
         freed = sum(size(n) for n in sg.frees)
         after = alive + made - freed
         if sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
-            # modules, the propagation pass after a solve) drops each batch's inputs after it (executor._pass)
+            # modules, the propagation pass after a solve) drops each batch's inputs after it (passes.run_pass)
             during = max(alive * batches + made, after * batches + freed)
         else:  # nothing to solve: its one pass stores every batch's outputs before the inputs are dropped
             during = (alive + made) * batches
@@ -387,7 +387,7 @@ def make_plan(
         ...                 sequential_targets=None, tracing_ignore=[]).table())  # doctest: +SKIP
     """
     from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
-    from seqcal.tracing.subgraphs import trace_subgraphs
+    from seqcal.execution.subgraphs import trace_subgraphs
 
     auto = batch_size == AUTO
     batch_size = 1 if auto else int(batch_size)  # auto: planned per sample, then sized (_plan_auto_batch)

@@ -58,9 +58,9 @@ def measure_values(subgraphs: Any, batch_size: int, seq_len: int) -> tuple[dict[
     Example:
         >>> values, widest = measure_values(trace_subgraphs(model, sample), 1, 2048)  # doctest: +SKIP
     """
-    from seqcal.execution.executor import GraphRunner
+    from seqcal.execution.subgraphs import model_device
     from seqcal.report.profile import tensor_bytes
-    from seqcal.tracing.subgraphs import model_device
+    from seqcal.tracing.runner import GraphRunner
 
     runner, device = GraphRunner(subgraphs.model), model_device(subgraphs.model)
     sizes: dict[str, list[int]] = {}

@@ -22,12 +22,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from seqcal.algorithms import formats, products
+import seqcal.algorithms.formats as formats
+import seqcal.algorithms.products as products
 from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.algorithms.hessian import KeptHessian
 from seqcal.algorithms.observe import weight_qparams
 from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
+from seqcal.backend import onednn_applies
 
 # "static" and "dynamic" are compressed-tensors' aliases of "weight" and "group"
 ACTORDER: dict[str, str] = {"weight": "weight", "static": "weight", "group": "group", "dynamic": "group"}
@@ -206,7 +208,7 @@ def _inverse_hessian_factor(
         del Hp
         for step in steps:
             Hr.diagonal().add_(step)  # the diagonal of P Hp P is Hp's, reversed: same values, same adds
-        blocked = products.onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF  # float32 CPU: on oneDNN
+        blocked = onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF  # float32 CPU: on oneDNN
         inv = _lower_inverse(Hr, blocked)  # Lr^-1 in H's memory, or None when the Cholesky failed
         del Hr
         if inv is None:

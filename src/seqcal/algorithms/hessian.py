@@ -12,7 +12,8 @@ import math
 import torch
 from torch import Tensor
 
-from seqcal.algorithms import products
+from seqcal.algorithms.products import add_transposed_products
+from seqcal.backend import linear, onednn_applies, onednn_for
 
 # Columns per block row of an upper-only update: small enough that the flops come near half of the square's
 # (54% at 1536 features, 384 gave 62%), big enough to keep the GEMMs efficient; on one CPU thread 9-15%
@@ -83,10 +84,10 @@ def accumulate_hessian(
     # the diagonal blocks are stale anyway (``symmetrize_upper``). Same operations on each element as scaling H
     # first: the result is the same bit for bit.
     # One float32 copy of X, scaled in place: a second [m, in] temporary per batch only fragments the heap.
-    if products.onednn_for(H.device, m):  # oneDNN's kernel wants the rows of X^T: the copy is transposed
+    if onednn_for(H.device, m):  # oneDNN's kernel wants the rows of X^T: the copy is transposed
         Xt = X.T.to(device=H.device, dtype=torch.float32, memory_format=torch.contiguous_format, copy=True)
         Xt.mul_(math.sqrt(2 / n))
-        return products.add_transposed_products(H, Xt, UPPER_BLOCK, upper=upper, beta=n_seen / n), n
+        return add_transposed_products(H, Xt, UPPER_BLOCK, upper=upper, beta=n_seen / n), n
     Xs = X.to(device=H.device, dtype=torch.float32, copy=True).mul_(math.sqrt(2 / n))  # [m, in]
     return add_products(H, Xs, upper=upper, beta=n_seen / n), n
 
@@ -100,9 +101,9 @@ def add_products(H: Tensor, X: Tensor, *, upper: bool, beta: float = 1.0) -> Ten
         >>> X = torch.randn(5, 3); torch.allclose(add_products(torch.zeros(3, 3), X, upper=False), X.T @ X)
         True
     """
-    if products.onednn_applies(X, H):  # float32 on the CPU: oneDNN's kernel wants the rows of X^T
+    if onednn_applies(X, H):  # float32 on the CPU: oneDNN's kernel wants the rows of X^T
         Xt = X.T.contiguous()
-        return products.add_transposed_products(H, Xt, UPPER_BLOCK, upper=upper, beta=beta)
+        return add_transposed_products(H, Xt, UPPER_BLOCK, upper=upper, beta=beta)
     d = X.shape[1]
     step = UPPER_BLOCK if upper else d
     for i0 in range(0, d, step):  # block row i0:i0 + step, in place in H's rows
@@ -181,7 +182,7 @@ class KeptHessian:
     def __init__(self, H: Tensor, rows: int = KEPT_ROWS) -> None:
         self.symmetric = is_symmetric(H)
         parts = [H[r : r + rows, r:] for r in range(0, H.shape[0], rows)] if self.symmetric else [H]
-        # one allocation for all of it: large enough to be mapped on its own (execution.host), so that its
+        # one allocation for all of it: large enough to be mapped on its own (backend.host), so that its
         # pages go back to the OS when the solve ends instead of staying in the heap
         flat = _host_empty(sum(p.numel() for p in parts), H)
         asynchronous = H.device.type == "cuda"
@@ -238,8 +239,8 @@ def quadratic_forms(A: Tensor, H: Tensor) -> Tensor:
     """
     if H.device.type != "cpu":
         return ((A @ H) * A).sum(dim=1)
-    if products.onednn_applies(A, H):  # one full product on oneDNN beats MKL's upper blocks (0.45x vs 0.6x)
-        return (products.linear(A, H) * A).sum(dim=1)  # A H^T = A H: H is symmetric
+    if onednn_applies(A, H):  # one full product on oneDNN beats MKL's upper blocks (0.45x vs 0.6x)
+        return (linear(A, H) * A).sum(dim=1)  # A H^T = A H: H is symmetric
     d = H.shape[0]
     out = torch.zeros(A.shape[0], dtype=H.dtype, device=H.device)
     for j0 in range(0, d, UPPER_BLOCK):

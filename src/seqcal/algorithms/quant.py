@@ -26,18 +26,6 @@ from torch import Tensor
 from seqcal.algorithms.packing import pack_int32 as pack_int32
 from seqcal.algorithms.packing import unpack_int32 as unpack_int32
 
-# The weight observers moved to seqcal.algorithms.observe; these names still import from here.
-_MOVED = ("OBSERVERS", "observe_minmax", "observe_mse", "weight_qparams")
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:  # imported on first use: observe imports this module
-        from seqcal.algorithms import observe
-
-        return getattr(observe, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 QuantType = Literal["int", "float"]
 Strategy = Literal["tensor", "channel", "group"]
 STRATEGIES: tuple[str, ...] = ("tensor", "channel", "group")

@@ -51,9 +51,10 @@ from seqcal.checkpoint.writer import (
     write_extras,
 )
 from seqcal.errors import SeqcalError
-from seqcal.modifiers.base import QuantizedWeight, RunState, fold_records, folds_from
+from seqcal.modifiers.base import RunState
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
+from seqcal.records import QuantizedWeight, fold_records, folds_from
 from seqcal.report.profile import NullProfiler
 from seqcal.tracing.partition import Subgraph
 

@@ -22,9 +22,9 @@ from torch import Tensor
 from seqcal.algorithms import code_dtype, dequantize, formats, pack_int32, quant_range
 from seqcal.checkpoint.config import _format
 from seqcal.checkpoint.minifloat import format_tensors
-from seqcal.modifiers.base import QuantizedWeight
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
+from seqcal.records import QuantizedWeight
 
 
 def _check_quantized(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> None:

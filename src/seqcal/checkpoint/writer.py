@@ -42,7 +42,8 @@ from seqcal.checkpoint.config import (
 )
 from seqcal.checkpoint.tensors import _module_tensors
 from seqcal.evaluation.errors import ERRORS_PNG, REPORT_FILENAME
-from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.base import RunState
+from seqcal.records import QuantizedWeight
 
 __all__ = [
     "CONFIG_NAME",

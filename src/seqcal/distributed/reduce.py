@@ -9,56 +9,10 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from seqcal.modifiers.base import Statistic
-
-Partial = dict[str, dict[str, Statistic]]  # key (a unit of modifier state) -> statistic name -> value
-_OPS = {"sum": torch.Tensor.add_, "max": lambda a, b: torch.maximum(a, b, out=a),
-        "min": lambda a, b: torch.minimum(a, b, out=a)}  # fmt: skip
-
-
-def fold(total: Partial | None, partial: Partial) -> Partial:
-    """``total`` combined with the next shard's ``partial``, in place: ``total[k] = op(total[k], partial[k])``.
-
-    Called once per shard, in shard order, by whichever process folds (one process, or a subgraph's owner):
-    the same float operations in the same order, so the same bits. A key only one side has is taken as is
-    (an expert that got no token in a shard has no partial there).
-
-    Args:
-        total: the fold of the shards before, or None for the first.
-        partial: the next shard's statistics (``Modifier.partial_statistics``); its tensors are taken over.
-
-    Returns:
-        The fold so far.
-
-    Example:
-        >>> a = {"h": {"n": Statistic(torch.tensor([1.0]))}}
-        >>> fold(fold(None, a), {"h": {"n": Statistic(torch.tensor([2.0]))}})["h"]["n"].tensor
-        tensor([3.])
-    """
-    total = {} if total is None else total
-    taken = {id(s.tensor) for stats in total.values() for s in stats.values()}
-    for key, stats in partial.items():
-        mine = total.setdefault(key, {})
-        for name, stat in stats.items():
-            if (
-                name not in mine
-            ):  # taken over, unless another key holds the same tensor (it is added in place)
-                mine[name] = (
-                    stat if id(stat.tensor) not in taken else Statistic(stat.tensor.clone(), stat.reduce)
-                )
-                taken.add(id(mine[name].tensor))
-                continue
-            if mine[name].reduce != stat.reduce:
-                raise ValueError(
-                    f"statistic {key}/{name}: reduce {stat.reduce!r} after {mine[name].reduce!r}"
-                )
-            _OPS[stat.reduce](mine[name].tensor, stat.tensor.to(mine[name].tensor.device))
-    return total
-
-
-def tensors_of(total: Partial) -> dict[str, dict[str, torch.Tensor]]:
-    """The folded values, as ``Modifier.load_statistics`` takes them."""
-    return {key: {name: stat.tensor for name, stat in stats.items()} for key, stats in total.items()}
+from seqcal.records import Partial as Partial  # re-exported: the fold moved to seqcal.records
+from seqcal.records import Statistic
+from seqcal.records import fold as fold
+from seqcal.records import tensors_of as tensors_of
 
 
 def partial_to_bytes(partial: Partial) -> bytes:

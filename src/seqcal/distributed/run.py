@@ -4,24 +4,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from seqcal.distributed.exchange import load_statistics, pack, partials_of, unpack
 from seqcal.distributed.group import ProcessGroup
+from seqcal.distributed.parts import part_of, solve_costs
 from seqcal.distributed.reduce import (
     Partial,
     fold,
-    named_from_bytes,
-    named_to_bytes,
     partial_from_bytes,
     partial_to_bytes,
     tensors_of,
 )
 from seqcal.distributed.shards import ShardPlan, assign_owners
-from seqcal.modifiers import contract
-from seqcal.modifiers.base import QuantizedWeight
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.tracing.partition import Subgraph
 
@@ -36,47 +33,6 @@ class _Nothing:
 
 
 _NOTHING = _Nothing()
-_FIELDS = (
-    "q", "scale", "zero_point", "g_idx", "global_scale", "input_scale", "input_zero_point", "input_global_scale"
-)  # fmt: skip
-
-
-@dataclass
-class Part(Subgraph):
-    """The share of a subgraph one process compresses when its module groups are solved by several processes:
-    the same subgraph, whose ``holds`` (and ``targets``) leave out the modules other processes solve.
-
-    Attributes:
-        mine: the only modules this process solves (None: every module no other process solves).
-        others: the modules other processes solve.
-    """
-
-    mine: frozenset[str] | None = None
-    others: frozenset[str] = frozenset()
-
-    def holds(self, name: str) -> bool:
-        if self.mine is not None:
-            return name in self.mine
-        return super().holds(name) and name not in self.others
-
-
-def _part(sg: Subgraph, parts: dict[str, int], rank: int, default: int) -> Subgraph | None:
-    """What ``rank`` compresses of ``sg`` when ``parts`` (module -> rank) spreads its groups; ``default`` solves
-    what ``parts`` does not name (and the subgraph's other work: KV-cache scales)."""
-    if not parts:
-        return sg if rank == default else None
-    mine = frozenset(n for n, r in parts.items() if r == rank)
-    if rank != default and not mine:
-        return None
-    others = frozenset(n for n, r in parts.items() if r != rank)
-    part = Part(**{f.name: getattr(sg, f.name) for f in fields(Subgraph)},
-                mine=None if rank == default else mine, others=others)  # fmt: skip
-    part.kv_updates = list(sg.kv_updates) if rank == default else []  # the KV cache's scales: the owner's
-    part.targets = [t for t in sg.targets if part.holds(t)]
-    part.target_inputs = {
-        k: kept for k, v in sg.target_inputs.items() if (kept := [t for t in v if part.holds(t)])
-    }
-    return part
 
 
 class ShardedRun:
@@ -235,7 +191,7 @@ class ShardedRun:
 
     def part(self, sg: Subgraph) -> Subgraph | None:
         """What this rank compresses of ``sg`` (the modifiers that do not compress everywhere), or None."""
-        return _part(sg, self.parts, self.group.rank, self.owners[sg.index])
+        return part_of(sg, self.parts, self.group.rank, self.owners[sg.index])
 
     def solvers(self, index: int) -> list[int]:
         """The ranks that compress part of subgraph ``index`` and send their results (after ``reduce``)."""
@@ -334,13 +290,11 @@ class ShardedRun:
         payload = None
         if self.group.rank == src:
             results = {i: m.results(subgraph, model) for i, m in enumerate(modifiers)} if subgraph else {}
-            payload = _pack(names, model, state, results)
+            payload = pack(names, model, state, results)
         data = self.group.broadcast(payload, src, f"sending the weights of subgraph {index}")
         # the source compressed: whether its weights changed is its own ``compress``' answer
         got = (
-            _unpack(data, model, state, self.schemes, modifiers, subgraph)
-            if self.group.rank != src
-            else names
+            unpack(data, model, state, self.schemes, modifiers, subgraph) if self.group.rank != src else names
         )
         row = (
             self.traffic[-1]
@@ -352,93 +306,6 @@ class ShardedRun:
         row["broadcast_bytes"] = row.get("broadcast_bytes", 0) + len(data)  # one per solver
         row["broadcast_seconds"] = row.get("broadcast_seconds", 0.0) + self.group.comm_seconds - seconds
         return bool(got)
-
-
-def partials_of(modifiers: Sequence[Any]) -> Partial:
-    """Every modifier's ``partial_statistics()``, keyed by its position in the recipe."""
-    partial: Partial = {}
-    for i, m in enumerate(modifiers):
-        partial.update({f"{i}/{key}": stats for key, stats in contract.partial_statistics(m).items()})
-    return partial
-
-
-def load_statistics(modifiers: Sequence[Any], total: Partial | None) -> None:
-    """Hand every modifier its part of the folded statistics (``partials_of``' keys)."""
-    values = tensors_of(total or {})
-    for i, m in enumerate(modifiers):
-        prefix = f"{i}/"
-        contract.load_statistics(m, {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)})
-
-
-def _pack(
-    names: Sequence[str], model: torch.nn.Module, state: Any, results: dict[int, dict[str, torch.Tensor]]
-) -> bytes:
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {"log": [], "modules": {}}
-    for name in names:  # quantized, pruned, folded into, or with calibrated buffers
-        qw = state.quantized.get(name)
-        for f in _FIELDS if qw is not None else ():
-            if getattr(qw, f) is not None:
-                tensors[f"{name}|{f}"] = getattr(qw, f)
-        module = model.get_submodule(name)
-        if hasattr(module, "weight"):
-            tensors[f"{name}|weight"] = module.weight.data
-        # the module's other tensors a modifier may have changed (a folded bias, k_scale / v_scale buffers)
-        for key, tensor in [*module._parameters.items(), *module._buffers.items()]:
-            if key != "weight" and tensor is not None:
-                tensors[f"{name}|.{key}"] = tensor.data
-        meta["modules"][name] = {"quantized": qw is not None, "loss": qw.loss if qw is not None else None,
-                                 "sparsity": state.sparsity.get(name), "errors": state.module_errors.get(name, {}),
-                                 "edited": name in state.edited, "changed": name in state.changed}  # fmt: skip
-    for i, named in results.items():  # a modifier's results: "@<its position>|<name>"
-        tensors.update({f"@{i}|{key}": tensor for key, tensor in named.items()})
-    meta["log"] = [line for line in state.log if any(line.startswith(n) for n in names)]
-    return named_to_bytes(tensors, {"seqcal": json.dumps(meta)})
-
-
-def _unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict, modifiers: Sequence[Any] = (),
-            subgraph: Any = None) -> list[str]:  # fmt: skip
-    tensors, raw = named_from_bytes(data)
-    meta = json.loads(raw["seqcal"])
-    for name, info in meta["modules"].items():
-        module = model.get_submodule(name)
-        for key in [k for k in tensors if k.startswith(f"{name}|")]:
-            local = key.partition("|")[2]
-            if local == "weight" or local.startswith("."):
-                target = getattr(module, local.lstrip("."))
-                target.data = tensors[key].to(target.device)
-        if info.get("edited"):
-            state.edited.add(name)
-        if info.get("changed"):
-            state.changed.add(name)
-        if info["quantized"]:
-            fields = {f: tensors.get(f"{name}|{f}") for f in _FIELDS}
-            state.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])
-        if info["sparsity"] is not None:
-            state.sparsity[name] = info["sparsity"]
-        state.module_errors.setdefault(name, {}).update(info["errors"])
-    state.log.extend(line for line in meta["log"] if line not in state.log)
-    results = [k for k in tensors if k.startswith("@")]
-    for i, m in enumerate(modifiers):
-        named = {k.partition("|")[2]: tensors[k] for k in results if k.partition("|")[0] == f"@{i}"}
-        if named:
-            m.load_results(subgraph, named, model)
-    return [*meta["modules"], *results]
-
-
-def solve_costs(subgraphs: Sequence[Any], modifiers: Sequence[Any], model: torch.nn.Module) -> list[float]:
-    """Estimated solve cost of each subgraph: ``out * in^2 + in^3`` per quantized or pruned Linear (GPTQ's and
-    SparseGPT's column loop and the inverse of the Hessian); shapes are read from the model (parameters on
-    meta too)."""
-    costs = []
-    for sg in subgraphs:
-        cost = 0.0
-        # each module once: a transform's consumers are its quantizer's modules too (SmoothQuant, GPTQ)
-        for name in dict.fromkeys(n for m in modifiers for n in m.modules_in(sg)):
-            out_features, in_features = model.get_submodule(name).weight.shape[:2]
-            cost += float(out_features) * in_features**2 + float(in_features) ** 3
-        costs.append(cost)
-    return costs
 
 
 def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraphs: Sequence[Any],

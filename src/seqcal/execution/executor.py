@@ -8,14 +8,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import fx
-from torch.fx.immutable_collections import immutable_dict, immutable_list
 from tqdm.auto import tqdm
 
-from seqcal.algorithms.products import linears_on_onednn
-from seqcal.errors import SeqcalError
+from seqcal.backend.host import trim_host_memory
 from seqcal.execution.cache.store import ActivationCache
-from seqcal.execution.host import trim_host_memory
+from seqcal.execution.passes import autocast, local_shards, relative_error, run_pass, token_mask
 from seqcal.execution.reference import reference_pass
 from seqcal.execution.transforms import (
     divide_inputs,
@@ -24,132 +21,13 @@ from seqcal.execution.transforms import (
     transform_with_hooks,
 )
 from seqcal.modifiers import contract
-from seqcal.modifiers.base import Fold, fold_records, folds_from
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.kv_hooks import cache_update
-from seqcal.report.profile import NullProfiler, Profiler, tensor_bytes
-from seqcal.tracing.partition import Subgraph, target_ends
-from seqcal.tracing.values import OpaqueCall
-
-
-class SubgraphExecutionError(RuntimeError):
-    """A node failed while running a subgraph; the message names the subgraph, node and source."""
-
-
-def _describe(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, OpaqueCall):
-        site = target.site
-        return f"opaque code of {site.owner} at {site.filename}:{site.lineno} (`{site.source}`)"
-    name = getattr(target, "__qualname__", None) or str(target)
-    return f"{node.op} {name}"
-
-
-class GraphRunner:
-    """Evaluates a subgraph's nodes against a model; modules and attributes are resolved at run time.
-
-    Resolution at run time (not at trace time) is what lets weights be offloaded and swapped in between.
-    """
-
-    def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None) -> None:
-        self.model = model
-        # a calibration's execution device: float32 Linears on the CPU run on oneDNN there (algorithms.products);
-        # None keeps torch's kernels (SubgraphList.run, the partition checks: the same bits as eager)
-        self.device = device
-        self._modules = dict(model.named_modules())
-        # id(subgraph) -> (the subgraph, what it keeps, node position -> values last read there)
-        self._releases: dict[int, tuple[Subgraph, frozenset[str], dict[int, list[str]]]] = {}
-
-    def attr(self, qualname: str) -> Any:
-        owner, _, leaf = qualname.rpartition(".")
-        return getattr(self._modules[owner] if owner else self.model, leaf) if leaf else self.model
-
-    def run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None = None,
-            release: Sequence[str] | None = None) -> Any:  # fmt: skip
-        """Compute ``subgraph``'s nodes into ``env`` (which holds its inputs), or those up to the node named
-        ``until``; returns the graph output if any.
-
-        With ``release`` (names to keep besides the subgraph's outputs), each value is dropped from ``env`` after
-        the node that reads it last, its inputs' included, as eager code frees its temporaries: the values alive
-        at once are those still to be read, not every value the subgraph made (an MLP's gate, up, activation and
-        product of a whole batch, on a GPU beside the solve's memory). Without it ``env`` ends with every value,
-        for callers that read them afterwards (the memory plan's measurement, the tracer's decisions).
-        """
-        releases = None if release is None else self._last_reads(subgraph, release)
-        with linears_on_onednn(self.device):
-            return self._run(subgraph, env, until, releases)
-
-    def _last_reads(self, subgraph: Subgraph, keep: Sequence[str]) -> dict[int, list[str]]:
-        """Node position -> the values of ``env`` last read by the node there (kept ones and outputs excepted).
-
-        A value no node of the subgraph reads goes right after it is made. Worked out once per subgraph.
-        """
-        protected = frozenset((*getattr(subgraph, "outputs", ()), *keep))
-        cached = self._releases.get(id(subgraph))
-        if cached is not None and cached[0] is subgraph and cached[1] == protected:
-            return cached[2]
-        last: dict[str, int] = {}
-        for i, node in enumerate(subgraph.nodes):
-            last.setdefault(node.name, i)  # made here; read later (below) or by no one
-            for read in node.all_input_nodes:
-                last[read.name] = i
-        releases: dict[int, list[str]] = {}
-        for name, i in last.items():
-            if name not in protected:
-                releases.setdefault(i, []).append(name)
-        self._releases[id(subgraph)] = (subgraph, protected, releases)
-        return releases
-
-    def _run(self, subgraph: Subgraph, env: dict[str, Any], until: str | None,
-             releases: dict[int, list[str]] | None) -> Any:  # fmt: skip
-        result = None
-        for i, node in enumerate(subgraph.nodes):
-            args = self._load(node.args, env)
-            kwargs = self._load(node.kwargs, env)
-            try:
-                if node.op == "output":
-                    result = args[0]
-                else:
-                    env[node.name] = self._call(node, args, kwargs)
-            except SeqcalError:
-                raise  # says itself what is wrong and what to do (a guard of the trace, say)
-            except Exception as exc:
-                raise SubgraphExecutionError(
-                    f"subgraph {subgraph.index} failed at node {node.name!r} ({_describe(node)}): "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            if node.name == until:
-                return None
-            del args, kwargs  # this node's operands: referenced no more than the values still in env
-            if releases is not None:
-                for name in releases.get(i, ()):
-                    env.pop(name, None)
-        return result
-
-    def _load(self, arg: Any, env: dict[str, Any]) -> Any:
-        """Replace nodes by their values; fx's immutable containers become plain ones, as eager code has."""
-        if isinstance(arg, fx.Node):
-            return self.attr(str(arg.target)) if arg.op == "get_attr" else env[arg.name]
-        if isinstance(arg, dict) and type(arg) in (dict, immutable_dict):
-            return {k: self._load(v, env) for k, v in arg.items()}
-        if type(arg) in (list, immutable_list):
-            return [self._load(v, env) for v in arg]
-        if type(arg) is tuple:
-            return tuple(self._load(v, env) for v in arg)
-        if isinstance(arg, slice):
-            return slice(self._load(arg.start, env), self._load(arg.stop, env), self._load(arg.step, env))
-        return arg
-
-    def _call(self, node: fx.Node, args: tuple, kwargs: dict) -> Any:
-        if node.op == "call_module":
-            return self._modules[str(node.target)](*args, **kwargs)
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)  # type: ignore[operator]
-        if node.op == "call_method":
-            obj, *rest = args
-            return getattr(obj, str(node.target))(*rest, **kwargs)
-        raise AssertionError(f"unexpected node op {node.op!r}")
-
+from seqcal.records import Fold, fold_records, folds_from
+from seqcal.report.profile import NullProfiler, Profiler
+from seqcal.tracing.partition import Subgraph
+from seqcal.tracing.runner import GraphRunner as GraphRunner  # re-exported: moved beside the graph
+from seqcal.tracing.runner import SubgraphExecutionError as SubgraphExecutionError
 
 SubgraphCallback = Callable[[Subgraph, int], None]
 
@@ -215,46 +93,6 @@ def run_subgraphs(
     return outputs
 
 
-# Samples whose subgraph outputs are kept in full precision to measure the quantization error per subgraph
-# (the first ones; counted in samples, not batches, so that batch_size="auto" keeps as little as batch 1).
-ERROR_SAMPLE_ROWS = 4
-
-
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        return next((t for t in map(_first_tensor, value) if t is not None), None)
-    if isinstance(value, dict):
-        return next((t for t in map(_first_tensor, value.values()) if t is not None), None)
-    return None
-
-
-def _relative_error(got: Any, want: Any) -> float | None:
-    a, b = _first_tensor(got), _first_tensor(want)
-    if a is None or b is None or a.shape != b.shape:
-        return None
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-def _error_sample(value: Any, mask: torch.Tensor | None, rows: int) -> tuple[Any, int]:
-    """The first ``rows`` samples of a target's output, their real tokens only, and the samples it covers.
-
-    Outputs at padding positions are no quantization error (nothing reads them); a value not shaped like the
-    token mask is kept whole.
-    """
-    t = _first_tensor(value)
-    if t is None or mask is None or tuple(t.shape[:2]) != tuple(mask.shape):
-        return value, mask.shape[0] if mask is not None else 1
-    n = min(rows, t.shape[0])
-    return t[:n][mask[:n].to(t.device)], n  # [tokens, ...]: a copy, the batch's output is not held
-
-
-def _token_mask(batch: Mapping[str, Any]) -> torch.Tensor | None:
-    mask = batch.get("attention_mask")
-    return mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-
-
 def calibrate_subgraphs(
     model: torch.nn.Module,
     subgraphs: Sequence[Subgraph],
@@ -313,7 +151,7 @@ def calibrate_subgraphs(
             if replay:
                 if reference is not None and sg.outputs:  # the model's own weights, before the saved ones
                     with prof.span("calibration", f"{label} (full precision)", subgraph=sg.index):
-                        reference_pass(runner, sg, batches, reference, lambda: _autocast(state))
+                        reference_pass(runner, sg, batches, reference, lambda: autocast(state))
                 with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
                     _restore(sg, restore, runner.model, state)
                 for fold in _replayed_folds(sg, state):  # the divisions the interrupted run made here
@@ -322,7 +160,7 @@ def calibrate_subgraphs(
                     m.replayed(sg, runner.model, state)
                 if sg.outputs and calibrating:
                     with torch.no_grad():
-                        _pass(runner, sg, batches, cache, state, None, prof, "propagation")
+                        run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
                 row["replayed"] = True
             elif sg.outputs or owned:
                 row["rel_error"] = _run_one(
@@ -376,11 +214,6 @@ def _replayed_folds(sg: Subgraph, state: Any) -> list[Fold]:
     return folds_from(meta["folds"], [tensors[str(i)] for i in range(len(tensors))])
 
 
-def _shards(state: Any, num_batches: int) -> list[range]:
-    """This process's virtual shards as ranges of its batches (all batches at once without sharding)."""
-    return list(state.sharding.local_shards()) if state.sharding is not None else [range(num_batches)]
-
-
 def _compress(runner: GraphRunner, sg: Subgraph, modifiers: ModifierSet, state: Any, prof: Profiler) -> bool:
     """Statistics of every shard folded on the processes that solve the subgraph (its owner, or one per module
     group), which compress their part; the weights go to every process. Returns whether weights changed."""
@@ -409,72 +242,6 @@ def _compress(runner: GraphRunner, sg: Subgraph, modifiers: ModifierSet, state: 
     return changed
 
 
-def _autocast(state: Any) -> contextlib.AbstractContextManager:
-    """Mixed precision as on GPUs: matmuls in the compute dtype, weights and norms in their own dtype.
-
-    One autocast region per pass, so each weight is cast once per pass, not once per batch.
-    """
-    compute = getattr(state, "compute_dtype", None)
-    return torch.autocast(state.device.type, dtype=compute) if compute else contextlib.nullcontext()
-
-
-def _pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
-          state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
-          indices: Sequence[int] | None = None, until: str | None = None, store: bool = True) -> None:  # fmt: skip
-    """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (none when each run stops after
-    the node named ``until``, or with ``store`` False: a later pass stores them); ``keep`` collects target
-    outputs of a few batches.
-
-    The propagation pass is the subgraph's last read of its inputs: the values past their last use
-    (``sg.frees``) are dropped batch by batch as it goes, so each batch's inputs are freed before the next
-    batch's outputs are allocated and reuse their memory. Dropped at the end of the subgraph instead, the
-    inputs and outputs of every batch would be alive at once (the peak) and the heap's free pages handed
-    back after each subgraph would be faulted in again by the next one.
-
-    On CUDA the next batch's inputs are copied to the device while the current one computes
-    (``ActivationCache.prefetch``), and its outputs go to the host on a side stream; the pass ends with the
-    compute stream ordered after those copies (``settle``), before a solve changes weights in place.
-    """
-    targets = [n.name for n in target_ends(sg.nodes, sg.targets)]  # a target traced into ends a region
-    kept = 0  # samples whose outputs ``keep`` holds
-    indices = list(range(len(batches)) if indices is None else indices)
-    last_read = track == "propagation" and until is None
-    frees = [name for name in sg.frees if name in sg.inputs] if last_read else []
-    with _autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(indices)):
-        for i, b in enumerate(indices):
-            batch = batches[b]
-            state.token_mask = _token_mask(batch)
-            with prof.span("cache", "fetch", subgraph=sg.index, batch=b) as args:
-                env = {name: cache.fetch(b, name) for name in sg.inputs}
-                if prof.enabled:
-                    args["bytes"] = tensor_bytes(env)
-                if i + 1 < len(indices):
-                    cache.prefetch(indices[i + 1], sg.inputs)
-            sampled = keep is not None and kept < ERROR_SAMPLE_ROWS and targets
-            read_after = targets[-1:] if sampled else ()  # the error sample's; the rest go at their last read
-            runner.run(sg, env, until, release=read_after)
-            if until is not None:
-                continue
-            # without store the propagation pass after the solve stores them: not both passes' outputs at once
-            if store:
-                with prof.span("cache", "put", subgraph=sg.index, batch=b) as args:
-                    waited = cache.copy_wait_seconds
-                    for name in sg.outputs:
-                        cache.put(b, name, env[name])
-                    if prof.enabled:
-                        args["bytes"] = tensor_bytes([env[name] for name in sg.outputs])
-                        if cache.copy_wait_seconds > waited:  # for the previous batch's copies to the host
-                            args["waited_s"] = round(cache.copy_wait_seconds - waited, 6)
-            if sampled:
-                keep[b], rows = _error_sample(env[targets[-1]], state.token_mask, ERROR_SAMPLE_ROWS - kept)
-                kept += rows
-            for name in frees:
-                if (b, name) in cache:
-                    cache.drop(b, name)
-        cache.settle()
-    state.token_mask = None
-
-
 def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
              cache: ActivationCache, state: Any, calibrating: bool, owned: bool,
              prof: Profiler, reference: ActivationCache | None = None) -> float | None:  # fmt: skip
@@ -494,34 +261,34 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
         if transforms:
 
             def run(ix: Sequence[int]) -> None:  # the passes below store the outputs
-                _pass(runner, sg, batches, cache, state, None, prof, "calibration", ix, store=False)
+                run_pass(runner, sg, batches, cache, state, None, prof, "calibration", ix, store=False)
 
             transform_with_hooks(runner.model, sg, run, len(batches), transforms, modifiers, state)
         full: dict[int, Any] = {}
-        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+        for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
             # with a full-precision stream, batch by batch: its module inputs paired with the calibration's
             for j, part in enumerate([shard] if reference is None else [[b] for b in shard]):
                 paired = None
                 if reference is not None:
                     capture = ModifierSet.of(modifiers).float_modules(sg)
                     paired = reference_pass(
-                        runner, sg, batches, reference, lambda: _autocast(state), part, capture
+                        runner, sg, batches, reference, lambda: autocast(state), part, capture
                     )
                 with contextlib.ExitStack() as stack:
                     for m in modifiers:
                         stack.enter_context(contract.calibrating(m, sg, runner.model, state, paired))
-                    _pass(runner, sg, batches, cache, state, full if k == j == 0 else None, prof, "calibration",
+                    run_pass(runner, sg, batches, cache, state, full if k == j == 0 else None, prof, "calibration",
                           part, store=not owned)  # fmt: skip
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, modifiers, state.device)
         trim_host_memory()  # as in _run_from_inputs: the solve's temporaries on a trimmed heap
         if not _compress(runner, sg, modifiers, state, prof):
             if owned:  # nothing changed after all: the outputs are the calibration pass's, not stored yet
-                _pass(runner, sg, batches, cache, state, None, prof, "propagation")
+                run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
             return None
         quant: dict[int, Any] = {}
-        _pass(runner, sg, batches, cache, state, quant, prof, "propagation")
-    errors = [e for b in full if (e := _relative_error(quant.get(b), full[b])) is not None]
+        run_pass(runner, sg, batches, cache, state, quant, prof, "propagation")
+    errors = [e for b in full if (e := relative_error(quant.get(b), full[b])) is not None]
     return sum(errors) / len(errors) if errors else None
 
 
@@ -539,11 +306,11 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
     label = f"subgraph {sg.index} (KV cache)"
     last = [node.name for node in sg.nodes if cache_update(node) in names][-1]  # nothing after it is needed
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
-        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+        for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
             with contextlib.ExitStack() as stack:
                 for m in kvs:
                     stack.enter_context(m.kv.observe_updates(names))
-                _pass(runner, sg, batches, cache, state, None, prof, "calibration", shard, until=last)
+                run_pass(runner, sg, batches, cache, state, None, prof, "calibration", shard, until=last)
             if state.sharding is not None:
                 state.sharding.collect(sg.index, k, kvs, state.device, split=False)
     sharding = state.sharding
@@ -580,13 +347,13 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
     transforms, modifiers = split_transforms(modifiers)  # transforms fold first; the cache follows them
     if transforms:
         with prof.span("calibration", f"{label} (transforms)", subgraph=sg.index, batches=len(batches)):
-            masks = [_token_mask(batch) for batch in batches]
+            masks = [token_mask(batch) for batch in batches]
             transform_from_inputs(runner.model, sg, cache, masks, transforms, modifiers, state)
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
-        for k, shard in enumerate(_shards(state, len(batches))):  # statistics per virtual shard
+        for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
             shard = list(shard)
             for i, b in enumerate(shard):
-                state.token_mask = _token_mask(batches[b])
+                state.token_mask = token_mask(batches[b])
                 for j, (source, names) in enumerate(sg.target_inputs.items()):
                     x = cache.fetch(b, source)
                     if j == 0 and i + 1 < len(shard):  # copied beside this batch's statistics (CUDA)
@@ -602,12 +369,12 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
         state.token_mask = None
     if reference is not None and sg.outputs:  # with the subgraph's weights as the model has them
         with prof.span("calibration", f"{label} (full precision)", subgraph=sg.index, batches=len(batches)):
-            reference_pass(runner, sg, batches, reference, lambda: _autocast(state))
+            reference_pass(runner, sg, batches, reference, lambda: autocast(state))
     trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
     _compress(runner, sg, modifiers, state, prof)
     if sg.kv_updates:
         _calibrate_kv(runner, sg, batches, modifiers, cache, state, prof)
     if sg.outputs:
-        _pass(runner, sg, batches, cache, state, None, prof, "propagation")
+        run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
     errors = [e for n in sg.targets if (e := state.module_errors.get(n, {}).get("rel_error")) is not None]
     return sum(errors) / len(errors) if errors else None

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from seqcal.modifiers.base import Fold
 from seqcal.modifiers.contract import ModifierSet
+from seqcal.records import Fold
 
 logger = logging.getLogger("seqcal")
 

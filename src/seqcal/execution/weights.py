@@ -11,7 +11,8 @@ expert's tensors under its checkpoint name, or one expert's slice of a tensor th
 
 A per-module safety hook onloads, for the duration of one call, any parameter still on meta when a module
 runs (e.g. from code run opaquely that the partitioner could not attribute to a subgraph), so a missed
-attribution costs time, never correctness.
+attribution costs time, never correctness; a module whose forward reads its children's parameters without
+calling them (``nn.MultiheadAttention`` and its ``out_proj``, listed in ``READS_CHILDREN``) is onloaded whole.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 
+from seqcal.backend.host import trim_host_memory
 from seqcal.errors import ModelLoadError
-from seqcal.execution.host import trim_host_memory
 
 
 @dataclass
@@ -225,28 +226,44 @@ def offload(model: torch.nn.Module, names: Iterable[str]) -> None:
         set_module_tensor_to_device(model, name, "meta")
 
 
+# Modules whose forward reads parameters of their children without calling them (class name -> what it
+# reads): the safety hooks onload all their parameters as one unit when they run.
+READS_CHILDREN: dict[str, str] = {
+    "MultiheadAttention": "out_proj.weight and out_proj.bias, passed to F.multi_head_attention_forward",
+}
+
+
+def _hooked_params(module: torch.nn.Module) -> list[str]:
+    """The parameters a module's forward reads (relative names): its own, or all for ``READS_CHILDREN``."""
+    whole = any(cls.__name__ in READS_CHILDREN for cls in type(module).__mro__)
+    return [n for n, _ in module.named_parameters(recurse=whole)]
+
+
 @contextlib.contextmanager
 def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.device) -> Iterator[None]:
-    """Onload, for one call, the direct parameters of any module that runs while they are on meta."""
+    """Onload, for one call, the parameters a module reads (its direct ones, all of a ``READS_CHILDREN``
+    module's) whenever it runs while they are on meta."""
     handles = []
-    owned: dict[int, list[str]] = {}
+    owned: dict[int, tuple[str, list[str]]] = {}  # module id -> (its name, the relative names it reads)
     onloaded: dict[int, list[str]] = {}  # module id -> parameters this hook onloaded for the running call
 
     def pre(module: torch.nn.Module, args: Any) -> None:
-        local = [n for n in owned[id(module)] if getattr(module, n.rsplit(".", 1)[-1]).device.type == "meta"]
+        prefix, names = owned[id(module)]
+        local = [n for n in names if module.get_parameter(n).device.type == "meta"]
         onloaded[id(module)] = local
         for name in local:
-            set_module_tensor_to_device(module, name.rsplit(".", 1)[-1], device, value=store.read(name))
+            full = f"{prefix}.{name}" if prefix else name
+            set_module_tensor_to_device(module, name, device, value=store.read(full))
 
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         for name in onloaded.pop(id(module), []):
-            set_module_tensor_to_device(module, name.rsplit(".", 1)[-1], "meta")
+            set_module_tensor_to_device(module, name, "meta")
 
     try:
         for prefix, module in model.named_modules():
-            direct = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_parameters(recurse=False)]
-            if direct:
-                owned[id(module)] = direct
+            names = _hooked_params(module)
+            if names:
+                owned[id(module)] = (prefix, names)
                 handles.append(module.register_forward_pre_hook(pre))
                 handles.append(module.register_forward_hook(post))
         yield

@@ -2,6 +2,7 @@
 
 from seqcal.modifiers.awq import AWQModifier
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
+from seqcal.modifiers.gptaq import GPTAQModifier
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.needs import Gather, Needs
 from seqcal.modifiers.quantization import QuantizationModifier
@@ -13,6 +14,7 @@ from seqcal.modifiers.wanda import WandaPruningModifier
 MODIFIERS: dict[str, type[Modifier]] = {
     "QuantizationModifier": QuantizationModifier,
     "GPTQModifier": GPTQModifier,
+    "GPTAQModifier": GPTAQModifier,
     "SmoothQuantModifier": SmoothQuantModifier,
     "AWQModifier": AWQModifier,
     "SparseGPTModifier": SparseGPTModifier,
@@ -22,6 +24,7 @@ MODIFIERS: dict[str, type[Modifier]] = {
 __all__ = [
     "MODIFIERS",
     "AWQModifier",
+    "GPTAQModifier",
     "GPTQModifier",
     "Gather",
     "Modifier",

@@ -33,6 +33,7 @@ from seqcal.algorithms import FP8_DTYPE, compute_qparams, quant_range
 from seqcal.algorithms.fp4 import nvfp4_fake_quantize_groups, nvfp4_global_scale
 from seqcal.algorithms.quant import round_fp8
 from seqcal.observers import ActivationObserver, check_static_input, make_observer, observer_name
+from seqcal.records import Statistic
 
 
 def _value(enum_or_str: object) -> str:
@@ -129,8 +130,6 @@ def observer_statistics(observer: ActivationObserver) -> dict[str, Any]:
         >>> observer_statistics(observer)["hi"].reduce  # doctest: +SKIP
         'max'
     """
-    from seqcal.modifiers.base import Statistic  # base imports nothing from here; avoids a cycle on load
-
     lo, hi = (t.clone() for t in observer.range)  # q/k/v share one measured range: folds add in place
     if observer_name(observer.args) == "static_minmax":
         return {"lo": Statistic(lo, "min"), "hi": Statistic(hi, "max")}

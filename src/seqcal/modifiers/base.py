@@ -34,7 +34,6 @@ observers) see them, so nothing a quantizer accumulates is ever in the old coord
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
@@ -42,58 +41,19 @@ from typing import Any, ClassVar
 import torch
 from torch import fx
 
+from seqcal.algorithms import dequantize
 from seqcal.mappings import Mapping, fold_scales
-from seqcal.modifiers.needs import REDUCTIONS, Gather, Needs
+from seqcal.modifiers.formats import weight_format
+from seqcal.modifiers.needs import Gather, Needs
+from seqcal.modifiers.schemes import strategy_of
+from seqcal.records import REDUCTIONS as REDUCTIONS  # re-exported: these types moved to seqcal.records
+from seqcal.records import Fold as Fold
+from seqcal.records import QuantizedWeight as QuantizedWeight
+from seqcal.records import Statistic as Statistic
+from seqcal.records import fold, tensors_of
+from seqcal.records import fold_records as fold_records
+from seqcal.records import folds_from as folds_from
 from seqcal.tracing.partition import Subgraph
-
-
-@dataclass
-class QuantizedWeight:
-    """The compressed form of one Linear weight, produced by a modifier and written by ``save``.
-
-    Attributes:
-        q: integer codes (int8 storage; fp8 for float schemes) in the original column order, [out, in].
-        scale: per tensor [1], channel [out, 1] or group [out, in // group_size].
-        zero_point: same shape as scale (None for symmetric schemes).
-        g_idx: group index of each input column ([in], int32) for activation ordering "group", else None.
-        scheme: the compressed-tensors QuantizationScheme the weight follows (weights and activations).
-        loss: the solver's objective (GPTQ loss), None for round-to-nearest.
-        global_scale: float32 [1] NVFP4 global scale (``tensor_group`` schemes; scale is then fp8-valued and
-            the effective scale is ``scale / global_scale``), else None.
-        input_scale: calibrated static input scale ([1] per tensor, [in // group_size] per group) for schemes
-            with static input activations, else None.
-        input_zero_point: its zero point (int8 codes) when those activations are asymmetric, else None.
-        input_global_scale: float32 [1] calibrated global scale of NVFP4 input activations (fp4 inputs whose
-            fp8 group scales are computed at inference, ``dynamic: local``), else None.
-    """
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None
-    g_idx: torch.Tensor | None
-    scheme: Any  # compressed_tensors.quantization.QuantizationScheme
-    loss: float | None = None
-    global_scale: torch.Tensor | None = None
-    input_scale: torch.Tensor | None = None
-    input_zero_point: torch.Tensor | None = None
-    input_global_scale: torch.Tensor | None = None
-
-
-@dataclass
-class Statistic:
-    """One partial statistic a modifier accumulated over a virtual shard of the calibration batches.
-
-    Attributes:
-        tensor: the shard's partial value (a sum, or a running max / min).
-        reduce: how partials of several shards combine, elementwise: "sum", "max" or "min".
-    """
-
-    tensor: torch.Tensor
-    reduce: str = "sum"
-
-    def __post_init__(self) -> None:
-        if self.reduce not in REDUCTIONS:
-            raise ValueError(f"Statistic.reduce={self.reduce!r} is not one of {REDUCTIONS}")
 
 
 @dataclass
@@ -152,8 +112,6 @@ class RunState:
         """
         if self.sharding is not None:
             return self.sharding.reduce_round(per_shard, self.device)
-        from seqcal.distributed.reduce import fold, tensors_of  # reduce imports this module
-
         total = None
         for partial in per_shard:
             total = fold(total, partial)
@@ -200,9 +158,6 @@ class RunState:
         qw = self.quantized.get(producer)
         if qw is None:
             return None
-        from seqcal.modifiers.formats import weight_format  # formats and schemes import compressed-tensors
-        from seqcal.modifiers.schemes import strategy_of
-
         if (fmt := weight_format(qw.scheme)) is not None:
             return f"its format ({fmt.strategy}, {fmt.scale} scales) would need new codes for scaled rows"
         if (strategy := strategy_of(qw.scheme.weights)) not in ("channel", "group"):
@@ -223,9 +178,6 @@ def _rows_divided(
     """``qw`` with its last ``len(scales)`` rows divided by ``scales`` (the rows ``fold_scales`` divided): those
     rows' scales divided, the codes kept, and the module's weight set to the dequantized result, so that the
     model computes what the checkpoint will hold."""
-    from seqcal.algorithms import dequantize
-    from seqcal.modifiers.schemes import strategy_of
-
     weight = model.get_submodule(producer).weight
     scale = qw.scale.clone()
     rows = slice(scale.shape[0] - scales.shape[0], None)
@@ -234,26 +186,6 @@ def _rows_divided(
     values = dequantize(qw.q, scale, qw.zero_point, group_size=group, g_idx=qw.g_idx, dtype=weight.dtype)
     weight.data = values.to(weight.device)
     return replace(qw, scale=scale)
-
-
-@dataclass(frozen=True)
-class Fold:
-    """Scales folded into a mapping: its consumers now read ``X / scales`` (``scales [in]`` float32)."""
-
-    mapping: Mapping
-    scales: torch.Tensor
-
-
-def fold_records(folds: list[Fold]) -> str:
-    """The mappings of ``folds`` as JSON (saved, or sent, next to their scales)."""
-    return json.dumps([[f.mapping.producer, list(f.mapping.consumers), f.mapping.kind] for f in folds])
-
-
-def folds_from(records: str, scales: list[torch.Tensor]) -> list[Fold]:
-    """The folds of ``fold_records`` with their scales, in order."""
-    return [
-        Fold(Mapping(p, tuple(c), k), s) for (p, c, k), s in zip(json.loads(records), scales, strict=True)
-    ]
 
 
 class Modifier:

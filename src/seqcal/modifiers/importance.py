@@ -24,6 +24,7 @@ from torch import Tensor
 from seqcal.algorithms import check_importance
 from seqcal.modifiers.activations import real_tokens
 from seqcal.modifiers.schemes import strategy_of
+from seqcal.records import Statistic
 
 IMATRIX = "imatrix_mse"
 
@@ -112,8 +113,6 @@ class ImportanceCalibration:
     def partial_statistics(self) -> dict[str, dict[str, Any]]:
         """This shard's sums (``Modifier.partial_statistics``), then forgotten: per module ``importance:<name>``,
         ``sum`` (of ``x_j^2``, float32) and ``tokens``; both add across shards."""
-        from seqcal.modifiers.base import Statistic  # base imports nothing from here; avoids a cycle on load
-
         out = {f"importance:{name}": {"sum": Statistic(total), "tokens": Statistic(torch.tensor([count]))}
                for name, (total, count) in self.sums.items()}  # fmt: skip
         self.sums.clear()

@@ -13,14 +13,18 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from compressed_tensors.quantization import QuantizationArgs
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from seqcal.modifiers.kv_cache import KVCacheCalibration
+
+class _Calibrated(Protocol):
+    """What the hooks read of a KV-cache calibration (``seqcal.modifiers.kv_cache.KVCacheCalibration``)."""
+
+    finished: set[str]  # attention modules whose k_scale / v_scale are calibrated
+
 
 # The attention forward's cache argument: ``cache`` since transformers 5.24, ``past_key_values`` before it.
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
@@ -242,7 +246,7 @@ def quantized_kv(
             tap.on_update.clear()
 
 
-def _when_finished(kv: KVCacheCalibration, name: str, argument: str) -> Any:
+def _when_finished(kv: _Calibrated, name: str, argument: str) -> Any:
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if name not in kv.finished:
             return None

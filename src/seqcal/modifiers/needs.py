@@ -1,6 +1,6 @@
 """What a modifier declares: the services it needs (``Needs``) and the statistics it gathers (``Gather``).
 
-A low module (no seqcal imports): ``modifiers.base`` declares with it and ``modifiers.contract`` (the
+A low module (only ``seqcal.records`` below it): ``modifiers.base`` declares with it and ``modifiers.contract`` (the
 ``ModifierSet`` every stage asks) reads it.
 """
 
@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-# How partial statistics of virtual shards combine (seqcal.distributed.reduce): elementwise, in shard order.
-REDUCTIONS = ("sum", "max", "min")
+from seqcal.records import REDUCTIONS
 
 
 @dataclass(frozen=True)

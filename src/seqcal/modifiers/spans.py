@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from seqcal.algorithms.products import linears_on_onednn
+from seqcal.backend import linears_on_onednn
 
 
 class SpanCache:

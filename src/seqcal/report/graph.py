@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
-from seqcal.execution.executor import GraphRunner
 from seqcal.report.render import LAYOUTS as LAYOUTS  # re-exported (seqcal.report)
 from seqcal.report.render import MAX_TENSORS_PER_NODE, _names, _short_path, to_dot, to_html, to_svg
+from seqcal.tracing.runner import GraphRunner
 from seqcal.tracing.tracer import OpaqueCall
 
 if TYPE_CHECKING:
-    from seqcal.tracing.subgraphs import SubgraphList
+    from seqcal.execution.subgraphs import SubgraphList
 
 FORMATS = ("json", "dot", "svg", "html", "onnx")  # onnx: for Netron (needs the onnx package)
 

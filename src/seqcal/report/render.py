@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from seqcal.tracing.subgraphs import SubgraphList
+    from seqcal.execution.subgraphs import SubgraphList
 
 LAYOUTS = ("auto", "graphviz", "builtin")  # SVG: graphviz when `dot` exists (auto), or the built-in layout
 MAX_TENSORS_PER_NODE = 16  # a node returning a cache or many tensors lists only its first ones

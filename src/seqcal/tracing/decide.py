@@ -27,6 +27,7 @@ from torch.fx import _symbolic_trace
 from torch.fx.proxy import Proxy, TraceError
 
 from seqcal.errors import SeqcalError
+from seqcal.tracing.runner import GraphRunner
 
 logger = logging.getLogger("seqcal")
 
@@ -100,8 +101,6 @@ class Concrete:
         Raises:
             Exception: whatever computing it raises (weights on meta, for instance).
         """
-        from seqcal.execution.executor import GraphRunner  # executor imports tracing: import when needed
-
         order: list[fx.Node] = []
         stack: list[tuple[fx.Node, bool]] = [(node, False)]
         seen: set[fx.Node] = set()

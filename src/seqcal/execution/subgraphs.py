@@ -157,7 +157,7 @@ def trace_subgraphs(
         trace_depth: open only modules at most this many levels below the ones traced anyway.
         verify: run the partition and the model's own forward on a second sample shaped unlike ``sample``
             (another batch size and length, left padding) and refuse when they differ (see
-            ``seqcal.tracing.verify``). Skipped when weights are on meta. False skips it.
+            ``seqcal.execution.verify``). Skipped when weights are on meta. False skips it.
 
     Returns:
         A SubgraphList: ``len()``, ``.targets``, ``.run(**inputs)``.
@@ -184,7 +184,7 @@ def trace_subgraphs(
 
 def _verify(subgraphs: SubgraphList, sample: Mapping[str, Any]) -> None:
     """Refuse a partition whose outputs differ from eager on a second sample (weights on meta: skipped)."""
-    from seqcal.tracing.verify import refuse, verify_partition
+    from seqcal.execution.verify import refuse, verify_partition
 
     if any(p.device.type == "meta" for p in subgraphs.model.parameters()):
         logger.info("seqcal: weights on meta, so the partition is not checked against the model's forward")

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from seqcal.execution.cache.store import ActivationCache
-from seqcal.execution.executor import GraphRunner, _put_inputs
+from seqcal.execution.executor import _put_inputs
 from seqcal.tracing.diagnostics import Problem, TracingError
+from seqcal.tracing.runner import GraphRunner
 from seqcal.tracing.values import OpaqueCall
 
 logger = logging.getLogger("seqcal")

@@ -4,6 +4,13 @@ A run holds one subgraph's weights at a time, so its resident memory should fall
 these libraries keep memory the run no longer uses unless told otherwise (measurements in
 benchmarks/RESULTS.md, "Mixture-of-experts models").
 
+Who sets what: these are settings of the whole process, so only their owner changes them for good. The
+``seqcal`` command's ``main`` caps oneDNN's caches and fixes glibc's thresholds first thing. ``oneshot``, a
+library call, caps the caches for its own duration (``onednn_cache_limited``: the variables it set are gone
+when it returns) and leaves glibc's thresholds alone: a ``mallopt`` cannot be undone (glibc stops adapting
+its thresholds for good), so a Python caller who wants them calls ``map_large_allocations`` itself. Every
+``mallopt`` goes through ``_mallopt`` here (tests/test_backend.py checks that ``oneshot`` makes none).
+
 Example:
     >>> limit_onednn_cache()  # doctest: +SKIP   (first thing in a process: before any bf16 matmul)
     >>> map_large_allocations()  # doctest: +SKIP   (first thing in a process)
@@ -12,9 +19,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -25,6 +34,7 @@ __all__ = [
     "free_mkl_buffers",
     "limit_onednn_cache",
     "map_large_allocations",
+    "onednn_cache_limited",
     "trim_host_memory",
 ]
 
@@ -75,12 +85,17 @@ def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
         return False
     if any(f"glibc.malloc.{name}" in tunables for name in ("mmap_threshold", "trim_threshold")):
         return False
+    return _mallopt(_M_MMAP_THRESHOLD, threshold) and _mallopt(_M_TRIM_THRESHOLD, 2 * threshold)
+
+
+def _mallopt(parameter: int, value: int) -> bool:
+    """glibc's ``mallopt(parameter, value)`` in this process; False outside glibc or when glibc refuses."""
     try:
         mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
     except (OSError, AttributeError):  # not glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * threshold))
+    return bool(mallopt(parameter, value))
 
 
 def trim_host_memory() -> bool:
@@ -163,3 +178,28 @@ def limit_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> list[str]:
             os.environ[names[0]] = str(capacity)
             set_here.append(names[0])
     return set_here
+
+
+@contextlib.contextmanager
+def onednn_cache_limited(capacity: int = ONEDNN_CACHE_CAPACITY) -> Iterator[list[str]]:
+    """:func:`limit_onednn_cache` for the block inside: the variables it set are removed from the environment on
+    exit (those the block changed itself are left as they are), so a library call leaves ``os.environ`` as it
+    found it. The libraries keep the capacity they read meanwhile (they read it once).
+
+    Args:
+        capacity: entries to keep in each cache.
+
+    Returns:
+        A context manager yielding the variables set (empty if the environment had them all).
+
+    Example:
+        >>> with onednn_cache_limited() as names:  # doctest: +SKIP
+        ...     run()
+    """
+    set_here = limit_onednn_cache(capacity)
+    try:
+        yield set_here
+    finally:
+        for name in set_here:
+            if os.environ.get(name) == str(capacity):
+                del os.environ[name]

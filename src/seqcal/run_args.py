@@ -1,0 +1,122 @@
+"""``oneshot``'s configuration: every keyword, typed and checked once, before any work.
+
+``OneshotArgs`` holds the call's arguments with llm-compressor's keywords already translated into seqcal's
+(``seqcal.llmc_compat``); ``ModelArgs``, ``OutputArgs`` (here), ``PipelineArgs`` and ``DataArgs`` are the views
+each stage takes of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seqcal.distributed import DEFAULT_SHARDS
+from seqcal.llmc_compat import needs_translation, translate
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelArgs:
+    """Which model, in which dtype. ``model`` is a directory, 'default', a Hub id or a loaded PreTrainedModel.
+
+    ``tokenizer`` is a tokenizer/processor object, or a directory or Hub id to load it from (None: the model's).
+    ``revision`` picks the branch, tag or commit of a Hub id.
+    """
+
+    model: Any
+    tokenizer: Any = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {sorted(DTYPES)}")
+        if not isinstance(self.model, (str, Path, torch.nn.Module)):
+            raise TypeError(
+                f"model must be a directory, 'default', a Hub id or a PreTrainedModel, got {type(self.model)}"
+            )
+
+
+@dataclass
+class OutputArgs:
+    """Where the checkpoint goes."""
+
+    output_dir: str | None = None
+    overwrite: bool = False
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if self.resume and self.output_dir is None:
+            raise ValueError("resume=True needs the output_dir of the interrupted run")
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "resume=True continues the run in output_dir; it cannot be combined with overwrite"
+            )
+
+
+@dataclass(frozen=True)
+class OneshotArgs:
+    """Every keyword of ``seqcal.oneshot``, by the same name and default (its docstring says what each does)."""
+
+    model: Any
+    dataset: Any = None
+    recipe: Any = None
+    output_dir: str | None = None
+    num_calibration_samples: int = 512
+    max_seq_length: int = 2048
+    batch_size: int | str | None = None
+    shuffle_calibration_samples: bool = True
+    text_column: str = "text"
+    splits: Any = None
+    dataset_config_name: str | None = None
+    seed: int = 42
+    concatenate: bool = False
+    sequential_targets: list[str] | None = None
+    tracing_ignore: list[str] | None = None
+    pipeline: str = "sequential"
+    tokenizer: Any = None
+    dtype: str = "auto"
+    compute_dtype: str | None = None
+    offload: str = "cpu"
+    offload_dir: str | None = None
+    overwrite: bool = False
+    resume: bool = False
+    dry_run: bool = False
+    max_device_memory: int | str | None = None
+    max_host_memory: int | str | None = None
+    trust_remote_code: bool = False
+    profile: str | None = None
+    one_pass: bool = True
+    cache_max_memory: int | str | None = None
+    cache_dtype: str | None = None
+    model_revision: str | None = None
+    trace_into: str | list[str] | None = None
+    verify: bool = True
+    moe_calibrate_all_experts: bool = True
+    num_shards: int = DEFAULT_SHARDS
+    data_collator: Any = None
+    preprocessing_func: Any = None
+
+    @classmethod
+    def from_call(cls, bound: dict[str, Any], unknown: dict[str, Any]) -> OneshotArgs:
+        """The arguments of one ``oneshot`` call; llm-compressor's keywords and values become seqcal's here.
+
+        Raises:
+            TypeError: a keyword neither seqcal nor llm-compressor knows (the message names it).
+        """
+        defaults = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+        call = {**defaults, **bound, "unknown": unknown}
+        if needs_translation(call):
+            return cls(**translate(cls, call))
+        return cls(**{**defaults, **bound})
+
+    def model_args(self) -> ModelArgs:
+        return ModelArgs(self.model, self.tokenizer, self.dtype, self.trust_remote_code, self.model_revision)
+
+    def output_args(self) -> OutputArgs:
+        return OutputArgs(self.output_dir, self.overwrite, self.resume)
