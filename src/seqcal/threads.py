@@ -4,7 +4,8 @@ On a shared machine torch's default (one thread per core) oversubscribes the cor
 parallel region wait for each other at its end, and a thread the scheduler has parked holds up the rest.
 Measured on 2 cores with about 19 busy threads from other processes (load average 19): a 128 x 576 by
 576 x 576 matmul and SiLU took 2.3 ms with one thread and 22-55 ms with two; a 256 x 2048 by 2048 x 2048
-matmul 65 ms with one and 102 ms with two. ``free_cores`` reads the load average against the cores this
+matmul 65 ms with one and 102 ms with two; at a load average of 9-13, ``seqcal oneshot`` of SmolLM2 (GPTQ W4A16,
+2 samples of 64 tokens) took 143 s with ``--threads 1`` and 523 s with ``--threads 2``. ``free_cores`` reads the load average against the cores this
 process may run on; the command line sets torch's threads from it (``choose_threads``), and ``oneshot``
 only says in the log how to set them (a library does not change process-wide settings behind its caller).
 
