@@ -22,6 +22,7 @@ from seqcal.distributed import DEFAULT_SHARDS, writer_rank
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
+from seqcal.threads import choose_threads
 
 _SAMPLE_TEXTS = (
     "The history of the city begins with a small settlement on the river, where traders met to exchange "
@@ -243,7 +244,8 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         num_calibration_samples=args.num_calibration_samples, max_seq_length=args.max_seq_length,
         batch_size=args.batch_size, sequential_targets=args.sequential_targets, tracing_ignore=args.tracing_ignore,
         pipeline=args.pipeline, offload=args.offload, overwrite=args.overwrite, seed=args.seed, concatenate=args.concatenate,
-        resume=args.resume, max_device_memory=args.max_device_memory, compute_dtype=args.compute_dtype,
+        resume=args.resume, max_device_memory=args.max_device_memory, max_host_memory=args.max_host_memory,
+        compute_dtype=args.compute_dtype,
         profile=args.profile, cache_max_memory=args.cache_max_memory, cache_dtype=args.cache_dtype,
         one_pass=not args.layer_cut, trace_into=args.trace_into, verify=not args.no_verify, text_column=args.text_column, splits=args.splits,
         dataset_config_name=args.dataset_config_name, shuffle_calibration_samples=args.shuffle,
@@ -369,6 +371,9 @@ def _add_oneshot(sub: Any) -> None:
                           "--output-dir when matplotlib is installed; 'none': no plot)")  # fmt: skip
     one.add_argument("--resume", action="store_true", help="continue an interrupted run in --output-dir")
     one.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")
+    one.add_argument("--max-host-memory", default=None, help=_MAX_HOST)
+    one.add_argument("--threads", type=int, default=None, metavar="N",
+                     help="threads torch computes with (default: the cores the load average leaves free)")  # fmt: skip
     one.add_argument("--cache-max-memory", default=None,
                      help="e.g. 4GB: RAM budget of the activation cache; the rest spills to disk")  # fmt: skip
     one.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float16"],
@@ -394,6 +399,10 @@ def _add_oneshot(sub: Any) -> None:
     ppl.set_defaults(func=cmd_eval_ppl)
 
 
+_MAX_HOST = ("e.g. 12GB: resident memory to stay under; the plan picks the cache's RAM (the rest spilled to disk) "
+             "and the cut, or refuses before any weight is read")  # fmt: skip
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from seqcal.entrypoint import oneshot
 
@@ -401,7 +410,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model=args.model, recipe=args.recipe, num_calibration_samples=args.num_calibration_samples,
         max_seq_length=args.max_seq_length, batch_size=args.batch_size, offload=args.offload,
         sequential_targets=args.sequential_targets, dry_run=True, max_device_memory=args.max_device_memory,
-        dataset=[],
+        max_host_memory=args.max_host_memory, dataset=[],
     )  # fmt: skip
     print(plan.table())
     if args.world_size > 1:
@@ -422,6 +431,7 @@ def _add_plan(sub: Any) -> None:
     plan.add_argument("--offload", default="cpu", help=_OFFLOAD)
     plan.add_argument("--sequential-targets", nargs="+", default=None)
     plan.add_argument("--max-device-memory", default=None, help="e.g. 8GB: finer targets, solve chunks")
+    plan.add_argument("--max-host-memory", default=None, help=_MAX_HOST)
     plan.add_argument("--world-size", type=int, default=1,
                       help="processes (torchrun): per-rank memory and bytes reduced/broadcast per subgraph")  # fmt: skip
     plan.add_argument("--num-shards", type=int, default=DEFAULT_SHARDS, help="virtual shards of the batches")
@@ -482,6 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     try:
         with console_logging(args.verbose, args.quiet):
+            choose_threads(getattr(args, "threads", None))  # process-wide: the cores others leave free
             return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("seqcal: interrupted", file=sys.stderr)

@@ -24,24 +24,35 @@ from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
 from seqcal.multimodal.run import finish_media, prepare_media
 from seqcal.plan import make_plan
+from seqcal.plan_host import (
+    HostBudgetError,
+    HostFit,
+    check_budget,
+    check_whole_load,
+    fit_host,
+    host_report,
+    total_ram,
+)
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
 from seqcal.run_args import DTYPES, ModelArgs, OneshotArgs
+from seqcal.threads import hint_threads
 
 logger = logging.getLogger("seqcal")
 
 
 def load_model(
-    args: ModelArgs, offload_weights: bool = False
+    args: ModelArgs, offload_weights: bool = False, host_budget: int | None = None
 ) -> tuple[torch.nn.Module, Any, WeightStore | None]:
     """The model (eval mode), its tokenizer and, with ``offload_weights``, the store of its weights.
 
     With ``offload_weights`` (the default of the sequential pipeline for a directory) no weight is read
-    here: parameters stay on meta and each subgraph reads its own from the safetensors files.
+    here: parameters stay on meta and each subgraph reads its own from the safetensors files. Without it,
+    a ``host_budget`` (bytes) smaller than the weights on disk is refused before they are read.
     """
     from transformers import AutoTokenizer
 
-    from seqcal.models import resolve_model
+    from seqcal.models import detach_from_files, resolve_model
     from seqcal.multimodal.classes import from_pretrained
 
     store = None
@@ -57,7 +68,11 @@ def load_model(
                     source, None if dtype == "auto" else dtype, args.trust_remote_code
                 )
             else:
+                check_whole_load(source, host_budget)
                 model = from_pretrained(source, dtype, args.trust_remote_code)
+                detach_from_files(model)  # else the checkpoint's pages stay beside each replaced weight
+        except HostBudgetError:
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint is the cause
             raise ModelLoadError.wrap(source, exc) from exc
     tokenizer = args.tokenizer
@@ -96,6 +111,7 @@ def oneshot(
     resume: bool = False,
     dry_run: bool = False,
     max_device_memory: int | str | None = None,
+    max_host_memory: int | str | None = None,
     trust_remote_code: bool = False,
     profile: str | None = None,
     one_pass: bool = True,
@@ -149,6 +165,11 @@ def oneshot(
             A layer whose subgraph would not fit is cut at its children (attention, MLP; logged); the
             one-pass cut is already per module group, so there a subgraph that would not fit is only
             reported in a warning with the fix (smaller batch_size or max_seq_length).
+        max_host_memory: bytes or "12GB": the process's resident memory to stay under. The memory plan picks
+            the activation cache's RAM (the rest spilled to disk, as cache_max_memory) and, when the one-pass cut
+            cannot fit, the layer cut; each choice is logged. A budget no choice keeps is refused before any
+            weight is read, naming the smallest that works. quantization_report.json holds the predicted and
+            the measured peak ("host_memory").
         one_pass: when every modifier needs only its modules' inputs (GPTQ, round to nearest), cut the
             graph before each group of modules that read one input and run every subgraph once: each module
             is calibrated on inputs computed with all earlier modules already quantized. False (and an
@@ -195,6 +216,8 @@ def oneshot(
 def run_oneshot(args: OneshotArgs) -> Any:
     """``oneshot``'s stages on its typed arguments: load, plan, data, calibrate, save."""
     group = process_group()
+    hint_threads()  # torch's threads against the cores other processes leave free: how to set them
+    host_budget = check_budget(parse_bytes(args.max_host_memory, "max_host_memory"), total_ram())
     pipe_args, out_args = _pipeline_args(args), args.output_args()
     parsed = parse_recipe(args.recipe)
     group.agree(  # only its writer reads it
@@ -204,13 +227,13 @@ def run_oneshot(args: OneshotArgs) -> Any:
     )  # fmt: skip
     model_args = args.model_args()
     offload = _offload_weights(model_args, pipe_args, args.output_dir, args.dry_run)
-    loaded, tok, store = load_model(model_args, offload_weights=offload)
+    loaded, tok, store = load_model(model_args, offload_weights=offload, host_budget=host_budget)
     tok, processor = split_processor(tok)  # a processor given as tokenizer: its tokenizer batches text
     # Fused MoE experts become per-expert Linears for the run (recipes reach them by their checkpoint names);
     # the returned model has its fused experts back. After an error it keeps the Linears (same outputs).
     experts = linearize_experts(loaded, calibrate_all=args.moe_calibrate_all_experts)
     parsed.validate(loaded)
-    plan = _memory_plan(args, loaded, parsed, pipe_args)
+    plan, fit = _memory_plan(args, loaded, parsed, pipe_args, host_budget)
     if args.dry_run:
         experts.restore()
         return plan
@@ -230,6 +253,7 @@ def run_oneshot(args: OneshotArgs) -> Any:
         state.log.extend(media.notes)
         if out_args.output_dir is not None and group.writes:
             tok = _reload_tokenizer(reload_from, args.trust_remote_code) if reload_from else tok
+            state.report["host_memory"] = host_report(host_budget, plan, fit)
             _save(loaded, state, output, tok, recipe_yaml, profiler)
             finish_media(media, out_args.output_dir)
     merge_rank_profiles(args.profile, group)  # one trace, a process per rank
@@ -253,21 +277,35 @@ def _batch_size(args: OneshotArgs) -> int | str:
     return default_batch_size(device) if args.batch_size is None else args.batch_size
 
 
-def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_args: PipelineArgs) -> Any:
-    """The memory plan when the run asks for one (dry_run, max_device_memory); it may choose the cut."""
-    if not args.dry_run and args.max_device_memory is None:
-        return None
-    plan = make_plan(
-        model, parsed.modifiers, num_samples=args.num_calibration_samples, seq_len=args.max_seq_length,
-        batch_size=_batch_size(args), sequential_targets=pipe_args.sequential_targets,
-        tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
-        max_device_memory=parse_bytes(args.max_device_memory), one_pass=pipe_args.one_pass,
-    )  # fmt: skip
+def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_args: PipelineArgs,
+                 host_budget: int | None) -> tuple[Any, HostFit | None]:  # fmt: skip
+    """The memory plan when the run asks for one (dry_run, max_device_memory, max_host_memory); it may choose the
+    cut, and with a host budget the cache's RAM (``plan_host.fit_host``, logged), or refuse the budget."""
+    if not args.dry_run and args.max_device_memory is None and host_budget is None:
+        return None, None
+
+    def plan_cut(one_pass: bool) -> Any:
+        return make_plan(
+            model, parsed.modifiers, num_samples=args.num_calibration_samples, seq_len=args.max_seq_length,
+            batch_size=_batch_size(args), sequential_targets=pipe_args.sequential_targets,
+            tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
+            max_device_memory=parse_bytes(args.max_device_memory), one_pass=one_pass,
+            cache_max_memory=pipe_args.cache_max_memory,
+        )  # fmt: skip
+
+    plan, fit = plan_cut(pipe_args.one_pass), None
+    if host_budget is not None:  # the cut and the cache's RAM that keep the budget, or a refusal now
+        fit = fit_host(host_budget, plan, one_pass=plan.one_pass, other_cut=(lambda: plan_cut(False))
+                       if plan.one_pass else None, cache_max_memory=pipe_args.cache_max_memory,
+                       cache_in_ram=pipe_args.offload == "cpu")  # fmt: skip
+        plan, pipe_args.one_pass, pipe_args.cache_max_memory = fit.plan, fit.one_pass, fit.cache_max_memory
+        for line in fit.decisions:
+            logger.info("seqcal: %s", line)
     if not args.dry_run:
         for note in plan.notes:
             logger.warning("seqcal: %s", note)
         pipe_args.sequential_targets = plan.targets
-    return plan
+    return plan, fit
 
 
 def _calibration_data(args: OneshotArgs, model: torch.nn.Module, plan: Any, pipe_args: PipelineArgs,

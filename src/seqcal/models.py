@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from seqcal.errors import SeqcalError
 
@@ -187,6 +188,50 @@ def resolve_model(
         f"seqcal.models.resolve_model: {hint} Valid: one of the aliases {sorted(_EMBEDDED)}, "
         "a local model directory, or a Hugging Face Hub id."
     )
+
+
+def detach_from_files(model: Any) -> int:
+    """Copy the tensors that transformers left memory-mapped from a safetensors file into the process's memory.
+
+    Why: ``from_pretrained`` maps a checkpoint whose dtype it keeps and hands out tensors that point into the
+    file. A run in RAM replaces each quantized weight by a new tensor, but the file's pages stay resident for
+    as long as any tensor of the file is alive (the embeddings, the norms): the process held both the original
+    and the quantized weights by the end, its RSS rising with every finished subgraph. Copied once here, the
+    mapping closes when the last original goes, and a replaced weight's memory is freed with it.
+
+    Args:
+        model: a model whose parameters and buffers are on the cpu (or meta, skipped).
+
+    Returns:
+        Bytes copied (0 when nothing pointed into a mapped file).
+    """
+    ranges = _mapped_checkpoint_ranges()
+    copied = 0
+    for tensors in (model.parameters(), model.buffers()):
+        for t in tensors:
+            if t.device.type != "cpu" or t.numel() == 0:
+                continue
+            start = t.untyped_storage().data_ptr()
+            if ranges is not None and not any(lo <= start < hi for lo, hi in ranges):
+                continue
+            t.data = t.data.clone()  # a Parameter keeps its identity: tied modules share the copy
+            copied += t.numel() * t.element_size()
+    return copied
+
+
+def _mapped_checkpoint_ranges() -> list[tuple[int, int]] | None:
+    """Address ranges of the safetensors files this process maps; None where /proc/self/maps is absent."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].endswith(".safetensors"):
+            lo, _, hi = fields[0].partition("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
 
 
 def _check_hub_snapshot(name: str, snapshot: Path) -> Path:

@@ -71,6 +71,11 @@ class SubgraphPlan:
     quantized_numel: int = 0  # weights it quantizes (their codes and scales are sent to other processes)
     solve_cost: float = 0.0  # sum of out * in^2 + in^3 over them, as seqcal.distributed assigns solves
     device_cache: int = 0  # the activation cache on the execution device (offload="device" on a GPU)
+    # host = PROCESS_BASELINE + resident + cache_ram + work + held: the parts a host budget weighs (plan_host)
+    resident: int = 0  # weights that stay in RAM all along
+    cache_ram: int = 0  # the activation cache in RAM while it runs
+    work: int = 0  # its own work in RAM: the device share on a cpu run (weights, Hessians, solve) or its save
+    held: int = 0  # the previous subgraph's save, written by the worker thread meanwhile
 
     @property
     def device_peak(self) -> int:
@@ -88,10 +93,21 @@ class MemoryPlan:
     targets: list[str] | None = None  # the sequential targets the plan settled on
     batch_size: int = 1  # samples per batch the plan is for (batch_size="auto": the size it chose)
     dtype_bytes: int = 4  # bytes per weight element of the model
+    one_pass: bool = False  # the cut: before each group of quantized modules (True) or after each target
 
     @property
     def device_peak(self) -> int:
         return max(r.device_peak for r in self.rows) if self.rows else 0
+
+    def limit_cache(self, limit: int) -> None:
+        """Hold at most ``limit`` bytes of the activation cache in RAM (``cache_max_memory``): the rest on disk."""
+        spilled = 0
+        for r in self.rows:
+            kept = min(r.cache_ram, limit)
+            spilled, r.host = max(spilled, r.cache_ram - kept), r.host - r.cache_ram + kept
+            r.cache_ram, r.host_cache = kept, min(r.host_cache, limit)
+        self.host_peak = max((r.host for r in self.rows), default=PROCESS_BASELINE)
+        self.disk += spilled
 
     def table(self) -> str:
         gb = 1024**3
@@ -279,6 +295,7 @@ def plan_memory(
         else:  # on a GPU the solve's kept Hessian is in host memory, freed before the save
             work = max(max((kept_bytes(n_in) for _, n_in in groups), default=0), save)
         row.host = PROCESS_BASELINE + resident_weights + during + work + held
+        row.resident, row.cache_ram, row.work, row.held = resident_weights, during, work, held
         held = save if background else 0
         rows.append(row)
     params = sum(p.numel() for p in model.parameters())
@@ -353,6 +370,7 @@ def make_plan(
     cache_tier: str = "cpu",
     max_device_memory: int | None = None,
     one_pass: bool = True,
+    cache_max_memory: int | None = None,
 ) -> MemoryPlan:
     """Trace on a synthetic batch (no weights read) and plan; with ``max_device_memory``, refine targets.
 
@@ -363,6 +381,7 @@ def make_plan(
     fit, the plan cuts at the layer's children (attention, MLP: ``plan.targets``) and says so in
     ``plan.notes``. The one-pass cut is already per module group: there a subgraph that does not fit is
     only reported (a note naming it and the fix), as is a layer cut with no finer children.
+    ``cache_max_memory`` caps the activation cache's RAM as the run does (the rest spilled to disk).
 
     Example:
         >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,
@@ -409,7 +428,7 @@ def make_plan(
         if auto:
             plan = _plan_auto_batch(model, plan, list(subgraphs), quantized, values, widest, kwargs,
                                     max_device_memory)  # fmt: skip
-        plan.targets, plan.dtype_bytes = targets, dtype_bytes
+        plan.targets, plan.dtype_bytes, plan.one_pass = targets, dtype_bytes, one_pass_cut is not None
         if max_device_memory is None or plan.device_peak <= max_device_memory:
             break
         finer = None if one_pass_cut is not None or attempt else finer_targets(model, list(subgraphs))
@@ -423,4 +442,6 @@ def make_plan(
                      f"> max_device_memory: using finer targets {finer}")  # fmt: skip
         targets = finer
     plan.notes = notes + plan.notes
+    if cache_max_memory is not None:
+        plan.limit_cache(cache_max_memory)
     return plan

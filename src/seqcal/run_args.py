@@ -88,6 +88,7 @@ class OneshotArgs:
     resume: bool = False
     dry_run: bool = False
     max_device_memory: int | str | None = None
+    max_host_memory: int | str | None = None
     trust_remote_code: bool = False
     profile: str | None = None
     one_pass: bool = True

@@ -1,0 +1,241 @@
+"""A host-memory budget (``max_host_memory``) kept by choosing from the memory plan, before any weight is read.
+
+The plan (``seqcal.plan``) predicts each subgraph's resident memory as the sum of the process baseline, the
+weights held in RAM, the activation cache in RAM, the subgraph's own work (on the cpu: its weights, Hessians
+and solve; on a GPU: the kept Hessian or its save) and the save the worker thread still writes. Of these the
+run can move one without changing the result: the activation cache, which ``cache_max_memory`` spills to
+disk beyond a RAM budget. The cut moves the rest: the one-pass cut (one subgraph per group of modules) or
+the layer cut (one per layer, every Hessian of a layer at once, fewer cached values). ``fit_host`` picks:
+
+1. the cut: the default one when its floor (the plan with the whole cache on disk) fits, else the other cut
+   when its floor fits; else the budget is refused, naming the smallest that works and what dominates it;
+2. the cache's RAM: all of it when the plan fits, else the most that keeps every subgraph under the budget.
+
+Each decision is one log line (``HostFit.decisions``).
+
+Example:
+    >>> fit = fit_host(900 * 10**6, plan, one_pass=True, other_cut=None)  # doctest: +SKIP
+    >>> fit.cache_max_memory, fit.plan.host_peak <= 900 * 10**6  # doctest: +SKIP
+    (412000000, True)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from seqcal.errors import SeqcalError
+from seqcal.plan import PROCESS_BASELINE, MemoryPlan, SubgraphPlan
+
+logger = logging.getLogger("seqcal")
+
+_GB = 1e9
+
+
+class HostBudgetError(SeqcalError, ValueError):
+    """``max_host_memory`` is malformed, or the memory plan cannot keep the process under it."""
+
+
+@dataclass
+class HostFit:
+    """What the run does to stay under ``budget`` bytes of resident memory."""
+
+    budget: int
+    plan: MemoryPlan  # the plan of the chosen cut, with the cache's RAM capped as the run will
+    one_pass: bool  # the cut: before each module group (True) or after each layer
+    cache_max_memory: int | None  # the activation cache's RAM budget for the run (None: no cap)
+    decisions: list[str] = field(default_factory=list)
+
+
+def check_budget(budget: int | None, total_ram: int | None) -> int | None:
+    """A parsed ``max_host_memory``: refused when not positive, a warning when above the machine's RAM.
+
+    Args:
+        budget: bytes (``entrypoint.parse_bytes``), or None for no budget.
+        total_ram: the machine's physical memory in bytes (None: unknown, not compared).
+
+    Returns:
+        ``budget``.
+
+    Raises:
+        HostBudgetError: ``budget`` is zero or negative.
+    """
+    if budget is None:
+        return None
+    if budget <= 0:
+        raise HostBudgetError(
+            f"max_host_memory={budget} bytes is not a budget: give a positive size such as '12GB'"
+        )
+    if total_ram is not None and budget > total_ram:
+        logger.warning("seqcal: max_host_memory %.2f GB is more than this machine's RAM (%.2f GB): the budget "
+                       "limits nothing the machine does not already limit", budget / _GB, total_ram / _GB)  # fmt: skip
+    return budget
+
+
+def floor_of(plan: MemoryPlan, movable: bool = True) -> tuple[int, SubgraphPlan | None]:
+    """The smallest peak the plan can reach (its cache all on disk when ``movable``), and the subgraph that sets it."""
+    worst = max(plan.rows, key=lambda r: r.host - (r.cache_ram if movable else 0), default=None)
+    if worst is None:
+        return PROCESS_BASELINE, None
+    return worst.host - (worst.cache_ram if movable else 0), worst
+
+
+def dominant(row: SubgraphPlan) -> tuple[str, str]:
+    """What weighs most in ``row``'s floor, in words with its size, and what lowers it ("" when only a larger
+    budget does): ("subgraph 3's own work (mostly its GPTQ solve): 0.61 GB", "")."""
+    device = {"its weights": row.weights, "its GPTQ Hessians": row.hessians,
+              "its activations": row.activations, "its GPTQ solve": row.solve}  # fmt: skip
+    # on the cpu its work is the device's share (else its save, or a Hessian kept on the host during the solve)
+    own = max(device, key=device.get) if row.work == row.device_peak else "its save or kept Hessian"
+    parts = {"the weights held in RAM": (row.resident, ", or pass output_dir with the model's directory (its "
+                                                       "weights then read per subgraph)"),
+             f"subgraph {row.index}'s own work (mostly {own})": (row.work, ", or lower max_seq_length / batch_size"
+                                                                   if own == "its activations" else ""),
+             "the process itself (Python, torch, the model's skeleton)": (PROCESS_BASELINE, ""),
+             "the previous subgraph's save, still being written": (row.held, "")}  # fmt: skip
+    name = max(parts, key=lambda k: parts[k][0])
+    return f"{name}: {parts[name][0] / _GB:.2f} GB", parts[name][1]
+
+
+def cache_limit(plan: MemoryPlan, budget: int) -> int | None:
+    """The most activation-cache bytes in RAM that keep every subgraph of ``plan`` under ``budget``.
+
+    Returns:
+        None when the whole cache fits; else the limit (never negative: check ``floor_of`` first).
+    """
+    over = [budget - (r.host - r.cache_ram) for r in plan.rows if r.host > budget]
+    return max(min(over), 0) if over else None
+
+
+def fit_host(
+    budget: int,
+    plan: MemoryPlan,
+    *,
+    one_pass: bool,
+    other_cut: Callable[[], MemoryPlan] | None,
+    cache_max_memory: int | None = None,
+    cache_in_ram: bool = True,
+) -> HostFit:
+    """Choose the cut and the cache's RAM so that the run's predicted resident memory stays under ``budget``.
+
+    Args:
+        budget: max_host_memory in bytes.
+        plan: the plan of the cut the run takes by default (``one_pass`` says which).
+        one_pass: whether ``plan`` is the one-pass cut.
+        other_cut: the plan of the other cut (made only when needed), None when the run cannot switch (explicit
+            sequential_targets, modifiers that need the layer cut, ``one_pass=False`` given).
+        cache_max_memory: the user's own cap of the cache's RAM (kept when lower than the one chosen).
+        cache_in_ram: the cache's tier is "cpu", whose RAM cache_max_memory caps (the other tiers' share of RAM,
+            "device" on a cpu run, cannot be moved to disk).
+
+    Returns:
+        The HostFit; its ``decisions`` are logged by the caller, one line each.
+
+    Raises:
+        HostBudgetError: no cut fits, even with the whole cache on disk; names the smallest budget and its cause.
+    """
+    decisions, cut = [], "one-pass cut" if one_pass else "layer cut"
+    floor, worst = floor_of(plan, cache_in_ram)
+    if floor > budget and other_cut is not None:
+        other = other_cut()
+        other_floor, other_worst = floor_of(other, cache_in_ram)
+        other_name = "layer cut" if one_pass else "one-pass cut"
+        if other_floor <= budget:
+            decisions.append(f"max_host_memory {budget / _GB:.2f} GB: the {other_name} instead of the {cut}, whose "
+                             f"floor is {floor / _GB:.2f} GB ({dominant(worst)[0]}); the {other_name} needs "
+                             f"{other_floor / _GB:.2f} GB")  # fmt: skip
+            plan, one_pass, cut, floor, worst = other, not one_pass, other_name, other_floor, other_worst
+        elif other_floor < floor:
+            floor, worst = other_floor, other_worst
+    if floor > budget:
+        cause, fix = dominant(worst) if worst is not None else ("the process itself", "")
+        raise HostBudgetError(
+            f"max_host_memory={budget / _GB:.2f} GB cannot be kept: the memory plan needs at least "
+            f"{floor / _GB:.2f} GB even with the activation cache on disk, most of it {cause}; raise "
+            f"max_host_memory to {floor / _GB:.2f} GB{fix}"
+        )
+    if other_cut is not None and not decisions:
+        decisions.append(f"max_host_memory {budget / _GB:.2f} GB: the {cut} (its floor, the cache on disk, is "
+                         f"{floor / _GB:.2f} GB)")  # fmt: skip
+    limit = cache_limit(plan, budget) if cache_in_ram else None
+    if cache_max_memory is not None and (limit is None or cache_max_memory < limit):
+        limit = cache_max_memory  # the user's own cap is lower: kept
+    whole = plan.host_peak
+    if limit is not None:
+        plan.limit_cache(limit)
+    decisions.append(_cache_decision(budget, plan, limit, whole, cache_in_ram, cache_max_memory))
+    return HostFit(budget, plan, one_pass, limit, decisions)
+
+
+def _cache_decision(budget: int, plan: MemoryPlan, limit: int | None, whole: int, in_ram: bool,
+                    asked: int | None) -> str:  # fmt: skip
+    """The log line of the cache's tier."""
+    head = f"max_host_memory {budget / _GB:.2f} GB: "
+    peak = f"predicted host peak {plan.host_peak / _GB:.2f} GB"
+    if not in_ram:
+        return head + f"the activation cache stays where offload puts it, {peak}"
+    if limit is None:
+        return head + f"the activation cache stays in RAM, {peak}"
+    if asked is not None and limit == asked:
+        return (
+            head
+            + f"the activation cache keeps cache_max_memory {asked / _GB:.2f} GB in RAM, the rest on disk, {peak}"
+        )
+    return head + (f"the activation cache holds at most {limit / _GB:.2f} GB in RAM and spills the rest to disk "
+                   f"(all in RAM the peak would be {whole / _GB:.2f} GB), {peak}")  # fmt: skip
+
+
+def host_report(budget: int | None, plan: MemoryPlan | None, fit: HostFit | None) -> dict[str, Any]:
+    """The ``host_memory`` entry of quantization_report.json: the budget, the predicted and the measured peak.
+
+    The measured peak is the process's (``ru_maxrss``: since it started, the whole command on the command line);
+    the predicted one the plan's, None when no plan was made.
+    """
+    return {
+        "max_host_memory": budget,
+        "predicted_peak": plan.host_peak if plan is not None else None,
+        "measured_peak": measured_peak(),
+        "one_pass": fit.one_pass if fit is not None else None,
+        "cache_max_memory": fit.cache_max_memory if fit is not None else None,
+        "decisions": fit.decisions if fit is not None else [],
+    }
+
+
+def measured_peak() -> int | None:
+    """The process's peak resident memory in bytes so far (None where ``resource`` is absent: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def total_ram() -> int | None:
+    """The machine's physical memory in bytes, None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_whole_load(source: str | os.PathLike[str], budget: int | None) -> None:
+    """Refuse, before reading a weight, a model loaded whole into RAM whose weights alone exceed ``budget``.
+
+    Raises:
+        HostBudgetError: the safetensors files in ``source`` and the process take more than ``budget``.
+    """
+    if budget is None:
+        return
+    size = sum(f.stat().st_size for f in Path(source).glob("*.safetensors"))
+    if size + PROCESS_BASELINE > budget:
+        raise HostBudgetError(
+            f"max_host_memory={budget / _GB:.2f} GB cannot be kept: the model is loaded whole into RAM (no "
+            f"output_dir) and its weights alone take {size / _GB:.2f} GB beside the process's "
+            f"{PROCESS_BASELINE / _GB:.2f} GB; pass output_dir to read them per subgraph, or raise max_host_memory"
+        )
