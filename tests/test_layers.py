@@ -16,7 +16,7 @@ ROOT = Path(__file__).parent.parent / "src" / "seqcal"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "assets"),
-    ("console", "backend", "hub"),  # kernels and process settings; Hub snapshots
+    ("console", "backend", "hub", "threads"),  # threads: the thread count from the free cores  # kernels and process settings; Hub snapshots
     ("algorithms", "models"),  # pure tensor math; model names -> directories
     ("records",),  # the data that crosses stages (QuantizedWeight, Statistic, Fold)
     ("tracing", "execution.cache", "data"),  # trace, partition, run a graph; the activation cache; batches
@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("execution",),  # the pipeline: calls every stage below
     ("plan_values",),
     ("plan",),
+    ("plan_host",),  # the host-memory budget: decisions from the plan
     ("llmc_compat",),
     ("run_args",),  # oneshot's configuration
     ("entrypoint",),  # oneshot

@@ -35,7 +35,7 @@ from seqcal.plan_host import (
 )
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
-from seqcal.run_args import DTYPES, ModelArgs, OneshotArgs
+from seqcal.run_args import DTYPES, ModelArgs, OneshotArgs, parse_bytes
 from seqcal.threads import hint_threads
 
 logger = logging.getLogger("seqcal")
@@ -389,14 +389,3 @@ def _reload_tokenizer(path: str, trust_remote_code: bool) -> Any:
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def parse_bytes(value: int | str | None, name: str = "max_device_memory") -> int | None:
-    """``8GB``, ``512MiB``, ``1e9`` or an int -> bytes; `name` is the argument named in the error."""
-    if value is None or isinstance(value, int):
-        return value
-    text = str(value).strip().upper().replace(" ", "")
-    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
-    unit = next((u for u in units if text.endswith(u)), "")
-    try:
-        return int(float(text[: len(text) - len(unit)]) * units.get(unit, 1))
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: give bytes or a size such as '8GB' or '512MiB'") from None

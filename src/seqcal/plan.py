@@ -42,10 +42,15 @@ from seqcal.execution.cache import store as cache_store
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
 from seqcal.execution.subgraphs import trace_subgraphs
 from seqcal.execution.weights import params_under
-from seqcal.experts import shared_expert_inputs
 from seqcal.modifiers.contract import ModifierSet
-from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
-from seqcal.plan_values import measure_values
+from seqcal.modifiers.solve_chunks import (
+    chunk_bytes,
+    dense_solve_bytes,
+    hessian_bytes,
+    solve_bytes,
+    solve_groups,
+)
+from seqcal.plan_values import measure_values, owned_bytes
 from seqcal.tracing.partition import Subgraph
 
 # Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
@@ -127,69 +132,6 @@ class MemoryPlan:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
-def _solve_groups(
-    model: torch.nn.Module, sg: Subgraph, quantized: set[str]
-) -> dict[tuple[str, int], list[int]]:
-    """(parent, in_features) -> out_features of the quantized Linears solved together (one Hessian).
-
-    The modules are those the modifiers calibrate in ``sg`` (QuantizationModifier.modules_in): its targets
-    for a subgraph cut before them, else every quantized module under its modules.
-    """
-    groups: dict[tuple[str, int], list[int]] = {}
-    shared = shared_expert_inputs(model)
-    for name, module in model.named_modules():
-        if name not in quantized:
-            continue
-        if name in sg.targets if sg.target_inputs else sg.holds(name):
-            key = (shared.get(name, name.rpartition(".")[0]), module.in_features)
-            groups.setdefault(key, []).append(module.out_features)
-    return groups
-
-
-def _hessian_bytes(groups: dict[tuple[str, int], list[int]]) -> int:
-    """fp32 Hessians: one per (parent, in_features) of ``_solve_groups``, as q/k/v and gate/up share theirs."""
-    return sum(n_in**2 * 4 for _, n_in in groups)
-
-
-def _solve_bytes(
-    groups: dict[tuple[str, int], list[int]], dtype_bytes: int, limit: int, device_on_host: bool = True
-) -> tuple[int, int]:
-    """Temporaries of the largest GPTQ solve of ``_solve_groups`` beyond its Hessian and weights, and the
-    most chunks one group is solved in (modules sharing a Hessian are stacked, ``limit`` bytes at most).
-
-    The working copy and the factor take the Hessian's own memory; its values are kept beside it meanwhile, in
-    host memory (the device's when that is the host)."""
-    peak, most = 0, 1
-    for (_, n_in), outs in groups.items():
-        chunks = split_rows(outs, n_in, limit)
-        most = max(most, len(chunks))
-        n_out = max(sum(outs[i] for i in chunk) for chunk in chunks)
-        kept = kept_bytes(n_in) if device_on_host else 0
-        inverse = n_in**2 * 4 + kept  # the Cholesky factor (three quarters of one blocked on the CPU)
-        # W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype (the factor is in
-        # the Hessian's memory; the relative output error that follows works on row chunks: less than this)
-        columns = kept + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
-        peak = max(peak, inverse, columns)
-    return peak, most
-
-
-def _owned_bytes(model: torch.nn.Module, subgraphs: list[Subgraph], quantized: set[str], dtype_bytes: int,
-                 quant_bits: int) -> dict[int, int]:  # fmt: skip
-    """Checkpoint bytes written after each subgraph (the modules it uses last), as stream.StreamingCheckpoint."""
-    last: dict[str, int] = {}
-    for sg in subgraphs:
-        for name in params_under(model, sg.modules):
-            last[name] = sg.index
-    out: dict[int, int] = {}
-    for name, index in last.items():
-        numel = model.get_parameter(name).numel()
-        module = name.rpartition(".")[0]
-        packed = module in quantized and name.endswith(".weight")
-        size = numel * quant_bits // 8 + numel * dtype_bytes // 32 if packed else numel * dtype_bytes
-        out[index] = out.get(index, 0) + size
-    return out
-
-
 def plan_memory(
     model: torch.nn.Module,
     subgraphs: list[Subgraph],
@@ -240,7 +182,7 @@ def plan_memory(
     size = (
         (lambda name: value_bytes.get(name, 0)) if measured else (lambda name: tokens * hidden * dtype_bytes)
     )
-    written = _owned_bytes(model, subgraphs, quantized, dtype_bytes, quant_bits)
+    written = owned_bytes(model, subgraphs, quantized, dtype_bytes, quant_bits)
     inputs = {n for sg in subgraphs for n in sg.inputs} - {n for sg in subgraphs for n in sg.outputs}
     rows, alive = [], sum(size(n) for n in inputs)  # model inputs are cached from the start
     dense = dense_solve_bytes(model, quantized)
@@ -250,8 +192,8 @@ def plan_memory(
         weights = sum(model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, sg.modules))
         read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
         wide = widest.get(sg.index, 0) if widest is not None else 3 * tokens * inter * dtype_bytes
-        groups = _solve_groups(model, sg, quantized)
-        solves = groups if solved is None else _solve_groups(model, sg, solved)
+        groups = solve_groups(model, sg, quantized)
+        solves = groups if solved is None else solve_groups(model, sg, solved)
         widest_in = max((n_in for _, n_in in groups), default=0)
         copies = overlap and in_ram and not device_on_host  # the cache's copies beside the compute (CUDA)
         if not sg.outputs and not solves:  # nothing reads it, nothing to solve: the executor skips it
@@ -265,11 +207,11 @@ def plan_memory(
             # _run_from_inputs: the one-pass cut's last subgraph, whose head runs for nothing)
             fetched = sum(size(n) for n in sg.target_inputs)
             activations = fetched * (2 if copies else 1) + tokens * widest_in * 4
-        hessians = _hessian_bytes(groups)
+        hessians = hessian_bytes(groups)
         # the solve's Cholesky factor beside the Hessians, as the GPTQ modifier sizes its chunks (_chunk_limit)
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
-        solve, chunks = _solve_bytes(groups, dtype_bytes, limit, device_on_host)
+        solve, chunks = solve_bytes(groups, dtype_bytes, limit, device_on_host)
         freed = sum(size(n) for n in sg.frees)
         after = alive + made - freed
         if sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its

@@ -56,7 +56,7 @@ def check_budget(budget: int | None, total_ram: int | None) -> int | None:
     """A parsed ``max_host_memory``: refused when not positive, a warning when above the machine's RAM.
 
     Args:
-        budget: bytes (``entrypoint.parse_bytes``), or None for no budget.
+        budget: bytes (``run_args.parse_bytes``), or None for no budget.
         total_ram: the machine's physical memory in bytes (None: unknown, not compared).
 
     Returns:

@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from seqcal.execution.subgraphs import model_device
+from seqcal.execution.weights import params_under
 from seqcal.report.profile import tensor_bytes
+from seqcal.tracing.partition import Subgraph
 from seqcal.tracing.runner import GraphRunner
 
 PROBE_TOKENS = (4, 8, 16)  # tokens per row of the stand-in runs that measure the crossing values
@@ -85,3 +87,20 @@ def measure_values(subgraphs: Any, batch_size: int, seq_len: int) -> tuple[dict[
                     env.pop(name, None)
     values = {n: _quadratic_at(PROBE_TOKENS, ys, seq_len) for n, ys in sizes.items() if len(ys) == 3}
     return values, {i: _quadratic_at(PROBE_TOKENS, ys, seq_len) for i, ys in widest.items()}
+
+
+def owned_bytes(model: torch.nn.Module, subgraphs: list[Subgraph], quantized: set[str], dtype_bytes: int,
+                 quant_bits: int) -> dict[int, int]:  # fmt: skip
+    """Checkpoint bytes written after each subgraph (the modules it uses last), as stream.StreamingCheckpoint."""
+    last: dict[str, int] = {}
+    for sg in subgraphs:
+        for name in params_under(model, sg.modules):
+            last[name] = sg.index
+    out: dict[int, int] = {}
+    for name, index in last.items():
+        numel = model.get_parameter(name).numel()
+        module = name.rpartition(".")[0]
+        packed = module in quantized and name.endswith(".weight")
+        size = numel * quant_bits // 8 + numel * dtype_bytes // 32 if packed else numel * dtype_bytes
+        out[index] = out.get(index, 0) + size
+    return out

@@ -120,3 +120,16 @@ class OneshotArgs:
 
     def output_args(self) -> OutputArgs:
         return OutputArgs(self.output_dir, self.overwrite, self.resume)
+
+
+def parse_bytes(value: int | str | None, name: str = "max_device_memory") -> int | None:
+    """``8GB``, ``512MiB``, ``1e9`` or an int -> bytes; `name` is the argument named in the error."""
+    if value is None or isinstance(value, int):
+        return value
+    text = str(value).strip().upper().replace(" ", "")
+    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
+    unit = next((u for u in units if text.endswith(u)), "")
+    try:
+        return int(float(text[: len(text) - len(unit)]) * units.get(unit, 1))
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: give bytes or a size such as '8GB' or '512MiB'") from None

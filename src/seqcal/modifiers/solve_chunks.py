@@ -30,7 +30,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from seqcal.experts import routed_experts
+from seqcal.algorithms.hessian import kept_bytes
+from seqcal.experts import routed_experts, shared_expert_inputs
+from seqcal.tracing.partition import Subgraph
 
 # float32 copies of the stacked [rows, in] weight during a solve (algorithms.gptq): W, Q, codes, errors
 SOLVE_COPIES = 4
@@ -103,3 +105,49 @@ def split_rows(rows: Sequence[int], n_in: int, max_bytes: int) -> list[list[int]
         chunks[-1].append(i)
         used += need
     return chunks
+
+
+def solve_groups(
+    model: torch.nn.Module, sg: Subgraph, quantized: set[str]
+) -> dict[tuple[str, int], list[int]]:
+    """(parent, in_features) -> out_features of the quantized Linears solved together (one Hessian).
+
+    The modules are those the modifiers calibrate in ``sg`` (QuantizationModifier.modules_in): its targets
+    for a subgraph cut before them, else every quantized module under its modules.
+    """
+    groups: dict[tuple[str, int], list[int]] = {}
+    shared = shared_expert_inputs(model)
+    for name, module in model.named_modules():
+        if name not in quantized:
+            continue
+        if name in sg.targets if sg.target_inputs else sg.holds(name):
+            key = (shared.get(name, name.rpartition(".")[0]), module.in_features)
+            groups.setdefault(key, []).append(module.out_features)
+    return groups
+
+
+def hessian_bytes(groups: dict[tuple[str, int], list[int]]) -> int:
+    """fp32 Hessians: one per (parent, in_features) of ``solve_groups``, as q/k/v and gate/up share theirs."""
+    return sum(n_in**2 * 4 for _, n_in in groups)
+
+
+def solve_bytes(
+    groups: dict[tuple[str, int], list[int]], dtype_bytes: int, limit: int, device_on_host: bool = True
+) -> tuple[int, int]:
+    """Temporaries of the largest GPTQ solve of ``solve_groups`` beyond its Hessian and weights, and the
+    most chunks one group is solved in (modules sharing a Hessian are stacked, ``limit`` bytes at most).
+
+    The working copy and the factor take the Hessian's own memory; its values are kept beside it meanwhile, in
+    host memory (the device's when that is the host)."""
+    peak, most = 0, 1
+    for (_, n_in), outs in groups.items():
+        chunks = split_rows(outs, n_in, limit)
+        most = max(most, len(chunks))
+        n_out = max(sum(outs[i] for i in chunk) for chunk in chunks)
+        kept = kept_bytes(n_in) if device_on_host else 0
+        inverse = n_in**2 * 4 + kept  # the Cholesky factor (three quarters of one blocked on the CPU)
+        # W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype (the factor is in
+        # the Hessian's memory; the relative output error that follows works on row chunks: less than this)
+        columns = kept + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
+        peak = max(peak, inverse, columns)
+    return peak, most

@@ -16,172 +16,15 @@ from typing import Any
 import torch
 
 from seqcal.backend.host import limit_onednn_cache, map_large_allocations
+from seqcal.cli.evaluate import EVAL_DEFAULT, cmd_eval_ppl, eval_text, ppl_of
+from seqcal.cli.trace import cmd_trace, export_path, format_of, levels, load_model_and_tokenizer
 from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
 from seqcal.data.autobatch import parse_batch_size
 from seqcal.distributed import DEFAULT_SHARDS, writer_rank
-from seqcal.errors import ModelLoadError, UsageError
+from seqcal.errors import UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
 from seqcal.threads import choose_threads
-
-_SAMPLE_TEXTS = (
-    "The history of the city begins with a small settlement on the river, where traders met to exchange "
-    "grain, salt and timber. Over the centuries the town grew into a regional centre.",
-    "Photosynthesis converts light energy into chemical energy.",
-)
-
-
-def _load(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
-    from transformers import AutoTokenizer
-
-    from seqcal.evaluation.loading import load_causal_lm
-    from seqcal.models import resolve_model
-
-    path = resolve_model(model_arg)
-    try:
-        model = load_causal_lm(path, getattr(torch, dtype))
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # noqa: BLE001 - any failure inside transformers is about this checkpoint
-        raise ModelLoadError.wrap(path, exc) from exc
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
-
-
-def _texts(dataset: str | None) -> list[str]:
-    if dataset is None:
-        return list(_SAMPLE_TEXTS)
-    if not Path(dataset).is_file():
-        raise UsageError(
-            f"--dataset {dataset}: no such file; pass a text file (paragraphs split by blank lines)"
-        )
-    with open(dataset, encoding="utf-8") as f:
-        paragraphs = [p.strip() for p in f.read().split("\n\n") if len(p.strip()) > 200]
-    if len(paragraphs) < 2:
-        raise UsageError(f"--dataset {dataset} has fewer than 2 paragraphs of text; pass a larger text file")
-    return paragraphs[:2]
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Subgraph table: index, target, parameters, inputs -> outputs."""
-    lines = [f"{'#':>3}  {'target':<34} {'params':>12}  {'nodes':>5}  inputs -> outputs"]
-    for row in rows:
-        target = ", ".join(row["targets"]) or "-"
-        ins = ", ".join(row["inputs"]) or "-"
-        outs = ", ".join(row["outputs"]) or "-"
-        lines.append(
-            f"{row['index']:>3}  {target:<34} {row['params']:>12,}  {row['nodes']:>5}  {ins} -> {outs}"
-        )
-    return "\n".join(lines)
-
-
-def _max_diff(got: Any, want: Any) -> float:
-    a = got.logits if hasattr(got, "logits") else got[0]
-    b = want.logits if hasattr(want, "logits") else want[0]
-    return (a.float() - b.float()).abs().max().item()
-
-
-def _format_of(path: str) -> str:
-    """The graph format a file name asks for: its suffix ("graph.SVG" -> "svg")."""
-    return Path(path).suffix.lstrip(".").lower()
-
-
-def _export_path(path: str) -> str:
-    if _format_of(path) not in FORMATS:
-        raise argparse.ArgumentTypeError(
-            f"{path}: the suffix picks the format: .json, .dot, .svg, .html or .onnx"
-        )
-    return path
-
-
-def _levels(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of module levels >= 1")
-    return int(text)
-
-
-def cmd_trace(args: argparse.Namespace) -> int:
-    from seqcal import trace_subgraphs
-    from seqcal.report import export_graph, trace_report
-
-    if args.trace_depth is not None and not args.trace_into:
-        raise UsageError("--trace-depth limits --trace-into; add --trace-into all (or module classes)")
-    from seqcal.multimodal.run import trace_inputs
-
-    model, sample, check = trace_inputs(args.dataset, args.model, args.dtype, args.max_seq_length)
-    if model is None:  # text: the model's tokenizer on the sample texts
-        model, tokenizer = _load(args.model, args.dtype)
-        texts = _texts(args.dataset)
-        tokenizer.padding_side = "left"
-        sample = tokenizer(texts[:1], return_tensors="pt", truncation=True, max_length=args.max_seq_length)
-        # Another batch than the trace sample: two rows of different length, left-padded.
-        check = tokenizer(
-            texts, return_tensors="pt", padding=True, truncation=True, max_length=args.max_seq_length
-        )
-    start = time.perf_counter()
-    subgraphs = trace_subgraphs(
-        model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf,
-        trace_into=args.trace_into, trace_depth=args.trace_depth, verify=not args.no_verify,
-    )  # fmt: skip
-    elapsed = time.perf_counter() - start
-    print(f"traced in {elapsed:.2f} s")
-    print(trace_report(subgraphs))
-    for problem in subgraphs.traced.not_traced_into:  # asked for by --trace-into, kept one node
-        print(f"not traced into (kept one node):\n{problem}")
-    exports = [(_format_of(p), p) for p in args.export or []]
-    if args.output:
-        exports.append((args.format or _format_of(args.output), args.output))
-    for fmt, path in exports:
-        export_graph(subgraphs, fmt, path, sample=dict(sample))
-        print(f"wrote {path}")
-    if not args.check:
-        return 0
-    with torch.no_grad():
-        want = model(**check)
-    got = subgraphs.run(**check, progress=not args.quiet)
-    diff = _max_diff(got, want)
-    scale = max(1.0, (want.logits if hasattr(want, "logits") else want[0]).abs().max().item())
-    ok = diff <= 1e-5 * scale
-    print(f"\ncheck on a padded batch of {tuple(check['input_ids'].shape)} (not the trace sample): "
-          f"max |partitioned - eager| = {diff:.3g} ({'OK' if ok else 'MISMATCH'}, tolerance {1e-5 * scale:.3g})")  # fmt: skip
-    return 0 if ok else 1
-
-
-# WikiText-2 is not shipped (CC BY-SA); without it the perplexity is measured on the embedded text.
-EMBEDDED_EVAL_TEXT = (
-    "the embedded calibration text (no ../shared/data/wiki.test.raw found; not WikiText-2, and the same text "
-    "'--dataset default' calibrates on, so the quantization loss looks smaller than on held-out text)"
-)
-_EVAL_DEFAULT = (
-    "../shared/data/wiki.test.raw, relative to the working directory, when it exists; else the calibration "
-    "text embedded in seqcal, which is also the default calibration data: fine to compare models, "
-    "but it understates the quantization loss and is not comparable with published WikiText-2 numbers"
-)
-
-
-def _eval_text(path: str | None) -> tuple[str, str]:
-    """The evaluation text and its name: a file, else WikiText-2 test next to the repo, else the embedded text."""
-    from pathlib import Path
-
-    from seqcal.evaluation.perplexity import load_eval_text
-
-    candidates = [path] if path else [str(Path.cwd().parent / "shared" / "data" / "wiki.test.raw")]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_file():
-            return load_eval_text(candidate), candidate
-    if path:
-        raise UsageError(f"evaluation file {path} does not exist; pass an existing raw text file")
-    from seqcal.data.batches import default_calibration_text
-
-    return default_calibration_text(), EMBEDDED_EVAL_TEXT
-
-
-def _ppl(model: torch.nn.Module, tokenizer: Any, text: str, args: argparse.Namespace) -> float:
-    from seqcal.evaluation.perplexity import perplexity
-
-    result = perplexity(model, tokenizer, text, seq_len=args.eval_seq_length, max_windows=args.eval_windows,
-                        progress=not args.quiet)  # fmt: skip
-    return result.ppl
 
 
 def _has_matplotlib() -> bool:
@@ -235,8 +78,8 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
     model, tokenizer = args.model, None
     if args.eval:
         model, tokenizer, _ = load_model(ModelArgs(args.model, dtype=args.dtype))
-    text, text_name = _eval_text(args.eval_dataset) if args.eval else ("", "")
-    before = _ppl(model, tokenizer, text, args) if args.eval else None
+    text, text_name = eval_text(args.eval_dataset) if args.eval else ("", "")
+    before = ppl_of(model, tokenizer, text, args) if args.eval else None
     start = time.perf_counter()
     oneshot(
         model=model, tokenizer=tokenizer, recipe=args.recipe, dataset=args.dataset, output_dir=args.output_dir,
@@ -273,8 +116,8 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
     if args.eval:
         # the checkpoint in the dtype the model was measured in before
         dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
-        measured = _load(args.output_dir, dtype)[0] if from_checkpoint else model
-        after = _ppl(measured, tokenizer, text, args)
+        measured = load_model_and_tokenizer(args.output_dir, dtype)[0] if from_checkpoint else model
+        after = ppl_of(measured, tokenizer, text, args)
         print(f"perplexity on {text_name} ({args.eval_windows or 'all'} windows of {args.eval_seq_length} tokens): "
               f"before {before:.2f} -> after {after:.2f}")  # fmt: skip
     return 0
@@ -293,13 +136,6 @@ def _eval_from_checkpoint(recipe: Any, args: argparse.Namespace) -> bool:
             "the activation quantization); add --output-dir DIR"
         )
     return True
-
-
-def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    model, tokenizer = _load(args.model, args.dtype)
-    text, text_name = _eval_text(args.dataset)
-    print(f"perplexity on {text_name}: {_ppl(model, tokenizer, text, args):.3f}")
-    return 0
 
 
 _NO_VERIFY = (
@@ -380,7 +216,7 @@ def _add_oneshot(sub: Any) -> None:
                      help="store fp32 activations in this dtype (half the cache, lossy)")  # fmt: skip
     one.add_argument("--eval", action="store_true", help="print perplexity before and after")
     one.add_argument(
-        "--eval-dataset", default=None, help=f"raw text file for --eval (default: {_EVAL_DEFAULT})"
+        "--eval-dataset", default=None, help=f"raw text file for --eval (default: {EVAL_DEFAULT})"
     )
     one.add_argument("--eval-seq-length", type=int, default=2048)
     one.add_argument("--eval-windows", type=int, default=None, help="evaluate only the first N windows")
@@ -391,7 +227,7 @@ def _add_oneshot(sub: Any) -> None:
     ppl.add_argument(
         "--dataset",
         default=None,
-        help=f"raw text file, e.g. WikiText-2's wiki.test.raw (default: {_EVAL_DEFAULT})",
+        help=f"raw text file, e.g. WikiText-2's wiki.test.raw (default: {EVAL_DEFAULT})",
     )
     ppl.add_argument("--eval-seq-length", "--seq-len", dest="eval_seq_length", type=int, default=2048)
     ppl.add_argument("--eval-windows", type=int, default=None)
@@ -454,12 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument(
         "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=_TRACE_INTO
     )
-    trace.add_argument("--trace-depth", type=_levels, default=None, metavar="N",
+    trace.add_argument("--trace-depth", type=levels, default=None, metavar="N",
                        help="with --trace-into: open modules at most N levels below the traced layers")  # fmt: skip
     trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
     trace.add_argument("--no-verify", action="store_true", help=_NO_VERIFY)
     trace.add_argument(
-        "--export", nargs="+", default=None, type=_export_path, metavar="PATH",
+        "--export", nargs="+", default=None, type=export_path, metavar="PATH",
         help="write the graph: .json (every node, with shapes), .dot, .svg, .html (one offline page) or .onnx (Netron)",
     )  # fmt: skip
     trace.add_argument(
@@ -486,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "trace" and (args.format or args.output):
         if not args.output:
             parser.error("trace: --format needs --output FILE")
-        if not args.format and _format_of(args.output) not in FORMATS:
+        if not args.format and format_of(args.output) not in FORMATS:
             parser.error(
                 f"trace: give --format {{{','.join(sorted(FORMATS))}}} or an --output with that suffix"
             )
@@ -500,6 +336,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - every failure ends as one line (a traceback with -v)
         return report_error(exc, args.verbose)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,135 @@
+"""seqcal trace: the subgraphs of a model, checked against its forward, and the graph exported."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seqcal.errors import ModelLoadError, UsageError
+from seqcal.report import FORMATS
+
+_SAMPLE_TEXTS = (
+    "The history of the city begins with a small settlement on the river, where traders met to exchange "
+    "grain, salt and timber. Over the centuries the town grew into a regional centre.",
+    "Photosynthesis converts light energy into chemical energy.",
+)
+
+
+def load_model_and_tokenizer(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
+    from transformers import AutoTokenizer
+
+    from seqcal.evaluation.loading import load_causal_lm
+    from seqcal.models import resolve_model
+
+    path = resolve_model(model_arg)
+    try:
+        model = load_causal_lm(path, getattr(torch, dtype))
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - any failure inside transformers is about this checkpoint
+        raise ModelLoadError.wrap(path, exc) from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _texts(dataset: str | None) -> list[str]:
+    if dataset is None:
+        return list(_SAMPLE_TEXTS)
+    if not Path(dataset).is_file():
+        raise UsageError(
+            f"--dataset {dataset}: no such file; pass a text file (paragraphs split by blank lines)"
+        )
+    with open(dataset, encoding="utf-8") as f:
+        paragraphs = [p.strip() for p in f.read().split("\n\n") if len(p.strip()) > 200]
+    if len(paragraphs) < 2:
+        raise UsageError(f"--dataset {dataset} has fewer than 2 paragraphs of text; pass a larger text file")
+    return paragraphs[:2]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Subgraph table: index, target, parameters, inputs -> outputs."""
+    lines = [f"{'#':>3}  {'target':<34} {'params':>12}  {'nodes':>5}  inputs -> outputs"]
+    for row in rows:
+        target = ", ".join(row["targets"]) or "-"
+        ins = ", ".join(row["inputs"]) or "-"
+        outs = ", ".join(row["outputs"]) or "-"
+        lines.append(
+            f"{row['index']:>3}  {target:<34} {row['params']:>12,}  {row['nodes']:>5}  {ins} -> {outs}"
+        )
+    return "\n".join(lines)
+
+
+def _max_diff(got: Any, want: Any) -> float:
+    a = got.logits if hasattr(got, "logits") else got[0]
+    b = want.logits if hasattr(want, "logits") else want[0]
+    return (a.float() - b.float()).abs().max().item()
+
+
+def format_of(path: str) -> str:
+    """The graph format a file name asks for: its suffix ("graph.SVG" -> "svg")."""
+    return Path(path).suffix.lstrip(".").lower()
+
+
+def export_path(path: str) -> str:
+    if format_of(path) not in FORMATS:
+        raise argparse.ArgumentTypeError(
+            f"{path}: the suffix picks the format: .json, .dot, .svg, .html or .onnx"
+        )
+    return path
+
+
+def levels(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of module levels >= 1")
+    return int(text)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from seqcal import trace_subgraphs
+    from seqcal.report import export_graph, trace_report
+
+    if args.trace_depth is not None and not args.trace_into:
+        raise UsageError("--trace-depth limits --trace-into; add --trace-into all (or module classes)")
+    from seqcal.multimodal.run import trace_inputs
+
+    model, sample, check = trace_inputs(args.dataset, args.model, args.dtype, args.max_seq_length)
+    if model is None:  # text: the model's tokenizer on the sample texts
+        model, tokenizer = load_model_and_tokenizer(args.model, args.dtype)
+        texts = _texts(args.dataset)
+        tokenizer.padding_side = "left"
+        sample = tokenizer(texts[:1], return_tensors="pt", truncation=True, max_length=args.max_seq_length)
+        # Another batch than the trace sample: two rows of different length, left-padded.
+        check = tokenizer(
+            texts, return_tensors="pt", padding=True, truncation=True, max_length=args.max_seq_length
+        )
+    start = time.perf_counter()
+    subgraphs = trace_subgraphs(
+        model, dict(sample), sequential_targets=args.targets, ignore=args.ignore, leaf_modules=args.leaf,
+        trace_into=args.trace_into, trace_depth=args.trace_depth, verify=not args.no_verify,
+    )  # fmt: skip
+    elapsed = time.perf_counter() - start
+    print(f"traced in {elapsed:.2f} s")
+    print(trace_report(subgraphs))
+    for problem in subgraphs.traced.not_traced_into:  # asked for by --trace-into, kept one node
+        print(f"not traced into (kept one node):\n{problem}")
+    exports = [(format_of(p), p) for p in args.export or []]
+    if args.output:
+        exports.append((args.format or format_of(args.output), args.output))
+    for fmt, path in exports:
+        export_graph(subgraphs, fmt, path, sample=dict(sample))
+        print(f"wrote {path}")
+    if not args.check:
+        return 0
+    with torch.no_grad():
+        want = model(**check)
+    got = subgraphs.run(**check, progress=not args.quiet)
+    diff = _max_diff(got, want)
+    scale = max(1.0, (want.logits if hasattr(want, "logits") else want[0]).abs().max().item())
+    ok = diff <= 1e-5 * scale
+    print(f"\ncheck on a padded batch of {tuple(check['input_ids'].shape)} (not the trace sample): "
+          f"max |partitioned - eager| = {diff:.3g} ({'OK' if ok else 'MISMATCH'}, tolerance {1e-5 * scale:.3g})")  # fmt: skip
+    return 0 if ok else 1
