@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-import seqcal.execution.cache.store as cache_module
+import seqcal.execution.cache.storage as cache_module
 from seqcal.cli import build_parser
 from seqcal.entrypoint import oneshot
 from seqcal.execution.cache.entries import _checksum

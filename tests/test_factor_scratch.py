@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import seqcal.algorithms.gptq as gptq_module
+import seqcal.algorithms.gptq_factor as gptq_module
 import seqcal.backend.onednn as kernels
 from seqcal.algorithms import GPTQNumericalError, gptq_quantize, products
 from seqcal.algorithms.hessian import (
