@@ -6,8 +6,10 @@ Measured on 2 cores with about 19 busy threads from other processes (load averag
 576 x 576 matmul and SiLU took 2.3 ms with one thread and 22-55 ms with two; a 256 x 2048 by 2048 x 2048
 matmul 65 ms with one and 102 ms with two; at a load average of 9-13, ``seqcal oneshot`` of SmolLM2 (GPTQ W4A16,
 2 samples of 64 tokens) took 143 s with ``--threads 1`` and 523 s with ``--threads 2``. ``free_cores`` reads the load average against the cores this
-process may run on; the command line sets torch's threads from it (``choose_threads``), and ``oneshot``
-only says in the log how to set them (a library does not change process-wide settings behind its caller).
+process may run on. The thread count is never changed behind the user's back: checkpoint bytes depend on it
+(a sum computed by other threads rounds differently), so a run resumed, or rerun, on a busier moment would
+write other bytes. The command line's ``--threads N`` sets it (``choose_threads``); without it, ``choose_threads``
+and ``oneshot`` only say in the log (``-v``) how many cores are free and how to set the threads.
 
 Example:
     >>> free_cores(load=3.0, cores=8, machine=8)  # this process and two busy threads of others
@@ -50,12 +52,13 @@ def free_cores(load: float | None = None, cores: int | None = None, machine: int
 
 
 def choose_threads(requested: int | None = None) -> int:
-    """Set torch's threads for this process: ``requested``, the user's variables, else the free cores; logged.
+    """Set torch's threads for this process to ``requested`` (``--threads``); without it, keep them and say with
+    ``-v`` how many cores are free.
 
     For the command line's main only: a process-wide setting.
 
     Args:
-        requested: an explicit count (``--threads``); None chooses.
+        requested: an explicit count (``--threads``); None keeps torch's.
 
     Returns:
         The number of threads torch computes with now.
@@ -65,12 +68,7 @@ def choose_threads(requested: int | None = None) -> int:
         return torch.get_num_threads()
     if any(os.environ.get(v) for v in THREAD_VARIABLES):
         return torch.get_num_threads()  # the user's choice, already applied by OpenMP / torch
-    free, current = free_cores(), torch.get_num_threads()
-    if free < current:
-        torch.set_num_threads(free)
-        logger.info("seqcal: %d of %d cores free (load average %.1f): computing with %d thread%s, not %d (threads of "
-                    "one parallel region wait on each other on busy cores); --threads N or OMP_NUM_THREADS=N to "
-                    "choose", free, _cores(), _load(), free, "s" * (free > 1), current)  # fmt: skip
+    hint_threads()
     return torch.get_num_threads()
 
 
@@ -80,9 +78,10 @@ def hint_threads() -> None:
         return
     free, current = free_cores(), torch.get_num_threads()
     if free < current:
-        logger.warning("seqcal: %d of %d cores free (load average %.1f) while torch computes with %d threads, which "
-                       "then wait on each other (runs can be several times slower); call torch.set_num_threads(%d) "
-                       "before oneshot, or set OMP_NUM_THREADS=%d", free, _cores(), _load(), current, free, free)  # fmt: skip
+        logger.debug("seqcal: %d of %d cores free (load average %.1f) while torch computes with %d threads, which "
+                     "then wait on each other (runs can be several times slower): --threads %d on the command line, "
+                     "torch.set_num_threads(%d) before oneshot, or OMP_NUM_THREADS=%d", free, _cores(), _load(), current,
+                     free, free, free)  # fmt: skip
 
 
 def _cores() -> int:
