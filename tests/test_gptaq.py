@@ -80,9 +80,10 @@ def test_matching_inputs_give_gptq_code_for_code(cfg):
 def test_wide_inputs_give_gptq_code_for_code_with_the_blocked_factor(monkeypatch):
     """Past ``products.FACTOR_LEAF`` inputs, float32 CPU factors go through oneDNN's blocked kernel where it is
     chosen (AMD CPUs): GPTAQ takes the same path as GPTQ."""
+    import seqcal.backend.onednn as kernels
     from seqcal.algorithms import products
 
-    monkeypatch.setattr(products, "use_onednn", lambda: True)
+    monkeypatch.setattr(kernels, "use_onednn", lambda: True)
     X, _ = _inputs(8, n=1024, d=products.FACTOR_LEAF + 128)
     X[:, 7] = 0  # and a dead input
     W = _weight(8, out=16, d=X.shape[1])
