@@ -114,3 +114,31 @@ def env_for_cli() -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "SEQCAL_DIST_TIMEOUT": "120",
     }
+
+
+class Stopped(Exception):
+    """Raised where a crash would stop a run (``stopped_after``)."""
+
+
+def stopped_after(monkeypatch: Any, subgraphs: int, **kwargs: Any) -> None:
+    """Run ``oneshot(**kwargs)`` with progress recorded after every subgraph, stopped (as a crash would) once
+    ``subgraphs`` of them are on disk; the patches are undone before it returns."""
+    import seqcal.checkpoint.streaming as streaming
+
+    calls: list[object] = []
+    done = streaming.StreamingCheckpoint.done
+
+    def stops(self: Any, sg: object) -> None:
+        done(self, sg)
+        calls.append(sg)
+        if len(calls) == subgraphs:
+            raise Stopped
+
+    with monkeypatch.context() as patch:
+        patch.setattr(streaming, "CHECKPOINT_BYTES", 1)
+        patch.setattr(streaming.StreamingCheckpoint, "done", stops)
+        try:
+            oneshot(**kwargs)
+        except Stopped:
+            return
+    raise AssertionError(f"the run finished before {subgraphs} subgraphs were on disk")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import data, run, tensor_hashes
+from dist_helpers import data, run, stopped_after, tensor_hashes
 from save_helpers import save_llama, tiny_llama
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTAQModifier, GPTQModifier
@@ -50,31 +50,13 @@ def test_gptaq_gives_the_same_bytes_for_1_and_2_processes(model_dir: Path, tmp_p
     assert len(one) > 10 and one == tensor_hashes(tmp_path / "w2")
 
 
-class _Stopped(Exception):
-    pass
-
-
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_gptaq_resumes_to_the_same_bytes(
     one_pass: bool, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import seqcal.checkpoint.streaming as streaming
-
     oneshot(**_args(model_dir, tmp_path / "clean"), one_pass=one_pass)
-    out, calls = tmp_path / "stopped", []
-    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # progress recorded after every subgraph
-    done = streaming.StreamingCheckpoint.done
-
-    def stops(self: streaming.StreamingCheckpoint, sg: object) -> None:
-        done(self, sg)
-        calls.append(sg)
-        if len(calls) == 2:
-            raise _Stopped  # after the first layer's subgraphs: the rest replays the full-precision stream
-
-    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", stops)
-    with pytest.raises(_Stopped):
-        oneshot(**_args(model_dir, out), one_pass=one_pass)
-    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", done)
+    out = tmp_path / "stopped"
+    stopped_after(monkeypatch, 2, **_args(model_dir, out), one_pass=one_pass)
     oneshot(**_args(model_dir, out), one_pass=one_pass, resume=True)
     assert tensor_hashes(out) == tensor_hashes(tmp_path / "clean")
 

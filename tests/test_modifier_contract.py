@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_helpers import data, env_for_cli, run, start, tensor_hashes, wait_all
+from dist_helpers import data, env_for_cli, run, start, stopped_after, tensor_hashes, wait_all
 from save_helpers import save_llama
 from seqcal.distributed.run import ShardedRun
 from seqcal.entrypoint import oneshot
@@ -101,30 +101,12 @@ def test_an_outside_modifier_gives_the_same_bytes_for_1_and_2_processes(
     assert type(parse_recipe(saved).modifiers[0]).__name__ == "ImportanceClipModifier"
 
 
-class _Stopped(Exception):
-    pass
-
-
 def test_an_outside_modifier_resumes_to_the_same_bytes(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import seqcal.checkpoint.streaming as streaming
-
     oneshot(**_args(model_dir, tmp_path / "clean"))
-    out, calls = tmp_path / "stopped", []
-    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # progress recorded after every subgraph
-    done = streaming.StreamingCheckpoint.done
-
-    def stops(self: streaming.StreamingCheckpoint, sg: object) -> None:
-        done(self, sg)
-        calls.append(sg)
-        if len(calls) == 4:
-            raise _Stopped
-
-    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", stops)
-    with pytest.raises(_Stopped):
-        oneshot(**_args(model_dir, out))
-    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", done)
+    out = tmp_path / "stopped"
+    stopped_after(monkeypatch, 4, **_args(model_dir, out))
     oneshot(**_args(model_dir, out), resume=True)
     assert tensor_hashes(out) == tensor_hashes(tmp_path / "clean")
     # a directory without finished work: the resume says that it starts over, and why
