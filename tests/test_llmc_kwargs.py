@@ -8,6 +8,7 @@ documented there, plus keywords of earlier releases that scripts still pass.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Stub out loading and calibration; record what oneshot hands them."""
     record: dict[str, Any] = {}
 
-    def load(args, offload_weights=False):
+    def load(args, offload_weights=False, host_budget=None):
         record["model_args"] = args
         return args.model, args.tokenizer, None
 
@@ -94,7 +95,7 @@ def _call(**kwargs: Any) -> None:
 
 
 def test_every_llmc_keyword_is_known_to_seqcal() -> None:
-    own = set(oneshot.__code__.co_varnames[: oneshot.__code__.co_argcount])
+    own = {n for n, p in inspect.signature(oneshot).parameters.items() if p.kind is not p.VAR_KEYWORD}
     for name in [*LLMC_0_14_DEFAULTS, *LLMC_EARLIER_DEFAULTS]:
         assert (name in own) + (name in ALIASES) + (name in RULES) == 1, name
     assert set(ALIASES.values()) <= own and set(VALUE_ALIASES) <= own
