@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import seqcal.execution.cuts
 import seqcal.execution.pipeline
 import seqcal.execution.subgraphs
 from seqcal import TracingError, oneshot, trace_subgraphs
@@ -141,6 +142,7 @@ def _specialise_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.setattr(seqcal.execution.subgraphs, "trace", trace)
 
     monkeypatch.setattr(seqcal.execution.pipeline, "trace_subgraphs", specialised)
+    monkeypatch.setattr(seqcal.execution.cuts, "trace_subgraphs", specialised)  # the one-pass cut's trace
 
 
 def _lengths() -> list[dict[str, list[int]]]:
