@@ -265,12 +265,12 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
 
             transform_with_hooks(runner.model, sg, run, len(batches), transforms, modifiers, state)
         full: dict[int, Any] = {}
+        capture = ModifierSet.of(modifiers).float_modules(sg) if reference is not None else []
         for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
             # with a full-precision stream, batch by batch: its module inputs paired with the calibration's
             for j, part in enumerate([shard] if reference is None else [[b] for b in shard]):
                 paired = None
                 if reference is not None:
-                    capture = ModifierSet.of(modifiers).float_modules(sg)
                     paired = reference_pass(
                         runner, sg, batches, reference, lambda: autocast(state), part, capture
                     )

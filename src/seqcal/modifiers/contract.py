@@ -120,8 +120,8 @@ class ModifierSet(tuple):
         mods = cls(modifiers)
         # whatever a modifier declares, hooks of its own below its parent's reduction do not reduce
         mods.needs = tuple(
-            replace(m.needs(), shared_statistics=False) if gathers_unshared(type(m)) else m.needs()
-            for m in mods
+            replace(n, shared_statistics=False) if gathers_unshared(type(m)) else n
+            for m, n in ((m, m.needs()) for m in mods)
         )
         if mods.float_inputs and (mods.transforms() or mods.kv()):
             what = (mods.transforms() or mods.with_kv())[0].name
