@@ -13,7 +13,7 @@ import torch
 from seqcal.entrypoint import ModelArgs, load_model, oneshot
 from seqcal.modifiers import GPTQModifier
 from seqcal.plan import PROCESS_BASELINE, MemoryPlan, SubgraphPlan
-from seqcal.plan_host import HostBudgetError, check_budget, fit_host, floor_of
+from seqcal.plan.host import HostBudgetError, check_budget, fit_host, floor_of
 from test_oneshot import tiny_llama, token_data
 
 GPTQ = "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}"

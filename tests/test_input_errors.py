@@ -240,7 +240,7 @@ def test_a_tokenizer_directory_or_token_ids_make_the_same_model_run(
 
 
 def test_max_seq_length_past_the_positions_warns_with_both_numbers(caplog) -> None:
-    from seqcal.input_checks import check_max_seq_length
+    from seqcal.data.checks import check_max_seq_length
 
     with caplog.at_level(logging.WARNING, logger="seqcal"):
         check_max_seq_length(tiny_llama(positions=128), DataArgs("default", max_seq_length=4096))
@@ -255,7 +255,7 @@ def test_max_seq_length_past_the_positions_warns_with_both_numbers(caplog) -> No
 def test_a_multimodal_model_is_checked_against_its_text_config(caplog) -> None:
     from transformers import LlavaConfig
 
-    from seqcal.input_checks import check_max_seq_length
+    from seqcal.data.checks import check_max_seq_length
 
     model = torch.nn.Module()
     model.config = LlavaConfig(text_config={"model_type": "llama", "max_position_embeddings": 64})

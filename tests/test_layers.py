@@ -16,20 +16,17 @@ ROOT = Path(__file__).parent.parent / "src" / "seqcal"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "assets"),
-    ("console", "backend", "hub", "threads"),  # threads: the thread count from the free cores  # kernels and process settings; Hub snapshots
-    ("algorithms", "models"),  # pure tensor math; model names -> directories
+    ("console", "backend"),  # kernels, process settings, the thread count from the free cores
+    ("algorithms", "models"),  # pure tensor math; model names and Hub ids -> directories
     ("records",),  # the data that crosses stages (QuantizedWeight, Statistic, Fold)
     ("tracing", "execution.cache", "data"),  # trace, partition, run a graph; the activation cache; batches
-    ("experts", "observers", "report", "input_checks", "multimodal"),  # multimodal: processors, media rows
+    ("experts", "report", "multimodal"),  # multimodal: processors, media rows
     ("mappings",),
     ("modifiers",),
     ("recipe", "checkpoint"),
     ("evaluation", "distributed"),
     ("execution",),  # the pipeline: calls every stage below
-    ("plan_values",),
-    ("plan",),
-    ("plan_host",),  # the host-memory budget: decisions from the plan
-    ("llmc_compat",),
+    ("plan",),  # the memory plan and the host-memory budget's decisions
     ("run_args",),  # oneshot's configuration
     ("entrypoint",),  # oneshot
     ("seqcal",),  # the package's public names

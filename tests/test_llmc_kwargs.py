@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import seqcal.entrypoint
 from seqcal.entrypoint import oneshot
-from seqcal.llmc_compat import ALIASES, RULES, VALUE_ALIASES
+from seqcal.recipe.llmc_compat import ALIASES, RULES, VALUE_ALIASES
 
 RECIPE = "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}"
 # llm-compressor 0.14 oneshot: keyword -> its documented default (model and recipe are given by every call).

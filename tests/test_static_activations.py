@@ -25,7 +25,7 @@ from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.modifiers import GPTQModifier, QuantizationModifier, QuantizedWeight, RunState, activations
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.fake_inputs import dynamic_fake_quantize, input_fake_quantize
-from seqcal.observers import OBSERVERS, make_observer
+from seqcal.modifiers.observers import OBSERVERS, make_observer
 from seqcal.recipe.parse import parse_recipe
 
 RECIPES = Path(__file__).parent.parent / "recipes"

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from seqcal.threads import THREAD_VARIABLES, choose_threads, free_cores, hint_threads
+from seqcal.backend.threads import THREAD_VARIABLES, choose_threads, free_cores, hint_threads
 
 
 def test_free_cores_leave_the_busy_ones() -> None:

@@ -19,12 +19,12 @@ from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
-from seqcal.input_checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
+from seqcal.data.checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
 from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
 from seqcal.multimodal.run import finish_media, prepare_media
 from seqcal.plan import make_plan
-from seqcal.plan_host import (
+from seqcal.plan.host import (
     HostBudgetError,
     HostFit,
     check_budget,
@@ -36,7 +36,7 @@ from seqcal.plan_host import (
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
 from seqcal.run_args import DTYPES, ModelArgs, OneshotArgs, parse_bytes
-from seqcal.threads import hint_threads
+from seqcal.backend.threads import hint_threads
 
 logger = logging.getLogger("seqcal")
 
@@ -129,7 +129,7 @@ def oneshot(
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
 
     Keyword names follow llm-compressor's ``oneshot``; its other keywords are translated by
-    ``seqcal.llmc_compat`` (aliases such as ``concatenate_data``, no-ops logged with the reason, or an error
+    ``seqcal.recipe.llmc_compat`` (aliases such as ``concatenate_data``, no-ops logged with the reason, or an error
     that names the keyword and what to use instead).
 
     Args:

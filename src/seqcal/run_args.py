@@ -1,7 +1,7 @@
 """``oneshot``'s configuration: every keyword, typed and checked once, before any work.
 
 ``OneshotArgs`` holds the call's arguments with llm-compressor's keywords already translated into seqcal's
-(``seqcal.llmc_compat``); ``ModelArgs``, ``OutputArgs`` (here), ``PipelineArgs`` and ``DataArgs`` are the views
+(``seqcal.recipe.llmc_compat``); ``ModelArgs``, ``OutputArgs`` (here), ``PipelineArgs`` and ``DataArgs`` are the views
 each stage takes of it.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from seqcal.distributed import DEFAULT_SHARDS
-from seqcal.llmc_compat import needs_translation, translate
+from seqcal.recipe.llmc_compat import needs_translation, translate
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

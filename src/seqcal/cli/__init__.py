@@ -24,7 +24,7 @@ from seqcal.distributed import DEFAULT_SHARDS, writer_rank
 from seqcal.errors import UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
-from seqcal.threads import choose_threads
+from seqcal.backend.threads import choose_threads
 
 
 def _has_matplotlib() -> bool:

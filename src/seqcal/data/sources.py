@@ -219,7 +219,7 @@ def _hub_rows(name: str, args: DataArgs) -> Sequence[Any]:
 
 def _hub_snapshot(name: str, args: DataArgs, err: ConnectionError) -> Path:
     """The dataset's snapshot in the Hub cache, after ``datasets`` could not reach the Hub (``err``)."""
-    from seqcal import hub
+    from seqcal.models import hub
 
     try:
         return hub.snapshot(name, repo_type="dataset")

@@ -37,7 +37,7 @@ from seqcal.modifiers.fake_inputs import (
     nvfp4_inputs,
 )
 from seqcal.modifiers.formats import fused_groups
-from seqcal.observers import ActivationObserver, check_static_input, make_observer, observer_name
+from seqcal.modifiers.observers import ActivationObserver, check_static_input, make_observer, observer_name
 from seqcal.records import Statistic
 
 

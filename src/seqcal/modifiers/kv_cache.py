@@ -44,7 +44,7 @@ from seqcal.modifiers.kv_hooks import (
     fp8_kv,
     quantized_kv,
 )
-from seqcal.observers import OBSERVERS, ActivationObserver, observer_name
+from seqcal.modifiers.observers import OBSERVERS, ActivationObserver, observer_name
 from seqcal.tracing.partition import within
 
 # the hooks that apply the scales live in kv_hooks; they are still imported from here

@@ -19,7 +19,7 @@ from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from seqcal.experts import fused_modules
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.activations import check_activations
-from seqcal.observers import check_weight_observer
+from seqcal.modifiers.observers import check_weight_observer
 
 logger = logging.getLogger("seqcal")
 

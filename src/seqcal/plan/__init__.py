@@ -19,7 +19,7 @@ The model is built on the meta device and traced (no weights needed), then per s
               sits in RAM
     disk    = the checkpoint (quantized widths) and, with the disk cache tier, the activation cache
 
-The size of every value crossing a subgraph boundary is measured, not guessed (``seqcal.plan_values``:
+The size of every value crossing a subgraph boundary is measured, not guessed (``seqcal.plan.values``:
 the subgraphs run on tiny batches with stand-in weights). If that run fails the plan falls back to sizes
 from the config (hidden, intermediate) and says so.
 
@@ -50,7 +50,7 @@ from seqcal.modifiers.solve_chunks import (
     solve_bytes,
     solve_groups,
 )
-from seqcal.plan_values import measure_values, owned_bytes
+from seqcal.plan.values import measure_values, owned_bytes
 from seqcal.tracing.partition import Subgraph
 
 # Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
