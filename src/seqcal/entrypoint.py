@@ -9,17 +9,18 @@ from typing import Any
 import torch
 
 from seqcal.backend.host import onednn_cache_limited
+from seqcal.backend.threads import hint_threads
 from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
 from seqcal.data.autobatch import default_batch_size, with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
+from seqcal.data.checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
 from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
 from seqcal.distributed.group import merge_rank_profiles
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
-from seqcal.data.checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
 from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
 from seqcal.multimodal.run import finish_media, prepare_media
@@ -36,7 +37,6 @@ from seqcal.plan.host import (
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
 from seqcal.run_args import DTYPES, ModelArgs, OneshotArgs, parse_bytes
-from seqcal.backend.threads import hint_threads
 
 logger = logging.getLogger("seqcal")
 
@@ -387,5 +387,3 @@ def _reload_tokenizer(path: str, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-
-

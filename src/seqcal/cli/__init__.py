@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from seqcal.backend.host import limit_onednn_cache, map_large_allocations
+from seqcal.backend.threads import choose_threads
 from seqcal.cli.evaluate import EVAL_DEFAULT, cmd_eval_ppl, eval_text, ppl_of
 from seqcal.cli.trace import cmd_trace, export_path, format_of, levels, load_model_and_tokenizer
 from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
@@ -24,7 +25,6 @@ from seqcal.distributed import DEFAULT_SHARDS, writer_rank
 from seqcal.errors import UsageError
 from seqcal.evaluation.errors import ERRORS_PNG
 from seqcal.report import FORMATS
-from seqcal.backend.threads import choose_threads
 
 
 def _has_matplotlib() -> bool:
@@ -335,4 +335,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     except Exception as exc:  # noqa: BLE001 - every failure ends as one line (a traceback with -v)
         return report_error(exc, args.verbose)
-

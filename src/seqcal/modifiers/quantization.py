@@ -19,8 +19,8 @@ from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
 from seqcal.modifiers.importance import ImportanceCalibration, usable_importance, uses_importance
 from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
-from seqcal.modifiers.schemes import check_supported, resolve_modules, resolve_schemes, strategy_of
 from seqcal.modifiers.observers import apply_observer_overrides
+from seqcal.modifiers.schemes import check_supported, resolve_modules, resolve_schemes, strategy_of
 from seqcal.tracing.partition import Subgraph
 
 
