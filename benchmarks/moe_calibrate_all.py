@@ -27,7 +27,7 @@ def main() -> None:
             with torch.no_grad():
                 got, want = model(input_ids=held_out).logits, reference(input_ids=held_out).logits
             errors[mode] = ((got - want).norm() / want.norm()).item()
-            fallbacks[mode] = sum("never called" in line for line in state.log)
+            fallbacks[mode] = sum("never called" in line for line in state.results.log)
         print(f"{samples} x {length} tokens: all experts {errors[True]:.5f} (RTN fallbacks {fallbacks[True]}), "
               f"routed only {errors[False]:.5f} (RTN fallbacks {fallbacks[False]})")  # fmt: skip
 

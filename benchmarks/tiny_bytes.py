@@ -1,4 +1,4 @@
-"""SHA-256 of every tensor of the checkpoints four recipes write for a tiny random Llama: a quick guard that a
+"""SHA-256 of every tensor of the checkpoints the recipes below write for a tiny random Llama: a quick guard that a
 refactor keeps every byte (benchmarks/checkpoint_hashes.py is the SmolLM2 one, minutes per recipe).
 
 Usage: run it with two checkouts' sources and compare the two JSON files:
@@ -25,12 +25,19 @@ RECIPES = {
     "smoothquant_gptq_w8a8": "SmoothQuantModifier: {smoothing_strength: 0.5}\n"
     "GPTQModifier: {scheme: W8A8, ignore: [lm_head]}",
     "gptq_nvfp4": "GPTQModifier: {scheme: NVFP4, ignore: [lm_head]}",
+    "sparsegpt_2of4_gptq_w4a16": "SparseGPTModifier: {sparsity: 0.5, mask_structure: '2:4', ignore: [lm_head]}\n"
+    "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}",
+    "imatrix_w4a16": "QuantizationModifier: {scheme: W4A16, ignore: [lm_head], weight_observer: imatrix_mse}",
+    "wanda_50": "WandaPruningModifier: {sparsity: 0.5, ignore: [lm_head]}",
+    "fp8_static_kv_fp8": "QuantizationModifier: {scheme: FP8, ignore: [lm_head], kv_cache_scheme: {num_bits: 8, "
+    "type: float, strategy: tensor, dynamic: false, symmetric: true}}",
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ragged", action="store_true", help="rows of 10 to 24 tokens: padded batches")
     args = parser.parse_args()
     from seqcal import oneshot
 
@@ -39,7 +46,12 @@ def main() -> None:
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     rows = [
-        {"input_ids": (torch.randint(-3, 4, (24,), generator=g).cumsum(0) % 256).tolist()} for _ in range(6)
+        {
+            "input_ids": (
+                torch.randint(-3, 4, (24 - 3 * i * args.ragged,), generator=g).cumsum(0) % 256
+            ).tolist()
+        }
+        for i in range(6)
     ]
     out: dict[str, dict[str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:

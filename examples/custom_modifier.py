@@ -8,7 +8,7 @@ compressed-tensors format, so the checkpoint loads in transformers (and vLLM) li
 
 (seqcal already has this search as the ``observer: mse`` weight argument; writing it here shows the
 Modifier API: a dataclass whose fields are the recipe's arguments, and a ``compress`` that fills
-``state.quantized`` with one QuantizedWeight per Linear.)
+``state.results.quantized`` with one QuantizedWeight per Linear.)
 
 Run:
     python examples/custom_modifier.py                       # SmolLM2-135M-Instruct, offline
@@ -96,7 +96,7 @@ class MSEClipModifier(QuantizationModifier):
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         # The executor calls this once per subgraph, with that subgraph's weights on the device.
-        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         ratios = torch.linspace(self.min_ratio, 1.0, self.grid)
         for name in names:
             module, scheme = model.get_submodule(name), self.modules[name]
@@ -108,7 +108,7 @@ class MSEClipModifier(QuantizationModifier):
             module.weight.data = fake_quantize(W, scale, zero, num_bits=num_bits)
             # ... and the checkpoint writer packs these codes and scales (compressed-tensors format).
             q = quantize(W, scale, zero, num_bits=num_bits)
-            state.quantized[name] = QuantizedWeight(
+            state.results.quantized[name] = QuantizedWeight(
                 q=q, scale=scale, zero_point=None, g_idx=None, scheme=scheme
             )
         return bool(names)

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from seqcal import oneshot
 from seqcal.mappings import resolve_mappings
 from seqcal.models import resolve_model
-from seqcal.modifiers import GPTQModifier, Modifier, RunState
+from seqcal.modifiers import Batch, GPTQModifier, Modifier, RunState
 
 
 @dataclass
@@ -41,8 +41,8 @@ class SqrtEqualize(Modifier):
     def upstream(self, subgraph) -> list[str]:  # noqa: ANN001 - the norms this modifier edits there
         return [m.producer for m in self.maps if m.consumers[0] in subgraph.targets]
 
-    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
-        seen = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=0).float()  # [in]
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState, batch: Batch) -> None:
+        seen = batch.real(x.detach()).abs().amax(dim=0).float()  # [in], padding tokens dropped
         for m in [m for m in self.maps if m.consumers[0] in names]:
             self.absmax[m.producer] = torch.maximum(self.absmax.get(m.producer, seen), seen)
 

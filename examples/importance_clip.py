@@ -53,7 +53,7 @@ class ImportanceClipModifier(QuantizationModifier):
             raise ValueError(f"{self.name}: {bad[0]} needs a symmetric int group scheme (strategy: group)")
 
     def compress(self, subgraph, model, state) -> bool:
-        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         for name in names:
             module, args = model.get_submodule(name), self.modules[name].weights
             stats = self.gathered(name)
@@ -63,6 +63,6 @@ class ImportanceClipModifier(QuantizationModifier):
             scale = clipped_scales(W, d, args.num_bits, args.group_size, ratios).to(W.dtype)
             q = quantize(W, scale, num_bits=args.num_bits, group_size=args.group_size)
             module.weight.data = dequantize(q, scale, group_size=args.group_size, dtype=W.dtype)
-            state.quantized[name] = QuantizedWeight(q=q, scale=scale, zero_point=None, g_idx=None,
+            state.results.quantized[name] = QuantizedWeight(q=q, scale=scale, zero_point=None, g_idx=None,
                                                     scheme=self.modules[name])  # fmt: skip
         return bool(names)

@@ -48,10 +48,10 @@ class SignRound(QuantizationModifier):
         return False  # the recorded calls stay in their process: one process only
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph, model, state):  # noqa: ANN001, ANN201 - entered once per shard of the data
+    def calibrate(self, subgraph, model, state, batches):  # noqa: ANN001, ANN201 - entered once per shard of the data
         for parent in {n.rsplit(".", 1)[0] for n in self.modules_in(subgraph)}:
             span = self.spans.setdefault(parent, SpanCache(max_bytes=1 << 30))
-            hook = span.hook(lambda: state.token_mask)
+            hook = span.hook(lambda: batches.current.token_mask)
             handle = model.get_submodule(parent).register_forward_pre_hook(hook, with_kwargs=True)
             self.handles = [*getattr(self, "handles", []), handle]
         try:
@@ -63,7 +63,7 @@ class SignRound(QuantizationModifier):
     def compress(self, subgraph, model, state) -> bool:  # noqa: ANN001
         for parent, span in [(p, self.spans.pop(p)) for p in list(self.spans)]:
             mlp, names = model.get_submodule(parent), [n for n in self.modules if n.startswith(parent + ".")]
-            want, kw = span.outputs(mlp, state.device), quant_kwargs(self.modules[names[0]])
+            want, kw = span.outputs(mlp, state.config.device), quant_kwargs(self.modules[names[0]])
             W = {n.rsplit(".", 1)[1]: model.get_submodule(n).weight.detach() for n in names}
             scales = {k: weight_qparams(w, **kw)[0] for k, w in W.items()}  # symmetric: no zero point
             s = {k: v.float() for k, v in scales.items()}
@@ -78,14 +78,14 @@ class SignRound(QuantizationModifier):
             def loss(y, i, want=want):  # noqa: ANN001, ANN202
                 return (y.float() - want[i].float()).pow(2).mean()
 
-            rtn = best = span.gradients(mlp, state.device, V, fake, loss)  # V = 0: round to nearest
+            rtn = best = span.gradients(mlp, state.config.device, V, fake, loss)  # V = 0: round to nearest
             kept = {k: v.detach().clone() for k, v in V.items()}
             for _ in range(self.steps):
                 with torch.no_grad():
                     for v in V.values():
                         v -= self.lr * v.grad.sign()
                         v.clamp_(-0.5, 0.5).grad = None
-                current = span.gradients(mlp, state.device, V, fake, loss)
+                current = span.gradients(mlp, state.config.device, V, fake, loss)
                 if current < best:  # signed steps do not always descend: keep the best offsets seen
                     best, kept = current, {k: v.detach().clone() for k, v in V.items()}
             self.losses[parent] = (rtn, best)
@@ -93,7 +93,7 @@ class SignRound(QuantizationModifier):
                 module, k = model.get_submodule(name), name.rsplit(".", 1)[1]
                 q = quantize(W[k].float() + kept[k] * s[k], s[k], num_bits=kw["num_bits"])  # round(W / s + V)
                 module.weight.data = dequantize(q, scales[k], dtype=W[k].dtype)
-                state.quantized[name] = QuantizedWeight(q, scales[k], None, None, self.modules[name])
+                state.results.quantized[name] = QuantizedWeight(q, scales[k], None, None, self.modules[name])
         return True
 
 

@@ -91,7 +91,7 @@ def rtn(model: torch.nn.Module, scheme: QuantizationScheme, names: list[str] | N
         W = module.weight.data
         kw = _qargs(scheme)
         s, z = weight_qparams(W, symmetric=w.symmetric, strategy=w.strategy, **kw)
-        state.quantized[name] = QuantizedWeight(
+        state.results.quantized[name] = QuantizedWeight(
             quantize(W, s, z, **kw), s, None if w.symmetric else z, None, scheme
         )
         module.weight.data = fake_quantize(W, s, z, **kw)
@@ -115,7 +115,7 @@ def gptq(model: torch.nn.Module, scheme: QuantizationScheme, actorder: str | Non
         )  # fmt: skip
         module.weight.data = r.Q
         zero_point = None if w.symmetric else r.zero_point
-        state.quantized[name] = QuantizedWeight(r.q, r.scale, zero_point, r.g_idx, scheme, r.loss)
+        state.results.quantized[name] = QuantizedWeight(r.q, r.scale, zero_point, r.g_idx, scheme, r.loss)
     return state
 
 
@@ -124,7 +124,7 @@ def dynamic_activations(model: torch.nn.Module, state: RunState) -> Iterator[Non
     """Per-token input fake-quant on the modules whose scheme quantizes activations (the W8A8 reference)."""
     handles = []
     try:
-        for name, qw in state.quantized.items():
+        for name, qw in state.results.quantized.items():
             acts = qw.scheme.input_activations
             if acts is not None:
                 hook = lambda m, args, a=acts: (_dynamic_fake_quant(args[0], a),)

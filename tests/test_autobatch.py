@@ -240,7 +240,9 @@ def test_layer_cut_with_auto_batches_measures_comparable_errors() -> None:
         batches = load_calibration_batches(DataArgs(data, batch_size=size, max_seq_length=64), None)
         recipe = [GPTQModifier(scheme="W4A16", ignore=["lm_head"])]
         state = run_pipeline(tiny_llama(), None, recipe, None, PipelineArgs(one_pass=False), batches=batches)
-        errors[size] = [r["rel_error"] for r in state.report["subgraphs"] if r["rel_error"] is not None]
+        errors[size] = [
+            r["rel_error"] for r in state.results.report["subgraphs"] if r["rel_error"] is not None
+        ]
     assert len(errors[1]) == len(errors["auto"]) >= 2
     for a, b in zip(errors["auto"], errors[1]):  # the first 4 samples either way, pooled vs per sample
         assert a == pytest.approx(b, rel=0.2)

@@ -264,7 +264,9 @@ class _InputStats(Modifier):
         self.shards, self.totals, self.seen = 0, {}, {}
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: object
+    ) -> Iterator[None]:
         under = tuple(f"{m}." for m in subgraph.modules)
         handles = [module.register_forward_pre_hook(self._hook(name)) for name, module in model.named_modules()
                    if isinstance(module, torch.nn.Linear) and name.startswith(under)]  # fmt: skip

@@ -109,7 +109,7 @@ def test_an_ignore_typo_warns_with_the_close_name_and_reaches_the_report() -> No
     meant to keep is quantized, which the warning says."""
     modifier, state = GPTQModifier(scheme="W4A16", ignore=["lm_haed"]), RunState()
     modifier.initialize(tiny_llama(), state)
-    (line,) = state.log
+    (line,) = state.results.log
     assert "ignore entry 'lm_haed' matches no module of LlamaForCausalLM (did you mean 'lm_head'?)" in line
     assert "lm_head" in modifier.modules
 

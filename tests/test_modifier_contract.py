@@ -49,7 +49,7 @@ def _args(model: Path, out: Path) -> dict:
 class _ObservesBelowItsParent(QuantizationModifier):
     """The pitfall: hooks of its own under QuantizationModifier's reduction, which knows nothing of them."""
 
-    def observe(self, names: list[str], x: torch.Tensor, state: object) -> None:
+    def observe(self, names: list[str], x: torch.Tensor, state: object, batch: object) -> None:
         self._seen = getattr(self, "_seen", 0) + x.shape[0]
 
 

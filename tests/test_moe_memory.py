@@ -31,7 +31,7 @@ def _calibrate(samples: list[dict[str, list[int]]], **args: object) -> tuple[tor
 def _chunks(state: RunState, layer: int | None = None) -> set[float]:
     """The chunk counts reported for the experts' gate/up solves (of one layer, or all)."""
     prefix = "" if layer is None else f"model.layers.{layer}."
-    return {e["solve_chunks"] for n, e in state.module_errors.items()
+    return {e["solve_chunks"] for n, e in state.results.module_errors.items()
             if n.startswith(prefix) and n.endswith("experts.0.gate_proj")}  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from seqcal.checkpoint.writer import save_checkpoint
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.modifiers import GPTQModifier, QuantizationModifier, QuantizedWeight, RunState
 from seqcal.modifiers.activations import input_fake_quantize, quantized_inputs
+from seqcal.modifiers.state import Batch
 from test_save_formats import IDS, VOCAB, tiny
 
 SCHEME = preset_name_to_scheme("NVFP4", ["Linear"])
@@ -97,13 +98,13 @@ def test_input_global_scale_is_the_fused_observed_amax_on_quantized_upstream_inp
 
     n = len(batches())
     for name in [qkv[0], f"{layer}.mlp.gate_proj", f"{layer}.mlp.down_proj"]:
-        got = state.quantized[name].input_global_scale
+        got = state.results.quantized[name].input_global_scale
         assert got.dtype == torch.float32 and torch.equal(got, gparam(seen[name][:n])), name
         assert not torch.equal(got, gparam(seen[name][n:])), name  # upstream activations were quantized
-    assert all(torch.equal(state.quantized[n].input_global_scale, state.quantized[qkv[0]].input_global_scale)
+    assert all(torch.equal(state.results.quantized[n].input_global_scale, state.results.quantized[qkv[0]].input_global_scale)
                for n in qkv)  # fmt: skip
-    up = state.quantized[f"{layer}.mlp.up_proj"].input_global_scale
-    assert torch.equal(up, state.quantized[f"{layer}.mlp.gate_proj"].input_global_scale)
+    up = state.results.quantized[f"{layer}.mlp.up_proj"].input_global_scale
+    assert torch.equal(up, state.results.quantized[f"{layer}.mlp.gate_proj"].input_global_scale)
 
 
 def test_fused_modules_share_the_largest_input_range() -> None:
@@ -116,13 +117,15 @@ def test_fused_modules_share_the_largest_input_range() -> None:
     calib = InputCalibration(dict.fromkeys(names, SCHEME))
     state = RunState()
     for i, name in enumerate(names):
-        calib.observe([name], torch.randn(5, 128) * (i + 1), state)
-        state.quantized[name] = QuantizedWeight(torch.empty(0), torch.empty(0), None, None, SCHEME)
+        calib.observe([name], torch.randn(5, 128) * (i + 1), state, Batch())
+        state.results.quantized[name] = QuantizedWeight(torch.empty(0), torch.empty(0), None, None, SCHEME)
     amax = calib.observers[names[2]].range[1].max().clone()
     amax = torch.maximum(amax, -calib.observers[names[2]].range[0].min())
     calib.finish(names, model, state)
     for name in names:
-        assert torch.equal(state.quantized[name].input_global_scale, generate_gparam(-amax[None], amax[None]))
+        assert torch.equal(
+            state.results.quantized[name].input_global_scale, generate_gparam(-amax[None], amax[None])
+        )
 
 
 @pytest.mark.parametrize("algo", list(MODIFIERS))
@@ -139,7 +142,7 @@ def test_checkpoint_equals_compressed_tensors_and_reloads_to_the_same_model(
     assert block["format"] == "nvfp4-pack-quantized" and "dequantize" not in block
     assert group["input_activations"] == json.loads(ACTS.model_dump_json()) | {"observer": "static_minmax"}
     tensors = checkpoint_tensors(tmp_path)
-    for name, qw in state.quantized.items():
+    for name, qw in state.results.quantized.items():
         qparams = {"weight_scale": qw.scale, "weight_global_scale": qw.global_scale,
                    "input_global_scale": qw.input_global_scale}  # fmt: skip
         theirs = compressed_by_compressed_tensors(model.get_submodule(name), qw.scheme, qparams)

@@ -17,6 +17,7 @@ from seqcal.entrypoint import oneshot
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.state import RunResults
 from seqcal.recipe.parse import parse_recipe
 
 RECIPES = [p for p in sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))]
@@ -59,12 +60,12 @@ def runtime_activations(model: torch.nn.Module, out: Path, block: dict) -> conte
     tensors = checkpoint_tensors(out)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     empty = torch.empty(0)
-    state = RunState(quantized={
+    state = RunState(results=RunResults(quantized={
         n: QuantizedWeight(empty, empty, None, None, scheme, input_scale=tensors.get(f"{n}.input_scale"),
                            input_zero_point=tensors.get(f"{n}.input_zero_point"),
                            input_global_scale=tensors.get(f"{n}.input_global_scale"))
         for n in names
-    })  # fmt: skip
+    }))  # fmt: skip
     return quantized_inputs(model, state, dict.fromkeys(names, scheme))
 
 

@@ -60,7 +60,7 @@ def test_roundtrip_matches_fake_quantized_model(case: str, tmp_path: Path) -> No
 
     # the stored tensors are exactly what compressed-tensors' compressor writes for the same weights
     tensors = checkpoint_tensors(tmp_path)
-    for name, qw in state.quantized.items():
+    for name, qw in state.results.quantized.items():
         module = model.get_submodule(name)
         ours = local(tensors, name)
         sd = {"weight": module.weight.data, "weight_scale": qw.scale}
@@ -81,7 +81,7 @@ def test_roundtrip_matches_fake_quantized_model(case: str, tmp_path: Path) -> No
     with torch.no_grad():
         got = loaded(IDS).logits
     assert_logits_equal(got, ref)
-    for name in state.quantized:  # decompressed on the first forward
+    for name in state.results.quantized:  # decompressed on the first forward
         assert torch.equal(loaded.get_submodule(name).weight, model.get_submodule(name).weight), name
 
 
@@ -105,7 +105,7 @@ def test_dequantize_load_hint_only_for_asymmetric_packed(case: str, tmp_path: Pa
 def test_bf16_model_roundtrip_is_exact(tmp_path: Path) -> None:
     model = tiny_llama(dtype=torch.bfloat16)
     state = rtn(model, SCHEMES["w4a16_g16"])
-    assert all(qw.scale.dtype == torch.bfloat16 for qw in state.quantized.values())
+    assert all(qw.scale.dtype == torch.bfloat16 for qw in state.results.quantized.values())
     ref = reference_logits(model, state)
     save_checkpoint(model, state, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
@@ -118,7 +118,7 @@ def test_bf16_model_roundtrip_is_exact(tmp_path: Path) -> None:
 def test_group_actorder_is_refused_with_fix(tmp_path: Path) -> None:
     model = tiny_llama()
     state = gptq(model, SCHEMES["w4a16_g16"], actorder="group")
-    assert any(qw.g_idx is not None for qw in state.quantized.values())
+    assert any(qw.g_idx is not None for qw in state.results.quantized.values())
     with pytest.raises(ValueError, match="actorder='weight'"):
         save_checkpoint(model, state, tmp_path)
     assert not (tmp_path / "config.json").exists()
@@ -128,7 +128,7 @@ def test_group_actorder_is_refused_with_fix(tmp_path: Path) -> None:
 def test_identity_g_idx_is_dropped(tmp_path: Path) -> None:
     model = tiny_llama()
     state = rtn(model, SCHEMES["w4a16_g16"])
-    for name, qw in state.quantized.items():
+    for name, qw in state.results.quantized.items():
         qw.g_idx = (torch.arange(model.get_submodule(name).in_features) // 16).to(torch.int32)
     save_checkpoint(model, state, tmp_path)
     assert not any(k.endswith("g_idx") for k in checkpoint_tensors(tmp_path))
@@ -157,7 +157,9 @@ def test_mixed_schemes_reload(tmp_path: Path) -> None:
     w8a8 = preset_name_to_scheme("W8A8", ["re:.*self_attn.*"])
     w4 = QuantizationScheme(targets=["re:.*mlp.*"], weights=weights())
     state = rtn(model, w8a8, attn)
-    state.quantized.update(rtn(model, w4, [n for n, _ in model.named_modules() if ".mlp." in n]).quantized)
+    state.results.quantized.update(
+        rtn(model, w4, [n for n, _ in model.named_modules() if ".mlp." in n]).quantized
+    )
     ref = reference_logits(model, state)
     save_checkpoint(model, state, tmp_path)
     block = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
@@ -177,7 +179,7 @@ def test_overlapping_targets_fall_back_to_module_names(tmp_path: Path) -> None:
         model, w8, q_names
     )  # both groups target "Linear": compressed-tensors would give all one scheme
     rest = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in q_names]
-    state.quantized.update(rtn(model, SCHEMES["w4a16_g16"], rest).quantized)
+    state.results.quantized.update(rtn(model, SCHEMES["w4a16_g16"], rest).quantized)
     ref = reference_logits(model, state)
     save_checkpoint(model, state, tmp_path)
     groups = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]

@@ -66,7 +66,9 @@ def _rtn(model: torch.nn.Module, preset: str) -> RunState:
         shared_global_scales(model, names, fused_groups(model, names), scales)
     state = RunState()
     for name in names:
-        state.quantized[name] = rtn_quantize_module(model.get_submodule(name), scheme, scales.get(name))
+        state.results.quantized[name] = rtn_quantize_module(
+            model.get_submodule(name), scheme, scales.get(name)
+        )
     return state
 
 
@@ -85,11 +87,11 @@ def test_checkpoint_tensors_are_compressed_tensors_own(preset: str, tmp_path: Pa
     save_checkpoint(model, state, tmp_path)
     saved = checkpoint_tensors(tmp_path)
     block = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    scheme = next(iter(state.quantized.values())).scheme
+    scheme = next(iter(state.results.quantized.values())).scheme
     fmt = infer_module_format(torch.nn.Linear, scheme)
     assert block["format"] == fmt.value
     compressor = BaseCompressor.get_value_from_registry(fmt.value)
-    for name, qw in state.quantized.items():
+    for name, qw in state.results.quantized.items():
         expected = compressor.compress(_ct_input(model.get_submodule(name), qw), scheme)
         ours = local(saved, name)
         assert set(ours) == set(expected), (name, sorted(ours), sorted(expected))
@@ -168,7 +170,9 @@ def test_checkpoint_reloads_as_the_calibrated_model(preset: str, algo: str, tmp_
             from seqcal.modifiers.base import QuantizedWeight
 
             scheme = preset_name_to_scheme(preset, ["Linear"])
-            state.quantized[name] = QuantizedWeight(torch.empty(0), torch.empty(0), None, None, scheme)
+            state.results.quantized[name] = QuantizedWeight(
+                torch.empty(0), torch.empty(0), None, None, scheme
+            )
     with torch.no_grad(), dynamic_activations(model, state):
         ref = model(IDS).logits
     # compressed-tensors 0.20 runs these formats' compressed modules in bfloat16 only (it decompresses to bf16)
@@ -261,7 +265,9 @@ def test_int_weight_presets_with_dynamic_activations_reload_exactly(preset: str,
     state = RunState()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            state.quantized[name] = QuantizedWeight(torch.empty(0), torch.empty(0), None, None, scheme)
+            state.results.quantized[name] = QuantizedWeight(
+                torch.empty(0), torch.empty(0), None, None, scheme
+            )
     with torch.no_grad(), dynamic_activations(model, state):
         ref = model(IDS).logits
     assert (
@@ -269,7 +275,7 @@ def test_int_weight_presets_with_dynamic_activations_reload_exactly(preset: str,
     )
     # the stored tensors are what compressed-tensors' compressor writes for the same fake-quantized module
     saved = checkpoint_tensors(tmp_path)
-    for name in state.quantized:
+    for name in state.results.quantized:
         ours = local(saved, name)
         theirs = compressed_by_compressed_tensors(
             model.get_submodule(name), scheme, {"weight_scale": ours["weight_scale"]}

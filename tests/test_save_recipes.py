@@ -57,7 +57,7 @@ def _schemes(recipe: Path, model: torch.nn.Module, out: Path) -> tuple[RunState,
         for name, scheme in getattr(
             modifier, "modules", {}
         ).items():  # transforms (SmoothQuant) quantize none
-            state.quantized[name] = QuantizedWeight(
+            state.results.quantized[name] = QuantizedWeight(
                 torch.empty(0), torch.empty(0), None, None, scheme, input_scale=tensors.get(f"{name}.input_scale"),
                 input_zero_point=tensors.get(f"{name}.input_zero_point"),
                 input_global_scale=tensors.get(f"{name}.input_global_scale"),

@@ -29,6 +29,7 @@ from seqcal.checkpoint.writer import (
     write_extras,
 )
 from seqcal.modifiers.base import RunState
+from seqcal.modifiers.state import RunResults
 from zoo import ARCHS
 
 
@@ -66,8 +67,8 @@ def test_sharding_and_index(tmp_path: Path) -> None:
         assert sum(sizes) <= max_shard or len(keys) == 1  # only a single oversized tensor may exceed
         total, seen = total + sum(sizes), seen | keys
     assert seen == set(index["weight_map"]) and index["metadata"]["total_size"] == total
-    expected = set(model.state_dict()) - {f"{n}.weight" for n in state.quantized}
-    expected |= {f"{n}.{k}" for n in state.quantized for k in ("weight", "weight_scale")}
+    expected = set(model.state_dict()) - {f"{n}.weight" for n in state.results.quantized}
+    expected |= {f"{n}.{k}" for n in state.results.quantized for k in ("weight", "weight_scale")}
     assert seen == expected
     with torch.no_grad():
         assert_logits_equal(reload(tmp_path)(IDS).logits, ref)
@@ -91,7 +92,7 @@ def test_tied_embeddings_written_once(tmp_path: Path) -> None:
 
 def test_quantized_tied_lm_head_is_refused(tmp_path: Path) -> None:
     model = tiny_llama(tie=True)
-    state = RunState(quantized={"lm_head": rtn_lm_head(model)})
+    state = RunState(results=RunResults(quantized={"lm_head": rtn_lm_head(model)}))
     with pytest.raises(ValueError, match="tied"):
         save_checkpoint(model, state, tmp_path)
 
@@ -122,7 +123,7 @@ def test_streaming_writer_in_any_module_order(tmp_path: Path) -> None:
     layout = ModelLayout.from_model(model)
     writer = CheckpointWriter(tmp_path, max_shard_size=20_000, layout=layout)
     for name, module in reversed(list(model.named_modules())):
-        writer.add_module(name, module, state.quantized.get(name))
+        writer.add_module(name, module, state.results.quantized.get(name))
     write_extras(tmp_path, model, recipe_yaml="x: 1\n")
     writer.close(checkpoint_config(model, state, layout))
     assert (tmp_path / "recipe.yaml").exists() and (tmp_path / "model.safetensors.index.json").exists()

@@ -15,7 +15,7 @@ from seqcal.algorithms.smoothing import smoothed_hessian, smoothing_scales, upda
 from seqcal.execution.transforms import linear_graph
 from seqcal.mappings import Mapping, derive_mappings, fold_scales
 from seqcal.modifiers import GPTQModifier, RunState, SmoothQuantModifier
-from seqcal.modifiers.base import Fold
+from seqcal.modifiers.base import Batch, Fold
 from seqcal.recipe.parse import parse_recipe
 from zoo import ARCHS
 
@@ -76,7 +76,7 @@ def _gptq_with_hessian(model: torch.nn.Module, x: torch.Tensor, scheme: str) -> 
     state = RunState()
     gptq.initialize(model, state)
     names = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
-    gptq.observe(names, x, state)
+    gptq.observe(names, x, state, Batch())
     return gptq, state
 
 
@@ -100,7 +100,9 @@ def test_a_fold_after_static_observers_saw_inputs_is_refused() -> None:
     gptq, state = _gptq_with_hessian(model, torch.randn(2, 9, 64), "W8A8")
     static = parse_recipe(ROOT / "recipes" / "gptq_w8a8_static.yaml").modifiers[0]
     static.initialize(model, state)
-    static.observe([f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], torch.randn(2, 9, 64), state)
+    static.observe(
+        [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], torch.randn(2, 9, 64), state, Batch()
+    )
     mapping = Mapping("model.layers.0.input_layernorm", ("model.layers.0.self_attn.q_proj",), "norm")
     with pytest.raises(RuntimeError, match="after its static input observer saw inputs"):
         static.on_fold(Fold(mapping, torch.ones(64)), model, state)
@@ -266,7 +268,9 @@ def test_refusals_of_a_fold_into_a_quantized_producer() -> None:
     assert RunState().refold_refusal(model, v) is None  # not quantized: the plain fold
     state = rtn(model, SCHEMES["w8a16_channel"], [v, up])
     assert state.refold_refusal(model, v) is None and state.refold_refusal(model, up) is None
-    state.kv_cache_scheme = SCHEMES["fp8_dynamic"].input_activations  # any scheme: the KV cache is quantized
+    state = state.with_config(
+        kv_cache_scheme=SCHEMES["fp8_dynamic"].input_activations
+    )  # any: the KV cache is quantized
     model.model.layers[0].self_attn.register_buffer("v_scale", torch.ones(1))
     assert "quantized KV cache of model.layers.0.self_attn" in state.refold_refusal(model, v)
     assert state.refold_refusal(model, up) is None

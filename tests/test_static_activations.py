@@ -190,7 +190,7 @@ def test_modules_reading_one_tensor_quantize_it_once_unless_their_scales_differ(
     scheme = QuantizationScheme(targets=["Linear"], weights=int8(), input_activations=args)
     scales = {"a": torch.tensor([0.05]), "b": torch.tensor([0.05]), "c": torch.tensor([0.09])}  # c differs
     state = RunState()
-    state.quantized = {n: QuantizedWeight(torch.empty(0), torch.empty(0), None, None, scheme, input_scale=s)
+    state.results.quantized = {n: QuantizedWeight(torch.empty(0), torch.empty(0), None, None, scheme, input_scale=s)
                        for n, s in scales.items()}  # fmt: skip
     model, x = Fork(), torch.randn(2, 5, 32) * 3
     calls: list[int] = []
@@ -199,7 +199,7 @@ def test_modules_reading_one_tensor_quantize_it_once_unless_their_scales_differ(
     with torch.no_grad(), quantized_inputs(model, state, dict.fromkeys(scales, scheme)):
         got = model(x)
     assert len(calls) == 2  # a and b share one, c has its own scale
-    want = torch.cat([getattr(model, n)(real(x, state.quantized[n])) for n in "abc"], dim=-1)
+    want = torch.cat([getattr(model, n)(real(x, state.results.quantized[n])) for n in "abc"], dim=-1)
     assert torch.equal(got, want)
 
 
@@ -235,7 +235,7 @@ def test_checkpoint_equals_compressed_tensors_and_reloads_to_the_same_model(
 ) -> None:
     modifier = CASES[case]()
     model, state = calibrate(modifier)
-    assert all(qw.input_scale is not None for qw in state.quantized.values())
+    assert all(qw.input_scale is not None for qw in state.results.quantized.values())
     want = seqcal_logits(model, state, modifier)
     save_checkpoint(model, state, tmp_path)
     block = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
@@ -244,7 +244,7 @@ def test_checkpoint_equals_compressed_tensors_and_reloads_to_the_same_model(
         block["format"] == fmt and block["config_groups"]["group_0"]["input_activations"]["dynamic"] is False
     )
     tensors = checkpoint_tensors(tmp_path)
-    for name, qw in state.quantized.items():
+    for name, qw in state.results.quantized.items():
         ours = local(tensors, name)
         theirs = _compressed_by_compressed_tensors(model.get_submodule(name), qw)
         assert sorted(ours) == sorted(theirs), name
@@ -280,7 +280,7 @@ def test_downstream_modules_calibrate_on_quantized_upstream(one_pass: bool) -> N
     obs = make_observer(modifier.modules[name].input_activations)
     for x in seen:
         obs.update(x.reshape(-1, x.shape[-1]))
-    torch.testing.assert_close(state.quantized[name].input_scale, obs.qparams()[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(state.results.quantized[name].input_scale, obs.qparams()[0], rtol=1e-6, atol=0)
 
 
 def test_unobserved_padding_is_left_out() -> None:
@@ -313,8 +313,8 @@ def test_shipped_static_recipes_run_and_reload(recipe: str, tmp_path: Path) -> N
     parsed.validate(model)
     state = run_pipeline(model, None, parsed.modifiers, None, PipelineArgs(), batches=batches())
     modules = {n: s for m in parsed.modifiers for n, s in m.modules.items()}
-    assert set(state.quantized) == set(modules) and all(
-        q.input_scale is not None for q in state.quantized.values()
+    assert set(state.results.quantized) == set(modules) and all(
+        q.input_scale is not None for q in state.results.quantized.values()
     )
     with torch.no_grad(), quantized_inputs(model, state, modules):
         want = model(IDS).logits
@@ -363,8 +363,10 @@ def test_llm_compressor_static_recipes_run_unchanged(name: str, tmp_path: Path) 
     model = tiny_llama()
     parsed.validate(model)
     state = run_pipeline(model, None, parsed.modifiers, None, PipelineArgs(), batches=batches())
-    assert state.quantized and all(q.input_scale is not None for q in state.quantized.values())
-    assert "model.layers.0.mlp.down_proj" not in state.quantized or "DEFAULT" in LLMC_STATIC[name]
+    assert state.results.quantized and all(
+        q.input_scale is not None for q in state.results.quantized.values()
+    )
+    assert "model.layers.0.mlp.down_proj" not in state.results.quantized or "DEFAULT" in LLMC_STATIC[name]
     modules = {n: sc for m in parsed.modifiers for n, sc in m.modules.items()}
     with torch.no_grad(), quantized_inputs(model, state, modules):
         want = model(IDS).logits
@@ -417,7 +419,9 @@ def test_every_observer_name_is_valid_in_a_recipe() -> None:
         groups = static_w8a8()
         groups["group_0"]["input_activations"]["observer"] = name
         model, state = calibrate(QuantizationModifier(config_groups=groups, ignore=["lm_head"]))
-        assert all(q.input_scale is not None and q.input_scale.item() > 0 for q in state.quantized.values())
+        assert all(
+            q.input_scale is not None and q.input_scale.item() > 0 for q in state.results.quantized.values()
+        )
 
 
 def test_fp8_preset_is_supported() -> None:

@@ -244,20 +244,20 @@ def test_rtn_imatrix_needs_calibration_and_weights_by_the_real_tokens_inputs() -
     modifier = QuantizationModifier(config_groups=groups("imatrix_mse"), ignore=["lm_head"])
     assert modifier.needs_calibration
     model, state, W, a = run(modifier, padded_batches())
-    got = state.quantized["model.layers.0.self_attn.q_proj"].scale
+    got = state.results.quantized["model.layers.0.self_attn.q_proj"].scale
     fmt = dict(num_bits=4, symmetric=True, strategy="group", group_size=GS)
     torch.testing.assert_close(got, weight_qparams(W, **fmt, observer="imatrix_mse", importance=a)[0])
     assert not torch.equal(got, weight_qparams(W, **fmt, observer="imatrix_mse")[0])  # the importance counts
-    assert not [line for line in state.log if "imatrix_mse" in line]
+    assert not [line for line in state.results.log if "imatrix_mse" in line]
 
 
 def test_gptq_imatrix_takes_the_importance_from_the_hessian() -> None:
     modifier = GPTQModifier(config_groups=groups("imatrix_mse"), ignore=["lm_head"], actorder=None)
     model, state, W, a = run(modifier, padded_batches())
-    got = state.quantized["model.layers.0.self_attn.q_proj"].scale
+    got = state.results.quantized["model.layers.0.self_attn.q_proj"].scale
     fmt = dict(num_bits=4, symmetric=True, strategy="group", group_size=GS)
     torch.testing.assert_close(got, weight_qparams(W, **fmt, observer="imatrix_mse", importance=a)[0])
-    assert not [line for line in state.log if "imatrix_mse" in line]
+    assert not [line for line in state.results.log if "imatrix_mse" in line]
 
 
 def test_modifier_level_weight_observer_overrides_the_scheme() -> None:
@@ -278,7 +278,7 @@ def test_imatrix_without_inputs_falls_back_to_uniform_or_fails_when_strict() -> 
     scheme = QuantizationModifier(config_groups=groups("imatrix_mse")).groups["group_0"]
     state = RunState()
     assert usable_importance("fc", scheme, torch.zeros(64), 64, state) is None
-    assert "all importances are zero" in state.log[-1]
+    assert "all importances are zero" in state.results.log[-1]
     strict = QuantizationModifier(config_groups=groups("imatrix_mse", observer_kwargs={"strict": True}))
     with pytest.raises(ValueError, match="strict"):
         usable_importance("fc", strict.groups["group_0"], None, 64, state)

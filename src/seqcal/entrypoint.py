@@ -21,6 +21,7 @@ from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.execution.weights import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
+from seqcal.modifiers.state import RunState
 from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
 from seqcal.multimodal.run import finish_media, prepare_media
@@ -250,10 +251,10 @@ def run_oneshot(args: OneshotArgs) -> Any:
         state = run_pipeline(
             loaded, tok, parsed.modifiers, data_args, pipe_args, output, store, profiler, batches
         )
-        state.log.extend(media.notes)
+        state.results.log.extend(media.notes)
         if out_args.output_dir is not None and group.writes:
             tok = _reload_tokenizer(reload_from, args.trust_remote_code) if reload_from else tok
-            state.report["host_memory"] = host_report(host_budget, plan, fit)
+            state.results.report["host_memory"] = host_report(host_budget, plan, fit)
             _save(loaded, state, output, tok, recipe_yaml, profiler)
             finish_media(media, out_args.output_dir)
     merge_rank_profiles(args.profile, group)  # one trace, a process per rank
@@ -330,7 +331,7 @@ def _calibration_data(args: OneshotArgs, model: torch.nn.Module, plan: Any, pipe
     return media.data_args, media
 
 
-def _save(model: torch.nn.Module, state: Any, output: OutputPlan, tok: Any, recipe_yaml: str,
+def _save(model: torch.nn.Module, state: RunState, output: OutputPlan, tok: Any, recipe_yaml: str,
           profiler: Profiler) -> None:  # fmt: skip
     """The checkpoint's last files (the streamed one), or the whole of it; then the error report."""
     from seqcal.checkpoint.writer import save_checkpoint
@@ -343,7 +344,7 @@ def _save(model: torch.nn.Module, state: Any, output: OutputPlan, tok: Any, reci
         else:
             save_checkpoint(model, state, out.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
                             overwrite=out.overwrite)  # fmt: skip
-    write_error_report(state.report, out.output_dir)
+    write_error_report(state.results.report, out.output_dir)
 
 
 def _offload_weights(

@@ -144,7 +144,7 @@ def _groups(state: RunState) -> tuple[list[QuantizationScheme], dict[str, int]]:
     """Distinct schemes in order of first use, and module name -> index of its scheme."""
     schemes: list[QuantizationScheme] = []
     index: dict[str, int] = {}
-    for name, qw in state.quantized.items():
+    for name, qw in state.results.quantized.items():
         if qw.scheme not in schemes:
             schemes.append(qw.scheme)
         index[name] = schemes.index(qw.scheme)
@@ -155,7 +155,7 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
     """The ``quantization_config`` block of ``config.json``, as compressed-tensors' ModelCompressor writes it.
 
     Args:
-        state: the run's state; one config group per distinct scheme in ``state.quantized``.
+        state: the run's state; one config group per distinct scheme in ``state.results.quantized``.
         ignore: names of the modules the group targets match but that stay unquantized (e.g. ``lm_head``).
         exact_targets: target the quantized modules by exact name instead of the schemes' own targets.
 
@@ -167,9 +167,9 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
         >>> quantization_config(state, ignore=["lm_head"])["format"]  # doctest: +SKIP
         'pack-quantized'
     """
-    if not state.quantized:
+    if not state.results.quantized:
         raise ValueError(
-            "quantization_config: state.quantized is empty; save an unquantized model with save_pretrained"
+            "quantization_config: state.results.quantized is empty; save an unquantized model with save_pretrained"
         )
     schemes, index = _groups(state)
     groups = {}
@@ -185,7 +185,7 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
         format=formats.pop() if len(formats) == 1 else "mixed-precision",
         quantization_status=QuantizationStatus.COMPRESSED,
         ignore=list(ignore),
-        kv_cache_scheme=state.kv_cache_scheme,
+        kv_cache_scheme=state.config.kv_cache_scheme,
     )
     block = {
         "version": compressed_tensors.__version__,
@@ -276,17 +276,19 @@ def _loaded_as_linear(module: torch.nn.Module) -> bool:
 
 
 def _checked_block(model: torch.nn.Module, state: RunState, layout: ModelLayout) -> dict:
-    """The quantization_config whose targets and ignore give exactly ``state.quantized`` on load."""
+    """The quantization_config whose targets and ignore give exactly ``state.results.quantized`` on load."""
     modules = dict(model.named_modules())
-    for name in state.quantized:
+    for name in state.results.quantized:
         if not isinstance(modules.get(name), torch.nn.Linear):
-            raise ValueError(f"save: state.quantized names {name!r}, which is not a Linear of this model")
+            raise ValueError(
+                f"save: state.results.quantized names {name!r}, which is not a Linear of this model"
+            )
         layout.check_quantizable(name)
-    targets = [t for qw in state.quantized.values() for t in qw.scheme.targets]
+    targets = [t for qw in state.results.quantized.values() for t in qw.scheme.targets]
     unquantized = [
         name
         for name, module in modules.items()
-        if name not in state.quantized
+        if name not in state.results.quantized
         and (
             isinstance(module, torch.nn.Linear)
             or _loaded_as_linear(module)
@@ -307,7 +309,7 @@ def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayo
     """``config.json`` content: the model's config as save_pretrained writes it, plus ``quantization_config``.
 
     The ignore list holds every unquantized Linear and MoE router (vLLM loads routers as Linears); when the
-    schemes' own targets would resolve to other schemes than ``state.quantized`` in compressed-tensors
+    schemes' own targets would resolve to other schemes than ``state.results.quantized`` in compressed-tensors
     (overlapping targets), the groups target the quantized modules by name instead.
 
     Args:
@@ -327,10 +329,10 @@ def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayo
     config.architectures = [type(model).__name__]
     data = json.loads(config.to_json_string(use_diff=True))
     data["quantization_config"] = (
-        sparse_only_block() if not state.quantized else _checked_block(model, state, layout)
+        sparse_only_block() if not state.results.quantized else _checked_block(model, state, layout)
     )
-    if state.sparsity:  # pruned modules (seqcal.checkpoint.sparse)
-        names = {n: layout.checkpoint_names(n) for n in state.sparsity}
+    if state.results.sparsity:  # pruned modules (seqcal.checkpoint.sparse)
+        names = {n: layout.checkpoint_names(n) for n in state.results.sparsity}
         data["quantization_config"]["sparsity_config"] = sparsity_block(model, state, names)
     return data
 

@@ -46,7 +46,7 @@ _FP8 = torch.float8_e4m3fn
 def sparsity_block(
     model: torch.nn.Module, state: RunState, names: dict[str, list[str]] | None = None
 ) -> dict:
-    """The ``sparsity_config`` of ``config.json`` for the modules ``state.sparsity`` lists ({} when none).
+    """The ``sparsity_config`` of ``config.json`` for the modules ``state.results.sparsity`` lists ({} when none).
 
     Args:
         model: the model (only shapes are read; weights may be offloaded).
@@ -58,16 +58,16 @@ def sparsity_block(
         parameters, sparsity_structure ("2:4" when every module is 2:4, else "unstructured"), targets = the
         pruned modules by name.
     """
-    if not state.sparsity:
+    if not state.results.sparsity:
         return {}
-    structures = set(state.sparsity.values())
+    structures = set(state.results.sparsity.values())
     structure = structures.pop() if len(structures) == 1 else "unstructured"
     zeros = 0.0
-    for name in state.sparsity:
+    for name in state.results.sparsity:
         weight = model.get_submodule(name).weight
-        zeros += state.module_errors.get(name, {}).get("sparsity", 0.0) * weight.numel()
+        zeros += state.results.module_errors.get(name, {}).get("sparsity", 0.0) * weight.numel()
     total = sum(p.numel() for p in model.parameters())
-    targets = sorted(a for n in state.sparsity for a in (names or {}).get(n, [n]))
+    targets = sorted(a for n in state.results.sparsity for a in (names or {}).get(n, [n]))
     config = SparsityCompressionConfig.load_from_registry(
         "dense", global_sparsity=zeros / max(total, 1), sparsity_structure=structure, targets=targets
     )

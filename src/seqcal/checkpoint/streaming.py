@@ -50,7 +50,7 @@ from seqcal.checkpoint.writer import (
 )
 from seqcal.errors import SeqcalError
 from seqcal.modifiers.base import RunState
-from seqcal.records import fold_records, folds_from
+from seqcal.records import Fold, fold_records, folds_from
 from seqcal.report.profile import NullProfiler
 from seqcal.tracing.partition import Subgraph
 
@@ -78,7 +78,7 @@ class StreamingCheckpoint:
 
     Args:
         model: the model being calibrated.
-        state: the run state (``state.quantized`` fills as subgraphs finish).
+        state: the run state (``state.results.quantized`` fills as subgraphs finish).
         output_dir: the checkpoint directory.
         subgraphs: the run's subgraphs (a module is written after the last one that uses it).
         run_id: the run's identity (``identity.run_identity``); a resume must match it.
@@ -174,10 +174,10 @@ class StreamingCheckpoint:
         names = [n for n, i in self.owner.items() if i == sg.index]
         modules = [  # host copies: the worker never touches device memory nor a parameter released meanwhile
             {k: v.detach().to("cpu") for k, v in self.writer.module_tensors(
-                name, self.model.get_submodule(name), self.state.quantized.get(name)).items()}
+                name, self.model.get_submodule(name), self.state.results.quantized.get(name)).items()}
             for name in names
         ]  # fmt: skip
-        mine = {n: q for n, q in self.state.quantized.items() if self._in(n, sg)}
+        mine = {n: q for n, q in self.state.results.quantized.items() if self._in(n, sg)}
         tensors = {}
         for name, qw in mine.items():
             tensors.update({f"{name}:q": qw.q, f"{name}:scale": qw.scale})
@@ -280,25 +280,27 @@ class StreamingCheckpoint:
             self.weights.store.overrides[f"{name}.{param}"] = value
         else:
             target.data = value.to(target.device)
-        self.state.changed.add(name)
+        self.state.ledger.changed.add(name)
 
     def _restore_records(self, metadata: Mapping[str, str]) -> None:
         """The run state's records of the restored modules: folded producers, pruned modules and their sparsity
         (``config.json``'s sparsity_config lists them)."""
-        self.state.edited.update(json.loads(metadata.get("edited", "[]")))
+        self.state.ledger.edited.update(json.loads(metadata.get("edited", "[]")))
         for name, (structure, sparsity) in json.loads(metadata.get("sparsity", "{}")).items():
-            self.state.sparsity[name] = structure
+            self.state.results.sparsity[name] = structure
             if sparsity is not None:
-                self.state.module_errors.setdefault(name, {})["sparsity"] = sparsity
+                self.state.results.module_errors.setdefault(name, {})["sparsity"] = sparsity
 
     def _edited(self, sg: Subgraph) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The parameters and buffers of every module of ``sg`` a modifier changed in place (``RunState.
-        changed_modules``: folded smoothing scales, pruned weights, calibrated buffers) that ``state.quantized``
+        changed_modules``: folded smoothing scales, pruned weights, calibrated buffers) that ``state.results.quantized``
         does not hold, and the records a replay needs about them; a replay puts them back with the quantized
         weights, so downstream subgraphs see what the interrupted run gave them."""
         out = {}
         names = sorted(
-            n for n in self.state.changed_modules() if self._in(n, sg) and n not in self.state.quantized
+            n
+            for n in self.state.changed_modules()
+            if self._in(n, sg) and n not in self.state.results.quantized
         )
         for name in names:
             module = self.model.get_submodule(name)
@@ -309,14 +311,14 @@ class StreamingCheckpoint:
                 out[f"{name}:param:{param}"] = value.detach()
         mine = [n for n in self.state.changed_modules() if self._in(n, sg)]
         sparsity = {
-            n: [self.state.sparsity[n], self.state.module_errors.get(n, {}).get("sparsity")]
-            for n in mine if n in self.state.sparsity
+            n: [self.state.results.sparsity[n], self.state.results.module_errors.get(n, {}).get("sparsity")]
+            for n in mine if n in self.state.results.sparsity
         }  # fmt: skip
-        metadata = {"edited": json.dumps(sorted(n for n in mine if n in self.state.edited)),
+        metadata = {"edited": json.dumps(sorted(n for n in mine if n in self.state.ledger.edited)),
                     "sparsity": json.dumps(sparsity)}  # fmt: skip
         # folds that divided this subgraph's cached inputs: a replay divides them again, and runs the producers
         # (in earlier subgraphs) with their weights from before the fold until then (``_deferred``)
-        folds = self.state.divided.get(sg.index, [])
+        folds = self.state.ledger.divided.get(sg.index, [])
         for i, fold in enumerate(folds):
             out[f"{i}:fold:scales"] = fold.scales
         metadata["divided"] = fold_records(folds)
@@ -330,19 +332,25 @@ class StreamingCheckpoint:
         """
         empty = torch.empty(0)
         for name in [n for n in names if self.owner.get(n) == sg.index]:
-            qw = self.state.quantized[name]
+            qw = self.state.results.quantized[name]
             # the input qparams stay (a few bytes): a replayed pass still fake-quantizes the module's inputs
-            self.state.quantized[name] = replace(qw, q=empty, scale=empty, zero_point=None, g_idx=None)
+            self.state.results.quantized[name] = replace(
+                qw, q=empty, scale=empty, zero_point=None, g_idx=None
+            )
 
     def _in(self, name: str, sg: Subgraph) -> bool:
         return sg.holds(name)
 
-    def restore(self, sg: Subgraph, schemes: dict[str, Any]) -> None:
+    def restore(self, sg: Subgraph, schemes: dict[str, Any]) -> list[Fold]:
         """Put ``sg``'s saved quantized weights back into the model (replaying a finished subgraph).
 
         Args:
             sg: a subgraph finished by the interrupted run.
             schemes: module name -> QuantizationScheme (from the recipe's modifiers).
+
+        Returns:
+            The folds whose scales divided ``sg``'s cached inputs in the interrupted run (its file records
+            them): the replay divides the inputs again.
         """
         self._restore_edited()  # before the first replay: a producer runs before the consumers that folded it
         file = self.path / RESUME_DIR / f"{sg.index}.st"
@@ -352,7 +360,7 @@ class StreamingCheckpoint:
                     f"{self.path}: the saved weights of finished subgraph {sg.index} ({file}) are missing; "
                     "the run cannot be resumed: start it again with overwrite=True"
                 )
-            return
+            return []
         with safe_open(str(file), framework="pt") as f:
             metadata = f.metadata() or {}
             tensors = {key: f.get_tensor(key) for key in f.keys()}
@@ -365,12 +373,13 @@ class StreamingCheckpoint:
                 self._put_back(name, param, value)
         records = metadata.get("divided", "[]")
         scales = [tensors.pop(f"{i}:fold:scales") for i in range(len(json.loads(records)))]
-        self.state.replay_folds = folds_from(records, scales)
+        folds = folds_from(records, scales)
         for name in sorted({k.split(":")[0] for k in tensors}):
             qw = saved_weight(tensors, name, schemes[name])
             dequantize_into(self.model.get_submodule(name).weight, qw)
-            self.state.quantized[name] = qw
+            self.state.results.quantized[name] = qw
         self._trim({k.split(":")[0] for k in tensors}, sg)
+        return folds
 
     def finish(self, tokenizer: Any = None, recipe_yaml: str | None = None) -> Path:
         """Write the modules no subgraph used, the extras and, last, config.json.
@@ -385,7 +394,9 @@ class StreamingCheckpoint:
         rest = [name for name, index in self.owner.items() if index == -1]
         with self.weights.modules_onloaded(rest) if self.weights else contextlib.nullcontext():
             for name in rest:
-                self.writer.add_module(name, self.model.get_submodule(name), self.state.quantized.get(name))
+                self.writer.add_module(
+                    name, self.model.get_submodule(name), self.state.results.quantized.get(name)
+                )
         write_extras(self.path, self.model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)
         out = self.writer.close(checkpoint_config(self.model, self.state, self.layout))
         shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)

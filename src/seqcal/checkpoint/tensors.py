@@ -124,7 +124,7 @@ def _check_fake_quantized(name: str, weight: Tensor, qw: QuantizedWeight) -> Non
     if not torch.equal(expected, weight.to(expected.device)):
         diff = (expected.float() - weight.to(expected.device).float()).abs().max().item()
         raise ValueError(
-            f"save: module {name!r}: its weight differs from the dequantized codes in state.quantized "
+            f"save: module {name!r}: its weight differs from the dequantized codes in state.results.quantized "
             f"(max |diff| {diff:.3g}); something changed the weight after it was quantized, so the checkpoint "
             "would not be the model in memory. Quantize after every weight-changing modifier"
         )
@@ -139,7 +139,7 @@ def _module_tensors(
     if quantized is not None:
         weight = local.pop("weight", None)
         if not isinstance(weight, Tensor):
-            raise ValueError(f"save: module {name!r} is in state.quantized but has no weight")
+            raise ValueError(f"save: module {name!r} is in state.results.quantized but has no weight")
         local.update(_compressed(name, quantized, tuple(weight.shape)))  # checks the codes first
         if weight.device.type != "meta":
             _check_fake_quantized(name, weight, quantized)

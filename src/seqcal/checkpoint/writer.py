@@ -87,7 +87,7 @@ class CheckpointWriter:
         >>> layout = ModelLayout.from_model(model)  # doctest: +SKIP
         >>> writer = CheckpointWriter("out", layout=layout)  # doctest: +SKIP
         >>> for name, module in subgraph_modules:  # as each subgraph finishes, each module once  # doctest: +SKIP
-        ...     writer.add_module(name, module, state.quantized.get(name))
+        ...     writer.add_module(name, module, state.results.quantized.get(name))
         >>> writer.close(checkpoint_config(model, state, layout))  # doctest: +SKIP
     """
 
@@ -340,11 +340,11 @@ def save_checkpoint(
     """Save ``model`` with the compressed weights of ``state`` as a compressed-tensors checkpoint.
 
     Modules are written one at a time (shards flushed as they fill); the model's quantized Linear weights
-    must be the fake-quantized values of ``state.quantized`` (checked exactly). ``config.json`` comes last.
+    must be the fake-quantized values of ``state.results.quantized`` (checked exactly). ``config.json`` comes last.
 
     Args:
         model: the calibrated transformers model (weights onloaded: not on the meta device).
-        state: the run's state; ``state.quantized`` maps module names to compressed weights.
+        state: the run's state; ``state.results.quantized`` maps module names to compressed weights.
         output_dir: checkpoint directory; must be empty or absent unless ``overwrite``.
         tokenizer: saved with ``tokenizer.save_pretrained`` when given.
         recipe_yaml: written to ``recipe.yaml`` when given.
@@ -363,7 +363,7 @@ def save_checkpoint(
     writer = CheckpointWriter(output_dir, max_shard_size, overwrite=overwrite, layout=layout)
     try:
         for name, module in model.named_modules():
-            writer.add_module(name, module, state.quantized.get(name))
+            writer.add_module(name, module, state.results.quantized.get(name))
         write_extras(writer.output_dir, model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)
         return writer.close(config)
     except BaseException:

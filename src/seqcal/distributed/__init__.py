@@ -11,7 +11,7 @@ process runs the very same folds, so the checkpoint does not depend on the numbe
     reduce.py   fold partial statistics in shard order; named tensors <-> bytes (safetensors, no pickle)
     group.py    the process group: launch from torchrun's environment, point-to-point and broadcast with
                 one clear error when a peer is gone, agreement on a step (fingerprint, output directory)
-    run.py      ShardedRun: what the executor calls (state.sharding)
+    run.py      ShardedRun: what the executor calls (state.config.sharding)
 """
 
 from seqcal.distributed.group import (

@@ -11,6 +11,7 @@ import torch
 
 from seqcal.distributed.reduce import Partial, named_from_bytes, named_to_bytes, tensors_of
 from seqcal.modifiers import contract
+from seqcal.modifiers.state import RunState
 from seqcal.records import QuantizedWeight
 
 _FIELDS = (
@@ -35,12 +36,12 @@ def load_statistics(modifiers: Sequence[Any], total: Partial | None) -> None:
 
 
 def pack(
-    names: Sequence[str], model: torch.nn.Module, state: Any, results: dict[int, dict[str, torch.Tensor]]
+    names: Sequence[str], model: torch.nn.Module, state: RunState, results: dict[int, dict[str, torch.Tensor]]
 ) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"log": [], "modules": {}}
     for name in names:  # quantized, pruned, folded into, or with calibrated buffers
-        qw = state.quantized.get(name)
+        qw = state.results.quantized.get(name)
         for f in _FIELDS if qw is not None else ():
             if getattr(qw, f) is not None:
                 tensors[f"{name}|{f}"] = getattr(qw, f)
@@ -52,15 +53,15 @@ def pack(
             if key != "weight" and tensor is not None:
                 tensors[f"{name}|.{key}"] = tensor.data
         meta["modules"][name] = {"quantized": qw is not None, "loss": qw.loss if qw is not None else None,
-                                 "sparsity": state.sparsity.get(name), "errors": state.module_errors.get(name, {}),
-                                 "edited": name in state.edited, "changed": name in state.changed}  # fmt: skip
+                                 "sparsity": state.results.sparsity.get(name), "errors": state.results.module_errors.get(name, {}),
+                                 "edited": name in state.ledger.edited, "changed": name in state.ledger.changed}  # fmt: skip
     for i, named in results.items():  # a modifier's results: "@<its position>|<name>"
         tensors.update({f"@{i}|{key}": tensor for key, tensor in named.items()})
-    meta["log"] = [line for line in state.log if any(line.startswith(n) for n in names)]
+    meta["log"] = [line for line in state.results.log if any(line.startswith(n) for n in names)]
     return named_to_bytes(tensors, {"seqcal": json.dumps(meta)})
 
 
-def unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict, modifiers: Sequence[Any] = (),
+def unpack(data: bytes, model: torch.nn.Module, state: RunState, schemes: dict, modifiers: Sequence[Any] = (),
             subgraph: Any = None) -> list[str]:  # fmt: skip
     tensors, raw = named_from_bytes(data)
     meta = json.loads(raw["seqcal"])
@@ -72,16 +73,16 @@ def unpack(data: bytes, model: torch.nn.Module, state: Any, schemes: dict, modif
                 target = getattr(module, local.lstrip("."))
                 target.data = tensors[key].to(target.device)
         if info.get("edited"):
-            state.edited.add(name)
+            state.ledger.edited.add(name)
         if info.get("changed"):
-            state.changed.add(name)
+            state.ledger.changed.add(name)
         if info["quantized"]:
             fields = {f: tensors.get(f"{name}|{f}") for f in _FIELDS}
-            state.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])
+            state.results.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])
         if info["sparsity"] is not None:
-            state.sparsity[name] = info["sparsity"]
-        state.module_errors.setdefault(name, {}).update(info["errors"])
-    state.log.extend(line for line in meta["log"] if line not in state.log)
+            state.results.sparsity[name] = info["sparsity"]
+        state.results.module_errors.setdefault(name, {}).update(info["errors"])
+    state.results.log.extend(line for line in meta["log"] if line not in state.results.log)
     results = [k for k in tensors if k.startswith("@")]
     for i, m in enumerate(modifiers):
         named = {k.partition("|")[2]: tensors[k] for k in results if k.partition("|")[0] == f"@{i}"}

@@ -22,6 +22,7 @@ from seqcal.distributed.reduce import (
 from seqcal.distributed.shards import ShardPlan, assign_owners
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.formats import fused_groups
+from seqcal.modifiers.state import RunState
 from seqcal.tracing.partition import Subgraph
 
 
@@ -281,10 +282,10 @@ class ShardedRun:
     def _what(index: int) -> str:
         return f"reducing the statistics of subgraph {index}"
 
-    def share(self, index: int, src: int, names: Sequence[str], model: torch.nn.Module, state: Any,
+    def share(self, index: int, src: int, names: Sequence[str], model: torch.nn.Module, state: RunState,
               modifiers: Sequence[Any] = (), subgraph: Any = None) -> bool:  # fmt: skip
         """Send the compressed modules ``names`` of subgraph ``index`` from ``src`` to every rank, which puts
-        them into ``state.quantized`` and the model's weights, and the ``modifiers``' other ``results`` of
+        them into ``state.results.quantized`` and the model's weights, and the ``modifiers``' other ``results`` of
         ``subgraph`` (``load_results`` on the other ranks). Returns whether anything was sent."""
         if self.group.world_size == 1:
             return bool(names)

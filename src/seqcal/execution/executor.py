@@ -24,6 +24,7 @@ from seqcal.execution.transforms import (
 from seqcal.modifiers import contract
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.kv_hooks import cache_update
+from seqcal.modifiers.state import Batch, BatchCursor, RunState
 from seqcal.records import Fold, fold_records, folds_from
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing.partition import Subgraph
@@ -101,14 +102,15 @@ def calibrate_subgraphs(
     modifiers: Sequence[Any],
     cache: ActivationCache,
     placeholders: Mapping[str, str],
-    state: Any,
+    state: RunState,
     on_subgraph_done: Callable[[Subgraph], int | None] | None = None,
     progress: bool = True,
     resume_from: int = 0,
-    restore: Callable[[Subgraph], None] | None = None,
+    restore: Callable[[Subgraph], list[Fold]] | None = None,
     on_subgraph_start: Callable[[Subgraph], int | None] | None = None,
     profiler: Profiler | None = None,
     reference: ActivationCache | None = None,
+    cursor: BatchCursor | None = None,
 ) -> list[dict[str, Any]]:
     """The sequential calibration loop (DESIGN data flow), one subgraph at a time.
 
@@ -120,15 +122,19 @@ def calibrate_subgraphs(
     to compress (the head after the last layer) are skipped.
 
     Subgraphs before ``resume_from`` were finished by an interrupted run: ``restore`` puts their saved
-    quantized weights back and they only run the propagation pass.
+    quantized weights back (and returns the folds whose scales divided their cached inputs) and they only run
+    the propagation pass.
 
     ``reference``: the full-precision stream's cache, when a modifier reads full-precision inputs
     (``execution.reference``); every subgraph also runs on it, before its modules are compressed.
 
+    ``cursor``: the batch being run, for the modifiers' hooks (the run's, when a stand-in KV cache reads it too).
+
     Returns:
         One dict per subgraph: index, targets, seconds, rel_error (quantized vs full precision output).
     """
-    runner = GraphRunner(model, state.device)
+    runner = GraphRunner(model, state.config.device)
+    cursor = cursor if cursor is not None else BatchCursor()
     prof = profiler if profiler is not None else NullProfiler()
     _put_inputs(subgraphs, batches, cache, placeholders)
     if reference is not None:
@@ -154,18 +160,18 @@ def calibrate_subgraphs(
                     with prof.span("calibration", f"{label} (full precision)", subgraph=sg.index):
                         reference_pass(runner, sg, batches, reference, lambda: autocast(state))
                 with prof.span("onload", f"{label} (restore)", subgraph=sg.index):
-                    _restore(sg, restore, runner.model, state)
-                for fold in _replayed_folds(sg, state):  # the divisions the interrupted run made here
+                    folds = _restore(sg, restore, runner.model, state)
+                for fold in _replayed_folds(sg, state, folds):  # the divisions the interrupted run made here
                     divide_inputs(cache, sg, fold, len(batches))
                 for m in modifiers:  # their records of what the interrupted run did to it
                     m.replayed(sg, runner.model, state)
                 if sg.outputs and calibrating:
                     with torch.no_grad():
-                        run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
+                        run_pass(runner, sg, batches, cache, state, None, prof, "propagation", cursor=cursor)
                 row["replayed"] = True
             elif sg.outputs or owned:
                 row["rel_error"] = _run_one(
-                    runner, sg, batches, modifiers, cache, state, calibrating, owned, prof, reference
+                    runner, sg, batches, modifiers, cache, state, calibrating, owned, prof, reference, cursor
                 )
             with prof.span("cache", "drop", subgraph=sg.index, names=len(sg.frees)):
                 for name in sg.frees:
@@ -186,52 +192,60 @@ def calibrate_subgraphs(
 
 
 def _restore(
-    sg: Subgraph, restore: Callable[[Subgraph], None] | None, model: torch.nn.Module, state: Any
-) -> None:
+    sg: Subgraph, restore: Callable[[Subgraph], list[Fold]] | None, model: torch.nn.Module, state: RunState
+) -> list[Fold]:
     """Put a finished subgraph's saved weights back; with several processes the one that writes the checkpoint
     reads them and sends them to the others: every module a modifier changed (quantized, pruned, folded into,
-    calibrated buffers), or the others would replay a different model than the one the checkpoint holds."""
-    if restore is not None:
-        restore(sg)
-    if state.sharding is not None:
+    calibrated buffers), or the others would replay a different model than the one the checkpoint holds.
+
+    Returns:
+        The folds whose scales divided the subgraph's cached inputs, as its file records them (none where
+        this process does not read the checkpoint).
+    """
+    folds = restore(sg) if restore is not None else []
+    if state.config.sharding is not None:
         restored = [n for n in sorted(state.changed_modules()) if sg.holds(n)]
-        state.sharding.share(sg.index, 0, restored, model, state)
+        state.config.sharding.share(sg.index, 0, restored, model, state)
+    return folds
 
 
-def _replayed_folds(sg: Subgraph, state: Any) -> list[Fold]:
-    """The folds whose scales divided ``sg``'s cached inputs in the interrupted run (read by the process that
-    writes the checkpoint, ``StreamingCheckpoint.restore``, and sent to the others)."""
-    folds, state.replay_folds = state.replay_folds, []
-    if state.sharding is None or state.sharding.group.world_size == 1 or not sg.target_inputs:
+def _replayed_folds(sg: Subgraph, state: RunState, folds: list[Fold]) -> list[Fold]:
+    """The folds whose scales divided ``sg``'s cached inputs in the interrupted run (``folds``: read by the
+    process that writes the checkpoint, ``StreamingCheckpoint.restore``, and sent to the others)."""
+    if state.config.sharding is None or state.config.sharding.group.world_size == 1 or not sg.target_inputs:
         return folds
 
     data = None
-    if state.sharding.group.writes:
+    if state.config.sharding.group.writes:
         data = named_to_bytes({str(i): f.scales for i, f in enumerate(folds)}, {"folds": fold_records(folds)})
     tensors, meta = named_from_bytes(
-        state.sharding.group.broadcast(data, 0, f"replaying subgraph {sg.index}")
+        state.config.sharding.group.broadcast(data, 0, f"replaying subgraph {sg.index}")
     )
     return folds_from(meta["folds"], [tensors[str(i)] for i in range(len(tensors))])
 
 
-def _compress(runner: GraphRunner, sg: Subgraph, modifiers: ModifierSet, state: Any, prof: Profiler) -> bool:
+def _compress(
+    runner: GraphRunner, sg: Subgraph, modifiers: ModifierSet, state: RunState, prof: Profiler
+) -> bool:
     """Statistics of every shard folded on the processes that solve the subgraph (its owner, or one per module
     group), which compress their part; the weights go to every process. Returns whether weights changed."""
-    label, sharding = f"subgraph {sg.index}", state.sharding
+    label, sharding = f"subgraph {sg.index}", state.config.sharding
     if sharding is None:
         contract.finish_local(modifiers)
         with prof.span("compress", label, subgraph=sg.index):
             return any([m.compress(sg, runner.model, state) for m in modifiers])
     with prof.span("communication", f"reduce {label}", subgraph=sg.index):
-        sharding.reduce(sg.index, modifiers, state.device)
-    before, changed = {*state.quantized, *state.sparsity}, False
+        sharding.reduce(sg.index, modifiers, state.config.device)
+    before, changed = {*state.results.quantized, *state.results.sparsity}, False
     part = sharding.part(sg)  # what this process solves; a modifier that compresses everywhere (AWQ) does all
     todo = [(m, sg if modifiers.compresses_everywhere(m) else part) for m in modifiers]
     todo = [(m, view) for m, view in todo if view is not None]
     if todo:
         with prof.span("compress", label, subgraph=sg.index):
             changed = any([m.compress(view, runner.model, state) for m, view in todo])
-    names = [n for n in {**state.quantized, **state.sparsity} if n not in before]  # quantized or pruned
+    names = [
+        n for n in {**state.results.quantized, **state.results.sparsity} if n not in before
+    ]  # quantized or pruned
     owner = sharding.owners[sg.index]
     with prof.span("communication", f"share {label}", subgraph=sg.index):
         for src in sharding.solvers(sg.index):  # each solver's modules, in rank order; the owner's results
@@ -243,8 +257,8 @@ def _compress(runner: GraphRunner, sg: Subgraph, modifiers: ModifierSet, state: 
 
 
 def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
-             cache: ActivationCache, state: Any, calibrating: bool, owned: bool,
-             prof: Profiler, reference: ActivationCache | None = None) -> float | None:  # fmt: skip
+             cache: ActivationCache, state: RunState, calibrating: bool, owned: bool, prof: Profiler,
+             reference: ActivationCache | None = None, cursor: BatchCursor | None = None) -> float | None:  # fmt: skip
     """One subgraph's passes and solve; ``owned``: a modifier has modules in it (``calibrate_subgraphs``)."""
     label = f"subgraph {sg.index}"
     with torch.no_grad():
@@ -254,16 +268,28 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
                     m.compress(sg, runner.model, state)
             return None
         if sg.target_inputs:
-            return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof, reference)
+            return _run_from_inputs(runner, sg, batches, modifiers, cache, state, prof, reference, cursor)
         # a subgraph holding modules to compress is run again after the solve, and that propagation pass
         # stores the outputs; the calibration pass stores them only for subgraphs with nothing to compress
         transforms, modifiers = split_transforms(modifiers)  # transforms fold before the others observe
         if transforms:
 
             def run(ix: Sequence[int]) -> None:  # the passes below store the outputs
-                run_pass(runner, sg, batches, cache, state, None, prof, "calibration", ix, store=False)
+                run_pass(
+                    runner,
+                    sg,
+                    batches,
+                    cache,
+                    state,
+                    None,
+                    prof,
+                    "calibration",
+                    ix,
+                    store=False,
+                    cursor=cursor,
+                )
 
-            transform_with_hooks(runner.model, sg, run, len(batches), transforms, modifiers, state)
+            transform_with_hooks(runner.model, sg, run, len(batches), transforms, modifiers, state, cursor)
         full: dict[int, Any] = {}
         capture = ModifierSet.of(modifiers).float_modules(sg) if reference is not None else []
         for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
@@ -276,24 +302,24 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
                     )
                 with contextlib.ExitStack() as stack:
                     for m in modifiers:
-                        stack.enter_context(contract.calibrating(m, sg, runner.model, state, paired))
+                        stack.enter_context(contract.calibrating(m, sg, runner.model, state, cursor, paired))
                     run_pass(runner, sg, batches, cache, state, full if k == j == 0 else None, prof, "calibration",
-                          part, store=not owned)  # fmt: skip
-            if state.sharding is not None:
-                state.sharding.collect(sg.index, k, modifiers, state.device)
+                          part, store=not owned, cursor=cursor)  # fmt: skip
+            if state.config.sharding is not None:
+                state.config.sharding.collect(sg.index, k, modifiers, state.config.device)
         trim_host_memory()  # as in _run_from_inputs: the solve's temporaries on a trimmed heap
         if not _compress(runner, sg, modifiers, state, prof):
             if owned:  # nothing changed after all: the outputs are the calibration pass's, not stored yet
-                run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
+                run_pass(runner, sg, batches, cache, state, None, prof, "propagation", cursor=cursor)
             return None
         quant: dict[int, Any] = {}
-        run_pass(runner, sg, batches, cache, state, quant, prof, "propagation")
+        run_pass(runner, sg, batches, cache, state, quant, prof, "propagation", cursor=cursor)
     errors = [e for b in full if (e := relative_error(quant.get(b), full[b])) is not None]
     return sum(errors) / len(errors) if errors else None
 
 
 def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
-                  cache: ActivationCache, state: Any, prof: Profiler) -> None:  # fmt: skip
+                  cache: ActivationCache, state: RunState, prof: Profiler, cursor: BatchCursor) -> None:  # fmt: skip
     """One-pass cut: the keys and values of the attention modules whose cache update ``sg`` runs are observed in
     a pass over every batch with the subgraph's modules already quantized (as inference computes them; outputs
     not kept), then their k_scale / v_scale are set (on the subgraph's owner, sent to the other processes); the
@@ -310,16 +336,28 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
             with contextlib.ExitStack() as stack:
                 for m in kvs:
                     stack.enter_context(m.kv.observe_updates(names))
-                run_pass(runner, sg, batches, cache, state, None, prof, "calibration", shard, until=last)
-            if state.sharding is not None:
-                state.sharding.collect(sg.index, k, kvs, state.device, split=False)
-    sharding = state.sharding
+                run_pass(
+                    runner,
+                    sg,
+                    batches,
+                    cache,
+                    state,
+                    None,
+                    prof,
+                    "calibration",
+                    shard,
+                    until=last,
+                    cursor=cursor,
+                )
+            if state.config.sharding is not None:
+                state.config.sharding.collect(sg.index, k, kvs, state.config.device, split=False)
+    sharding = state.config.sharding
     if sharding is None:
         for m in kvs:
             m.kv_finish(sg, runner.model, state, updates=True)
         return
     with prof.span("communication", f"reduce {label}", subgraph=sg.index):
-        sharding.reduce(sg.index, kvs, state.device)
+        sharding.reduce(sg.index, kvs, state.config.device)
     owner = sharding.owners[sg.index]
     if sharding.owns(sg.index):
         for m in kvs:
@@ -329,8 +367,9 @@ def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[s
 
 
 def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]],
-                     modifiers: Sequence[Any], cache: ActivationCache, state: Any, prof: Profiler,
-                     reference: ActivationCache | None = None) -> float | None:  # fmt: skip
+                     modifiers: Sequence[Any], cache: ActivationCache, state: RunState, prof: Profiler,
+                     reference: ActivationCache | None = None, cursor: BatchCursor | None = None,
+                     ) -> float | None:  # fmt: skip
     """One pass for a subgraph cut before its targets: calibrate from their cached inputs, then run it once.
 
     The targets' inputs were computed by earlier subgraphs (with every earlier module already quantized), so
@@ -339,7 +378,7 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
 
     Returns:
         The mean relative output error of the targets, as the modifiers measured it on all calibration
-        inputs (``state.module_errors[name]["rel_error"]``; GPTQ computes it from its Hessian).
+        inputs (``state.results.module_errors[name]["rel_error"]``; GPTQ computes it from its Hessian).
     """
     if not modifiers.input_only:
         raise AssertionError("subgraphs cut before their targets need modifiers that use only module inputs")
@@ -347,34 +386,35 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
     transforms, modifiers = split_transforms(modifiers)  # transforms fold first; the cache follows them
     if transforms:
         with prof.span("calibration", f"{label} (transforms)", subgraph=sg.index, batches=len(batches)):
-            masks = [token_mask(batch) for batch in batches]
-            transform_from_inputs(runner.model, sg, cache, masks, transforms, modifiers, state)
+            seen = [Batch(token_mask(batch)) for batch in batches]
+            transform_from_inputs(runner.model, sg, cache, seen, transforms, modifiers, state)
     with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
         for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
             shard = list(shard)
             for i, b in enumerate(shard):
-                state.token_mask = token_mask(batches[b])
+                batch = Batch(token_mask(batches[b]))
                 for j, (source, names) in enumerate(sg.target_inputs.items()):
                     x = cache.fetch(b, source)
                     if j == 0 and i + 1 < len(shard):  # copied beside this batch's statistics (CUDA)
                         cache.prefetch(shard[i + 1], sg.target_inputs)
                     ref = reference.fetch(b, source) if reference is not None else None
                     for m in modifiers:
-                        contract.observe(m, names, x, state, ref)
+                        contract.observe(m, names, x, state, batch, ref)
                     x = ref = (
                         None  # not held through the next fetch, nor the solve (a batch of inputs on the device)
                     )
-            if state.sharding is not None:
-                state.sharding.collect(sg.index, k, modifiers, state.device)
-        state.token_mask = None
+            if state.config.sharding is not None:
+                state.config.sharding.collect(sg.index, k, modifiers, state.config.device)
     if reference is not None and sg.outputs:  # with the subgraph's weights as the model has them
         with prof.span("calibration", f"{label} (full precision)", subgraph=sg.index, batches=len(batches)):
             reference_pass(runner, sg, batches, reference, lambda: autocast(state))
     trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
     _compress(runner, sg, modifiers, state, prof)
     if sg.kv_updates:
-        _calibrate_kv(runner, sg, batches, modifiers, cache, state, prof)
+        _calibrate_kv(runner, sg, batches, modifiers, cache, state, prof, cursor or BatchCursor())
     if sg.outputs:
-        run_pass(runner, sg, batches, cache, state, None, prof, "propagation")
-    errors = [e for n in sg.targets if (e := state.module_errors.get(n, {}).get("rel_error")) is not None]
+        run_pass(runner, sg, batches, cache, state, None, prof, "propagation", cursor=cursor)
+    errors = [
+        e for n in sg.targets if (e := state.results.module_errors.get(n, {}).get("rel_error")) is not None
+    ]
     return sum(errors) / len(errors) if errors else None

@@ -2,7 +2,7 @@
 
 ``run_pass`` is the executor's loop over batches: fetch a batch's inputs from the activation cache, run the
 subgraph, store its outputs, drop the inputs past their last read; the error sample of the first batches'
-target outputs; the token mask of each batch, which the modifiers read while it runs.
+target outputs; the batch being run (its token mask) on the run's ``BatchCursor``, which hooks read.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from seqcal.execution.cache.store import ActivationCache
+from seqcal.modifiers.state import Batch, BatchCursor, RunState
 from seqcal.report.profile import Profiler, tensor_bytes
 from seqcal.tracing.partition import Subgraph, target_ends
 from seqcal.tracing.runner import GraphRunner
@@ -58,26 +59,31 @@ def token_mask(batch: Mapping[str, Any]) -> torch.Tensor | None:
     return mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
 
-def local_shards(state: Any, num_batches: int) -> list[range]:
+def local_shards(state: RunState, num_batches: int) -> list[range]:
     """This process's virtual shards as ranges of its batches (all batches at once without sharding)."""
-    return list(state.sharding.local_shards()) if state.sharding is not None else [range(num_batches)]
+    return (
+        list(state.config.sharding.local_shards())
+        if state.config.sharding is not None
+        else [range(num_batches)]
+    )
 
 
-def autocast(state: Any) -> contextlib.AbstractContextManager:
+def autocast(state: RunState) -> contextlib.AbstractContextManager:
     """Mixed precision as on GPUs: matmuls in the compute dtype, weights and norms in their own dtype.
 
     One autocast region per pass, so each weight is cast once per pass, not once per batch.
     """
-    compute = getattr(state, "compute_dtype", None)
-    return torch.autocast(state.device.type, dtype=compute) if compute else contextlib.nullcontext()
+    compute = state.config.compute_dtype
+    return torch.autocast(state.config.device.type, dtype=compute) if compute else contextlib.nullcontext()
 
 
 def run_pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], cache: ActivationCache,
-          state: Any, keep: dict[int, Any] | None, prof: Profiler, track: str,
-          indices: Sequence[int] | None = None, until: str | None = None, store: bool = True) -> None:  # fmt: skip
+          state: RunState, keep: dict[int, Any] | None, prof: Profiler, track: str,
+          indices: Sequence[int] | None = None, until: str | None = None, store: bool = True,
+          cursor: BatchCursor | None = None) -> None:  # fmt: skip
     """Run ``sg`` over every batch (or those at ``indices``), storing its outputs (none when each run stops after
     the node named ``until``, or with ``store`` False: a later pass stores them); ``keep`` collects target
-    outputs of a few batches.
+    outputs of a few batches; ``cursor`` (the run's) holds the batch being run for the modifiers' hooks.
 
     The propagation pass is the subgraph's last read of its inputs: the values past their last use
     (``sg.frees``) are dropped batch by batch as it goes, so each batch's inputs are freed before the next
@@ -95,9 +101,10 @@ def run_pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
     last_read = track == "propagation" and until is None
     frees = [name for name in sg.frees if name in sg.inputs] if last_read else []
     with autocast(state), prof.span(track, f"subgraph {sg.index}", subgraph=sg.index, batches=len(indices)):
-        for i, b in enumerate(indices):
+        for i, b in enumerate(
+            (cursor or BatchCursor()).over(indices, lambda b: Batch(token_mask(batches[b])))
+        ):
             batch = batches[b]
-            state.token_mask = token_mask(batch)
             with prof.span("cache", "fetch", subgraph=sg.index, batch=b) as args:
                 env = {name: cache.fetch(b, name) for name in sg.inputs}
                 if prof.enabled:
@@ -120,10 +127,9 @@ def run_pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
                         if cache.copy_wait_seconds > waited:  # for the previous batch's copies to the host
                             args["waited_s"] = round(cache.copy_wait_seconds - waited, 6)
             if sampled:
-                keep[b], rows = error_sample(env[targets[-1]], state.token_mask, ERROR_SAMPLE_ROWS - kept)
+                keep[b], rows = error_sample(env[targets[-1]], token_mask(batch), ERROR_SAMPLE_ROWS - kept)
                 kept += rows
             for name in frees:
                 if (b, name) in cache:
                     cache.drop(b, name)
         cache.settle()
-    state.token_mask = None

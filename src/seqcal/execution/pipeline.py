@@ -40,6 +40,7 @@ from seqcal.modifiers import RunState, contract
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.kv_cache import quantized_kv
+from seqcal.modifiers.state import Batch, BatchCursor, RunConfig
 from seqcal.report.profile import NullProfiler, Profiler
 from seqcal.tracing import TracingError
 from seqcal.tracing.leaves import normalize_trace_into
@@ -179,10 +180,11 @@ def _run(
     modifiers = ModifierSet.of(modifiers)  # their declarations, read once: every stage below asks this
     profiler = profiler if profiler is not None else NullProfiler()
     device = _execution_device(model, store)
-    state = RunState(
+    config = RunConfig(
         device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
-        device_budget=args.max_device_memory,
+        device_budget=args.max_device_memory, kv_cache_scheme=modifiers.kv_cache_scheme(),
     )  # fmt: skip
+    state = RunState(config)
     for modifier in modifiers:
         modifier.initialize(model, state)
     if args.pipeline == "datafree" or data_args is None:
@@ -245,9 +247,13 @@ def _run(
                         "full-precision stream, and every subgraph runs once more on it")  # fmt: skip
         with new_cache() as cache, reference_cache(modifiers.float_inputs, new_cache) as reference:
             weights = SubgraphWeights(model, store, subgraphs, device, staged) if store is not None else None
-            state.sharding = start_sharded_run(model, modifiers, subgraphs, batches, args.num_shards, repr(args)
-                                               + repr(output.run_id if output else None))  # fmt: skip
-            writes = state.sharding.group.writes  # one process writes the checkpoint
+            sharding = start_sharded_run(model, modifiers, subgraphs, batches, args.num_shards, repr(args)
+                                         + repr(output.run_id if output else None))  # fmt: skip
+            tap = getattr(subgraphs, "kv_tap", None)  # the one-pass cut's stand-in cache: keys and values
+            state = state.with_config(
+                sharding=sharding, kv_in_graph=tap is not None
+            )  # the loop's shards, cut
+            writes = sharding.group.writes  # one process writes the checkpoint
             stream = _streaming(
                 model, state, subgraphs, output if writes else None, weights, batches, modifiers, profiler
             )
@@ -266,33 +272,34 @@ def _run(
 
             with contextlib.ExitStack() as stack:
                 stack.enter_context(quantized_inputs(model, state, schemes))  # downstream sees runtime inputs
-                state.kv_tap = getattr(subgraphs, "kv_tap", None)  # and an fp8 KV cache once calibrated:
-                stack.enter_context(quantized_kv(model, modifiers, state.kv_tap, state))
+                # and an fp8 KV cache once calibrated (observed through the stand-in cache in the one-pass cut)
+                cursor = BatchCursor()  # the batch being run, for the modifiers' hooks and the stand-in cache
+                stack.enter_context(quantized_kv(model, modifiers, tap, cursor))
                 if store is not None:  # weights off the model: onloaded per subgraph; its buffers go once
                     stack.enter_context(safety_hooks(model, store, device))
                     stack.enter_context(buffers_on(model, device))
                 if stream is not None:  # its last files written before the run goes on; after a failure too
                     stack.push(_drain_on_exit(stream))
                 rows = calibrate_subgraphs(
-                    model, subgraphs, state.sharding.local_batches(batches), modifiers, cache,
+                    model, subgraphs, state.config.sharding.local_batches(batches), modifiers, cache,
                     subgraphs.placeholders, state, on_subgraph_done=done,
-                    resume_from=resume_point(state.sharding, stream),
+                    resume_from=resume_point(state.config.sharding, stream),
                     restore=(lambda sg: stream.restore(sg, schemes)) if stream else None,
                     on_subgraph_start=weights.onload if weights is not None else None,
                     profiler=profiler, progress=logger.getEffectiveLevel() < logging.ERROR,  # off for `-q`
-                    reference=reference,
+                    reference=reference, cursor=cursor,
                 )  # fmt: skip
     for modifier in modifiers:
         modifier.finalize(model, state)
-    state.report = {
+    state.results.report = {
         "subgraphs": rows,
-        "modules": state.module_errors,
-        "log": state.log,
+        "modules": state.results.module_errors,
+        "log": state.results.log,
         "seconds": time.perf_counter() - start,
         "batches": batching,
-        "distributed": traffic_report(state.sharding),  # bytes and seconds of communication per rank
+        "distributed": traffic_report(state.config.sharding),  # bytes and seconds of communication per rank
     }
-    for line in state.log:
+    for line in state.results.log:
         logger.warning(line)
     return state
 
@@ -349,18 +356,19 @@ def _drain_on_exit(stream: StreamingCheckpoint) -> Any:
 
 
 def _whole_model(
-    model: torch.nn.Module, modifiers: list[Any], state: RunState, batches: list[dict[str, Any]]
+    model: torch.nn.Module, modifiers: ModifierSet, state: RunState, batches: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """pipeline 'basic' (one pass of the whole model, no tracing) and 'datafree' (no pass at all)."""
+    cursor = BatchCursor()
     every = Subgraph(index=0, nodes=[], modules=[n for n, _ in model.named_modules() if n])
     start = time.perf_counter()
     with torch.no_grad(), contextlib.ExitStack() as stack:
         for modifier in modifiers:
-            stack.enter_context(contract.calibrating(modifier, every, model, state))
-        for batch in batches:
-            state.token_mask = batch["attention_mask"].bool() if "attention_mask" in batch else None
+            stack.enter_context(contract.calibrating(modifier, every, model, state, cursor))
+        for batch in cursor.over(
+            batches, lambda b: Batch(b["attention_mask"].bool() if "attention_mask" in b else None)
+        ):
             model(**batch, **_no_cache(model))
-        state.token_mask = None
     contract.finish_local(modifiers)
     for modifier in modifiers:
         modifier.compress(every, model, state)

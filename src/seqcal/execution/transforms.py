@@ -21,6 +21,7 @@ import torch
 from torch import fx
 
 from seqcal.modifiers.contract import ModifierSet
+from seqcal.modifiers.state import Batch, BatchCursor, RunState
 from seqcal.records import Fold
 from seqcal.tracing import TracingError, trace
 
@@ -37,7 +38,7 @@ def owns(modifier: Any, sg: Any) -> bool:
 
 
 def prepare_modifiers(model: torch.nn.Module, subgraphs: Any, sample: Mapping[str, Any], modifiers: Sequence[Any],
-                      state: Any) -> None:  # fmt: skip
+                      state: RunState) -> None:  # fmt: skip
     """Give the transforms the traced graph (``prepare``) and add the producers they edit to the modules of
     the subgraphs that run their consumers (onloaded with them, written to the checkpoint after them)."""
     preparing = ModifierSet.of(modifiers).preparing()
@@ -81,35 +82,33 @@ def linear_graph(model: torch.nn.Module, sample: Mapping[str, Any], subgraphs: A
     return result.graph
 
 
-def transform_from_inputs(model: torch.nn.Module, sg: Any, cache: Any, masks: Sequence[torch.Tensor | None],
-                          transforms: Sequence[Any], others: Sequence[Any], state: Any) -> None:  # fmt: skip
+def transform_from_inputs(model: torch.nn.Module, sg: Any, cache: Any, batches: Sequence[Batch],
+                          transforms: Sequence[Any], others: Sequence[Any], state: RunState) -> None:  # fmt: skip
     """One-pass cut: the transforms observe ``sg``'s cached group inputs and fold; the inputs are rewritten.
 
     Their statistics are gathered per virtual shard and reduced on every process (``reduce_statistics``), so
     that every process folds the same scales.
 
     Args:
-        masks: the token mask of each batch (``state.token_mask`` while observing).
+        batches: what the transforms' ``observe`` gets of each batch besides its input (its token mask).
     """
     active = [t for t in transforms if owns(t, sg)]
     if not active:
         return
-    for k, shard in enumerate(_shards(state, len(masks))):
+    for k, shard in enumerate(_shards(state, len(batches))):
         for b in shard:
-            state.token_mask = masks[b]
             for source, names in sg.target_inputs.items():
                 x = cache.fetch(b, source)
                 for t in active:
-                    t.observe(names, x, state)
+                    t.observe(names, x, state, batches[b])
         _collect(state, sg, k, active)
-    state.token_mask = None
     reduce_statistics(state, sg, active)
-    start = len(state.folds)
+    start = len(state.ledger.folds)
     for t in active:
         t.compress(sg, model, state)
-    for fold in state.folds[start:]:
-        divide_inputs(cache, sg, fold, len(masks))
-        state.divided.setdefault(sg.index, []).append(fold)
+    for fold in state.ledger.since(start):
+        divide_inputs(cache, sg, fold, len(batches))
+        state.ledger.divide(sg.index, fold)
         notify(fold, others, model, state)
 
 
@@ -125,9 +124,10 @@ def divide_inputs(cache: Any, sg: Any, fold: Fold, num_batches: int) -> None:
 
 
 def transform_with_hooks(model: torch.nn.Module, sg: Any, run_pass: Callable[[Sequence[int]], None], num_batches: int,
-                         transforms: Sequence[Any], others: Sequence[Any], state: Any) -> None:  # fmt: skip
+                         transforms: Sequence[Any], others: Sequence[Any], state: RunState,
+                         cursor: BatchCursor) -> None:  # fmt: skip
     """Layer cut: one calibration pass with only the transforms' hooks (a shard at a time, ``run_pass`` runs the
-    batches at the given indices), then they fold (before any other modifier's hooks see the layer, which the
+    batches at the given indices, moving ``cursor``, which the hooks read), then they fold (before any other modifier's hooks see the layer, which the
     next pass runs in the new coordinates)."""
     import contextlib
 
@@ -137,35 +137,39 @@ def transform_with_hooks(model: torch.nn.Module, sg: Any, run_pass: Callable[[Se
     for k, shard in enumerate(_shards(state, num_batches)):
         with contextlib.ExitStack() as stack:
             for t in active:
-                stack.enter_context(t.calibrate(sg, model, state))
+                stack.enter_context(t.calibrate(sg, model, state, cursor))
             run_pass(shard)
         _collect(state, sg, k, active)
     reduce_statistics(state, sg, active)
-    start = len(state.folds)
+    start = len(state.ledger.folds)
     for t in active:
         t.compress(sg, model, state)
-    for fold in state.folds[start:]:
+    for fold in state.ledger.since(start):
         notify(fold, others, model, state)
 
 
-def _shards(state: Any, num_batches: int) -> list[range]:
+def _shards(state: RunState, num_batches: int) -> list[range]:
     """This process's virtual shards as ranges of its batches (all batches at once without sharding)."""
-    return list(state.sharding.local_shards()) if state.sharding is not None else [range(num_batches)]
+    return (
+        list(state.config.sharding.local_shards())
+        if state.config.sharding is not None
+        else [range(num_batches)]
+    )
 
 
-def _collect(state: Any, sg: Any, shard: int, transforms: Sequence[Any]) -> None:
-    if state.sharding is not None:
-        state.sharding.collect(sg.index, shard, transforms, state.device, split=False)
+def _collect(state: RunState, sg: Any, shard: int, transforms: Sequence[Any]) -> None:
+    if state.config.sharding is not None:
+        state.config.sharding.collect(sg.index, shard, transforms, state.config.device, split=False)
 
 
-def reduce_statistics(state: Any, sg: Any, transforms: Sequence[Any]) -> None:
+def reduce_statistics(state: RunState, sg: Any, transforms: Sequence[Any]) -> None:
     """The transforms' statistics of every shard, folded in shard order, loaded on every process: each folds
     the same scales into its own copy of the weights and rewrites its own cached inputs."""
-    if state.sharding is not None:
-        state.sharding.reduce(sg.index, transforms, state.device, everywhere=True)
+    if state.config.sharding is not None:
+        state.config.sharding.reduce(sg.index, transforms, state.config.device, everywhere=True)
 
 
-def notify(fold: Fold, others: Sequence[Any], model: torch.nn.Module, state: Any) -> None:
+def notify(fold: Fold, others: Sequence[Any], model: torch.nn.Module, state: RunState) -> None:
     for m in others:
         m.on_fold(fold, model, state)
 

@@ -2,7 +2,7 @@
 
 from seqcal.modifiers.autoround import AutoRoundModifier
 from seqcal.modifiers.awq import AWQModifier
-from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
+from seqcal.modifiers.base import Batch, BatchCursor, Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptaq import GPTAQModifier
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.magnitude import ConstantPruningModifier, MagnitudePruningModifier
@@ -33,6 +33,8 @@ __all__ = [
     "GPTAQModifier",
     "ConstantPruningModifier",
     "AutoRoundModifier",
+    "Batch",
+    "BatchCursor",
     "GPTQModifier",
     "Gather",
     "LogarithmicEqualizationModifier",

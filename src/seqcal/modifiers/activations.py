@@ -38,6 +38,7 @@ from seqcal.modifiers.fake_inputs import (
 )
 from seqcal.modifiers.formats import fused_groups
 from seqcal.modifiers.observers import ActivationObserver, check_static_input, make_observer, observer_name
+from seqcal.modifiers.state import Batch, BatchCursor, RunState
 from seqcal.records import Statistic
 
 
@@ -102,18 +103,6 @@ def _check_nvfp4_inputs(acts: QuantizationArgs, where: str) -> None:
         )
 
 
-def real_tokens(x: Tensor, mask: Tensor | None) -> Tensor:
-    """``x [..., in]`` as ``[tokens, in]`` without the padding tokens (they carry no signal); ``mask`` is the
-    batch's token mask ``[batch, seq]`` (or None). Observers and GPTQ's Hessians read their inputs through it."""
-    if mask is not None and bool(mask.all()):
-        mask = None  # nothing to drop: skip the copy a boolean index makes
-    if mask is not None and x.dim() == 3 and tuple(mask.shape) == tuple(x.shape[:2]):
-        x = x[mask.to(x.device, torch.bool)]
-    elif mask is not None and x.dim() == 2 and x.shape[0] == mask.numel():
-        x = x[mask.reshape(-1).to(x.device, torch.bool)]  # flattened tokens (MoE experts fed every token)
-    return x.reshape(-1, x.shape[-1])
-
-
 def observer_statistics(observer: ActivationObserver) -> dict[str, Any]:
     """One shard's range of ``observer`` as statistics (``Modifier.partial_statistics``), copied.
 
@@ -148,7 +137,7 @@ class InputCalibration:
 
     Example:
         >>> calib = InputCalibration({"fc": scheme})  # doctest: +SKIP
-        >>> calib.observe(["fc"], x, state); calib.finish(["fc"], model, state)  # doctest: +SKIP
+        >>> calib.observe(["fc"], x, state, Batch()); calib.finish(["fc"], model, state)  # doctest: +SKIP
     """
 
     def __init__(self, schemes: Mapping[str, QuantizationScheme]) -> None:
@@ -163,9 +152,9 @@ class InputCalibration:
     def __bool__(self) -> bool:
         return bool(self.args)
 
-    def observe(self, names: list[str], x: Tensor, state: Any) -> None:
+    def observe(self, names: list[str], x: Tensor, state: RunState, batch: Batch) -> None:
         """Add one batch's input ``x`` of the modules ``names`` (those without static inputs are skipped)."""
-        mine = [n for n in names if n in self.args and n not in state.quantized]
+        mine = [n for n in names if n in self.args and n not in state.results.quantized]
         if not mine:
             return
         last, version, measured = self._last
@@ -179,7 +168,7 @@ class InputCalibration:
             )
             key = repr(self.args[name])
             if key not in measured:
-                tokens = real_tokens(x.detach(), state.token_mask) if tokens is None else tokens
+                tokens = batch.real(x.detach()) if tokens is None else tokens
                 measured[key] = observer.measure(tokens, observer.args)
             observer.update(tokens, measured[key])
 
@@ -199,12 +188,14 @@ class InputCalibration:
                 self.observers[name] = observer_from_statistics(make_observer(self.args[name]), stats)
 
     @contextlib.contextmanager
-    def hooks(self, names: list[str], model: torch.nn.Module, state: Any) -> Iterator[None]:
+    def hooks(
+        self, names: list[str], model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
         """Observe the inputs of ``names`` during a calibration pass (removed on exit, also on error)."""
         handles = []
         try:
             for name in [n for n in names if n in self.args]:
-                hook = lambda module, args, name=name: self.observe([name], args[0], state)  # noqa: E731
+                hook = lambda module, args, name=name: self.observe([name], args[0], state, batches.current)  # noqa: E731
                 handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
             yield
         finally:
@@ -212,8 +203,8 @@ class InputCalibration:
                 handle.remove()
             self._last = (None, -1, {})  # release the last batch's activations
 
-    def finish(self, names: list[str], model: torch.nn.Module, state: Any) -> None:
-        """Store the calibrated input qparams of ``names`` (already in ``state.quantized``) and free their
+    def finish(self, names: list[str], model: torch.nn.Module, state: RunState) -> None:
+        """Store the calibrated input qparams of ``names`` (already in ``state.results.quantized``) and free their
         observers. A module whose input was never seen has no static scale to save: an error naming it."""
         mine = [n for n in names if n in self.args]
         for name in mine:
@@ -227,13 +218,13 @@ class InputCalibration:
         for name in mine:
             observer = self.observers.pop(name)
             if nvfp4_inputs(self.args[name]):
-                state.quantized[name].input_global_scale = self._global_scales.pop(name)
+                state.results.quantized[name].input_global_scale = self._global_scales.pop(name)
                 continue
             scale, zero_point = observer.qparams()
             dtype = model.get_submodule(
                 name
             ).weight.dtype  # compressed-tensors keeps scales in the weight's dtype
-            qw = state.quantized[name]
+            qw = state.results.quantized[name]
             qw.input_scale = scale.to(dtype if dtype.is_floating_point else torch.float32)
             qw.input_zero_point = None if observer.args.symmetric else zero_point
 
@@ -255,10 +246,10 @@ class InputCalibration:
 
 @contextlib.contextmanager
 def quantized_inputs(
-    model: torch.nn.Module, state: Any, schemes: Mapping[str, QuantizationScheme]
+    model: torch.nn.Module, state: RunState, schemes: Mapping[str, QuantizationScheme]
 ) -> Iterator[None]:
     """Fake-quantize the inputs of the modules in ``schemes`` that quantize activations, once each is in
-    ``state.quantized`` (before that, calibration sees their raw inputs). Hooks are removed on exit.
+    ``state.results.quantized`` (before that, calibration sees their raw inputs). Hooks are removed on exit.
 
     Args:
         model: the model being calibrated.
@@ -275,7 +266,7 @@ def quantized_inputs(
 
     def hook_for(name: str) -> Any:
         def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
-            qw = state.quantized.get(name)
+            qw = state.results.quantized.get(name)
             if qw is None or not args or not isinstance(args[0], Tensor):
                 return None
             x = args[0]

@@ -4,7 +4,7 @@ arguments. Math in ``seqcal.algorithms.autoround``.
 The modifier is not ``input_only``, so the pipeline cuts after each layer. The layer's calibration pass records
 its calls (``SpanCache``); ``compress`` computes the layer's full-precision output on its *reference inputs*,
 learns the rounding offsets and min/max factors of every Linear of the layer against it (``iters`` steps of
-``batch_size`` rows; the best iterate by loss is kept), quantizes the Linears into ``state.quantized``, and the
+``batch_size`` rows; the best iterate by loss is kept), quantizes the Linears into ``state.results.quantized``, and the
 propagation pass gives the next layer the quantized layer's output, which the layer trains on.
 
 Reference inputs (``reference``): ``"full_precision"`` (default, auto-round's own): the unquantized model's
@@ -36,7 +36,7 @@ from seqcal.algorithms.autoround import (
     sign_step_,
 )
 from seqcal.backend import linears_on_onednn
-from seqcal.modifiers.base import QuantizedWeight, RunState
+from seqcal.modifiers.base import BatchCursor, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs
 from seqcal.modifiers.spans import SpanCache, moved
@@ -123,18 +123,20 @@ class AutoRoundModifier(QuantizationModifier):
         self.losses: dict[str, tuple[float, float]] = {}  # layer -> (round to nearest, best learned) loss
         # enable_torch_compile is on by default (llm-compressor's): not worth a line
         if self.device_ids is not None or self.disable_opt_rtn:
-            state.log.append(f"{self.name}: device_ids and disable_opt_rtn have no effect in seqcal (layers run on "
+            state.results.log.append(f"{self.name}: device_ids and disable_opt_rtn have no effect in seqcal (layers run on "
                              "the execution device; iters 0 is round to nearest)")  # fmt: skip
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
         handles = []
         try:  # entered once per virtual shard: the recorded calls carry over
             for layer in subgraph.targets:
                 span = self._spans.setdefault(layer, SpanCache(self.max_chunk_memory))
-                hook = span.hook(lambda: state.token_mask)
+                hook = span.hook(lambda: batches.current.token_mask)
                 handles.append(model.get_submodule(layer).register_forward_pre_hook(hook, with_kwargs=True))
-            with super().calibrate(subgraph, model, state):
+            with super().calibrate(subgraph, model, state, batches):
                 yield
         finally:
             for handle in handles:
@@ -145,7 +147,9 @@ class AutoRoundModifier(QuantizationModifier):
         for layer in subgraph.targets:
             span = self._spans.pop(layer, None)
             names = [
-                n for n in self.modules_in(subgraph) if n.startswith(layer + ".") and n not in state.quantized
+                n
+                for n in self.modules_in(subgraph)
+                if n.startswith(layer + ".") and n not in state.results.quantized
             ]
             if span is None or not span.calls:
                 self._reference = None
@@ -154,10 +158,10 @@ class AutoRoundModifier(QuantizationModifier):
             span.calls.clear()
             with (
                 torch.no_grad(),
-                linears_on_onednn(state.device),
-                _autocast(state.device, state.compute_dtype),
+                linears_on_onednn(state.config.device),
+                _autocast(state.config.device, state.config.compute_dtype),
             ):
-                reference = self._reference_outputs(model.get_submodule(layer), calls, state.device)
+                reference = self._reference_outputs(model.get_submodule(layer), calls, state.config.device)
             self._reference = reference if self.reference == "full_precision" else None
             if names:
                 self._learn(layer, names, calls, reference, model, state)
@@ -189,10 +193,10 @@ class AutoRoundModifier(QuantizationModifier):
 
     def _training_precision(self, state: RunState) -> contextlib.AbstractContextManager:
         """bfloat16 autocast (``amp``), else the run's compute dtype, else float32 Linears on oneDNN's kernels."""
-        dtype = torch.bfloat16 if self.amp else state.compute_dtype
+        dtype = torch.bfloat16 if self.amp else state.config.compute_dtype
         stack = contextlib.ExitStack()
         stack.enter_context(TrainingKernels(linears=dtype is None))  # under autocast the Linears stay torch's
-        stack.enter_context(_autocast(state.device, dtype))
+        stack.enter_context(_autocast(state.config.device, dtype))
         return stack
 
     def _learn(self, layer: str, names: list[str], calls: Calls, reference: list[torch.Tensor],
@@ -208,7 +212,7 @@ class AutoRoundModifier(QuantizationModifier):
         best, first, kept = math.inf, math.nan, {n: p.detached() for n, p in params.items()}
         for step, rows in enumerate(batches_of(calls.rows, self.batch_size, self.iters, self.seed)):
             loss = 0.0
-            for share, args, kwargs, mask, target in calls.batch(rows, reference, state.device):
+            for share, args, kwargs, mask, target in calls.batch(rows, reference, state.config.device):
                 with torch.enable_grad(), self._training_precision(state):
                     weights = {rel[n]: learned_fake_quantize(W[n], params[n], **kw[n]) for n in names}
                     y = functional_call(block, {**frozen, **weights}, args, kwargs)
@@ -228,9 +232,9 @@ class AutoRoundModifier(QuantizationModifier):
             q, scale, zp = learned_codes(W[n], kept[n], **kwn)
             gs = W[n].shape[-1] if kwn["group_size"] is None else kwn["group_size"]
             module.weight.data = dequantize(q, scale, zp, group_size=gs, dtype=W[n].dtype)
-            state.quantized[n] = QuantizedWeight(q, scale, zp, None, self.modules[n])
+            state.results.quantized[n] = QuantizedWeight(q, scale, zp, None, self.modules[n])
             if self.iters:
-                state.module_errors.setdefault(n, {}).update(
+                state.results.module_errors.setdefault(n, {}).update(
                     autoround_initial_loss=first, autoround_loss=best
                 )
 

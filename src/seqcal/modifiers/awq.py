@@ -26,10 +26,11 @@ from seqcal.algorithms.awq import (
 )
 from seqcal.mappings import resolve_mappings
 from seqcal.modifiers._awq_mappings import AWQMapping, from_mapping, resolve
-from seqcal.modifiers.activations import InputCalibration, real_tokens
-from seqcal.modifiers.base import RunState, Statistic
+from seqcal.modifiers.activations import InputCalibration
+from seqcal.modifiers.base import BatchCursor, RunState, Statistic
 from seqcal.modifiers.quantization import QuantizationModifier, fake_quantized, quant_kwargs
 from seqcal.modifiers.spans import SpanCache
+from seqcal.modifiers.state import real_tokens
 from seqcal.tracing.partition import Subgraph
 
 # A span that is one Linear is scored from the Gram matrix of its inputs once it saw more tokens than this many per
@@ -173,13 +174,15 @@ class AWQModifier(QuantizationModifier):
         if not self._mappings:
             self.validate(model)
         if self._skipped:  # one line, as llm-compressor's warning
-            state.log.append(f"AWQ: {len(self._skipped)} mapping(s) skipped as llm-compressor does, such as "
+            state.results.log.append(f"AWQ: {len(self._skipped)} mapping(s) skipped as llm-compressor does, such as "
                              f"{self._skipped[0]}")  # fmt: skip
         self._stats: dict[str, list | None] = {}  # smooth -> [sum |x| per channel, tokens]; None once folded
         self._spans: dict[str, SpanCache] = {}  # parent -> its recorded calls, within max_chunk_memory
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
         handles, hooked = [], set()
         try:
             # entered once per virtual shard of the calibration set: statistics and span records carry over
@@ -189,26 +192,26 @@ class AWQModifier(QuantizationModifier):
                     continue  # folded already, or not (wholly) in this subgraph
                 self._stats.setdefault(m.smooth, [None, 0])
                 balance = model.get_submodule(m.balance[0])  # all balance layers read the same input
-                handles.append(balance.register_forward_pre_hook(self._stat_hook(m.smooth, state)))
+                handles.append(balance.register_forward_pre_hook(self._stat_hook(m.smooth, batches)))
                 if m.parent not in hooked:  # mappings sharing a span record its calls once
                     hooked.add(m.parent)
-                    shards = state.sharding.plan.shards if state.sharding is not None else 1
+                    shards = state.config.sharding.plan.shards if state.config.sharding is not None else 1
                     span = self._spans.setdefault(  # max_chunk_memory split over the virtual shards
                         m.parent, SpanCache(max(1, self.max_chunk_memory // shards), self.offload_device)
                     )
-                    hook = span.hook(lambda: state.token_mask)
+                    hook = span.hook(lambda: batches.current.token_mask)
                     handles.append(
                         model.get_submodule(m.parent).register_forward_pre_hook(hook, with_kwargs=True)
                     )
-            with super().calibrate(subgraph, model, state):
+            with super().calibrate(subgraph, model, state, batches):
                 yield
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _stat_hook(self, smooth: str, state: RunState) -> Any:
+    def _stat_hook(self, smooth: str, batches: BatchCursor) -> Any:
         def hook(module: torch.nn.Module, args: tuple) -> None:
-            X = real_tokens(args[0].detach(), state.token_mask)  # [tokens, in], padding dropped
+            X = batches.current.real(args[0].detach())  # [tokens, in], padding dropped
             stat = self._stats[smooth]
             stat[0], stat[1] = add_channel_abs(stat[0], X), stat[1] + X.shape[0]
 
@@ -219,13 +222,13 @@ class AWQModifier(QuantizationModifier):
             total, count = self._stats[m.smooth]
             self._stats[m.smooth] = None  # folded (or left at scale 1): never calibrated again
             if total is None or count == 0:
-                state.log.append(f"AWQ: {m.smooth} saw no tokens; its mapping keeps scale 1")
+                state.results.log.append(f"AWQ: {m.smooth} saw no tokens; its mapping keeps scale 1")
                 continue
             with _autocast(state):
                 result = self._search(m, model, total / count, state)
             state.fold(model, m.mapping(), result.scales)
             for name in m.balance:
-                state.module_errors.setdefault(name, {}).update(
+                state.results.module_errors.setdefault(name, {}).update(
                     awq_loss=result.loss, awq_initial_loss=result.initial_loss, awq_ratio=result.ratio,
                     awq_batches=self._calls, awq_screened=self._screened)  # fmt: skip
         for parent in {
@@ -243,7 +246,9 @@ class AWQModifier(QuantizationModifier):
     def finalize(self, model: torch.nn.Module, state: RunState) -> None:
         missed = [m.smooth for m in self._mappings if m.smooth not in self._stats]
         if missed:  # a subgraph cut inside a mapping (its producer and its span apart): no scales for it
-            state.log.append(f"AWQ: {len(missed)} mapping(s) never calibrated (scale 1), such as {missed[0]}")
+            state.results.log.append(
+                f"AWQ: {len(missed)} mapping(s) never calibrated (scale 1), such as {missed[0]}"
+            )
         super().finalize(model, state)
 
     def _search(self, m: AWQMapping, model: torch.nn.Module, x_mean: torch.Tensor, state: RunState) -> Any:
@@ -251,10 +256,14 @@ class AWQModifier(QuantizationModifier):
         quantized = {n: model.get_submodule(n).weight for n in m.balance if n in self.modules}
         originals = {n: w.data.clone() for n, w in quantized.items()}
         local = (
-            len(state.sharding.plan.shards_of(state.sharding.group.rank)) if state.sharding is not None else 1
+            len(state.config.sharding.plan.shards_of(state.config.sharding.group.rank))
+            if state.config.sharding is not None
+            else 1
         )
         gram = self._gram(m, parent, quantized, span, local, state)  # X^T X of every shard, or None
-        references = [] if gram is not None else span.outputs(parent, state.device)  # the float span's output
+        references = (
+            [] if gram is not None else span.outputs(parent, state.config.device)
+        )  # the float span's output
         self._screened = 0
 
         def place(s: torch.Tensor) -> None:
@@ -266,7 +275,7 @@ class AWQModifier(QuantizationModifier):
         def run(c: int, calls: list[int]) -> None:
             """Candidate ``c`` (placed) on the recorded ``calls``: squared errors into ``per_call[call, c]``."""
             for i in calls:
-                output = span.run(parent, state.device, i)
+                output = span.run(parent, state.config.device, i)
                 per_call[i, c], elements[i] = masked_mse(references[i], output, span.calls[i][2])
 
         def reduced(calls: list[int], kept: list[int]) -> tuple[list[float], bool]:
@@ -333,7 +342,9 @@ class AWQModifier(QuantizationModifier):
         weights = [model.get_submodule(n).weight for n in m.balance]
         w_mean = weight_mean(weights, group) if self.duo_scaling is not False else None
         try:
-            return search_all_scales(losses, x_mean.to(state.device), w_mean, self.n_grid, self.duo_scaling)
+            return search_all_scales(
+                losses, x_mean.to(state.config.device), w_mean, self.n_grid, self.duo_scaling
+            )
         finally:
             for n, w in quantized.items():
                 w.data = originals[n]
@@ -345,15 +356,17 @@ class AWQModifier(QuantizationModifier):
         loss without running the span; None when the span is anything else, or when running it costs less (its
         tokens fewer than its inputs: the Gram matrix costs ``out * in^2`` per candidate, a run ``tokens * out *
         in``)."""
-        if not (list(quantized) == [m.parent] == list(m.balance) and state.compute_dtype is None):
+        if not (list(quantized) == [m.parent] == list(m.balance) and state.config.compute_dtype is None):
             return None
         width = parent.in_features
-        per_shard = [{"awq_gram": {"gram": Statistic(torch.zeros(width, width, device=state.device)),
+        per_shard = [{"awq_gram": {"gram": Statistic(torch.zeros(width, width, device=state.config.device)),
                                    "tokens": Statistic(torch.zeros(1, dtype=torch.int64)),
                                    "calls": Statistic(torch.tensor([span.shards.count(k)]))}}
                      for k in range(local)]  # fmt: skip
         for (args, _, mask), shard in zip(span.calls, span.shards):
-            X = real_tokens(args[0].to(state.device), None if mask is None else mask.to(state.device))
+            X = real_tokens(
+                args[0].to(state.config.device), None if mask is None else mask.to(state.config.device)
+            )
             stats = per_shard[shard]["awq_gram"]
             add_gram(stats["gram"].tensor, X)
             stats["tokens"].tensor += X.shape[0]
@@ -381,5 +394,5 @@ def screened_calls(shards: list[int], every: int) -> list[int]:
 
 def _autocast(state: RunState) -> contextlib.AbstractContextManager:
     """The forward passes' autocast (``compute_dtype``), so the search sees the spans as calibration ran them."""
-    dtype = state.compute_dtype
-    return torch.autocast(state.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+    dtype = state.config.compute_dtype
+    return torch.autocast(state.config.device.type, dtype=dtype) if dtype else contextlib.nullcontext()

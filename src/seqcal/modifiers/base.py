@@ -1,14 +1,15 @@
 """The modifier lifecycle: what the executor calls, in order, for every subgraph.
 
 A modifier is a typed dataclass (its fields are the recipe's arguments, with llm-compressor's names).
-The executor owns hooks and state and passes them down; a modifier keeps nothing global:
+The executor owns hooks and state (``modifiers.state``: the run's configuration, results and fold ledger) and
+passes them down; a modifier keeps nothing global:
 
     modifier.validate(model)                     once, before any weight is touched
     modifier.initialize(model, state)            once: resolve targets, data-free work
     for each subgraph:
-        with modifier.calibrate(subgraph, model, state):   hooks live only inside this block
-            calibration pass over all batches
-            (or, for subgraphs cut before their modules: modifier.observe(names, x, state) per batch)
+        with modifier.calibrate(subgraph, model, state, batches):   hooks live only inside this block
+            calibration pass over all batches (hooks read the batch being run: batches.current)
+            (or, for subgraphs cut before their modules: modifier.observe(names, x, state, batch) per batch)
             (after each virtual shard of the batches: modifier.partial_statistics(), folded in shard order
              across shards and processes, then modifier.load_statistics(reduced); seqcal.distributed)
         changed = modifier.compress(subgraph, model, state)      on the subgraph's owner; the other processes
@@ -35,157 +36,25 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields
 from typing import Any, ClassVar
 
 import torch
 from torch import fx
 
-from seqcal.algorithms import dequantize
-from seqcal.mappings import Mapping, fold_scales
-from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.needs import Gather, Needs
-from seqcal.modifiers.schemes import strategy_of
+
+# re-exported: the run state and its parts live in modifiers.state
+from seqcal.modifiers.state import Batch as Batch
+from seqcal.modifiers.state import BatchCursor as BatchCursor
+from seqcal.modifiers.state import RunState as RunState
 from seqcal.records import REDUCTIONS as REDUCTIONS  # re-exported: these types moved to seqcal.records
 from seqcal.records import Fold as Fold
 from seqcal.records import QuantizedWeight as QuantizedWeight
 from seqcal.records import Statistic as Statistic
-from seqcal.records import fold, tensors_of
 from seqcal.records import fold_records as fold_records
 from seqcal.records import folds_from as folds_from
 from seqcal.tracing.partition import Subgraph
-
-
-@dataclass
-class RunState:
-    """Everything one calibration run accumulates; owned by the executor, passed to modifiers."""
-
-    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # module name -> compressed weight
-    module_errors: dict[str, dict[str, float]] = field(default_factory=dict)  # module name -> metrics
-    log: list[str] = field(default_factory=list)  # human-readable events (fallbacks, warnings)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    report: dict[str, Any] = field(default_factory=dict)  # per-subgraph/per-module numbers, saved as JSON
-    token_mask: torch.Tensor | None = None  # [batch, seq] bool of the batch being run (False = padding)
-    # autocast dtype of the forward passes (None: the weights' dtype)
-    compute_dtype: torch.dtype | None = None
-    # Bytes of device memory the run may use (max_device_memory), or None: modifiers size their working
-    # memory from it (GPTQ's stacked solves, modifiers.solve_chunks).
-    device_budget: int | None = None
-    # Virtual shards of the batches and the processes they run on (seqcal.distributed.ShardedRun), or None:
-    # the executor then accumulates over all batches at once.
-    sharding: Any = None
-    # Pruned modules -> their mask structure ("2:4", "0:0"), set by the pruning modifiers: a later quantizer
-    # keeps their zeros (GPTQ solves with the mask), the checkpoint records the sparsity.
-    sparsity: dict[str, str] = field(default_factory=dict)
-    # The recipe's kv_cache_scheme (compressed-tensors QuantizationArgs) when the KV cache is quantized: written
-    # to quantization_config; the scales themselves are the attention modules' k_scale / v_scale buffers.
-    kv_cache_scheme: Any = None
-    # The one-pass cut's stand-in cache (``kv_hooks.kv_tap``) when the keys and values reach the graph through it.
-    kv_tap: Any = None
-    folds: list[Fold] = field(default_factory=list)  # scales folded so far, in order (``fold``)
-    # Subgraph index -> the folds whose scales divided its cached inputs (the cut before the modules); a resumed
-    # run divides them again when it replays the subgraph (``replay_folds``: those of the one being replayed).
-    divided: dict[int, list[Fold]] = field(default_factory=dict)
-    replay_folds: list[Fold] = field(default_factory=list)
-    edited: set[str] = field(default_factory=set)  # producers whose weights a fold changed (saved, kept)
-    # Every other module whose parameters or buffers a modifier changed in place, outside ``quantized``
-    # (consumers of a fold, calibrated buffers): see ``changed_modules``.
-    changed: set[str] = field(default_factory=set)
-
-    def changed_modules(self) -> set[str]:
-        """Every module whose weights a modifier changed: quantized, folded into (producer or consumer), pruned,
-        or marked in ``changed``. A resumed run puts them all back when it replays a finished subgraph, and
-        offloaded weights are copied back to the host for them."""
-        return {*self.quantized, *self.edited, *self.sparsity, *self.changed}
-
-    def reduce_shards(
-        self, per_shard: list[dict[str, dict[str, Statistic]]]
-    ) -> dict[str, dict[str, torch.Tensor]]:
-        """A further round of reduction, inside ``compress`` of a modifier that ``compresses_everywhere``: one
-        partial per virtual shard of this process (in order), folded in shard order over every process, and
-        the result returned on every process (AWQ's grid-search losses). Every process must call it the same
-        number of times, in the same order.
-
-        Example:
-            >>> RunState().reduce_shards([{"l": {"s": Statistic(torch.ones(2))}}])["l"]["s"]
-            tensor([1., 1.])
-        """
-        if self.sharding is not None:
-            return self.sharding.reduce_round(per_shard, self.device)
-        total = None
-        for partial in per_shard:
-            total = fold(total, partial)
-        return tensors_of(total or {})
-
-    def fold(self, model: torch.nn.Module, mapping: Mapping, scales: torch.Tensor) -> Fold:
-        """Fold smoothing ``scales`` into ``mapping`` (``seqcal.mappings.fold_scales``) and record it, so the
-        pipeline moves the group's cached inputs and other modifiers' statistics to the new coordinates.
-
-        A producer quantized already (a Linear of an earlier group in the one-pass cut: up_proj before
-        down_proj's inputs are seen) takes the fold when its codes stay valid (``refold_refusal``): the scales of
-        its rows are divided, the codes kept, and its weight is their dequantized value.
-
-        Raises:
-            RuntimeError: a consumer is already quantized, or the producer is and cannot take the fold.
-        """
-        done = [n for n in mapping.consumers if n in self.quantized]
-        if done:
-            raise RuntimeError(
-                f"cannot fold scales into {mapping.producer} -> {', '.join(mapping.consumers)}: {done[0]} is "
-                "already quantized; transforms must run before the quantizers of the group"
-            )
-        if why := self.refold_refusal(model, mapping.producer):
-            raise RuntimeError(
-                f"cannot fold scales into {mapping.producer} -> {', '.join(mapping.consumers)}: "
-                f"{mapping.producer} is already quantized and {why}"
-            )
-        fold_scales(model, mapping, scales)
-        if mapping.producer in self.quantized:
-            self.quantized[mapping.producer] = _rows_divided(model, mapping.producer,
-                                                             self.quantized[mapping.producer], scales)  # fmt: skip
-        record = Fold(mapping, scales.detach().float())
-        self.folds.append(record)
-        self.edited.add(mapping.producer)
-        self.changed.update(mapping.consumers)  # their columns were scaled: not the model's weights any more
-        return record
-
-    def refold_refusal(self, model: torch.nn.Module, producer: str) -> str | None:
-        """Why smoothing scales cannot be folded into ``producer``'s rows now that it is quantized (None: they
-        can, or it is not quantized). Dividing row ``i`` by ``s_i`` keeps every code when each weight scale
-        belongs to one row (strategies channel and group, float scales): the row's scales are divided. One scale
-        across rows (tensor, blocks), fp8 or e8m0 scales (NVFP4, MX) would need new codes, and keys or values
-        whose KV-cache scales were calibrated already would no longer match them."""
-        qw = self.quantized.get(producer)
-        if qw is None:
-            return None
-        if (fmt := weight_format(qw.scheme)) is not None:
-            return f"its format ({fmt.strategy}, {fmt.scale} scales) would need new codes for scaled rows"
-        if (strategy := strategy_of(qw.scheme.weights)) not in ("channel", "group"):
-            return f"one weight scale spans all its rows (strategy {strategy!r}): scaled rows would need new codes"
-        if qw.q.numel() == 0:
-            return "its codes were written to the checkpoint already"
-        parts = producer.split(".")
-        parents = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
-        for parent in parents if self.kv_cache_scheme is not None else ():
-            if hasattr(model.get_submodule(parent), "v_scale"):
-                return f"its outputs reach the quantized KV cache of {parent}, whose scales are calibrated already"
-        return None
-
-
-def _rows_divided(
-    model: torch.nn.Module, producer: str, qw: QuantizedWeight, scales: torch.Tensor
-) -> QuantizedWeight:
-    """``qw`` with its last ``len(scales)`` rows divided by ``scales`` (the rows ``fold_scales`` divided): those
-    rows' scales divided, the codes kept, and the module's weight set to the dequantized result, so that the
-    model computes what the checkpoint will hold."""
-    weight = model.get_submodule(producer).weight
-    scale = qw.scale.clone()
-    rows = slice(scale.shape[0] - scales.shape[0], None)
-    scale[rows] = (scale[rows].float() / scales.to(scale.device).unsqueeze(-1)).to(scale.dtype)
-    group = qw.scheme.weights.group_size if strategy_of(qw.scheme.weights) == "group" else None
-    values = dequantize(qw.q, scale, qw.zero_point, group_size=group, g_idx=qw.g_idx, dtype=weight.dtype)
-    weight.data = values.to(weight.device)
-    return replace(qw, scale=scale)
 
 
 class Modifier:
@@ -197,7 +66,7 @@ class Modifier:
     # may cut subgraphs before those modules and run each subgraph once instead of twice.
     input_only: ClassVar[bool] = False
     # False: an interrupted run cannot be resumed, because this modifier changes weights that a replayed
-    # subgraph cannot put back (neither quantized nor recorded in ``RunState.changed_modules``).
+    # subgraph cannot put back (neither quantized nor recorded in ``state.ledger.changed``).
     resumable: ClassVar[bool] = True
 
     # Statistics the framework gathers for this modifier from each of its modules' inputs, in every cut, and
@@ -275,14 +144,17 @@ class Modifier:
         """Resolve targets; data-free modifiers may do all their work here."""
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
-        """Attach hooks for the calibration pass of ``subgraph``; they are removed on exit, also on error."""
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
+        """Attach hooks for the calibration pass of ``subgraph``; they are removed on exit, also on error.
+        A hook reads the batch being run (its token mask) from ``batches.current``."""
         yield
 
-    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState, batch: Batch) -> None:
         """One batch's input ``x`` of the modules ``names`` (they all read it), for ``input_only`` modifiers.
 
-        Called instead of hooks when subgraphs are cut before the modules (``state.token_mask`` is set).
+        Called instead of hooks when subgraphs are cut before the modules; ``batch.real(x)`` drops its padding.
         """
 
     def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
@@ -313,7 +185,7 @@ class Modifier:
         return False
 
     def results(self, subgraph: Subgraph, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """What ``compress`` computed besides the quantized weights (``state.quantized``, sent by the run
+        """What ``compress`` computed besides the quantized weights (``state.results.quantized``, sent by the run
         itself) that every process needs to propagate ``subgraph`` as the one that compressed it: named
         tensors (the KV cache's ``k_scale`` / ``v_scale``). With several processes only the subgraph's owner
         compresses; the others get these through ``load_results``."""

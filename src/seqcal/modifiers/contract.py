@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from seqcal.modifiers.activations import real_tokens
 from seqcal.modifiers.base import Statistic
 from seqcal.modifiers.needs import Gather, Needs, gathers_unshared
+from seqcal.modifiers.state import Batch, BatchCursor, RunState, real_tokens
 
 if TYPE_CHECKING:
-    from seqcal.modifiers.base import Modifier, RunState
+    from seqcal.modifiers.base import Modifier
     from seqcal.tracing.partition import Subgraph
 
 # The prefix of declared statistics' keys among a modifier's partial statistics: ``gather:<module>``, so that
@@ -203,6 +203,11 @@ class ModifierSet(tuple):
         """The KV-cache calibrations of the modifiers that quantize the KV cache."""
         return [kv for m in self if (kv := m.kv_calibration()) is not None]
 
+    def kv_cache_scheme(self) -> Any:
+        """The ``kv_cache_scheme`` (compressed-tensors QuantizationArgs) of the last modifier that quantizes the
+        KV cache, or None: the run's configuration and the checkpoint's ``quantization_config`` hold it."""
+        return next((kv.args for kv in reversed(self.kv())), None)
+
     def with_kv(self) -> list[Modifier]:
         return [m for m in self if m.kv_calibration() is not None]
 
@@ -216,8 +221,9 @@ class ModifierSet(tuple):
 
 
 def observe(
-    modifier: Modifier, names: list[str], x: torch.Tensor, state: RunState, ref: torch.Tensor | None = None
-) -> None:
+    modifier: Modifier, names: list[str], x: torch.Tensor, state: RunState, batch: Batch,
+    ref: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """One batch's input ``x`` of the module group ``names`` (the one-pass cut): declared statistics of the
     modifier's modules among them, then the modifier's own ``observe``; ``ref`` is the group's input in the
     full-precision stream, when the run keeps one."""
@@ -225,18 +231,19 @@ def observe(
         store, mine = gathered_of(modifier), modifier.quantizes().keys() | modifier.prunes().keys()
         for name in names:
             if name in mine:
-                store.add(name, x, state.token_mask, ref)
-    modifier.observe(names, x, state)
+                store.add(name, x, batch.token_mask, ref)
+    modifier.observe(names, x, state, batch)
 
 
 @contextlib.contextmanager
 def calibrating(
-    modifier: Modifier, subgraph: Subgraph, model: torch.nn.Module, state: RunState,
+    modifier: Modifier, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor,
     reference: dict[str, torch.Tensor] | None = None,
 ) -> Iterator[None]:  # fmt: skip
     """The layer cut's calibration pass of ``subgraph``: pre-hooks feeding the declared statistics of the
-    modifier's modules in it, and the modifier's own ``calibrate``; every hook removed on exit. ``reference``:
-    module name -> the batch's input of that module in the full-precision stream (one batch per pass)."""
+    modifier's modules in it, and the modifier's own ``calibrate``; every hook removed on exit. ``batches``:
+    the batch being run (moved by the pass); ``reference``: module name -> the batch's input of that module
+    in the full-precision stream (one batch per pass)."""
     handles = []
     try:
         if type(modifier).gathers:
@@ -244,10 +251,10 @@ def calibrating(
             for name in modifier.modules_in(subgraph):
 
                 def hook(_module: torch.nn.Module, args: tuple, name: str = name) -> None:
-                    store.add(name, args[0], state.token_mask, (reference or {}).get(name))
+                    store.add(name, args[0], batches.current.token_mask, (reference or {}).get(name))
 
                 handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
-        with modifier.calibrate(subgraph, model, state):
+        with modifier.calibrate(subgraph, model, state, batches):
             yield
     finally:
         for handle in handles:

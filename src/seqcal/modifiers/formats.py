@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from compressed_tensors.quantization import QuantizationScheme
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from seqcal.algorithms.formats import WeightFormat, global_scale_of
 from seqcal.experts import LinearExperts
@@ -29,6 +29,11 @@ FUSED_SIBLINGS: dict[str, tuple[str, ...]] = {
     "w13": ("w1", "w3"),  # Mixtral-style expert and MLP projections
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # multi-head latent attention (DeepSeek V2/V3)
 }
+
+
+def strategy_of(args: QuantizationArgs) -> str:
+    """The strategy of ``args`` as a plain string ("tensor", "channel", "group", ...)."""
+    return str(args.strategy.value if hasattr(args.strategy, "value") else args.strategy)
 
 
 def _value(x: object) -> object:

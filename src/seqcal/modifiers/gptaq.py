@@ -21,7 +21,7 @@ from seqcal.algorithms import relative_output_error
 from seqcal.algorithms.gptaq import gptaq_quantize
 from seqcal.algorithms.gptq import GPTQNumericalError
 from seqcal.modifiers.activations import calibrated_inputs
-from seqcal.modifiers.base import QuantizedWeight, RunState, Statistic
+from seqcal.modifiers.base import Batch, BatchCursor, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.needs import Gather
@@ -62,10 +62,12 @@ class GPTAQModifier(GPTQModifier):
 
     # Every statistic is declared above: none of GPTQ's own accumulation runs.
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
         yield
 
-    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState, batch: Batch) -> None:
         pass
 
     def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
@@ -75,19 +77,21 @@ class GPTAQModifier(GPTQModifier):
         pass
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
-        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         for name in names:
             module, scheme = model.get_submodule(name), self.modules[name]
             try:
                 stats = self.gathered(name)
             except KeyError:
-                state.log.append(f"{name}: never called during calibration; quantized round-to-nearest")
-                state.quantized[name] = rtn_quantize_module(module, scheme)
+                state.results.log.append(
+                    f"{name}: never called during calibration; quantized round-to-nearest"
+                )
+                state.results.quantized[name] = rtn_quantize_module(module, scheme)
                 continue
             n = float(stats["tokens"].item())
             H, dXXT = stats["xtx"].mul(2 / n), stats["dxxt"].mul(2 / n)  # GPTQ's H = 2 X^T X / tokens
             self._solve_one(name, module, H, dXXT, state)
-            state.module_errors.setdefault(name, {})["tokens"] = int(n)
+            state.results.module_errors.setdefault(name, {})["tokens"] = int(n)
         return bool(names)
 
     def _solve_one(self, name: str, module: torch.nn.Module, H: torch.Tensor, dXXT: torch.Tensor,
@@ -103,14 +107,14 @@ class GPTAQModifier(GPTQModifier):
                 symmetric=kw["symmetric"], strategy=kw["strategy"], group_size=kw["group_size"],
             )  # fmt: skip
         except GPTQNumericalError as exc:
-            state.log.append(f"{name}: GPTAQ failed ({exc}); fell back to round-to-nearest")
-            state.quantized[name] = rtn_quantize_module(module, scheme)
+            state.results.log.append(f"{name}: GPTAQ failed ({exc}); fell back to round-to-nearest")
+            state.results.quantized[name] = rtn_quantize_module(module, scheme)
             return
-        errors = state.module_errors.setdefault(name, {})
+        errors = state.results.module_errors.setdefault(name, {})
         errors["rel_error"] = relative_output_error(W, result.Q, H.to(W.device))
         errors["gptq_loss"] = result.loss
         module.weight.data = result.Q.contiguous()
-        state.quantized[name] = QuantizedWeight(
+        state.results.quantized[name] = QuantizedWeight(
             q=result.q.contiguous(), scale=result.scale.contiguous(),
             zero_point=None if kw["symmetric"] else result.zero_point.contiguous(), g_idx=result.g_idx,
             scheme=scheme, loss=result.loss,

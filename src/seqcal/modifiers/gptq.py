@@ -20,7 +20,7 @@ from seqcal.algorithms import (
 )
 from seqcal.algorithms.smoothing import smoothed_hessian
 from seqcal.experts import every_token
-from seqcal.modifiers.base import Fold, QuantizedWeight, RunState, Statistic
+from seqcal.modifiers.base import Batch, BatchCursor, Fold, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.hessians import SharedInputs, add_hessian
 from seqcal.modifiers.importance import usable_importance, uses_importance
@@ -107,19 +107,21 @@ class GPTQModifier(QuantizationModifier):
         return self.sequential_targets
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
-        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         # experts calibrated on all tokens only while H accumulates; static input scales from the same inputs
-        with self._inputs.hooks(names, model, state), every_token(model, names), \
-                self.inputs.hooks(names, model, state), self.kv_hooks(subgraph, model, state):  # fmt: skip
+        with self._inputs.hooks(names, model, batches), every_token(model, names), \
+                self.inputs.hooks(names, model, state, batches), self.kv_hooks(subgraph, model, state, batches):  # fmt: skip
             yield
 
-    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
-        mine = [n for n in names if n in self.modules and n not in state.quantized]
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState, batch: Batch) -> None:
+        mine = [n for n in names if n in self.modules and n not in state.results.quantized]
         if not mine:
             return
-        self.inputs.observe(mine, x, state)
-        self._inputs.observe(mine, x, state)
+        self.inputs.observe(mine, x, state, batch)
+        self._inputs.observe(mine, x, batch)
 
     def on_fold(self, fold: Fold, model: torch.nn.Module, state: RunState) -> None:
         """Move the Hessians of the fold's consumers to the new inputs ``X / s``: ``H' = S^-1 H S^-1`` (exact).
@@ -147,15 +149,17 @@ class GPTQModifier(QuantizationModifier):
         self._inputs.load_statistics(reduced, "hessian")
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
-        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         solved: dict[tuple[int, str], list[str]] = {}  # (accumulator, scheme) -> modules solved together
         for name in names:
             acc = self._inputs.acc.pop(name, None)
             if acc is None or acc.H is None:
-                state.log.append(f"{name}: never called during calibration; quantized round-to-nearest")
+                state.results.log.append(
+                    f"{name}: never called during calibration; quantized round-to-nearest"
+                )
                 self.prepare_global_scales(model, [name])
                 module, scheme = model.get_submodule(name), self.modules[name]
-                state.quantized[name] = rtn_quantize_module(
+                state.results.quantized[name] = rtn_quantize_module(
                     module, scheme, self._global_scales.get(name),
                     importance=usable_importance(name, scheme, None, module.weight.shape[1], state),
                 )  # fmt: skip
@@ -166,7 +170,7 @@ class GPTQModifier(QuantizationModifier):
             per_row = quant_kwargs(self.modules[name])["strategy"] in ("channel", "group", "tensor_group")
             key = (id(acc), repr(self.modules[name])) if per_row else (id(acc), name)
             solved.setdefault(key, []).append(name)
-            state.module_errors.setdefault(name, {})["tokens"] = acc.n
+            state.results.module_errors.setdefault(name, {})["tokens"] = acc.n
             if not acc.symmetric:  # shared by q/k/v: the first of them makes it whole
                 acc.symmetric, acc.upper = True, False
                 symmetrize_upper(acc.H)
@@ -184,7 +188,7 @@ class GPTQModifier(QuantizationModifier):
                 self._solve(chunk, model, H, state)  # its column loop runs on one intra-op thread
                 seconds = (time.perf_counter() - start) / len(chunk)
                 for name in chunk:
-                    errors = state.module_errors.setdefault(name, {})
+                    errors = state.results.module_errors.setdefault(name, {})
                     errors["gptq_seconds"], errors["solve_chunks"] = seconds, len(chunks)
         self.inputs.finish(names, model, state)
         return self.kv_finish(subgraph, model, state) or bool(names)
@@ -193,12 +197,12 @@ class GPTQModifier(QuantizationModifier):
         """Bytes one stacked solve of ``subgraph`` may take: from the device budget when the run has one,
         less the subgraph's weights and this modifier's Hessians (on the device while it solves)."""
         resident = 0
-        if state.device_budget is not None:
+        if state.config.device_budget is not None:
             params = {id(p): p for m in subgraph.modules for p in model.get_submodule(m).parameters()}
             resident = sum(p.nbytes for p in params.values() if p.device.type != "meta")
             hessians = [H.nbytes for H in self._hessians.values()]
             resident += sum(hessians) + max(hessians, default=0)  # and the solve's Cholesky factor
-        return chunk_bytes(self._dense_solve, state.device_budget, resident)
+        return chunk_bytes(self._dense_solve, state.config.device_budget, resident)
 
     def _solve(self, names: list[str], model: torch.nn.Module, H: torch.Tensor, state: RunState) -> None:
         scheme = self.modules[names[0]]
@@ -214,7 +218,7 @@ class GPTQModifier(QuantizationModifier):
                 torch.cat([g.expand(r) for g, r in zip(globals_, rows)]).reshape(-1, 1).to(W.device)
             )
         # pruned modules (SparseGPT, Wanda earlier in the recipe) keep their zeros through the solve
-        pruned = (W == 0) if any(n in state.sparsity for n in names) else None
+        pruned = (W == 0) if any(n in state.results.sparsity for n in names) else None
         # imatrix_mse: E[x^2] is the Hessian's diagonal / 2, no second accumulation
         importance = importance_from_hessian(H) if uses_importance(scheme) else None
         importance = usable_importance(", ".join(names), scheme, importance, W.shape[1], state)
@@ -225,22 +229,22 @@ class GPTQModifier(QuantizationModifier):
             )  # fmt: skip
         except GPTQNumericalError as exc:
             for name, module, g in zip(names, modules, globals_):
-                state.log.append(f"{name}: GPTQ failed ({exc}); fell back to round-to-nearest")
-                state.quantized[name] = rtn_quantize_module(module, scheme, g, importance=importance)
+                state.results.log.append(f"{name}: GPTQ failed ({exc}); fell back to round-to-nearest")
+                state.results.quantized[name] = rtn_quantize_module(module, scheme, g, importance=importance)
             return
         if result.retries:
-            state.log.append(f"{', '.join(names)}: Cholesky needed {result.retries} retries "
+            state.results.log.append(f"{', '.join(names)}: Cholesky needed {result.retries} retries "
                              f"(dampening {result.dampening_frac})")  # fmt: skip
         split = _splitter(rows)
         for name, module, Q, q, scale, zp, loss in zip(
             names, modules, split(result.Q), split(result.q), split(result.scale),
             split(result.zero_point), split(result.row_loss),
         ):  # fmt: skip
-            errors = state.module_errors.setdefault(name, {})
+            errors = state.results.module_errors.setdefault(name, {})
             errors["rel_error"] = relative_output_error(module.weight.data, Q, H)
             module.weight.data = Q.contiguous()
             errors["gptq_loss"] = loss.sum().item()
-            state.quantized[name] = QuantizedWeight(
+            state.results.quantized[name] = QuantizedWeight(
                 q=q.contiguous(), scale=scale.contiguous(),
                 zero_point=None if kw["symmetric"] else zp.contiguous(),
                 g_idx=result.g_idx, scheme=scheme, loss=loss.sum().item(), global_scale=self._global_scales.get(name),

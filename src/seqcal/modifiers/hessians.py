@@ -3,11 +3,11 @@
 Modules fed the very same input tensor (q/k/v, gate/up) share one accumulator, filled once per batch,
 whether the inputs arrive through forward pre-hooks (subgraphs cut after layers) or through ``observe``
 (subgraphs cut before the modules, ``Modifier.input_only``). Padding tokens are dropped first
-(``activations.real_tokens``). What is accumulated is the caller's ``add`` function.
+(``Batch.real``). What is accumulated is the caller's ``add`` function.
 
 Example:
     >>> inputs = SharedInputs(add_hessian("float32"))
-    >>> inputs.observe(["q_proj", "k_proj"], torch.randn(1, 4, 8), RunState())
+    >>> inputs.observe(["q_proj", "k_proj"], torch.randn(1, 4, 8), Batch())
     >>> inputs.acc["q_proj"] is inputs.acc["k_proj"], inputs.acc["q_proj"].n
     (True, 4)
 """
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from seqcal.algorithms import accumulate_hessian, symmetrize_upper
-from seqcal.modifiers.activations import real_tokens
-from seqcal.modifiers.base import RunState, Statistic
+from seqcal.modifiers.base import Statistic
+from seqcal.modifiers.state import Batch, BatchCursor
 
 
 @dataclass
@@ -69,14 +69,15 @@ class SharedInputs:
         self.acc: dict[str, _Accumulator] = {}
 
     @contextlib.contextmanager
-    def hooks(self, names: list[str], model: torch.nn.Module, state: RunState) -> Iterator[None]:
-        """Forward pre-hooks on ``names`` for one calibration pass; removed (and inputs released) on exit."""
+    def hooks(self, names: list[str], model: torch.nn.Module, batches: BatchCursor) -> Iterator[None]:
+        """Forward pre-hooks on ``names`` for one calibration pass (``batches``: the batch it runs); removed (and
+        inputs released) on exit."""
         shared: dict[int, _Accumulator] = {}  # id of the first batch's input -> accumulator
         handles = []
         try:
             for name in names:
                 handles.append(
-                    model.get_submodule(name).register_forward_pre_hook(self._hook(name, shared, state))
+                    model.get_submodule(name).register_forward_pre_hook(self._hook(name, shared, batches))
                 )
             yield
         finally:
@@ -85,7 +86,7 @@ class SharedInputs:
             for acc in self.acc.values():
                 acc.last_input = None  # release the last batch's activations
 
-    def _hook(self, name: str, shared: dict, state: RunState) -> Any:
+    def _hook(self, name: str, shared: dict, batches: BatchCursor) -> Any:
         def hook(module: torch.nn.Module, args: tuple) -> None:
             x = args[0]
             acc = self.acc.get(name)
@@ -95,11 +96,11 @@ class SharedInputs:
             if acc.last_input is x and acc.last_version == x._version:
                 return  # a sibling (q after k, up after gate) already added this input
             acc.last_input, acc.last_version = x, x._version
-            self.add(acc, real_tokens(x.detach(), state.token_mask))  # padding tokens carry no signal
+            self.add(acc, batches.current.real(x.detach()))  # padding tokens carry no signal
 
         return hook
 
-    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
+    def observe(self, names: list[str], x: torch.Tensor, batch: Batch) -> None:
         """One batch's input ``x`` of the modules ``names`` (they all read it)."""
         if not names:
             return
@@ -107,7 +108,7 @@ class SharedInputs:
         if acc is None:  # first batch: the modules reading x share one accumulator
             acc = _Accumulator()
             self.acc.update(dict.fromkeys(names, acc))
-        self.add(acc, real_tokens(x.detach(), state.token_mask))
+        self.add(acc, batch.real(x.detach()))
 
     def partial_statistics(self, kind: str) -> dict[str, dict[str, Statistic]]:
         """This shard's accumulators (``Modifier.partial_statistics``), then forgotten: per shared accumulator

@@ -1,14 +1,14 @@
 """Input-column importance ``E[x_j^2]`` for the ``imatrix_mse`` weight observer (llama.cpp's importance matrix).
 
 For round-to-nearest (QuantizationModifier) ``ImportanceCalibration`` sums ``x_j^2`` over the real tokens of
-each module's inputs (padding excluded, ``activations.real_tokens``) during the calibration pass. GPTQ needs
+each module's inputs (padding excluded, ``Batch.real``) during the calibration pass. GPTQ needs
 no second accumulation: its Hessian ``H = 2 X^T X / tokens`` holds the same statistic on its diagonal
 (``seqcal.algorithms.importance_from_hessian``). :func:`usable_importance` applies llm-compressor's fallbacks:
 without usable statistics the search is uniform (logged), or an error with ``observer_kwargs: {strict: true}``.
 
 Example:
     >>> calib = ImportanceCalibration({"fc": scheme})  # doctest: +SKIP
-    >>> calib.observe(["fc"], x, state); calib.mean_square("fc")  # doctest: +SKIP
+    >>> calib.observe(["fc"], x, state, Batch()); calib.mean_square("fc")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from compressed_tensors.quantization import QuantizationScheme
 from torch import Tensor
 
 from seqcal.algorithms import check_importance
-from seqcal.modifiers.activations import real_tokens
 from seqcal.modifiers.schemes import strategy_of
+from seqcal.modifiers.state import Batch, BatchCursor, RunState
 from seqcal.records import Statistic
 
 IMATRIX = "imatrix_mse"
@@ -35,7 +35,7 @@ def uses_importance(scheme: QuantizationScheme) -> bool:
 
 
 def usable_importance(
-    name: str, scheme: QuantizationScheme, importance: Tensor | None, in_features: int, state: Any
+    name: str, scheme: QuantizationScheme, importance: Tensor | None, in_features: int, state: RunState
 ) -> Tensor | None:
     """``importance`` when the search can use it; else None (uniform search), logged, or an error when strict.
 
@@ -44,7 +44,7 @@ def usable_importance(
         scheme: its scheme (``weights.observer_kwargs.strict``).
         importance: ``[in]`` mean squared input per column, or None when none was collected.
         in_features: the weight's columns.
-        state: the run state (its ``log``).
+        state: the run state (its ``results.log``).
 
     Returns:
         The importance, or None.
@@ -62,7 +62,7 @@ def usable_importance(
         return importance
     if (scheme.weights.observer_kwargs or {}).get("strict", False):
         raise ValueError(f"{name}: imatrix_mse cannot weight the search ({reason}) and strict is set")
-    state.log.append(f"{name}: imatrix_mse without importance ({reason}); uniform search")
+    state.results.log.append(f"{name}: imatrix_mse without importance ({reason}); uniform search")
     return None
 
 
@@ -82,27 +82,32 @@ class ImportanceCalibration:
     def __bool__(self) -> bool:
         return bool(self.names)
 
-    def observe(self, names: list[str], x: Tensor, state: Any) -> None:
+    def observe(self, names: list[str], x: Tensor, state: RunState, batch: Batch) -> None:
         """Add one batch's input ``x [..., in]`` of the modules ``names`` (others are skipped)."""
-        mine = [n for n in names if n in self.names and n not in state.quantized]
+        mine = [n for n in names if n in self.names and n not in state.results.quantized]
         if not mine:
             return
-        last, version, batch = self._last
-        if batch is None or last is not x or version != x._version:
-            X = real_tokens(x.detach(), state.token_mask)  # padding tokens carry no signal
-            batch = (X.float().pow(2).sum(dim=0), X.shape[0])  # float32 sums, as llm-compressor's
-            self._last = (x, x._version, batch)
+        last, version, summed = self._last
+        if summed is None or last is not x or version != x._version:
+            X = batch.real(x.detach())  # padding tokens carry no signal
+            summed = (X.float().pow(2).sum(dim=0), X.shape[0])  # float32 sums, as llm-compressor's
+            self._last = (x, x._version, summed)
         for name in mine:
             total, count = self.sums.get(name, (None, 0))
-            self.sums[name] = (batch[0].clone() if total is None else total.add_(batch[0]), count + batch[1])
+            self.sums[name] = (
+                summed[0].clone() if total is None else total.add_(summed[0]),
+                count + summed[1],
+            )
 
     @contextlib.contextmanager
-    def hooks(self, names: list[str], model: torch.nn.Module, state: Any) -> Iterator[None]:
+    def hooks(
+        self, names: list[str], model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
         """Observe the inputs of ``names`` during a calibration pass (removed on exit, also on error)."""
         handles = []
         try:
             for name in [n for n in names if n in self.names]:
-                hook = lambda module, args, name=name: self.observe([name], args[0], state)  # noqa: E731
+                hook = lambda module, args, name=name: self.observe([name], args[0], state, batches.current)  # noqa: E731
                 handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
             yield
         finally:

@@ -45,6 +45,7 @@ from seqcal.modifiers.kv_hooks import (
     quantized_kv,
 )
 from seqcal.modifiers.observers import OBSERVERS, ActivationObserver, observer_name
+from seqcal.modifiers.state import BatchCursor
 from seqcal.tracing.partition import within
 
 # the hooks that apply the scales live in kv_hooks; they are still imported from here
@@ -167,7 +168,7 @@ class KVCacheCalibration:
     Example:
         >>> kv = KVCacheCalibration(kv_cache_args(spec, "m"), "m")  # doctest: +SKIP
         >>> kv.initialize(model)  # doctest: +SKIP
-        >>> with kv.hooks(subgraph, model, state): ...  # doctest: +SKIP
+        >>> with kv.hooks(subgraph.modules, model, batches): ...  # doctest: +SKIP
         >>> kv.finish(subgraph, model)  # doctest: +SKIP
     """
 
@@ -199,7 +200,7 @@ class KVCacheCalibration:
         """The attention modules inside the subgraph modules ``modules`` not calibrated yet."""
         return [n for n in self.modules if n not in self.finished and within(n, modules)]
 
-    def _observe(self, name: str, state: Any) -> Any:
+    def _observe(self, name: str, batches: BatchCursor) -> Any:
         def observe(keys: Tensor, values: Tensor) -> None:
             for kind, x in (("k", keys), ("v", values)):
                 observer = self.observers.get((name, kind))
@@ -207,15 +208,15 @@ class KVCacheCalibration:
                     observer = self.observers.setdefault(
                         (name, kind), OBSERVERS[observer_name(self.args)](self.args)
                     )
-                observer.update(_tokens(x, state.token_mask))
+                observer.update(_tokens(x, batches.current.token_mask))
 
         return observe
 
-    def tap_action(self, name: str, model: torch.nn.Module, state: Any) -> Any:
+    def tap_action(self, name: str, model: torch.nn.Module, batches: BatchCursor) -> Any:
         """What the one-pass cut's stand-in cache (``kv_hooks.kv_tap``) does with the keys and values of ``name``:
         fp8 fake quantization with its scales once calibrated, shown to its observers while ``observe_updates``
         asks for it, else nothing."""
-        observe = self._observe(name, state)
+        observe = self._observe(name, batches)
 
         def act(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor] | None:
             if name in self.finished:
@@ -237,14 +238,15 @@ class KVCacheCalibration:
             self.observing.difference_update(names)
 
     @contextlib.contextmanager
-    def hooks(self, modules: list[str], model: torch.nn.Module, state: Any) -> Iterator[None]:
-        """During a calibration pass, hand the attention modules in ``modules`` an observing cache."""
+    def hooks(self, modules: list[str], model: torch.nn.Module, batches: BatchCursor) -> Iterator[None]:
+        """During a calibration pass, hand the attention modules in ``modules`` an observing cache (``batches``:
+        the batch it runs, whose padding the observers drop)."""
         handles = []
         try:
             for name in self.modules_in(modules):
                 handles.append(
                     model.get_submodule(name).register_forward_pre_hook(
-                        self._pre_hook(name, self.modules[name], state), with_kwargs=True
+                        self._pre_hook(name, self.modules[name], batches), with_kwargs=True
                     )
                 )
             yield
@@ -252,8 +254,8 @@ class KVCacheCalibration:
             for handle in handles:
                 handle.remove()
 
-    def _pre_hook(self, name: str, argument: str, state: Any) -> Any:
-        observe = self._observe(name, state)
+    def _pre_hook(self, name: str, argument: str, batches: BatchCursor) -> Any:
+        observe = self._observe(name, batches)
 
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             kwargs = dict(kwargs)

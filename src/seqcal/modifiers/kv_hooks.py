@@ -20,6 +20,7 @@ from compressed_tensors.quantization import QuantizationArgs
 from torch import Tensor
 
 from seqcal.modifiers.fake_inputs import qdq
+from seqcal.modifiers.state import BatchCursor
 
 
 class _Calibrated(Protocol):
@@ -213,7 +214,7 @@ def checkpoint_kv_scales(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, 
 
 @contextlib.contextmanager
 def quantized_kv(
-    model: torch.nn.Module, modifiers: list[Any], tap: Any = None, state: Any = None
+    model: torch.nn.Module, modifiers: list[Any], tap: Any = None, batches: BatchCursor | None = None
 ) -> Iterator[None]:
     """Fake-quantize the keys and values of every attention module once its k_scale / v_scale are calibrated
     (entered by the pipeline around the calibration loop): later passes, the propagation pass of its own layer
@@ -223,7 +224,7 @@ def quantized_kv(
         model: the model being calibrated.
         modifiers: the run's modifiers; those with a ``kv`` (KVCacheCalibration) take part.
         tap: the one-pass cut's stand-in cache (``kv_tap``), whose updates then observe and quantize too.
-        state: the run state (the token mask of the batch being observed).
+        batches: the run's batch cursor (the token mask of the batch the stand-in cache observes).
 
     Example:
         >>> with quantized_kv(model, modifiers):  # doctest: +SKIP
@@ -238,7 +239,7 @@ def quantized_kv(
                     module.register_forward_pre_hook(_when_finished(kv, name, argument), with_kwargs=True)
                 )
                 if tap is not None:
-                    tap.on_update[name] = kv.tap_action(name, model, state)
+                    tap.on_update[name] = kv.tap_action(name, model, batches or BatchCursor())
         yield
     finally:
         for handle in handles:

@@ -76,12 +76,12 @@ class _OneShotPruning(Modifier):
         return [n for n in self.pruned if subgraph.holds(n)]
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
-        names = [n for n in self.modules_in(subgraph) if n not in state.sparsity]
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.sparsity]
         for name in names:
             weight = model.get_submodule(name).weight
             weight.data = weight.data.masked_fill(self._mask(weight.data, self.pruned[name]), 0)
-            state.module_errors.setdefault(name, {})["sparsity"] = sparsity_of(weight)
-            state.sparsity[name] = "unstructured"
+            state.results.module_errors.setdefault(name, {})["sparsity"] = sparsity_of(weight)
+            state.results.sparsity[name] = "unstructured"
         return bool(names)
 
     def _mask(self, W: torch.Tensor, sparsity: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ class Needs:
         shared_statistics: everything it gathers from data reduces across processes (declared ``gathers``,
             or ``partial_statistics`` / ``load_statistics``); False refuses a run with more than one process.
         resumable: a replayed subgraph can put back every weight it changed (quantized, pruned or recorded
-            in ``state.changed``); False refuses to resume an interrupted run.
+            in ``state.ledger.changed``); False refuses to resume an interrupted run.
     """
 
     calibration: bool = False

@@ -17,7 +17,7 @@ import torch
 
 from seqcal.algorithms.sparsity import lowest_mask, nm_mask, parse_mask_structure, sparsity_of
 from seqcal.mappings.names import checkpoint_names
-from seqcal.modifiers.base import Modifier, RunState, Statistic
+from seqcal.modifiers.base import Batch, BatchCursor, Modifier, RunState, Statistic
 from seqcal.modifiers.hessians import SharedInputs
 from seqcal.modifiers.schemes import _check_patterns, matches_target
 from seqcal.tracing.partition import Subgraph
@@ -135,9 +135,9 @@ class PruningModifier(Modifier):
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self.pruned:
             self.validate(model)
-        state.log.extend(w for w in getattr(self, "warnings", []) if w not in state.log)
+        state.results.log.extend(w for w in getattr(self, "warnings", []) if w not in state.results.log)
         if note := getattr(self, "_note", None):
-            state.log.append(note)
+            state.results.log.append(note)
 
     def prunes(self) -> dict[str, float]:
         return self.pruned
@@ -149,13 +149,17 @@ class PruningModifier(Modifier):
         return [n for n in self.pruned if subgraph.holds(n)]
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
-        names = [n for n in self.modules_in(subgraph) if n not in state.sparsity]
-        with self._inputs.hooks(names, model, state):
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.sparsity]
+        with self._inputs.hooks(names, model, batches):
             yield
 
-    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
-        self._inputs.observe([n for n in names if n in self.pruned and n not in state.sparsity], x, state)
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState, batch: Batch) -> None:
+        self._inputs.observe(
+            [n for n in names if n in self.pruned and n not in state.results.sparsity], x, batch
+        )
 
     def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
         """Per shared accumulator (``SharedInputs.partial_statistics``): SparseGPT's Hessians, Wanda's squared
@@ -178,6 +182,8 @@ class PruningModifier(Modifier):
             else lowest_mask(W.abs(), int(W.shape[1] * self.pruned[name]), 1)
         )
         model.get_submodule(name).weight.data = W.masked_fill(mask, 0)
-        state.log.append(f"{name}: never called during calibration; pruned by weight magnitude")
-        state.module_errors.setdefault(name, {})["sparsity"] = sparsity_of(model.get_submodule(name).weight)
-        state.sparsity[name] = self.structure
+        state.results.log.append(f"{name}: never called during calibration; pruned by weight magnitude")
+        state.results.module_errors.setdefault(name, {})["sparsity"] = sparsity_of(
+            model.get_submodule(name).weight
+        )
+        state.results.sparsity[name] = self.structure

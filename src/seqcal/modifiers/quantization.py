@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms import dequantize, fake_quantize, formats, quantize, weight_qparams
 from seqcal.modifiers.activations import InputCalibration, calibrated_inputs
-from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState, Statistic
+from seqcal.modifiers.base import Batch, BatchCursor, Modifier, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
 from seqcal.modifiers.importance import ImportanceCalibration, usable_importance, uses_importance
 from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
@@ -127,10 +127,9 @@ class QuantizationModifier(Modifier):
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self.modules:
             self.validate(model)
-        state.log.extend(w for w in getattr(self, "warnings", []) if w not in state.log)
-        if self.kv is not None:
+        state.results.log.extend(w for w in getattr(self, "warnings", []) if w not in state.results.log)
+        if self.kv is not None:  # the scheme itself reaches the checkpoint through the run's configuration
             self.kv.initialize(model)
-            state.kv_cache_scheme = self.kv.args
 
     def quantizes(self) -> dict[str, QuantizationScheme]:
         return self.modules
@@ -150,23 +149,27 @@ class QuantizationModifier(Modifier):
         return [n for n in self.modules if subgraph.holds(n)]
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
-        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         # static input scales, imatrix_mse's importance, KV-cache scales; nothing else needs data
-        with self.inputs.hooks(names, model, state), self.importance.hooks(names, model, state), \
-                self.kv_hooks(subgraph, model, state):  # fmt: skip
+        with self.inputs.hooks(names, model, state, batches), self.importance.hooks(names, model, state, batches), \
+                self.kv_hooks(subgraph, model, state, batches):  # fmt: skip
             yield
 
     def shares_statistics(self) -> bool:
         """Static input ranges, imatrix_mse's sums of ``x^2`` and the KV cache's ranges reduce across processes."""
         return True
 
-    def kv_hooks(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Any:
+    def kv_hooks(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> contextlib.AbstractContextManager:
         """Observe the keys and values of the subgraph's attention modules (kv_cache_scheme), else nothing."""
         # the one-pass cut observes through its stand-in cache instead
-        if self.kv is None or state.kv_tap is not None:
+        if self.kv is None or state.config.kv_in_graph:
             return contextlib.nullcontext()
-        return self.kv.hooks(subgraph.modules, model, state)
+        return self.kv.hooks(subgraph.modules, model, batches)
 
     def kv_finish(
         self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, updates: bool = False
@@ -178,22 +181,22 @@ class QuantizationModifier(Modifier):
             updates: the attention modules whose cache update a one-pass subgraph runs (``kv_updates``, after
                 their own observation pass) instead of those inside the subgraph's modules (the layer cut).
         """
-        if self.kv is None or (state.kv_tap is not None) != updates:  # one-pass: after its own pass
+        if self.kv is None or state.config.kv_in_graph != updates:  # one-pass: after its own pass
             return False
         inside = [n for n in subgraph.kv_updates if n in self.kv.modules and n not in self.kv.finished] if \
             updates else self.kv.modules_in(subgraph.modules)  # fmt: skip
         # those this process compresses (a subgraph split over processes: its owner's)
         names = [n for n in inside if subgraph.holds(n)]
-        state.changed.update(names)  # their buffers: put back on a replay
+        state.ledger.changed.update(names)  # their buffers: put back on a replay
         return self.kv.finish(names, model)
 
     def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
         if self.kv is not None:  # their k_scale / v_scale are back: keys and values are fp8 from here on
             self.kv.finished.update(n for n in self.kv.modules if subgraph.holds(n))
 
-    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
-        self.inputs.observe([n for n in names if n in self.modules], x, state)
-        self.importance.observe(names, x, state)
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState, batch: Batch) -> None:
+        self.inputs.observe([n for n in names if n in self.modules], x, state, batch)
+        self.importance.observe(names, x, state, batch)
 
     def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
         """Static input ranges (``input:``), imatrix_mse's sums (``importance:``), key / value ranges (``kv:``)."""
@@ -219,14 +222,14 @@ class QuantizationModifier(Modifier):
             self.kv.load_scales(results, model)
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
-        names = [n for n in self.modules_in(subgraph) if n not in state.quantized]
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         self.prepare_global_scales(model, names)
         for name in names:
             module, scheme = model.get_submodule(name), self.modules[name]
             importance = usable_importance(
                 name, scheme, self.importance.mean_square(name), module.weight.shape[-1], state
             )
-            state.quantized[name] = rtn_quantize_module(
+            state.results.quantized[name] = rtn_quantize_module(
                 module, scheme, self._global_scales.get(name), importance=importance
             )
         self.inputs.finish(names, model, state)

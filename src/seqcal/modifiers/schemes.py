@@ -19,6 +19,7 @@ from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from seqcal.experts import fused_modules
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.activations import check_activations
+from seqcal.modifiers.formats import strategy_of as strategy_of  # re-exported: it lives beside the formats
 from seqcal.modifiers.observers import check_weight_observer
 
 logger = logging.getLogger("seqcal")
@@ -174,10 +175,6 @@ def _check_weight_format(weights: QuantizationArgs, strategy: str, where: str) -
         raise ValueError(
             f"{where}: observer {weights.observer!r} is not supported for this format; use minmax"
         )
-
-
-def strategy_of(args: QuantizationArgs) -> str:
-    return str(args.strategy.value if hasattr(args.strategy, "value") else args.strategy)
 
 
 def matches_target(

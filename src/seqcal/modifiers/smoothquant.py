@@ -30,8 +30,7 @@ from seqcal.algorithms.smoothing import (
 )
 from seqcal.mappings import Mapping, explicit_mappings, matches, resolve_mappings
 from seqcal.mappings.names import checkpoint_names
-from seqcal.modifiers.activations import real_tokens
-from seqcal.modifiers.base import Modifier, RunState, Statistic
+from seqcal.modifiers.base import Batch, BatchCursor, Modifier, RunState, Statistic
 from seqcal.tracing.partition import Subgraph
 
 logger = logging.getLogger("seqcal")
@@ -114,7 +113,7 @@ calibration_function=None, algorithm='smoothquant')
             )
         else:
             self.resolved = self._kept(model, resolve_mappings(model, graph, None, self.name))
-        state.log.extend(w for w in self.warnings if w not in state.log)
+        state.results.log.extend(w for w in self.warnings if w not in state.results.log)
         logger.info("seqcal: %s: %d mappings (%s)", self.name, len(self.resolved),
                     ", ".join(m.producer for m in self.resolved[:2]) + (", ..." if len(self.resolved) > 2 else ""))  # fmt: skip
 
@@ -145,10 +144,10 @@ calibration_function=None, algorithm='smoothquant')
     def upstream(self, subgraph: Subgraph) -> list[str]:
         return [m.producer for m in self._in(subgraph)]
 
-    def observe(self, names: list[str], x: torch.Tensor, state: RunState) -> None:
+    def observe(self, names: list[str], x: torch.Tensor, state: RunState, batch: Batch) -> None:
         for m in self.resolved:
-            if m.consumers[0] in names and m.producer not in state.edited:
-                X = real_tokens(x.detach(), state.token_mask)  # [tokens, in]
+            if m.consumers[0] in names and m.producer not in state.ledger.edited:
+                X = batch.real(x.detach())  # [tokens, in]
                 self._ranges[m.consumers[0]] = update_channel_range(self._ranges.get(m.consumers[0]), X)
 
     def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
@@ -171,7 +170,9 @@ calibration_function=None, algorithm='smoothquant')
         return True
 
     @contextlib.contextmanager
-    def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
+    def calibrate(
+        self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
+    ) -> Iterator[None]:
         if (
             not self._prepared
         ):  # pipeline="basic": one pass for all modifiers, the quantizers would not follow
@@ -182,7 +183,7 @@ calibration_function=None, algorithm='smoothquant')
         handles = []
         try:
             for m in self._in(subgraph):
-                hook = lambda mod, args, c=m.consumers[0]: self.observe([c], args[0], state)  # noqa: E731
+                hook = lambda mod, args, c=m.consumers[0]: self.observe([c], args[0], state, batches.current)  # noqa: E731
                 handles.append(model.get_submodule(m.consumers[0]).register_forward_pre_hook(hook))
             yield
         finally:
@@ -193,12 +194,12 @@ calibration_function=None, algorithm='smoothquant')
         changed = False
         for m in self._in(subgraph):
             channel_range = self._ranges.pop(m.consumers[0], None)
-            if channel_range is None or m.producer in state.edited:
+            if channel_range is None or m.producer in state.ledger.edited:
                 continue
             if why := state.refold_refusal(model, m.producer):
                 note = f"{self.name}: not smoothing {', '.join(m.consumers)}: {m.producer} is already quantized and {why}"
                 if self.mappings:  # the recipe asked for this mapping: said at the end of the run too
-                    state.log.append(note)
+                    state.results.log.append(note)
                 logger.info("seqcal: %s", note)
                 continue
             weights = [model.get_submodule(c).weight for c in m.consumers]
@@ -207,7 +208,7 @@ calibration_function=None, algorithm='smoothquant')
             else:
                 s = smoothing_scales(channel_range, weights, float(self.smoothing_strength))
             state.fold(model, m, s)
-            state.module_errors.setdefault(m.producer, {})["smoothing_scale_max"] = s.max().item()
+            state.results.module_errors.setdefault(m.producer, {})["smoothing_scale_max"] = s.max().item()
             changed = True
         return changed
 

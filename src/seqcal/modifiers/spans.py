@@ -19,7 +19,7 @@ processes; the span is inside the onloaded subgraph, so re-runs stay within the 
 
 Example:
     >>> cache = SpanCache(max_bytes=1 << 30)  # doctest: +SKIP
-    >>> handle = module.register_forward_pre_hook(cache.hook(lambda: state.token_mask), with_kwargs=True)  # doctest: +SKIP
+    >>> handle = module.register_forward_pre_hook(cache.hook(lambda: batches.current.token_mask), with_kwargs=True)  # doctest: +SKIP
     >>> outputs = cache.outputs(module, torch.device("cpu"))  # doctest: +SKIP
 """
 
@@ -169,7 +169,7 @@ def observe_outputs(
     inputs (use it in ``calibrate``; the hooks are removed on exit, also on error).
 
     Example:
-        >>> with observe_outputs(model, ["model.layers.0.mlp"], record, lambda: state.token_mask):  # doctest: +SKIP
+        >>> with observe_outputs(model, ["model.layers.0.mlp"], record, lambda: batches.current.token_mask):  # doctest: +SKIP
         ...     yield
     """
 

@@ -65,7 +65,7 @@ class SparseGPTModifier(PruningModifier):
         self._add_hessian(acc, X)
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
-        names = [n for n in self.modules_in(subgraph) if n not in state.sparsity]
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.sparsity]
         for name in names:
             acc = self._inputs.acc.pop(name, None)
             if acc is None or acc.H is None:
@@ -89,17 +89,17 @@ class SparseGPTModifier(PruningModifier):
                 dampening_frac=float(self.dampening_frac or 0.0),
             )  # fmt: skip
         except GPTQNumericalError as exc:
-            state.log.append(f"{name}: SparseGPT failed ({exc})")
+            state.results.log.append(f"{name}: SparseGPT failed ({exc})")
             self.magnitude_prune(name, model, state)
             return
-        errors = state.module_errors.setdefault(name, {})
+        errors = state.results.module_errors.setdefault(name, {})
         errors.update(
             tokens=tokens, rel_error=relative_output_error(W, result.W, H), sparsegpt_loss=result.loss,
             sparsity=sparsity_of(result.W), sparsegpt_seconds=time.perf_counter() - start,
         )  # fmt: skip
         if result.retries:
-            state.log.append(
+            state.results.log.append(
                 f"{name}: Cholesky needed {result.retries} retries (dampening {result.dampening_frac})"
             )
         module.weight.data = result.W
-        state.sparsity[name] = self.structure
+        state.results.sparsity[name] = self.structure

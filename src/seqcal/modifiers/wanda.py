@@ -32,7 +32,7 @@ class WandaPruningModifier(PruningModifier):
         acc.H, acc.n = accumulate_sq_norms(acc.H, X, acc.n)  # H holds the [in] mean squared inputs here
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
-        names = [n for n in self.modules_in(subgraph) if n not in state.sparsity]
+        names = [n for n in self.modules_in(subgraph) if n not in state.results.sparsity]
         for name in names:
             acc = self._inputs.acc.pop(name, None)
             if acc is None or acc.H is None:
@@ -41,6 +41,8 @@ class WandaPruningModifier(PruningModifier):
             module = model.get_submodule(name)
             mask = wanda_mask(module.weight.data, acc.H, sparsity=self.pruned[name], n=self._n, m=self._m)
             module.weight.data = module.weight.data.masked_fill(mask, 0)
-            state.module_errors.setdefault(name, {}).update(tokens=acc.n, sparsity=sparsity_of(module.weight))
-            state.sparsity[name] = self.structure
+            state.results.module_errors.setdefault(name, {}).update(
+                tokens=acc.n, sparsity=sparsity_of(module.weight)
+            )
+            state.results.sparsity[name] = self.structure
         return bool(names)

@@ -83,7 +83,7 @@ def plot_errors(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
 
     Args:
         report: ``{"subgraphs": [{"index", "targets", "rel_error", "seconds"}], "modules": {name:
-            {"gptq_loss", "gptq_seconds"}}}`` (``state.report`` or quantization_report.json); missing parts
+            {"gptq_loss", "gptq_seconds"}}}`` (``state.results.report`` or quantization_report.json); missing parts
             give an empty panel, non-finite values are left out and counted in the title.
         path: the PNG file to write (parent folders are created).
 

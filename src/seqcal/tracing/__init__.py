@@ -13,7 +13,7 @@ from seqcal.tracing.decide import Guard
 from seqcal.tracing.diagnostics import Problem, TracingError
 from seqcal.tracing.leaves import TraceInto, resolve_trace_into
 from seqcal.tracing.partition import target_ends
-from seqcal.tracing.policy import LeafPolicy
+from seqcal.tracing.policy import LeafPolicy, TraceState
 from seqcal.tracing.retries import trace_with_retries
 from seqcal.tracing.sources import OpaqueSite
 from seqcal.tracing.targets import (
@@ -179,7 +179,12 @@ def trace(
 
 
 def _checked(
-    graph: fx.Graph, model: torch.nn.Module, targets: dict[int, str], inferred: bool, tracer: Any, state: Any
+    graph: fx.Graph,
+    model: torch.nn.Module,
+    targets: dict[int, str],
+    inferred: bool,
+    tracer: Any,
+    state: TraceState,
 ) -> tuple[dict[int, str], list[Problem]]:
     """The targets the trace called (inferred ones narrowed to the stacks called) and invariant-2 problems."""
     if inferred:
