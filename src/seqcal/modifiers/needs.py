@@ -90,7 +90,7 @@ def gathers_unshared(cls: type) -> bool:
     Example:
         >>> from seqcal.modifiers import QuantizationModifier
         >>> class Mine(QuantizationModifier):
-        ...     def observe(self, names, x, state): ...
+        ...     def observe(self, names, x, state, batch): ...
         >>> gathers_unshared(Mine), gathers_unshared(QuantizationModifier)
         (True, False)
     """
