@@ -70,7 +70,8 @@ class Modifier:
     resumable: ClassVar[bool] = True
 
     # Statistics the framework gathers for this modifier from each of its modules' inputs, in every cut, and
-    # reduces across processes in shard order; ``compress`` reads them with ``gathered(module)``.
+    # reduces across processes in shard order; ``compress`` reads them with ``gathered(module)``. Declared on
+    # the class, or set per instance where an argument decides (imatrix_mse weights: QuantizationModifier).
     gathers: ClassVar[tuple[Gather, ...]] = ()
 
     def needs(self) -> Needs:

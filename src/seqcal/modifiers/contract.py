@@ -95,7 +95,7 @@ def gathered_of(modifier: Modifier) -> Gathered:
     """The framework's store of ``modifier``'s declared statistics (made on first use)."""
     store = modifier.__dict__.get("_gathered")
     if store is None:
-        store = modifier.__dict__["_gathered"] = Gathered(type(modifier).gathers)
+        store = modifier.__dict__["_gathered"] = Gathered(modifier.gathers)
     return store
 
 
@@ -129,7 +129,7 @@ class ModifierSet(tuple):
                              "inputs (a Gather with reference=True): its folds or fp8 KV cache would reach only one "
                              "of the two streams; run them in separate recipes")  # fmt: skip
         for m, needs in zip(mods, mods.needs):
-            if type(m).gathers and needs.transforms:
+            if m.gathers and needs.transforms:
                 raise ValueError(f"{m.name}: declared statistics (gathers) are not available to transforms yet; "
                                  "gather them in observe/calibrate with partial_statistics/load_statistics")  # fmt: skip
         return mods
@@ -149,11 +149,11 @@ class ModifierSet(tuple):
     @property
     def float_inputs(self) -> bool:
         """Some modifier reads its modules' inputs in the full-precision model too (``Gather.reference``)."""
-        return any(g.reference for m in self for g in type(m).gathers)
+        return any(g.reference for m in self for g in m.gathers)
 
     def float_modules(self, subgraph: Subgraph) -> list[str]:
         """The modules of ``subgraph`` whose full-precision inputs a modifier reads."""
-        return [n for m in self if any(g.reference for g in type(m).gathers) for n in m.modules_in(subgraph)]
+        return [n for m in self if any(g.reference for g in m.gathers) for n in m.modules_in(subgraph)]
 
     def need(self, modifier: Modifier) -> Needs:
         return self.needs[self.index(modifier)]
@@ -227,7 +227,7 @@ def observe(
     """One batch's input ``x`` of the module group ``names`` (the one-pass cut): declared statistics of the
     modifier's modules among them, then the modifier's own ``observe``; ``ref`` is the group's input in the
     full-precision stream, when the run keeps one."""
-    if type(modifier).gathers:
+    if modifier.gathers:
         store, mine = gathered_of(modifier), modifier.quantizes().keys() | modifier.prunes().keys()
         for name in names:
             if name in mine:
@@ -246,7 +246,7 @@ def calibrating(
     in the full-precision stream (one batch per pass)."""
     handles = []
     try:
-        if type(modifier).gathers:
+        if modifier.gathers:
             store = gathered_of(modifier)
             for name in modifier.modules_in(subgraph):
 
@@ -263,13 +263,13 @@ def calibrating(
 
 def partial_statistics(modifier: Modifier) -> dict[str, dict[str, Statistic]]:
     """Everything ``modifier`` gathered since the last call: its declared statistics and its own partials."""
-    declared = gathered_of(modifier).partials() if type(modifier).gathers else {}
+    declared = gathered_of(modifier).partials() if modifier.gathers else {}
     return {**modifier.partial_statistics(), **declared}
 
 
 def load_statistics(modifier: Modifier, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
     """Hand ``modifier`` the folded statistics of every shard: declared ones to the framework's store."""
-    if type(modifier).gathers:
+    if modifier.gathers:
         gathered_of(modifier).load({k: v for k, v in reduced.items() if k.startswith(GATHER_KEY)})
     modifier.load_statistics({k: v for k, v in reduced.items() if not k.startswith(GATHER_KEY)})
 
@@ -277,5 +277,5 @@ def load_statistics(modifier: Modifier, reduced: dict[str, dict[str, torch.Tenso
 def finish_local(modifiers: Iterable[Modifier]) -> None:
     """Without virtual shards: each modifier's declared statistics as gathered are its result."""
     for m in modifiers:
-        if type(m).gathers:
+        if m.gathers:
             gathered_of(m).finish_local()

@@ -56,6 +56,7 @@ class GPTQModifier(QuantizationModifier):
     name: ClassVar[str] = "GPTQModifier"
     needs_calibration: ClassVar[bool] = True
     input_only: ClassVar[bool] = True  # Hessians need only each Linear's input
+    importance_from_inputs: ClassVar[bool] = False  # imatrix_mse's E[x^2] is the Hessian's diagonal / 2
     block_size: int = 128
     dampening_frac: float = 0.01
     actorder: str | None = "static"

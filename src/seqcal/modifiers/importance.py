@@ -1,30 +1,27 @@
 """Input-column importance ``E[x_j^2]`` for the ``imatrix_mse`` weight observer (llama.cpp's importance matrix).
 
-For round-to-nearest (QuantizationModifier) ``ImportanceCalibration`` sums ``x_j^2`` over the real tokens of
-each module's inputs (padding excluded, ``Batch.real``) during the calibration pass. GPTQ needs
+For round-to-nearest (QuantizationModifier) the framework sums ``x_j^2`` over the real tokens of each module's
+inputs (``IMPORTANCE_GATHERS``, declared statistics: padding excluded) during the calibration pass. GPTQ needs
 no second accumulation: its Hessian ``H = 2 X^T X / tokens`` holds the same statistic on its diagonal
 (``seqcal.algorithms.importance_from_hessian``). :func:`usable_importance` applies llm-compressor's fallbacks:
 without usable statistics the search is uniform (logged), or an error with ``observer_kwargs: {strict: true}``.
 
 Example:
-    >>> calib = ImportanceCalibration({"fc": scheme})  # doctest: +SKIP
-    >>> calib.observe(["fc"], x, state, Batch()); calib.mean_square("fc")  # doctest: +SKIP
+    >>> importance = mean_square(modifier.gathered("model.layers.0.mlp.down_proj"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 from compressed_tensors.quantization import QuantizationScheme
 from torch import Tensor
 
 from seqcal.algorithms import check_importance
+from seqcal.modifiers.needs import Gather
 from seqcal.modifiers.schemes import strategy_of
-from seqcal.modifiers.state import Batch, BatchCursor, RunState
-from seqcal.records import Statistic
+from seqcal.modifiers.state import RunState
 
 IMATRIX = "imatrix_mse"
 
@@ -66,71 +63,23 @@ def usable_importance(
     return None
 
 
-class ImportanceCalibration:
-    """Running ``sum_t x_tj^2`` and token count of the inputs of the modules whose weights use ``imatrix_mse``.
+# imatrix_mse's statistics of a module's inputs, gathered by the framework (``Modifier.gathers``): the sum of
+# ``x_j^2`` over the real tokens (float32, as llm-compressor's) and the token count.
+IMPORTANCE_GATHERS = (
+    Gather("sq", lambda x: x.pow(2).sum(dim=0)),
+    Gather("tokens", lambda x: torch.tensor([x.shape[0]], device=x.device)),
+)
 
-    Args:
-        schemes: module name -> scheme (only ``imatrix_mse`` weights are observed).
+
+def mean_square(gathered: Mapping[str, Tensor] | None) -> Tensor | None:
+    """``E[x_j^2]`` ``[in]`` from a module's ``IMPORTANCE_GATHERS`` (None when no input reached it).
+
+    Example:
+        >>> x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> mean_square({g.name: g.of(x) for g in IMPORTANCE_GATHERS})
+        tensor([ 5., 10.])
     """
-
-    def __init__(self, schemes: Mapping[str, QuantizationScheme]) -> None:
-        self.names = {n for n, s in schemes.items() if uses_importance(s)}
-        self.sums: dict[str, tuple[Tensor, int]] = {}
-        # the last input and its column sums: q/k/v (gate/up) read the same tensor
-        self._last: tuple[Tensor | None, int, tuple[Tensor, int] | None] = (None, -1, None)
-
-    def __bool__(self) -> bool:
-        return bool(self.names)
-
-    def observe(self, names: list[str], x: Tensor, state: RunState, batch: Batch) -> None:
-        """Add one batch's input ``x [..., in]`` of the modules ``names`` (others are skipped)."""
-        mine = [n for n in names if n in self.names and n not in state.results.quantized]
-        if not mine:
-            return
-        last, version, summed = self._last
-        if summed is None or last is not x or version != x._version:
-            X = batch.real(x.detach())  # padding tokens carry no signal
-            summed = (X.float().pow(2).sum(dim=0), X.shape[0])  # float32 sums, as llm-compressor's
-            self._last = (x, x._version, summed)
-        for name in mine:
-            total, count = self.sums.get(name, (None, 0))
-            self.sums[name] = (
-                summed[0].clone() if total is None else total.add_(summed[0]),
-                count + summed[1],
-            )
-
-    @contextlib.contextmanager
-    def hooks(
-        self, names: list[str], model: torch.nn.Module, state: RunState, batches: BatchCursor
-    ) -> Iterator[None]:
-        """Observe the inputs of ``names`` during a calibration pass (removed on exit, also on error)."""
-        handles = []
-        try:
-            for name in [n for n in names if n in self.names]:
-                hook = lambda module, args, name=name: self.observe([name], args[0], state, batches.current)  # noqa: E731
-                handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            self._last = (None, -1, None)  # release the last batch's activations
-
-    def partial_statistics(self) -> dict[str, dict[str, Any]]:
-        """This shard's sums (``Modifier.partial_statistics``), then forgotten: per module ``importance:<name>``,
-        ``sum`` (of ``x_j^2``, float32) and ``tokens``; both add across shards."""
-        out = {f"importance:{name}": {"sum": Statistic(total), "tokens": Statistic(torch.tensor([count]))}
-               for name, (total, count) in self.sums.items()}  # fmt: skip
-        self.sums.clear()
-        self._last = (None, -1, None)
-        return out
-
-    def load_statistics(self, reduced: Mapping[str, Mapping[str, Tensor]]) -> None:
-        """The sums of every shard combined (``partial_statistics``' keys), for ``mean_square``."""
-        for key, stats in reduced.items():
-            if key.startswith("importance:"):
-                self.sums[key[len("importance:") :]] = (stats["sum"], int(stats["tokens"].item()))
-
-    def mean_square(self, name: str) -> Tensor | None:
-        """``E[x_j^2]`` ``[in]`` of ``name``'s inputs (its sums are freed), or None when none was seen."""
-        total, count = self.sums.pop(name, (None, 0))
-        return None if total is None or count == 0 else total / count
+    if gathered is None:
+        return None
+    count = int(gathered["tokens"].sum().item())
+    return None if count == 0 else gathered["sq"] / count

@@ -17,7 +17,7 @@ from seqcal.algorithms import dequantize, fake_quantize, formats, quantize, weig
 from seqcal.modifiers.activations import InputCalibration, calibrated_inputs
 from seqcal.modifiers.base import Batch, BatchCursor, Modifier, QuantizedWeight, RunState, Statistic
 from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
-from seqcal.modifiers.importance import ImportanceCalibration, usable_importance, uses_importance
+from seqcal.modifiers.importance import IMPORTANCE_GATHERS, mean_square, usable_importance, uses_importance
 from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
 from seqcal.modifiers.observers import apply_observer_overrides
 from seqcal.modifiers.schemes import check_supported, resolve_modules, resolve_schemes, strategy_of
@@ -55,6 +55,8 @@ class QuantizationModifier(Modifier):
     name: ClassVar[str] = "QuantizationModifier"
     # needs no data at all, or (static input activations) only its modules' inputs
     input_only: ClassVar[bool] = True
+    # imatrix_mse weights: E[x^2] of the inputs gathered by the framework (False: the subclass has it, GPTQ's H)
+    importance_from_inputs: ClassVar[bool] = True
     targets: str | list[str] = "Linear"
     scheme: str | dict[str, Any] | None = None
     config_groups: dict[str, Any] | None = None
@@ -86,7 +88,8 @@ class QuantizationModifier(Modifier):
         self._fused: list[tuple[str, ...]] = []
         self._global_scales: dict[str, torch.Tensor] = {}
         self.inputs = InputCalibration({})
-        self.importance = ImportanceCalibration({})
+        if self.importance_from_inputs and any(uses_importance(g) for g in self.groups.values()):
+            self.gathers = IMPORTANCE_GATHERS  # imatrix_mse's E[x^2]: the framework gathers it
         if any(calibrated_inputs(g) or uses_importance(g) for g in self.groups.values()):
             self.needs_calibration = (
                 True  # static input scales and imatrix_mse weights are calibrated on data
@@ -105,7 +108,6 @@ class QuantizationModifier(Modifier):
         self.warnings: list[str] = []  # ignore entries that match nothing, for the run's report
         self.modules = resolve_modules(model, self.groups, self.ignore, self.name, self.warnings)
         self.inputs = InputCalibration(self.modules)
-        self.importance = ImportanceCalibration(self.modules)
         if not self.modules:
             raise ValueError(
                 f"{self.name}: no Linear layer matches targets {self.targets!r} (ignore={self.ignore!r}); "
@@ -154,8 +156,7 @@ class QuantizationModifier(Modifier):
     ) -> Iterator[None]:
         names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         # static input scales, imatrix_mse's importance, KV-cache scales; nothing else needs data
-        with self.inputs.hooks(names, model, state, batches), self.importance.hooks(names, model, state, batches), \
-                self.kv_hooks(subgraph, model, state, batches):  # fmt: skip
+        with self.inputs.hooks(names, model, state, batches), self.kv_hooks(subgraph, model, state, batches):
             yield
 
     def shares_statistics(self) -> bool:
@@ -196,16 +197,14 @@ class QuantizationModifier(Modifier):
 
     def observe(self, names: list[str], x: torch.Tensor, state: RunState, batch: Batch) -> None:
         self.inputs.observe([n for n in names if n in self.modules], x, state, batch)
-        self.importance.observe(names, x, state, batch)
 
     def partial_statistics(self) -> dict[str, dict[str, Statistic]]:
-        """Static input ranges (``input:``), imatrix_mse's sums (``importance:``), key / value ranges (``kv:``)."""
+        """Static input ranges (``input:``) and key / value ranges (``kv:``); imatrix_mse's sums are declared."""
         kv = self.kv.partial_statistics() if self.kv is not None else {}
-        return {**self.inputs.partial_statistics(), **self.importance.partial_statistics(), **kv}
+        return {**self.inputs.partial_statistics(), **kv}
 
     def load_statistics(self, reduced: dict[str, dict[str, torch.Tensor]]) -> None:
         self.inputs.load_statistics(reduced)
-        self.importance.load_statistics(reduced)
         if self.kv is not None:
             self.kv.load_statistics(reduced)
 
@@ -227,13 +226,22 @@ class QuantizationModifier(Modifier):
         for name in names:
             module, scheme = model.get_submodule(name), self.modules[name]
             importance = usable_importance(
-                name, scheme, self.importance.mean_square(name), module.weight.shape[-1], state
+                name, scheme, mean_square(self._gathered_or_none(name)), module.weight.shape[-1], state
             )
             state.results.quantized[name] = rtn_quantize_module(
                 module, scheme, self._global_scales.get(name), importance=importance
             )
         self.inputs.finish(names, model, state)
         return self.kv_finish(subgraph, model, state) or bool(names)
+
+    def _gathered_or_none(self, name: str) -> dict[str, torch.Tensor] | None:
+        """The declared statistics of ``name`` (imatrix_mse's sums), or None: none declared or none seen."""
+        if not self.gathers:
+            return None
+        try:
+            return self.gathered(name)
+        except KeyError:
+            return None
 
     def prepare_global_scales(self, model: torch.nn.Module, names: list[str]) -> None:
         """NVFP4: fix the global scale of ``names`` (shared across each fused group) before any is quantized."""
