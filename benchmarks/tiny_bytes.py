@@ -37,7 +37,7 @@ RECIPES = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ragged", action="store_true", help="rows of 10 to 24 tokens: padded batches")
+    parser.add_argument("--ragged", action="store_true", help="rows of 9 to 24 tokens: padded batches")
     args = parser.parse_args()
     from seqcal import oneshot
 
