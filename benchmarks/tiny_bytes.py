@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 RECIPES = {
     "gptq_w4a16_g32": "GPTQModifier: {ignore: [lm_head], config_groups: {g: {targets: [Linear], weights: "
@@ -34,10 +35,16 @@ RECIPES = {
 }
 
 
+def _pad_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose only use here is its pad token (id 0): the rows are token ids already."""
+    backend = Tokenizer(models.WordLevel(vocab={"<pad>": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="<pad>")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--ragged", action="store_true", help="rows of 9 to 24 tokens: padded batches")
+    parser.add_argument("--ragged", action="store_true", help="rows of 9 to 24 tokens, 3 per padded batch")
     args = parser.parse_args()
     from seqcal import oneshot
 
@@ -57,11 +64,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "llama"
         LlamaForCausalLM(config).save_pretrained(model_dir)
+        if args.ragged:  # batches of 3 rows padded to the longest need a pad token
+            _pad_tokenizer().save_pretrained(model_dir)
         for name, recipe in RECIPES.items():
             target = Path(tmp) / name
-            oneshot(
-                model=str(model_dir), dataset=rows, recipe=recipe, max_seq_length=24, output_dir=str(target)
-            )
+            oneshot(model=str(model_dir), dataset=rows, recipe=recipe, max_seq_length=24, output_dir=str(target),
+                    batch_size=3 if args.ragged else None)  # fmt: skip
             hashes = {}
             for file in sorted(target.glob("*.safetensors")):
                 with safe_open(str(file), "pt") as f:
