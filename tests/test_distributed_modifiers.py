@@ -21,6 +21,7 @@ from seqcal.distributed.plan import world_rows
 from seqcal.distributed.reduce import fold, tensors_of
 from seqcal.distributed.run import ShardedRun
 from seqcal.entrypoint import oneshot
+from seqcal.modifiers import contract
 from seqcal.modifiers.base import Modifier, RunState
 
 SAMPLES = 5  # 5 shards: 2 processes run 2 and 3, 4 processes 1, 1, 1 and 2
@@ -58,7 +59,8 @@ def _drop_the_last_shard(rank: int) -> None:
                              **kwargs: object) -> None:  # fmt: skip
         if shard == self.plan.shards - 1:
             for m in modifiers:
-                m.partial_statistics()  # taken and thrown away: the shard adds nothing to the fold
+                # taken and thrown away, declared statistics too: the shard adds nothing to the fold
+                contract.partial_statistics(m)
         collect(self, index, shard, modifiers, device, **kwargs)
 
     ShardedRun.collect = collect_all_but_last  # in the forked child only
