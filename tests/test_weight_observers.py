@@ -322,3 +322,23 @@ def test_an_unknown_weight_observer_is_refused_before_calibration(tiny_dir: Path
         "valid weight observers: minmax, static_minmax, memoryless_minmax, mse, memoryless_mse, imatrix_mse",
     )  # fmt: skip
     assert "cutting" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_imatrix_statistics_are_declared_beside_a_subclass_s_own() -> None:
+    """Round to nearest declares imatrix_mse's sums (the framework gathers them); a subclass keeps its own
+    declared statistics beside them, and GPTQ, which reads E[x^2] off its Hessian, declares none."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from seqcal.modifiers import Gather, GPTQModifier, QuantizationModifier
+    from seqcal.modifiers.importance import IMPORTANCE_GATHERS
+
+    @dataclass
+    class _Counts(QuantizationModifier):
+        gathers: ClassVar[tuple[Gather, ...]] = (Gather("tokens", lambda x: x.new_tensor([len(x)])),)
+
+    assert QuantizationModifier(scheme="W4A16", weight_observer="imatrix_mse").gathers == IMPORTANCE_GATHERS
+    assert QuantizationModifier(scheme="W4A16").gathers == ()
+    mine = _Counts(scheme="W4A16", weight_observer="imatrix_mse").gathers
+    assert [g.name for g in mine] == ["tokens", "imatrix_sq", "imatrix_tokens"]
+    assert GPTQModifier(scheme="W4A16", weight_observer="imatrix_mse").gathers == ()

@@ -66,8 +66,8 @@ def usable_importance(
 # imatrix_mse's statistics of a module's inputs, gathered by the framework (``Modifier.gathers``): the sum of
 # ``x_j^2`` over the real tokens (float32, as llm-compressor's) and the token count.
 IMPORTANCE_GATHERS = (
-    Gather("sq", lambda x: x.pow(2).sum(dim=0)),
-    Gather("tokens", lambda x: torch.tensor([x.shape[0]], device=x.device)),
+    Gather("imatrix_sq", lambda x: x.pow(2).sum(dim=0)),
+    Gather("imatrix_tokens", lambda x: torch.tensor([x.shape[0]], device=x.device)),
 )
 
 
@@ -81,5 +81,5 @@ def mean_square(gathered: Mapping[str, Tensor] | None) -> Tensor | None:
     """
     if gathered is None:
         return None
-    count = int(gathered["tokens"].sum().item())
-    return None if count == 0 else gathered["sq"] / count
+    count = int(gathered["imatrix_tokens"].sum().item())
+    return None if count == 0 else gathered["imatrix_sq"] / count

@@ -89,7 +89,8 @@ class QuantizationModifier(Modifier):
         self._global_scales: dict[str, torch.Tensor] = {}
         self.inputs = InputCalibration({})
         if self.importance_from_inputs and any(uses_importance(g) for g in self.groups.values()):
-            self.gathers = IMPORTANCE_GATHERS  # imatrix_mse's E[x^2]: the framework gathers it
+            # imatrix_mse's E[x^2]: the framework gathers it, beside what a subclass declares
+            self.gathers = (*type(self).gathers, *IMPORTANCE_GATHERS)
         if any(calibrated_inputs(g) or uses_importance(g) for g in self.groups.values()):
             self.needs_calibration = (
                 True  # static input scales and imatrix_mse weights are calibrated on data
@@ -225,9 +226,8 @@ class QuantizationModifier(Modifier):
         self.prepare_global_scales(model, names)
         for name in names:
             module, scheme = model.get_submodule(name), self.modules[name]
-            importance = usable_importance(
-                name, scheme, mean_square(self._gathered_or_none(name)), module.weight.shape[-1], state
-            )
+            seen = mean_square(self._gathered_or_none(name)) if uses_importance(scheme) else None
+            importance = usable_importance(name, scheme, seen, module.weight.shape[-1], state)
             state.results.quantized[name] = rtn_quantize_module(
                 module, scheme, self._global_scales.get(name), importance=importance
             )
@@ -235,7 +235,7 @@ class QuantizationModifier(Modifier):
         return self.kv_finish(subgraph, model, state) or bool(names)
 
     def _gathered_or_none(self, name: str) -> dict[str, torch.Tensor] | None:
-        """The declared statistics of ``name`` (imatrix_mse's sums), or None: none declared or none seen."""
+        """The declared statistics of ``name`` (imatrix_mse's sums among them), or None: none declared or seen."""
         if not self.gathers:
             return None
         try:
