@@ -58,7 +58,9 @@ def test_a_budget_the_plan_keeps_is_kept_by_the_process(wide_mlp: Path, tmp_path
     budget, predicted, measured = report["max_host_memory"], report["predicted_peak"], report["measured_peak"]
     assert budget == planned and predicted <= budget  # the plan kept it: the whole cache in RAM
     assert report["cache_max_memory"] is None
-    assert measured <= budget, f"the process reached {measured / 2**20:.0f} MiB over a kept {budget / 2**20:.0f}"
+    assert measured <= budget, (
+        f"the process reached {measured / 2**20:.0f} MiB over a kept {budget / 2**20:.0f}"
+    )
     assert abs(predicted - measured) <= 0.10 * measured  # the prediction within 10% of the process's peak
 
 
@@ -75,3 +77,18 @@ def test_the_last_subgraph_of_the_one_pass_cut_onloads_only_its_target() -> None
     assert last.targets == ["model.layers.0.mlp.down_proj"] and not last.outputs
     assert "lm_head" in last.modules and onloaded_modules(last) == ["model.layers.0.mlp.down_proj"]
     assert all(onloaded_modules(sg) == sg.modules for sg in subgraphs if sg.outputs)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_a_spilled_kept_hessian_is_restored_bit_for_bit_and_holds_no_memory(symmetric: bool) -> None:
+    from seqcal.algorithms.hessian import SPILL_BYTES, KeptHessian, kept_in_ram, symmetrize_upper
+
+    H = torch.randn(600, 600, generator=torch.Generator().manual_seed(0))
+    H = symmetrize_upper(H) if symmetric else H
+    before, kept = H.clone(), KeptHessian(H, spill=True)
+    assert kept.file is not None and kept.blocks == []  # nothing of it in RAM
+    for _ in range(2):  # a retry reads it again
+        assert torch.equal(kept.restore(H.fill_(0.0)), before)
+    assert KeptHessian(H).file is None  # small: in memory
+    wide = 1 + int((SPILL_BYTES / 2) ** 0.5)  # about half of n^2 floats reaches the threshold
+    assert kept_in_ram(wide) == 0 and kept_in_ram(wide, "cuda") > SPILL_BYTES and kept_in_ram(600) > 0
