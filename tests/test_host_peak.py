@@ -29,8 +29,8 @@ import json, sys, torch
 from seqcal import oneshot
 model, out, samples = sys.argv[1], sys.argv[2], int(sys.argv[3])
 g = torch.Generator().manual_seed(0)
-data = [{"input_ids": torch.randint(0, 512, (128,), generator=g).tolist()} for _ in range(samples)]
-args = dict(model=model, recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head]}", max_seq_length=128,
+data = [{"input_ids": torch.randint(0, 512, (64,), generator=g).tolist()} for _ in range(samples)]
+args = dict(model=model, recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head]}", max_seq_length=64,
             num_calibration_samples=samples, batch_size=1)
 plan = oneshot(dataset=[], dry_run=True, **args)
 oneshot(dataset=data, output_dir=out, max_host_memory=plan.host_peak, **args)
@@ -41,7 +41,7 @@ print(json.dumps({"planned": plan.host_peak}))
 @pytest.fixture(scope="module")
 def wide_mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=4096, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=4096, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
     path = tmp_path_factory.mktemp("wide-mlp")
     LlamaForCausalLM(config).eval().save_pretrained(path)
@@ -50,8 +50,8 @@ def wide_mlp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_budget_the_plan_keeps_is_kept_by_the_process(wide_mlp: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(wide_mlp), str(tmp_path / "out"), "16"],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", CHILD, str(wide_mlp), str(tmp_path / "out"), "8"],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     planned = json.loads(done.stdout.strip().splitlines()[-1])["planned"]
     report = json.loads((tmp_path / "out" / "quantization_report.json").read_text())["host_memory"]

@@ -246,7 +246,8 @@ def plan_memory(
             work = max(max((kept_bytes(n_in) for _, n_in in groups), default=0), save)
         row.host = baseline + resident_weights + during + work + held
         row.resident, row.cache_ram, row.work, row.held = resident_weights, during, work, held
-        held = save if background else 0
+        # what the worker still holds of it: the packed tensors and the resume file's int8 codes (streaming.done)
+        held = written.get(sg.index, 0) + codes if background else 0
         rows.append(row)
     params = sum(p.numel() for p in model.parameters())
     q_params = sum(model.get_submodule(n).weight.numel() for n in quantized)
