@@ -40,9 +40,10 @@ print(f"seconds {time.perf_counter() - start:.1f}")
 """
 
 
-def write_checkpoint(path: Path, layers: int, vocab_size: int = 32000) -> int:
+def write_checkpoint(path: Path, layers: int, vocab_size: int = 32000, intermediate: int = 5632) -> int:
     """A random bf16 Llama checkpoint in ~512 MB shards; returns its size in bytes."""
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
+    config = LlamaConfig(hidden_size=2048, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=16,
                          num_key_value_heads=4, vocab_size=vocab_size, torch_dtype="bfloat16")  # fmt: skip
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(config)

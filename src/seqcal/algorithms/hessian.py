@@ -8,6 +8,9 @@ quantized weight. With ``H``, the mean squared output error of ``Q`` over every 
 from __future__ import annotations
 
 import math
+import tempfile
+import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -156,11 +159,22 @@ def is_symmetric(H: Tensor, rows: int = UPPER_BLOCK) -> bool:
 
 
 KEPT_ROWS = 2 * UPPER_BLOCK  # rows per kept block of a Hessian's upper triangle (KeptHessian)
+# A CPU Hessian whose kept triangle is this large or larger keeps it in a temporary file, not in RAM: at a 8192-wide
+# down_proj that is 134 MB of the process's peak (the solve's largest part after the Hessian itself), for about
+# 0.1 s of writing and reading back per solve. Smaller ones (SmolLM2's 1536 inputs: 5 MB) stay in memory.
+SPILL_BYTES = 32 << 20
 
 
 def kept_bytes(n: int, rows: int = KEPT_ROWS) -> int:
     """Bytes :class:`KeptHessian` keeps of an exactly symmetric float32 [n, n] Hessian."""
     return sum((n - r) * min(rows, n - r) for r in range(0, n, rows)) * 4
+
+
+def kept_in_ram(n: int, device_type: str = "cpu") -> int:
+    """Bytes of host memory :class:`KeptHessian` takes for an [n, n] Hessian on ``device_type``: none when a CPU
+    Hessian's kept triangle goes to a file (``SPILL_BYTES``)."""
+    kept = kept_bytes(n)
+    return 0 if device_type == "cpu" and kept >= SPILL_BYTES else kept
 
 
 class KeptHessian:
@@ -170,7 +184,9 @@ class KeptHessian:
     memory (``n^2 / 2 + n rows / 2`` values) where ``H`` is exactly symmetric (``symmetrize_upper`` makes it
     so), a whole copy otherwise. It is kept in host memory: on a GPU that takes nothing from the device, where
     the solve then holds the Hessian and the Cholesky factor only. The copies are pinned and asynchronous on
-    CUDA, ordered on the current stream with the kernels that overwrite and later restore ``H``.
+    CUDA, ordered on the current stream with the kernels that overwrite and later restore ``H``. On the CPU, a
+    kept triangle of ``SPILL_BYTES`` or more is written to an unnamed temporary file instead (``spill``), read
+    back block by block by :meth:`restore`: the solve's peak then holds the Hessian and the factor's scratch only.
 
     Example:
         >>> H = symmetrize_upper(accumulate_hessian(None, torch.randn(64, 500), 0)[0])
@@ -179,31 +195,56 @@ class KeptHessian:
         True
     """
 
-    def __init__(self, H: Tensor, rows: int = KEPT_ROWS) -> None:
+    def __init__(self, H: Tensor, rows: int = KEPT_ROWS, spill: bool | None = None) -> None:
         self.symmetric = is_symmetric(H)
         parts = [H[r : r + rows, r:] for r in range(0, H.shape[0], rows)] if self.symmetric else [H]
+        self.shapes = [part.shape for part in parts]
+        self.nbytes = sum(part.numel() for part in parts) * H.element_size()
+        spill = H.device.type == "cpu" and self.nbytes >= SPILL_BYTES if spill is None else spill
+        self.file = (
+            tempfile.TemporaryFile() if spill else None
+        )  # unnamed: gone when closed, or the process ends
+        self.blocks: list[Tensor] = []  # the upper triangle's row blocks, or the whole matrix (in RAM)
+        if self.file is not None:
+            weakref.finalize(self, self.file.close)
+            for part in parts:
+                part.contiguous().numpy().tofile(self.file)  # one row block's copy at a time
+            return
         # one allocation for all of it: large enough to be mapped on its own (backend.host), so that its
         # pages go back to the OS when the solve ends instead of staying in the heap
         flat = _host_empty(sum(p.numel() for p in parts), H)
         asynchronous = H.device.type == "cuda"
-        self.blocks: list[Tensor] = []  # the upper triangle's row blocks, or the whole matrix
         start = 0
         for part in parts:
             block = flat[start : start + part.numel()].view(part.shape)
             self.blocks.append(block.copy_(part, non_blocking=asynchronous))
             start += part.numel()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(block.nbytes for block in self.blocks)
+    def _kept(self, H: Tensor) -> Iterator[Tensor]:
+        """The kept blocks in order, read back from the file one at a time when spilled."""
+        if self.file is None:
+            yield from self.blocks
+            return
+        self.file.seek(0)
+        for shape in self.shapes:
+            block = torch.empty(shape, dtype=H.dtype)
+            if self.file.readinto(memoryview(block.numpy()).cast("B")) != block.nbytes:
+                raise OSError("the Hessian's kept values could not be read back from their temporary file")
+            yield block
 
     def restore(self, H: Tensor) -> Tensor:
         """The kept values into ``H``'s memory (in place), both triangles; returns ``H``."""
         asynchronous = H.device.type == "cuda"
+        if not self.symmetric and self.file is not None:  # the whole matrix, read straight into H's memory
+            self.file.seek(0)
+            if self.file.readinto(memoryview(H.contiguous().numpy()).cast("B")) != self.nbytes:
+                raise OSError("the Hessian's kept values could not be read back from their temporary file")
+            return H
+        blocks = self._kept(H)
         if not self.symmetric:
-            return H.copy_(self.blocks[0], non_blocking=asynchronous)
+            return H.copy_(next(blocks), non_blocking=asynchronous)
         r = 0
-        for block in self.blocks:
+        for block in blocks:
             H[r : r + block.shape[0], r:].copy_(block, non_blocking=asynchronous)
             r += block.shape[0]
         return symmetrize_upper(H)

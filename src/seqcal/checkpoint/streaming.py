@@ -172,11 +172,14 @@ class StreamingCheckpoint:
         writes.
         """
         names = [n for n, i in self.owner.items() if i == sg.index]
-        modules = [  # host copies: the worker never touches device memory nor a parameter released meanwhile
-            {k: v.detach().to("cpu") for k, v in self.writer.module_tensors(
-                name, self.model.get_submodule(name), self.state.results.quantized.get(name)).items()}
-            for name in names
-        ]  # fmt: skip
+        # a module the subgraph holds but did not run (the lm_head after the last down_proj) is read for its write
+        reading = self.weights.modules_onloaded(names) if self.weights else contextlib.nullcontext()
+        with reading:
+            modules = [  # host copies: the worker never touches device memory nor a parameter released meanwhile
+                {k: v.detach().to("cpu") for k, v in self.writer.module_tensors(
+                    name, self.model.get_submodule(name), self.state.results.quantized.get(name)).items()}
+                for name in names
+            ]  # fmt: skip
         mine = {n: q for n, q in self.state.results.quantized.items() if self._in(n, sg)}
         tensors = {}
         for name, qw in mine.items():

@@ -25,7 +25,7 @@ from seqcal.modifiers.kv_hooks import kv_tap, kv_update_sites
 from seqcal.tracing import TracingError
 from seqcal.tracing.diagnostics import Problem
 from seqcal.tracing.fallback import capture_first_inputs, chain_batches, chain_graph, check_chain
-from seqcal.tracing.partition import OnePassError, partition
+from seqcal.tracing.partition import OnePassError, Subgraph, partition, within
 from seqcal.tracing.targets import infer_candidates, match_targets
 
 logger = logging.getLogger("seqcal")
@@ -90,6 +90,34 @@ def one_pass_subgraphs(
             sg.kv_updates = sites.get(sg.index, [])
         subgraphs.kv_tap, subgraphs.kv_sample = tap, sample
     return subgraphs
+
+
+def runs_forward(sg: Subgraph) -> bool:
+    """Whether the calibration runs ``sg``'s nodes at all. A subgraph cut before its targets whose outputs no
+    later subgraph reads and that runs no KV-cache update (the one-pass cut's last one: down_proj, the final norm,
+    lm_head) calibrates from its targets' cached inputs and solves, nothing more (``executor._run_from_inputs``);
+    so does its replay and its full-precision reference pass (both only for a subgraph with outputs)."""
+    return bool(sg.outputs or sg.kv_updates or not sg.target_inputs)
+
+
+def onloaded_modules(sg: Subgraph) -> list[str]:
+    """The modules of ``sg`` whose weights the calibration reads: all of them when its nodes run, else its
+    targets and the modules none of its nodes use (producers a transform folds into: ``prepare_modifiers``).
+
+    The others (the lm_head after the last down_proj) are read only when the checkpoint writes them.
+
+    Example:
+        >>> onloaded_modules(subgraphs[-1])  # doctest: +SKIP   (one-pass cut, GPTQ)
+        ['model.layers.23.mlp.down_proj']
+    """
+    if runs_forward(sg):
+        return list(sg.modules)
+    used = {str(n.target) for n in sg.nodes if n.op == "call_module"}
+    for node in sg.nodes:  # a parameter stands for itself and for its owner (partition._modules_of)
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                used.update({str(arg.target), str(arg.target).rpartition(".")[0]})
+    return [m for m in sg.modules if within(m, sg.targets) or m not in used]
 
 
 def _cache_argument(model: torch.nn.Module) -> str | None:

@@ -22,7 +22,13 @@ from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.distributed.run import resume_point, start_sharded_run, traffic_report
 from seqcal.distributed.shards import DEFAULT_SHARDS
 from seqcal.execution.cache.store import STORE_DTYPES, ActivationCache, tier_device
-from seqcal.execution.cuts import layerwise_fallback, log_cut, one_pass_subgraphs, verify_run
+from seqcal.execution.cuts import (
+    layerwise_fallback,
+    log_cut,
+    one_pass_subgraphs,
+    onloaded_modules,
+    verify_run,
+)
 from seqcal.execution.executor import calibrate_subgraphs
 from seqcal.execution.reference import reference_cache
 from seqcal.execution.subgraphs import SubgraphList, model_device, trace_subgraphs
@@ -246,7 +252,11 @@ def _run(
             logger.info("seqcal: a modifier reads full-precision inputs: a second activation cache holds the "
                         "full-precision stream, and every subgraph runs once more on it")  # fmt: skip
         with new_cache() as cache, reference_cache(modifiers.float_inputs, new_cache) as reference:
-            weights = SubgraphWeights(model, store, subgraphs, device, staged) if store is not None else None
+            weights = (
+                SubgraphWeights(model, store, subgraphs, device, staged, onloaded_modules)
+                if store is not None
+                else None
+            )
             sharding = start_sharded_run(model, modifiers, subgraphs, batches, args.num_shards, repr(args)
                                          + repr(output.run_id if output else None))  # fmt: skip
             tap = getattr(subgraphs, "kv_tap", None)  # the one-pass cut's stand-in cache: keys and values

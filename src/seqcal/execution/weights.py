@@ -348,13 +348,19 @@ class SubgraphWeights:
         device: the execution device.
         keep_changed: keep every changed parameter in the store's overrides (a staged in-memory model,
             whose quantized weights go back into it), not only those a later subgraph reads.
+        read: the modules of a subgraph that ``onload`` brings (None: all of ``Subgraph.modules``); the others
+            are onloaded only for a moment, on the cpu, when the checkpoint writes them (``modules_onloaded``).
     """
 
     def __init__(self, model: torch.nn.Module, store: WeightStore, subgraphs: Iterable[Any],
-                 device: torch.device, keep_changed: bool = False) -> None:  # fmt: skip
+                 device: torch.device, keep_changed: bool = False,
+                 read: Callable[[Any], Iterable[str]] | None = None) -> None:  # fmt: skip
         self.model, self.store, self.device = model, store, device
         self.keep_changed = keep_changed  # a staged in-memory model gets every changed weight back
+        subgraphs = list(subgraphs)
         self.params = {sg.index: params_under(model, sg.modules) for sg in subgraphs}
+        # what onload() brings: the modules the run reads (``read``, cuts.onloaded_modules), else all of them
+        self.reads = {sg.index: params_under(model, read(sg)) for sg in subgraphs} if read else self.params
         self.last_use: dict[str, int] = {}
         for index, names in self.params.items():
             for name in names:
@@ -365,7 +371,7 @@ class SubgraphWeights:
 
     def onload(self, sg: Any) -> int:
         """Onload ``sg``'s parameters that are not on the device yet; returns the bytes moved."""
-        names = self._on_meta(self.params[sg.index])
+        names = self._on_meta(self.reads[sg.index])
         onload(self.model, self.store, names, self.device)
         return sum(self.model.get_parameter(n).nbytes for n in names)
 

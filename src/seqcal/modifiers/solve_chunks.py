@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from seqcal.algorithms.hessian import kept_bytes
+from seqcal.algorithms.hessian import kept_in_ram
 from seqcal.experts import routed_experts, shared_expert_inputs
 from seqcal.tracing.partition import Subgraph
 
@@ -144,7 +144,7 @@ def solve_bytes(
         chunks = split_rows(outs, n_in, limit)
         most = max(most, len(chunks))
         n_out = max(sum(outs[i] for i in chunk) for chunk in chunks)
-        kept = kept_bytes(n_in) if device_on_host else 0
+        kept = kept_in_ram(n_in) if device_on_host else 0  # a wide one is kept in a file
         inverse = n_in**2 * 4 + kept  # the Cholesky factor (three quarters of one blocked on the CPU)
         # W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype (the factor is in
         # the Hessian's memory; the relative output error that follows works on row chunks: less than this)

@@ -39,6 +39,7 @@ from seqcal.algorithms.hessian import kept_bytes
 from seqcal.checkpoint import streaming
 from seqcal.data.autobatch import AUTO, auto_batch_limits, samples_per_batch
 from seqcal.execution.cache import store as cache_store
+from seqcal.execution.cuts import onloaded_modules
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
 from seqcal.execution.subgraphs import trace_subgraphs
 from seqcal.execution.weights import params_under
@@ -50,12 +51,13 @@ from seqcal.modifiers.solve_chunks import (
     solve_bytes,
     solve_groups,
 )
-from seqcal.plan.values import measure_values, owned_bytes
+from seqcal.plan.values import measure_values, owned_bytes, process_baseline
 from seqcal.tracing.partition import Subgraph
 
 # Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
 # model skeleton on meta, trace and batches (measured on this machine: 0.34 GiB after the imports, 0.36 GiB
-# at the first onload; benchmarks/RESULTS.md). A CUDA context adds its own host memory on top.
+# at the first onload; benchmarks/RESULTS.md). A CUDA context adds its own host memory on top. The plan
+# measures the process it runs in instead (``values.process_baseline``); this is where it cannot.
 PROCESS_BASELINE = 370 * 1024**2
 
 
@@ -76,7 +78,7 @@ class SubgraphPlan:
     quantized_numel: int = 0  # weights it quantizes (their codes and scales are sent to other processes)
     solve_cost: float = 0.0  # sum of out * in^2 + in^3 over them, as seqcal.distributed assigns solves
     device_cache: int = 0  # the activation cache on the execution device (offload="device" on a GPU)
-    # host = PROCESS_BASELINE + resident + cache_ram + work + held: the parts a host budget weighs (plan_host)
+    # host = the plan's baseline + resident + cache_ram + work + held: the parts a host budget weighs (plan.host)
     resident: int = 0  # weights that stay in RAM all along
     cache_ram: int = 0  # the activation cache in RAM while it runs
     work: int = 0  # its own work in RAM: the device share on a cpu run (weights, Hessians, solve) or its save
@@ -99,6 +101,7 @@ class MemoryPlan:
     batch_size: int = 1  # samples per batch the plan is for (batch_size="auto": the size it chose)
     dtype_bytes: int = 4  # bytes per weight element of the model
     one_pass: bool = False  # the cut: before each group of quantized modules (True) or after each target
+    baseline: int = PROCESS_BASELINE  # the process's own resident memory, in every row's host
 
     @property
     def device_peak(self) -> int:
@@ -111,7 +114,7 @@ class MemoryPlan:
             kept = min(r.cache_ram, limit)
             spilled, r.host = max(spilled, r.cache_ram - kept), r.host - r.cache_ram + kept
             r.cache_ram, r.host_cache = kept, min(r.host_cache, limit)
-        self.host_peak = max((r.host for r in self.rows), default=PROCESS_BASELINE)
+        self.host_peak = max((r.host for r in self.rows), default=self.baseline)
         self.disk += spilled
 
     def table(self) -> str:
@@ -151,6 +154,7 @@ def plan_memory(
     solved: set[str] | None = None,
     overlap: bool | None = None,
     background: bool | None = None,
+    baseline: int = PROCESS_BASELINE,
 ) -> MemoryPlan:
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
@@ -167,6 +171,7 @@ def plan_memory(
         overlap: the cache copies beside the compute on an accelerator (None: the cache's default,
             ``seqcal.execution.cache.store.OVERLAP``).
         background: the checkpoint's files written on a worker thread (None: ``streaming.BACKGROUND``).
+        baseline: the process's resident memory besides the run's (``values.process_baseline``).
     """
     overlap = cache_store.OVERLAP if overlap is None else overlap
     background = streaming.BACKGROUND if background is None else background
@@ -189,7 +194,10 @@ def plan_memory(
     cache_peak = 0  # bytes of cached activations at most, wherever the cache keeps them
     held = 0  # the previous subgraph's save, held by the writer thread while this subgraph runs
     for sg in subgraphs:
-        weights = sum(model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, sg.modules))
+        # the modules it reads: not the lm_head after the last down_proj, whose subgraph runs no forward pass
+        weights = sum(
+            model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, onloaded_modules(sg))
+        )
         read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
         wide = widest.get(sg.index, 0) if widest is not None else 3 * tokens * inter * dtype_bytes
         groups = solve_groups(model, sg, quantized)
@@ -236,14 +244,15 @@ def plan_memory(
             work = max(row.device_peak, save)
         else:  # on a GPU the solve's kept Hessian is in host memory, freed before the save
             work = max(max((kept_bytes(n_in) for _, n_in in groups), default=0), save)
-        row.host = PROCESS_BASELINE + resident_weights + during + work + held
+        row.host = baseline + resident_weights + during + work + held
         row.resident, row.cache_ram, row.work, row.held = resident_weights, during, work, held
-        held = save if background else 0
+        # what the worker still holds of it: the packed tensors and the resume file's int8 codes (streaming.done)
+        held = written.get(sg.index, 0) + codes if background else 0
         rows.append(row)
     params = sum(p.numel() for p in model.parameters())
     q_params = sum(model.get_submodule(n).weight.numel() for n in quantized)
     disk = (params - q_params) * dtype_bytes + q_params * quant_bits // 8 + q_params * dtype_bytes // 32
-    host_peak = max((r.host for r in rows), default=PROCESS_BASELINE)
+    host_peak = max((r.host for r in rows), default=baseline)
     notes = []
     if cache_tier == "disk":  # rows hold no host cache then: the same bytes are on disk
         disk += cache_peak
@@ -251,7 +260,7 @@ def plan_memory(
         notes.append(
             f"the activation cache, up to {cache_peak / 1024**3:.3f} GB, is on {cache_tier} (not planned)"
         )
-    return MemoryPlan(rows, host_peak, disk, notes)
+    return MemoryPlan(rows, host_peak, disk, notes, baseline=baseline)
 
 
 def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str] | None:
@@ -348,6 +357,7 @@ def make_plan(
     ):
         cache_tier = "device"  # "cuda:0" running on cuda:0: the execution device's memory
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+    baseline = process_baseline(resident, PROCESS_BASELINE)  # measured now, before the plan's own trace
     targets, notes = sequential_targets, []
     for attempt in range(2):
         args = PipelineArgs(
@@ -363,7 +373,7 @@ def make_plan(
                          f"{str(err)[:200]})")  # fmt: skip
         kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
                       cache_tier=cache_tier, device_on_host=on_host, resident_weights=resident,
-                      device_budget=max_device_memory,
+                      device_budget=max_device_memory, baseline=baseline,
                       solved=quantized | set(mods.pruned()))  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,
                            widest=widest, **kwargs)  # fmt: skip

@@ -81,7 +81,7 @@ def floor_of(plan: MemoryPlan, movable: bool = True) -> tuple[int, SubgraphPlan 
     """The smallest peak the plan can reach (its cache all on disk when ``movable``), and the subgraph that sets it."""
     worst = max(plan.rows, key=lambda r: r.host - (r.cache_ram if movable else 0), default=None)
     if worst is None:
-        return PROCESS_BASELINE, None
+        return plan.baseline, None
     return worst.host - (worst.cache_ram if movable else 0), worst
 
 
@@ -96,7 +96,8 @@ def dominant(row: SubgraphPlan) -> tuple[str, str]:
                                                        "weights then read per subgraph)"),
              f"subgraph {row.index}'s own work (mostly {own})": (row.work, ", or lower max_seq_length / batch_size"
                                                                    if own == "its activations" else ""),
-             "the process itself (Python, torch, the model's skeleton)": (PROCESS_BASELINE, ""),
+             "the process itself (Python, torch, the model's skeleton)": (row.host - row.resident - row.cache_ram
+                                                                          - row.work - row.held, ""),
              "the previous subgraph's save, still being written": (row.held, "")}  # fmt: skip
     name = max(parts, key=lambda k: parts[k][0])
     return f"{name}: {parts[name][0] / _GB:.2f} GB", parts[name][1]

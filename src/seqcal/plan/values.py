@@ -13,9 +13,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import torch
 
 from seqcal.execution.subgraphs import model_device
@@ -104,3 +106,31 @@ def owned_bytes(model: torch.nn.Module, subgraphs: list[Subgraph], quantized: se
         size = numel * quant_bits // 8 + numel * dtype_bytes // 32 if packed else numel * dtype_bytes
         out[index] = out.get(index, 0) + size
     return out
+
+
+def process_baseline(resident: int, fallback: int) -> int:
+    """The process's own resident memory, measured at the first plan the process makes: what every subgraph's
+    host prediction starts from.
+
+    Python, torch, transformers, seqcal and whatever the caller holds (a test runner, a notebook, the tokenizer)
+    are what they are in this process, not a constant measured on another machine. Measured once, so that two
+    plans of one process (each cut, a budget checked twice) compare.
+
+    Args:
+        resident: bytes of the model's weights held in RAM now (counted by the plan on their own, so taken out).
+        fallback: returned where the resident size cannot be read.
+
+    Returns:
+        Bytes.
+    """
+    first = _first_rss()
+    return max(first - resident, 0) if first is not None else fallback
+
+
+@functools.cache
+def _first_rss() -> int | None:
+    """The process's RSS at the first call (a memo of a measurement, the same for every later plan)."""
+    try:
+        return psutil.Process().memory_info().rss
+    except psutil.Error:
+        return None
