@@ -113,6 +113,8 @@ class REAPPruningModifier(Modifier):
             raise ValueError(f"{self.name}: ignore leaves {skipped} unpruned while other MoE layers lose experts, "
                              "but the config holds one expert count for every layer, so the checkpoint would not "
                              "reload; ignore all MoE layers or none")  # fmt: skip
+        if not kept:
+            logger.warning("seqcal: %s: ignore matches every MoE layer; no expert is removed", self.name)
         config = _text_config(model)
         count_key = _first_key(config, _COUNT_KEYS, "the number of experts")
         counts = set(kept.values()) | {getattr(config, count_key)}
@@ -291,7 +293,10 @@ def _prune_block(model: nn.Module, block: str, keep: list[int], state: RunState)
     if isinstance(getattr(router, "out_features", None), int):
         router.out_features = len(keep)
     _rename_records(state, f"{block}.experts.", {e: new for new, e in enumerate(keep)})
-    state.changed.add(router_name)
+    # the router changed; the kept experts hold other values under their names now (an offloaded model keeps
+    # them instead of reading those names from the original checkpoint again)
+    state.changed.update([router_name, *(f"{block}.experts.{new}.{leaf}" for new in range(len(keep))
+                                         for leaf in leaves_of)])  # fmt: skip
 
 
 def _rename_records(state: RunState, prefix: str, renumber: dict[int, int]) -> None:
@@ -306,7 +311,10 @@ def _rename_records(state: RunState, prefix: str, renumber: dict[int, int]) -> N
         new = renumber.get(int(index))
         return None if new is None else f"{prefix}{new}" + (f".{rest}" if rest else "")
 
-    for records in (state.quantized, state.sparsity, state.module_errors):
+    # with several processes, which one solved each module of the subgraph: its weights are sent under the new
+    # name by the process that solved it (``ShardedRun.parts``)
+    parts = getattr(state.sharding, "parts", None)
+    for records in (state.quantized, state.sparsity, state.module_errors, *([parts] if parts else [])):
         items = [(moved(n), v) for n, v in records.items()]
         records.clear()
         records.update({n: v for n, v in items if n is not None})
