@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from dist_helpers import data, run, tensor_hashes
+from dist_helpers import data, run, stopped_after, tensor_hashes
 from save_helpers import tiny_llama
 from seqcal.algorithms.reap import add_saliency, plan_drop, retained_experts
+from seqcal.checkpoint.streaming import ResumeError
 from seqcal.entrypoint import oneshot
 from seqcal.experts import linearize_experts
 from seqcal.modifiers import REAPPruningModifier
@@ -165,3 +166,32 @@ def test_reap_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     oneshot(model=model, dataset=ROWS, recipe="REAPPruningModifier: {sparsity: 0.5, ignore: ['re:.*']}",
             max_seq_length=24)  # fmt: skip
     assert torch.equal(_logits(model), before)
+
+
+def test_reap_prunes_each_routing_group_of_a_group_limited_router(tmp_path: Path) -> None:
+    """DeepSeek-V3 routes within groups of experts: each group loses as many, the correction bias follows."""
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                              n_shared_experts=1, n_group=2, topk_group=2, num_experts_per_tok=2,
+                              first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                              qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_()  # routing that depends on it
+    report = tmp_path / "kept.json"
+    oneshot(model=model, dataset=ROWS, recipe=f"REAPPruningModifier: {{sparsity: 0.5, report_path: {report}}}",
+            max_seq_length=24, output_dir=str(tmp_path / "out"))  # fmt: skip
+    (kept,) = json.loads(report.read_text()).values()
+    assert sum(e < 4 for e in kept) == sum(e >= 4 for e in kept) == 2
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["n_routed_experts"] == 4
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert torch.equal(_logits(reloaded), _logits(model))
+
+
+def test_reap_refuses_to_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    args = {"dataset": ROWS, "recipe": "REAPPruningModifier: {sparsity: 0.5}", "max_seq_length": 24,
+            "output_dir": str(tmp_path / "out")}  # fmt: skip
+    stopped_after(monkeypatch, 2, model=ARCHS["mixtral"].build(), **args)
+    with pytest.raises(ResumeError, match="REAPPruningModifier, which cannot be resumed"):
+        oneshot(model=ARCHS["mixtral"].build(), resume=True, **args)
