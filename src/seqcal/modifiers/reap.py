@@ -201,9 +201,6 @@ class REAPPruningModifier(Modifier):
             setattr(_text_config(model), self._count_key, len(next(iter(self.retained.values()))))
         return pruned
 
-    def prunes(self) -> dict[str, Any]:
-        return {}
-
     def finalize(self, model: nn.Module, state: RunState) -> None:
         rank = state.sharding.group.rank if state.sharding is not None else 0
         if self.report_path is not None and rank == 0:
