@@ -116,10 +116,10 @@ REQUIRED = {
     "AWQModifier": {"scheme": "W4A16"}, "AutoRoundModifier": {"scheme": "W4A16"},
     "SparseGPTModifier": {"sparsity": 0.5}, "WandaPruningModifier": {"sparsity": 0.5},
     "MagnitudePruningModifier": {"targets": ["Linear"], "init_sparsity": 0.1, "final_sparsity": 0.5},
-    "ConstantPruningModifier": {"targets": ["Linear"]},
+    "ConstantPruningModifier": {"targets": ["Linear"]}, "REAPPruningModifier": {"sparsity": 0.5},
 }  # fmt: skip
 EXCLUSIVE = {"config_groups": "scheme", "scheme": "config_groups"}  # one of the two, never both
-NOT_YET = ["QuIPModifier", "SpinQuantModifier", "REAPPruningModifier", "AutoRoundModifier"]
+NOT_YET = ["QuIPModifier", "SpinQuantModifier", "AutoRoundModifier"]
 
 
 def _recipe(modifier: str, arg: str, value: object) -> dict:

@@ -48,9 +48,9 @@ def one_intra_op_thread() -> Iterator[None]:
 
 def quantize_columns(
     WT: Tensor, Hinv: Tensor, scale: Tensor, zero: Tensor, col_group: Tensor, block_size: int, qrange: tuple,
-    pruned: Tensor | None = None,
+    pruned: Tensor | None = None, mismatch: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The GPTQ column loop on ``WT = W^T`` [in, out] float32, which it overwrites.
+    """The GPTQ column loop on ``WT = W^T`` [in, out] float32, which it overwrites (GPTQ's and GPTAQ's).
 
     Works on ``W^T`` so that a column of W is a contiguous row, and blocks twice (``block_size``, then
     ``SUB_BLOCK``) so that rank-1 updates stay small; everything else is a matmul.
@@ -66,6 +66,9 @@ def quantize_columns(
         pruned: bool ``[in, out]`` in processing order, True where the weight is pruned (a sparsity mask):
             those entries get the code of 0 (their only grid point) and their error is spread like any
             rounding error, so they dequantize to exactly 0. None: no mask.
+        mismatch: GPTAQ's ``P`` [in, in] in processing order (``seqcal.algorithms.gptaq``): each column's value
+            ``w_q`` when its turn comes is spread over the later columns too, ``+ w_q P_{q,F}``, at both levels
+            of the lazy updates. None (GPTQ): no such term, and not one operation more.
 
     Returns:
         ``(QT, codes, row_loss)`` in processing order: QT ``[in, out]`` float32 (in ``WT``'s memory), codes
@@ -85,7 +88,13 @@ def quantize_columns(
     symmetric = not bool(zeroT.any())  # then the zero point adds and subtracts nothing: skip those kernels
     gidx = col_group.to(WT.device)
     graph = None
-    if cuda_graphs.CUDA_GRAPHS and WT.is_cuda and n_in >= 2 * block_size and pruned is None:
+    if (
+        cuda_graphs.CUDA_GRAPHS
+        and WT.is_cuda
+        and n_in >= 2 * block_size
+        and pruned is None
+        and mismatch is None
+    ):
         graph = cuda_graphs.block_graph(
             block_size, n_out, scaleT.shape[1], WT.device, qrange, symmetric, column_block
         )
@@ -93,6 +102,7 @@ def quantize_columns(
     for i1 in range(0, n_in, block_size):
         i2 = min(i1 + block_size, n_in)
         Hinv1 = Hinv[i1:i2, i1:i2]  # [B, B]
+        terms = None
         if graph is not None and i2 - i1 == block_size:
             zeros = None if symmetric else zeroT[gidx[i1:i2]]  # a symmetric loop never reads them
             C1, Err1 = graph.run(WT[i1:i2], Hinv1, scaleT[gidx[i1:i2]], zeros)
@@ -102,9 +112,12 @@ def quantize_columns(
             Err1 = torch.empty_like(W1)  # [B, out]: scaled errors
             rows = [(scaleT[g], zeroT[g]) for g in groups[i1:i2]]
             keep = None if pruned is None else pruned[i1:i2]
-            column_block(W1, CT[i1:i2], Err1, Hinv1, rows, qrange, symmetric, keep)
+            terms = None if mismatch is None else (mismatch[i1:i2, i1:i2], torch.empty_like(W1))  # P, and w_q
+            column_block(W1, CT[i1:i2], Err1, Hinv1, rows, qrange, symmetric, keep, terms)
         losses += (Err1 * Err1).sum(0)
-        WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks
+        WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks: rounding,
+        if terms is not None:
+            WT[i2:].addmm_(mismatch[i1:i2, i2:].T, terms[1])  # and GPTAQ's input mismatch
     codes = to_codes(CT.T, qrange[2])
     for i1 in range(0, n_in, block_size):  # WT is spent: dequantize into it, a block of rows at a time
         i2, g = min(i1 + block_size, n_in), gidx[i1 : i1 + block_size]
@@ -114,7 +127,7 @@ def quantize_columns(
 
 def column_block(
     W1: Tensor, C1: Tensor, Err1: Tensor, Hinv1: Tensor, qparams: list, qrange: tuple, symmetric: bool,
-    pruned: Tensor | None = None,
+    pruned: Tensor | None = None, mismatch: tuple[Tensor, Tensor] | None = None,
 ) -> None:  # fmt: skip
     """Quantize one block's columns in order, spreading each one's error over the block's later columns.
 
@@ -123,6 +136,9 @@ def column_block(
     zero)`` pair of [out] or [1] rows per column. Each column costs 7 small kernels (9 with a zero point, more
     for a float grid), all writing into preallocated rows: no allocation on the integer grid, so the loop can
     be captured as a graph. ``pruned`` [B, out] (or None): entries whose code is forced to that of 0.
+    ``mismatch`` (GPTAQ, or None): ``(P1 [B, B], Wq1 [B, out])``, the block's part of ``P`` and the rows that
+    receive each column's value before it is rounded; its term follows the rounding term's separately, so it
+    adds exact zeros when ``P1`` is 0.
     """
     qmin, qmax, grid = qrange
     w_rows, c_rows, e_rows = W1.unbind(0), C1.unbind(0), Err1.unbind(0)
@@ -132,6 +148,8 @@ def column_block(
         for i in range(j1, j2):
             w, c, err = w_rows[i], c_rows[i], e_rows[i]
             s, z = qparams[i]
+            if mismatch is not None:
+                mismatch[1][i].copy_(w)
             # same op order as quant.fake_quantize: c = round(clamp(w / s + z)); err = w - (c - z) * s
             if symmetric:
                 torch.div(w, s, out=c)
@@ -147,4 +165,8 @@ def column_block(
             torch.sub(w, err, out=err)
             err.div_(Hinv1[i, i])
             W1[i:j2].addr_(Hinv1[i, i:j2], err, alpha=-1)  # OBS update inside the sub-block
+            if mismatch is not None:
+                W1[i + 1 : j2].addr_(mismatch[0][i, i + 1 : j2], mismatch[1][i])  # + w_q P_{q,F}
         W1[j2:].addmm_(Hinv1[j1:j2, j2:].T, Err1[j1:j2], alpha=-1)  # rest of the block, at once
+        if mismatch is not None:
+            W1[j2:].addmm_(mismatch[0][j1:j2, j2:].T, mismatch[1][j1:j2])

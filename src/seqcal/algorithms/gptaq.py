@@ -15,8 +15,9 @@ the least-squares fit of ``x_q - x~_q`` by the quantized inputs not yet fixed (p
 
 With ``H_FF^-1 = U_FF^T U_FF``, all rows at once: ``P = alpha * triu(dXXT U^T, 1) U`` (strictly upper
 triangular). ``alpha = 0.25`` (default) is the reference implementation's empirical scale, ``alpha = 1`` the
-paper's formula; ``alpha = 0`` or ``dXXT = 0`` (``X~ == X``) is GPTQ, code for code. Lazy batch updates as GPTQ's
-(blocks of ``block_size``, sub-blocks of ``SUB_BLOCK``); unlike the reference implementation (and GPTQModel's),
+paper's formula; ``alpha = 0`` or ``dXXT = 0`` (``X~ == X``) is GPTQ, code for code. The factor is GPTQ's
+(``gptq_factor.processing_factor``), the loop GPTQ's with the term added (``columns.quantize_columns`` with
+``mismatch=P``): lazy batch updates in blocks of ``block_size`` and sub-blocks of ``columns.SUB_BLOCK``; unlike the reference implementation (and GPTQModel's),
 whose update of later blocks multiplies ``P`` by the block's *rounded* columns, both levels use ``w_q``: the
 result does not depend on ``block_size`` (up to float rounding).
 """
@@ -24,25 +25,25 @@ result does not depend on ``block_size`` (up to float rounding).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from seqcal.algorithms import products
-from seqcal.algorithms.gptq import GPTQNumericalError, GPTQResult
-from seqcal.algorithms.observe import weight_qparams
+from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
+from seqcal.algorithms.gptq import (
+    ACTORDER,
+    GPTQResult,
+    _original_order,
+    _stored_qparams,
+    _weight_and_qparams,
+)
+from seqcal.algorithms.gptq_factor import Factor, _permute_, processing_factor
+from seqcal.algorithms.hessian import running_square
 from seqcal.algorithms.quant import STRATEGIES, Strategy, quant_range
-from seqcal.backend import onednn_applies
 
 # The reference implementation's scale of the input-mismatch term (its authors' most stable choice).
 DEFAULT_ALPHA = 0.25
-# Columns updated eagerly (rank-1) inside a block, the rest of the block by one product per sub-block. The same
-# value and the same operations as GPTQ's column loop, so that with P = 0 the floats, hence the codes, are GPTQ's.
-SUB_BLOCK = 16
-# "static"/"dynamic" are compressed-tensors' aliases of "weight"/"group" (as in gptq.py)
-ACTORDER: dict[str, str] = {"weight": "weight", "static": "weight", "group": "group", "dynamic": "group"}
 
 
 def accumulate_dxxt(dXXT: Tensor | None, X: Tensor, X_tilde: Tensor, n_seen: int) -> tuple[Tensor, int]:
@@ -74,13 +75,7 @@ def accumulate_dxxt(dXXT: Tensor | None, X: Tensor, X_tilde: Tensor, n_seen: int
         )
     Xt = X_tilde.reshape(-1, X_tilde.shape[-1])  # [m, in]
     d = Xt.shape[1]
-    if dXXT is None:
-        dXXT = torch.zeros(d, d, dtype=torch.float32, device=Xt.device)
-    if dXXT.shape != (d, d) or dXXT.dtype != torch.float32:
-        raise ValueError(
-            f"accumulate_dxxt: dXXT must be float32 [{d}, {d}] to match inputs with {d} features, "
-            f"got {dXXT.dtype} {list(dXXT.shape)}"
-        )
+    dXXT = running_square(dXXT, Xt, "accumulate_dxxt", "dXXT")
     m = Xt.shape[0]
     if m == 0:
         return dXXT, n_seen
@@ -138,79 +133,14 @@ def _check_inputs(W: Tensor, H: Tensor, dXXT: Tensor, strategy: str, group_size:
         raise ValueError("gptaq_quantize: W contains NaN or inf; the checkpoint is broken upstream of GPTAQ")
 
 
-def _inverse_factor(
-    Hp: Tensor, dampening_frac: float, max_retries: int, damp_growth: float
-) -> tuple[Tensor, float, int]:
-    """``U``, the upper Cholesky factor of ``(Hp + damp I)^-1``, raising dampening ``damp_growth``x per failure.
-
-    ``Hp`` [in, in] float32, in processing order, dead inputs' diagonal already 1 (not modified). The same
-    operations as GPTQ's factor: with ``R`` the reversal permutation and ``R Hp R = Lr Lr^T``, ``U = R Lr^-1 R``
-    (one Cholesky, one triangular solve), each retry applying the earlier dampening steps in order.
-    """
-    if not torch.isfinite(Hp.sum()):
-        raise GPTQNumericalError("Hessian contains NaN or inf (inputs overflowed?); use RTN for this module")
-    n = Hp.shape[0]
-    mean_diag = Hp.diagonal().mean().item()
-    steps: list[float] = []
-    applied = 0.0
-    for retry in range(max_retries + 1):
-        frac = dampening_frac * damp_growth**retry
-        steps.append((frac - applied) * mean_diag)
-        applied = frac
-        Hr = Hp.flip(0, 1).contiguous()  # R Hp R
-        for step in steps:
-            Hr.diagonal().add_(step)
-        if onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF:  # float32 CPU: GPTQ's blocked factor
-            inv = products.inverse_cholesky_factor_(Hr)
-        else:
-            Lr, info = torch.linalg.cholesky_ex(Hr)
-            # Hr is spent: the identity in its memory, column-major as the solve lays out its own output
-            inv = None if info.item() != 0 else Hr.zero_().fill_diagonal_(1).t()
-            if inv is not None:
-                torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
-            del Lr
-        del Hr
-        if inv is None:
-            continue
-        U = inv.flip(0, 1).contiguous()  # R Lr^-1 R
-        del inv
-        if torch.isfinite(U.sum()) and bool((U.diagonal() > 0).all()):
-            return U, frac, retry
-    raise GPTQNumericalError(
-        f"Cholesky of the Hessian failed up to dampening_frac={applied:g} ({max_retries} retries "
-        f"x{damp_growth:g}); raise dampening_frac, add calibration samples, or quantize this module with RTN"
-    )
-
-
-def _factor_and_mismatch(
-    H: Tensor, dXXT: Tensor, device: torch.device, actorder: str | None, alpha: float, dampening_frac: float,
-    max_retries: int, damp_growth: float,
-) -> tuple[Tensor, Tensor | None, Tensor, Tensor, float, int]:  # fmt: skip
-    """``(dead [in], perm or None, U, P, dampening_frac used, retries)``, ``U`` and ``P`` in processing order.
-
-    At most three [in, in] float32 matrices at once besides the caller's ``H`` and ``dXXT``.
-    """
-    Hp = H.detach().to(device=device, dtype=torch.float32, copy=True)  # [in, in]
-    dead = Hp.diagonal() == 0  # inputs never seen in X~
-    perm = None  # processing order with actorder: most active first (descending diag(H))
-    if actorder is not None:
-        perm = torch.argsort(Hp.diagonal().masked_fill(dead, 1), descending=True, stable=True)
-    if perm is not None:
-        Hp = _permute_(Hp, perm)
-    Hp.diagonal()[dead if perm is None else dead[perm]] = 1
-    U, frac, retries = _inverse_factor(Hp, dampening_frac, max_retries, damp_growth)
-    del Hp
-    D = dXXT.detach().to(device=device, dtype=torch.float32, copy=True)  # [in, in]
-    D[:, dead] = 0  # nothing can compensate with an input the quantized model never sees
-    if perm is not None:
-        D = _permute_(D, perm)
-    return dead, perm, U, asymmetry_matrix(D, U, alpha, out=D), frac, retries
-
-
-def _permute_(A: Tensor, perm: Tensor) -> Tensor:
-    """``A[perm][:, perm]`` in ``A``'s memory, one [in, in] temporary at a time."""
-    A.copy_(A[perm])
-    return A.copy_(A[:, perm])
+def _mismatch(dXXT: Tensor, factor: Factor, alpha: float) -> Tensor:
+    """``P`` [in, in] in processing order (:func:`asymmetry_matrix` of the dead-masked, permuted ``dXXT``), in the
+    memory of one copy of ``dXXT`` on the factor's device."""
+    D = dXXT.detach().to(device=factor.Hinv.device, dtype=torch.float32, copy=True)  # [in, in]
+    D[:, factor.dead] = 0  # nothing can compensate with an input the quantized model never sees
+    if factor.perm is not None:
+        _permute_(D, factor.perm)
+    return asymmetry_matrix(D, factor.Hinv, alpha, out=D)
 
 
 def _fit_dead_inputs_(WT: Tensor, W: Tensor, P: Tensor, dead: Tensor, perm: Tensor | None) -> None:
@@ -223,39 +153,6 @@ def _fit_dead_inputs_(WT: Tensor, W: Tensor, P: Tensor, dead: Tensor, perm: Tens
     original = dead.nonzero().squeeze(1)  # [k] original column indices
     at = original if perm is None else torch.argsort(perm)[original]  # their positions in processing order
     WT.addmm_(P[at].T, W.detach()[:, original].T.to(torch.float32))  # [in, k] @ [k, out]
-
-
-def _weight_and_qparams(
-    W: Tensor, dead: Tensor, perm: Tensor | None, actorder: str | None, group_size: int | None, qkw: dict
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-    """``WT [in, out]`` float32 in processing order, dead inputs 0, ``scale, zero_point``, ``col_group [in]`` (the
-    qparam column of each processed column) and ``g_idx`` (``actorder="group"`` with groups), as GPTQ's."""
-    n_in = W.shape[1]
-    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
-    W32[:, dead] = 0  # inputs never seen: any weight is free, so make it 0
-    col_group = torch.arange(n_in, device=W32.device)
-    col_group = col_group // group_size if qkw["strategy"] == "group" else torch.zeros_like(col_group)
-    if actorder is None:
-        return W32.T.contiguous(), *weight_qparams(W32, **qkw), col_group, None
-    if actorder == "weight":  # groups of original columns: the checkpoint format does not change
-        return W32.T[perm].contiguous(), *weight_qparams(W32, **qkw), col_group[perm], None
-    if qkw.get("importance") is not None:  # the importance follows its columns
-        qkw = {**qkw, "importance": qkw["importance"][perm]}
-    scale, zero_point = weight_qparams(W32[:, perm], **qkw)  # groups of consecutive *permuted* columns
-    g_idx = col_group[torch.argsort(perm)].to(torch.int32) if qkw["strategy"] == "group" else None
-    return W32.T[perm].contiguous(), scale, zero_point, col_group, g_idx
-
-
-@contextlib.contextmanager
-def _one_thread(device: torch.device) -> Iterator[None]:
-    """The column loop's tiny ops on one CPU intra-op thread, as GPTQ's (and so its products round as there)."""
-    before = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def gptaq_quantize(
@@ -315,84 +212,22 @@ def gptaq_quantize(
     qkw = dict(num_bits=num_bits, symmetric=symmetric, strategy=strategy, group_size=group_size, type=type)
     qkw.update(observer=observer, observer_kwargs=observer_kwargs, importance=importance)
     order = ACTORDER.get(actorder) if actorder else None
-    dead, perm, Hinv, P, frac, retries = _factor_and_mismatch(
-        H, dXXT, W.device, order, alpha, dampening_frac, max_retries, damp_growth
-    )
-    WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(W, dead, perm, order, group_size, qkw)
-    _fit_dead_inputs_(WT, W, P, dead, perm)
-    # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
-    scale = scale.to(scale_dtype)
-    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-    scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
-    zero32 = zero_point.float().reshape(scale32.shape)
-    with _one_thread(WT.device):
-        QT, codes, row_loss = _quantize_columns(
-            WT, Hinv, P, scale32.T.contiguous(), zero32.T.contiguous(), col_group, block_size, num_bits
+    # GPTQ's factor, in H's memory (float32 on W's device: no copy), H's values back after the loop
+    with processing_factor(H, W.device, order, dampening_frac, max_retries, damp_growth) as factor:
+        P = _mismatch(dXXT, factor, alpha)
+        WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(
+            W, factor.dead, factor.perm, order, group_size, qkw
         )
-    Q = QT.T.to(W.dtype)  # [out, in]; a cast per element: casting before un-permuting is exact
-    if perm is not None:
-        inv = torch.argsort(perm)
-        Q, codes = Q[:, inv], codes[:, inv]
+        _fit_dead_inputs_(WT, W, P, factor.dead, factor.perm)
+        scale, scale32, zero32 = _stored_qparams(scale, zero_point, scale_dtype)
+        qrange = (*quant_range(num_bits, "int"), "int")
+        with one_intra_op_thread() if WT.device.type == "cpu" else contextlib.nullcontext():
+            QT, codes, row_loss = quantize_columns(
+                WT, factor.Hinv, scale32, zero32, col_group, block_size, qrange, mismatch=P
+            )
+        del WT, P
+    Q, codes = _original_order(QT, codes, factor.perm, W.dtype)
     return GPTQResult(
         Q=Q, q=codes, scale=scale, zero_point=zero_point, g_idx=g_idx, loss=row_loss.sum().item(),
-        dampening_frac=frac, retries=retries, row_loss=row_loss,
+        dampening_frac=factor.dampening_frac, retries=factor.retries, row_loss=row_loss,
     )  # fmt: skip
-
-
-def _quantize_columns(
-    WT: Tensor, Hinv: Tensor, P: Tensor, scaleT: Tensor, zeroT: Tensor, col_group: Tensor, block_size: int,
-    num_bits: int,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """The column loop on ``WT = W^T`` [in, out] float32 in processing order, which it overwrites. ``scaleT, zeroT``
-    [G, out or 1] float32, ``col_group`` [in] the qparam row of each processed column. Returns ``(QT [in, out] float32, codes [out, in] int8, row_loss [out])``, in processing order.
-    """
-    n_in, n_out = WT.shape
-    # a symmetric scheme's zero point adds and subtracts nothing: skip those kernels
-    qrange = (*quant_range(num_bits, "int"), not bool(zeroT.any()))
-    CT = torch.empty_like(WT)  # [in, out] codes, as floats until the end
-    groups = col_group.tolist()
-    losses = torch.zeros(n_out, dtype=torch.float32, device=WT.device)
-    for i1 in range(0, n_in, block_size):
-        i2 = min(i1 + block_size, n_in)
-        W1 = WT[i1:i2].clone()  # [B, out]: the block, updated eagerly
-        Err1, Wq1 = torch.empty_like(W1), torch.empty_like(W1)  # [B, out]: rounding errors / U_qq, and w_q
-        rows = [(scaleT[g], zeroT[g]) for g in groups[i1:i2]]
-        _column_block(W1, CT[i1:i2], Err1, Wq1, Hinv[i1:i2, i1:i2], P[i1:i2, i1:i2], rows, qrange)
-        losses += (Err1 * Err1).sum(0)
-        WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks: rounding,
-        WT[i2:].addmm_(P[i1:i2, i2:].T, Wq1)  # and input mismatch
-    codes = CT.T.to(torch.int8)  # [out, in]
-    gidx = col_group.to(WT.device)
-    torch.sub(CT, zeroT[gidx], out=WT).mul_(scaleT[gidx])  # WT is spent: Q^T = (c - z) * s, per element
-    return WT, codes, losses / 2
-
-
-def _column_block(
-    W1: Tensor, C1: Tensor, Err1: Tensor, Wq1: Tensor, Hinv1: Tensor, P1: Tensor, qparams: list, qrange: tuple,
-) -> None:  # fmt: skip
-    """One block's columns in order (``[B, out]`` rows of W^T), each one's two terms spread over the block's later
-    columns. The rounding term is GPTQ's, operation for operation; the mismatch term follows it separately, so
-    that it adds exact zeros when ``P1`` is 0. ``qrange``: ``(qmin, qmax, symmetric)``."""
-    qmin, qmax, symmetric = qrange
-    B = W1.shape[0]
-    for j1 in range(0, B, SUB_BLOCK):
-        j2 = min(j1 + SUB_BLOCK, B)
-        for i in range(j1, j2):
-            w, c, err = W1[i], C1[i], Err1[i]
-            s, z = qparams[i]
-            Wq1[i].copy_(w)
-            if symmetric:  # c = round(clamp(w / s + z)); err = w - (c - z) * s
-                torch.div(w, s, out=c)
-            else:
-                torch.addcdiv(z, w, s, out=c)
-            c.clamp_(qmin, qmax).round_()
-            if symmetric:
-                torch.mul(c, s, out=err)
-            else:
-                torch.sub(c, z, out=err).mul_(s)
-            torch.sub(w, err, out=err)
-            err.div_(Hinv1[i, i])
-            W1[i:j2].addr_(Hinv1[i, i:j2], err, alpha=-1)  # OBS update inside the sub-block
-            W1[i + 1 : j2].addr_(P1[i, i + 1 : j2], Wq1[i])  # + w_q P_{q,F}
-        W1[j2:].addmm_(Hinv1[j1:j2, j2:].T, Err1[j1:j2], alpha=-1)  # rest of the block, at once
-        W1[j2:].addmm_(P1[j1:j2, j2:].T, Wq1[j1:j2])

@@ -25,11 +25,9 @@ import seqcal.algorithms.formats as formats
 from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.algorithms.gptq_factor import GPTQNumericalError as GPTQNumericalError  # re-exported
-from seqcal.algorithms.gptq_factor import (
-    _factor_scratch,
-    _inverse_hessian_factor,
-    _order,
-)
+from seqcal.algorithms.gptq_factor import _factor_scratch as _factor_scratch  # re-exported (SparseGPT)
+from seqcal.algorithms.gptq_factor import _inverse_hessian_factor as _inverse_hessian_factor  # re-exported
+from seqcal.algorithms.gptq_factor import processing_factor
 from seqcal.algorithms.observe import weight_qparams
 from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
 
@@ -220,16 +218,11 @@ def gptq_quantize(
     qkw = dict(num_bits=num_bits, symmetric=symmetric, strategy=strategy, group_size=group_size)
     qkw.update(type=type, observer=observer, observer_kwargs=observer_kwargs, importance=importance)
 
-    # float32 on W's device; no copy when it already is (its memory is the factor's scratch, its values restored)
-    H32 = H.detach().to(device=W.device, dtype=torch.float32).contiguous()  # [in, in]
-    dead = H32.diagonal() == 0  # inputs never seen: H_ii = 1 and W[:, i] = 0
     order = ACTORDER.get(actorder) if actorder else None
-    perm = _order(H32, dead, order)
-    with _factor_scratch(H32, H) as kept:  # the factor in H's memory; H's values back after the loop
-        # the inverse first: its [in, in] temporaries are gone before the weight-sized ones appear
-        Hinv, frac, retries = _inverse_hessian_factor(
-            H32, kept, perm, dead, dampening_frac, max_retries, damp_growth
-        )
+    # the factor in H's memory (float32 on W's device: no copy), H's values back after the loop; the inverse
+    # first: its [in, in] temporaries are gone before the weight-sized ones appear
+    with processing_factor(H, W.device, order, dampening_frac, max_retries, damp_growth) as factor:
+        Hinv, dead, perm = factor.Hinv, factor.dead, factor.perm
         if fmt is not None:
             WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)
             scale = scale.to(scale_dtype)  # exact: fp8 values, powers of two, or block scales rounded first
@@ -239,11 +232,7 @@ def gptq_quantize(
             WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(
                 W, dead, perm, order, group_size, qkw
             )
-            # round first, so Q is exactly what the checkpoint dequantizes to; an underflow must not give 0
-            scale = scale.to(scale_dtype)
-            scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-            scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
-            zero32 = zero_point.float().reshape(scale32.shape)
+            scale, scale32, zero32 = _stored_qparams(scale, zero_point, scale_dtype)
             qrange = (*quant_range(num_bits, type), "fp8" if type == "float" else "int")
         prunedT = None
         if pruned is not None:  # [in, out] in processing order, like WT
@@ -258,11 +247,8 @@ def gptq_quantize(
                 WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
             )
         del WT, Hinv
-    Q = QT.T.to(W.dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
+    Q, codes = _original_order(QT, codes, perm, W.dtype)
     del QT
-    if perm is not None:
-        inv = torch.argsort(perm)
-        Q, codes = Q[:, inv], codes[:, inv]
     if fmt is not None and zero_point is None:
         zero_point = torch.zeros_like(scale, dtype=fmt.code_dtype)
     return GPTQResult(
@@ -272,7 +258,30 @@ def gptq_quantize(
         zero_point=zero_point,
         g_idx=g_idx,
         loss=row_loss.sum().item(),
-        dampening_frac=frac,
-        retries=retries,
+        dampening_frac=factor.dampening_frac,
+        retries=factor.retries,
         row_loss=row_loss,
     )
+
+
+def _stored_qparams(
+    scale: Tensor, zero_point: Tensor, scale_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The integer formats' scale as stored (``scale_dtype``; an underflow to 0 made the smallest normal, so no
+    column divides by 0) and the float32 ``[out or 1, G]`` scale and zero point the column loop rounds with: rounded
+    first, so that ``Q`` is exactly what the checkpoint dequantizes to."""
+    scale = scale.to(scale_dtype)
+    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+    scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
+    return scale, scale32, zero_point.float().reshape(scale32.shape)
+
+
+def _original_order(
+    QT: Tensor, codes: Tensor, perm: Tensor | None, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(Q [out, in] in dtype, codes)`` in the original column order from the loop's processing order."""
+    Q = QT.T.to(dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
+    if perm is None:
+        return Q, codes
+    inv = torch.argsort(perm)
+    return Q[:, inv], codes[:, inv]

@@ -1,14 +1,15 @@
 """GPTQ's inverse Hessian factor in processing order (paper, Sec. 3.4 / Alg. 1): the Hessian permuted in place,
 dead columns fixed, dampened and factored, in the Hessian's own memory where it can be (pure tensor functions).
 
-``gptq_quantize`` (``seqcal.algorithms.gptq``) calls :func:`_inverse_hessian_factor` inside
-:func:`_factor_scratch` and solves with the factor it returns.
+``gptq_quantize`` (``seqcal.algorithms.gptq``) and ``gptaq_quantize`` (``seqcal.algorithms.gptaq``) solve with
+the factor :func:`processing_factor` yields (:func:`_inverse_hessian_factor` inside :func:`_factor_scratch`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -94,6 +95,55 @@ def _factor_scratch(H32: Tensor, H: Tensor) -> Iterator[KeptHessian]:
     finally:
         if H32.data_ptr() == H.data_ptr():
             kept.restore(H32)
+
+
+@dataclass(frozen=True)
+class Factor:
+    """What :func:`processing_factor` yields.
+
+    Attributes:
+        Hinv: upper Cholesky factor of ``(Hp + damp I)^-1`` [in, in] float32, in processing order.
+        dead: bool [in], inputs never seen (``H_ii == 0``; their diagonal was set to 1).
+        perm: the processing order (``actorder``), or None for the original one.
+        dampening_frac: the dampening fraction that made the Cholesky succeed.
+        retries: how many times dampening had to be increased.
+    """
+
+    Hinv: Tensor
+    dead: Tensor
+    perm: Tensor | None
+    dampening_frac: float
+    retries: int
+
+
+@contextlib.contextmanager
+def processing_factor(
+    H: Tensor, device: torch.device, actorder: str | None, dampening_frac: float, max_retries: int,
+    damp_growth: float,
+) -> Iterator[Factor]:  # fmt: skip
+    """The dampened inverse factor of ``H`` in processing order, for GPTQ's and GPTAQ's column loops.
+
+    ``H`` as float32 on ``device`` (no copy when it already is: its memory is then the factor's scratch, and its
+    values are written back, bit for bit, when the block ends); dead inputs' diagonal 1; columns ordered by
+    descending ``diag(H)`` for ``actorder`` ``"weight"`` or ``"group"``; dampening raised ``damp_growth``x per
+    failed Cholesky, up to ``max_retries`` times. The factor must not be read after the block.
+
+    Raises:
+        GPTQNumericalError: ``H`` has NaN or inf, or no dampening made it positive definite.
+
+    Example:
+        >>> with processing_factor(torch.eye(4) * 2, torch.device("cpu"), None, 0.01, 3, 10.0) as f:
+        ...     f.Hinv.shape, f.retries
+        (torch.Size([4, 4]), 0)
+    """
+    H32 = H.detach().to(device=device, dtype=torch.float32).contiguous()  # [in, in]
+    dead = H32.diagonal() == 0  # inputs never seen: H_ii = 1 (and the solvers zero W[:, i])
+    perm = _order(H32, dead, actorder)
+    with _factor_scratch(H32, H) as kept:
+        Hinv, frac, retries = _inverse_hessian_factor(
+            H32, kept, perm, dead, dampening_frac, max_retries, damp_growth
+        )
+        yield Factor(Hinv, dead, perm, frac, retries)
 
 
 def _inverse_hessian_factor(

@@ -24,6 +24,24 @@ from seqcal.backend import linear, onednn_applies, onednn_for
 UPPER_BLOCK = 128
 
 
+def running_square(M: Tensor | None, X: Tensor, who: str, name: str) -> Tensor:
+    """The ``[in, in]`` float32 running average that inputs ``X [m, in]`` update: ``M`` checked, or a new zero one
+    on ``X``'s device (GPTQ's Hessian, GPTAQ's ``dXXT``).
+
+    Raises:
+        ValueError: ``M`` is not float32 ``[in, in]`` for ``X``'s width (``who``: the caller, ``name``: ``M``'s).
+    """
+    d = X.shape[1]
+    if M is None:
+        return torch.zeros(d, d, dtype=torch.float32, device=X.device)
+    if M.shape != (d, d) or M.dtype != torch.float32:
+        raise ValueError(
+            f"{who}: {name} must be float32 [{d}, {d}] to match inputs with {d} features, got {M.dtype} "
+            f"{list(M.shape)}"
+        )
+    return M
+
+
 def accumulate_hessian(
     H: Tensor | None,
     X: Tensor,
@@ -61,13 +79,7 @@ def accumulate_hessian(
         (torch.Size([8, 8]), 32)
     """
     X = X.reshape(-1, X.shape[-1])  # [m, in]
-    if H is None:
-        H = torch.zeros(X.shape[1], X.shape[1], dtype=torch.float32, device=X.device)
-    if H.shape != (X.shape[1], X.shape[1]) or H.dtype != torch.float32:
-        raise ValueError(
-            f"accumulate_hessian: H must be float32 [{X.shape[1]}, {X.shape[1]}] to match inputs with "
-            f"{X.shape[1]} features, got {H.dtype} {list(H.shape)}"
-        )
+    H = running_square(H, X, "accumulate_hessian", "H")
     m = X.shape[0]
     if m == 0:
         return H, n_seen

@@ -382,7 +382,8 @@ class SubgraphWeights:
             The bytes copied back to the host (changed weights kept for later).
         """
         changed = tuple(c + "." for c in changed)
-        names = [n for n in self.params[sg.index] if self.model.get_parameter(n).device.type != "meta"]
+        present = dict(self.model.named_parameters())  # a modifier may have removed some (REAP's experts)
+        names = [n for n in self.params[sg.index] if n in present and present[n].device.type != "meta"]
         kept = 0
         for name in names:
             if (self.keep_changed or self.last_use[name] > sg.index) and name.startswith(changed):

@@ -16,6 +16,8 @@ unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -62,6 +64,9 @@ class LinearExperts(nn.Module):
         self.layout = layout
         self.calibrate_all = calibrate_all
         self.observed = False  # a modifier is accumulating its experts' inputs (seqcal.experts.every_token)
+        # Called with each expert's output on its routed tokens: (expert, token_idx [n], gate weights [n],
+        # output [n, H]), before the weighting (REAP's saliency); added and removed by a modifier's calibrate.
+        self.taps: list[Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]] = []
         if layout.has_post_expert_norm:
             self.post_expert_norm = fused.post_expert_norm
 
@@ -93,6 +98,9 @@ class LinearExperts(nn.Module):
                 y = self._run_expert(self.get_submodule(str(e)), hidden_states[token_idx])
             else:
                 continue
-            y = y * top_k_weights[token_idx, top_k_pos, None]
+            weights = top_k_weights[token_idx, top_k_pos]
+            for tap in self.taps:
+                tap(e, token_idx, weights, y)
+            y = y * weights[:, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out

@@ -68,6 +68,8 @@ class Modifier:
     # False: an interrupted run cannot be resumed, because this modifier changes weights that a replayed
     # subgraph cannot put back (neither quantized nor recorded in ``state.ledger.changed``).
     resumable: ClassVar[bool] = True
+    # True: ``compress`` removes or renumbers modules (REAP's expert pruning); it runs last in each subgraph.
+    restructures: ClassVar[bool] = False
 
     # Statistics the framework gathers for this modifier from each of its modules' inputs, in every cut, and
     # reduces across processes in shard order; ``compress`` reads them with ``gathered(module)``. Declared on
@@ -86,6 +88,7 @@ class Modifier:
             everywhere=self.compresses_everywhere,
             shared_statistics=self.shares_statistics(),
             resumable=self.resumable,
+            restructures=self.restructures,
         )
 
     def gathered(self, module: str) -> dict[str, torch.Tensor]:

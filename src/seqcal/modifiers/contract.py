@@ -102,7 +102,8 @@ def gathered_of(modifier: Modifier) -> Gathered:
 class ModifierSet(tuple):
     """The recipe's modifiers in order, with their declarations: the one thing the stages ask.
 
-    Built once (``ModifierSet.of``); a tuple of the modifiers, so loops over it see them in recipe order.
+    Built once (``ModifierSet.of``); a tuple of the modifiers, so loops over it see them in recipe order
+    (those that restructure the model, ``Needs.restructures``, last).
 
     Example:
         >>> from seqcal.modifiers import GPTQModifier
@@ -117,7 +118,9 @@ class ModifierSet(tuple):
     def of(cls, modifiers: Iterable[Modifier]) -> ModifierSet:
         if isinstance(modifiers, ModifierSet):
             return modifiers
-        mods = cls(modifiers)
+        listed = list(modifiers)
+        # modifiers that renumber modules compress last, after the others' records of the old names are used
+        mods = cls(sorted(listed, key=lambda m: m.needs().restructures))
         # whatever a modifier declares, hooks of its own below its parent's reduction do not reduce
         mods.needs = tuple(
             replace(n, shared_statistics=False) if gathers_unshared(type(m)) else n

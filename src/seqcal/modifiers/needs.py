@@ -31,6 +31,8 @@ class Needs:
             or ``partial_statistics`` / ``load_statistics``); False refuses a run with more than one process.
         resumable: a replayed subgraph can put back every weight it changed (quantized, pruned or recorded
             in ``state.ledger.changed``); False refuses to resume an interrupted run.
+        restructures: ``compress`` removes or renumbers modules (expert pruning): it runs after every other
+            modifier's ``compress`` in a subgraph, so their records keep the names they were gathered under.
     """
 
     calibration: bool = False
@@ -40,6 +42,7 @@ class Needs:
     everywhere: bool = False
     shared_statistics: bool = True
     resumable: bool = True
+    restructures: bool = False
 
 
 @dataclass(frozen=True)
