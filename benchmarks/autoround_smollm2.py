@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--lr", type=float, default=5e-3, help="0: both tools' default, 1 / iters")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--model", default=None, help="a model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--bits", type=int, default=4, help="weight bits (symmetric int, group 64)")
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument(
@@ -67,14 +68,14 @@ def main() -> None:
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 
-    model = default_model_dir()
+    model = Path(args.model) if args.model else default_model_dir()
     WORK.mkdir(parents=True, exist_ok=True)
     tokens = WORK / f"calib_{args.samples}x512.safetensors"
     if not tokens.exists():
         subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(gptq_smollm2.WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", "512",
                         "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
-    tag = f"w{args.bits}-{args.iters}it-lr{args.lr:g}"
+    tag = f"{model.name}-w{args.bits}-{args.iters}it-lr{args.lr:g}"
     recipe = WORK / f"autoround_{tag}.yaml"
     recipe.write_text(
         RECIPE.format(iters=args.iters, lr=args.lr or "null", batch=args.batch_size, bits=args.bits)
