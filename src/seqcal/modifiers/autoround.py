@@ -55,10 +55,9 @@ class AutoRoundModifier(QuantizationModifier):
         batch_size: calibration rows per step.
         enable_torch_compile, device_ids, disable_opt_rtn: llm-compressor's; accepted, no effect here (the layer
             runs eagerly on the run's execution device; iters 0 is plain round to nearest).
-        amp: the search's forward and backward passes run in bfloat16, the layer's weights cast once, its inputs at
-            each step (auto-round's ``amp``, on by default there too, which casts the whole model: much faster on
-            CPUs with bf16 instructions and on GPUs); the loss, the reference outputs, the codes and the propagation
-            keep the run's dtype. False: the search in the run's dtype (its compute dtype under autocast).
+        amp: the search's forward and backward passes run under bfloat16 autocast (auto-round's ``amp``, on by
+            default there too: much faster on CPUs with bf16 instructions and on GPUs); the reference outputs, the
+            codes and the propagation keep the run's dtype. False: the search in the run's dtype.
         reference: the inputs of the full-precision output each layer learns to match: "full_precision"
             (auto-round's) or "quantized" (llm-compressor's wrapper). See the module docstring.
         max_chunk_memory: bytes of recorded layer calls kept for the search (later batches are left out).
@@ -189,12 +188,11 @@ class AutoRoundModifier(QuantizationModifier):
         return out
 
     def _training_precision(self, state: RunState) -> contextlib.AbstractContextManager:
-        """Without ``amp``: the run's compute dtype under autocast, else float32 Linears on oneDNN's kernels. With
-        it nothing: the block's weights and inputs are cast to bfloat16 before the search (``_search_dtype``)."""
+        """bfloat16 autocast (``amp``), else the run's compute dtype, else float32 Linears on oneDNN's kernels."""
+        dtype = torch.bfloat16 if self.amp else state.compute_dtype
         stack = contextlib.ExitStack()
-        if not self.amp:
-            stack.enter_context(TrainingKernels(linears=state.compute_dtype is None))
-            stack.enter_context(_autocast(state.device, state.compute_dtype))
+        stack.enter_context(TrainingKernels(linears=dtype is None))  # under autocast the Linears stay torch's
+        stack.enter_context(_autocast(state.device, dtype))
         return stack
 
     def _learn(self, layer: str, names: list[str], calls: Calls, reference: list[torch.Tensor],
@@ -205,15 +203,15 @@ class AutoRoundModifier(QuantizationModifier):
         W = {n: model.get_submodule(n).weight.detach() for n in names}
         quantizers = {n: LearnedQuantizer.of(W[n], **kw[n]) for n in names}
         params = {n: RoundingParams.start(W[n], kw[n]["group_size"]) for n in names}
-        dtype = torch.bfloat16 if self.amp else None  # None: the run's dtype (autocast to its compute dtype)
-        frozen = {k: _cast(v.detach(), dtype) for k, v in block.named_parameters()}
+        # under amp the fake-quantized weights are made in bfloat16, the dtype autocast would cast them to
+        dtype = torch.bfloat16 if self.amp else None
+        frozen = {k: v.detach() for k, v in block.named_parameters()}
         rel = {n: n[len(layer) + 1 :] + ".weight" for n in names}
         lr = self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
         best, first, kept = math.inf, math.nan, {n: p.detached() for n, p in params.items()}
         for step, rows in enumerate(batches_of(calls.rows, self.batch_size, self.iters, self.seed)):
             loss = 0.0
             for share, args, kwargs, mask, target in calls.batch(rows, reference, state.device):
-                args, kwargs = _cast(args, dtype), _cast(kwargs, dtype)
                 with torch.enable_grad(), self._training_precision(state):
                     weights = {rel[n]: quantizers[n](params[n], dtype or W[n].dtype) for n in names}
                     y = functional_call(block, {**frozen, **weights}, args, kwargs)
@@ -242,17 +240,6 @@ class AutoRoundModifier(QuantizationModifier):
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def _cast(value: Any, dtype: torch.dtype | None) -> Any:
-    """``value``'s floating-point tensors in ``dtype`` (None: as they are), clamped to its range so that an additive
-    attention mask's float32 minimum stays finite."""
-    if dtype is None:
-        return value
-    lo, hi = torch.finfo(dtype).min, torch.finfo(dtype).max
-    return _map(
-        value, lambda t: t.clamp(lo, hi).to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-    )
 
 
 def _format(scheme: Any) -> dict[str, Any]:
