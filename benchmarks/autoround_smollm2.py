@@ -116,7 +116,8 @@ def main() -> None:
             f"{name:<11} wall {wall:7.1f} s  cpu (user+sys) {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
             flush=True,
         )
-        saved.write_text(json.dumps(results, indent=1))
+        results = {**(json.loads(saved.read_text()) if saved.exists() else {}), name: results[name]}
+        saved.write_text(json.dumps(results, indent=1))  # read again: the other tool may run beside this one
     if {"seqcal", "auto-round"} <= results.keys():
         ours, theirs = results["seqcal"], results["auto-round"]
         print(f"seqcal / auto-round: ppl {ours['ppl'] / theirs['ppl']:.3f}x, cpu {ours['cpu_s'] / theirs['cpu_s']:.2f}x, "
