@@ -12,7 +12,9 @@ auto-round lives in its own venv (it pins other versions of transformers and fri
 
 Usage (from the repo root):
     .venv/bin/python benchmarks/autoround_smollm2.py [--runs seqcal,auto-round] [--iters 50] [--lr 5e-3]
-        [--samples 32] [--eval-windows 8] [--peer-python /tmp/ar/bin/python]
+        [--samples 32] [--eval-windows 8] [--bits 4] [--peer-python /tmp/ar/bin/python]
+    Runs made one at a time (--runs seqcal, then --runs auto-round) are kept in .work/autoround_results_<tag>.json
+    and compared once both are there.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ RECIPE = """quant_stage:
       config_groups:
         group_0:
           targets: ["Linear"]
-          weights: {{num_bits: 4, type: int, symmetric: true, strategy: group, group_size: 64}}
+          weights: {{num_bits: {bits}, type: int, symmetric: true, strategy: group, group_size: 64}}
 """
 
 
@@ -57,6 +59,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--lr", type=float, default=5e-3, help="0: both tools' default, 1 / iters")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--model", default=None, help="a model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--bits", type=int, default=4, help="weight bits (symmetric int, group 64)")
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument(
         "--peer-python", default=os.environ.get("SEQCAL_BENCH_AUTOROUND_PYTHON", "/tmp/ar/bin/python")
@@ -64,16 +68,18 @@ def main() -> None:
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 
-    model = default_model_dir()
+    model = Path(args.model) if args.model else default_model_dir()
     WORK.mkdir(parents=True, exist_ok=True)
     tokens = WORK / f"calib_{args.samples}x512.safetensors"
     if not tokens.exists():
         subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(gptq_smollm2.WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", "512",
                         "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
-    tag = f"{args.iters}it-lr{args.lr:g}"
+    tag = f"{model.name}-w{args.bits}-{args.iters}it-lr{args.lr:g}"
     recipe = WORK / f"autoround_{tag}.yaml"
-    recipe.write_text(RECIPE.format(iters=args.iters, lr=args.lr or "null", batch=args.batch_size))
+    recipe.write_text(
+        RECIPE.format(iters=args.iters, lr=args.lr or "null", batch=args.batch_size, bits=args.bits)
+    )
     commands = {
         "seqcal": [f"{VENV}/bin/python", "benchmarks/_run_seqcal.py", "--recipe", str(recipe)],
         "auto-round": [
@@ -87,14 +93,18 @@ def main() -> None:
             str(args.batch_size),
             "--samples",
             str(args.samples),
+            "--bits",
+            str(args.bits),
         ],  # fmt: skip
     }
-    results = {}
+    saved = WORK / f"autoround_results_{tag}.json"  # runs made one at a time are compared too
+    results = json.loads(saved.read_text()) if saved.exists() else {}
+    print(f"load average before: {os.getloadavg()[0]:.1f}", flush=True)
     for name in args.runs.split(","):
         out = WORK / f"autoround-{name}-{tag}"
-        wall, cpu, rss, _ = measure(
-            [*commands[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
-        )
+        cmd = [*commands[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
+        print("$", " ".join(cmd), flush=True)
+        wall, cpu, rss, _ = measure(cmd)
         ppl = seqcal_ppl(out, args.eval_windows)
         results[name] = {
             "wall_s": round(wall, 1),
@@ -103,14 +113,16 @@ def main() -> None:
             "ppl": round(ppl, 2),
         }
         print(
-            f"{name:<11} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
+            f"{name:<11} wall {wall:7.1f} s  cpu (user+sys) {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.2f}",
             flush=True,
         )
-    if len(results) == 2:
+        results = {**(json.loads(saved.read_text()) if saved.exists() else {}), name: results[name]}
+        saved.write_text(json.dumps(results, indent=1))  # read again: the other tool may run beside this one
+    if {"seqcal", "auto-round"} <= results.keys():
         ours, theirs = results["seqcal"], results["auto-round"]
-        print(f"seqcal / auto-round: ppl {ours['ppl'] / theirs['ppl']:.3f}x, wall {ours['wall_s'] / theirs['wall_s']:.2f}x,"
+        print(f"seqcal / auto-round: ppl {ours['ppl'] / theirs['ppl']:.3f}x, cpu {ours['cpu_s'] / theirs['cpu_s']:.2f}x, "
+              f"wall {ours['wall_s'] / theirs['wall_s']:.2f}x,"
               f" peak RSS {ours['peak_rss_gb'] / theirs['peak_rss_gb']:.2f}x; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    (WORK / f"autoround_results_{tag}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

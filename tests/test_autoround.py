@@ -13,7 +13,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import seqcal.checkpoint.streaming as streaming
 from save_helpers import checkpoint_tensors, reload
 from seqcal.algorithms import fake_quantize, weight_qparams
-from seqcal.algorithms.autoround import RoundingParams, learned_codes, learned_fake_quantize, sign_step_
+from seqcal.algorithms.autoround import (
+    LearnedQuantizer,
+    RoundingParams,
+    learned_codes,
+    learned_fake_quantize,
+    sign_step_,
+)
 from seqcal.algorithms.quant import dequantize
 from seqcal.entrypoint import oneshot
 from seqcal.errors import SeqcalError
@@ -70,6 +76,33 @@ def test_the_start_is_round_to_nearest_and_the_codes_match_the_fake_quantized_we
     torch.testing.assert_close(
         dequantize(q, scale, zp, group_size=GROUP), learned_fake_quantize(W, p, **kw).detach()
     )
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize(("bits", "group"), [(4, GROUP), (2, GROUP), (3, None), (8, GROUP)])
+def test_the_fused_fake_quantization_gives_autograds_values_and_gradients(
+    symmetric: bool, bits: int, group: int | None
+) -> None:
+    torch.manual_seed(bits)
+    W = torch.randn(24, 64) * torch.rand(24, 1) * 3
+    W[0], W[1, :GROUP] = 0.0, 0.5  # an all-zero row and a constant group: the scale's guard and max's tie
+    p = RoundingParams.start(W, group)
+    with torch.no_grad():  # past the clamps too: alpha / beta out of [0, 1] get no gradient
+        p.V.uniform_(-0.5, 0.5), p.alpha.uniform_(0.3, 1.0), p.beta.uniform_(0.3, 1.2)
+    G = torch.randn(24, 64)
+    kw = {"num_bits": bits, "symmetric": symmetric, "group_size": group}
+    want = learned_fake_quantize(W, p, **kw)
+    (want * G).sum().backward()
+    grads = [t.grad.clone() for t in p.tensors()]
+    for t in p.tensors():
+        t.grad = None
+    got = LearnedQuantizer.of(W, **kw)(p)
+    (got * G).sum().backward()
+    assert torch.equal(got, want)  # bit for bit: the codes learned_codes stores are the ones searched
+    for name, a, b in zip("V alpha beta".split(), grads, [t.grad for t in p.tensors()], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * float(a.abs().max()), msg=name)
+        assert torch.equal(a.sign(), b.sign()), name  # the signed step reads only the signs
+    assert LearnedQuantizer.of(W, **kw)(p, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_a_signed_step_moves_every_value_by_lr_within_its_range() -> None:
@@ -165,6 +198,15 @@ def test_a_stopped_run_resumes_to_the_same_checkpoint(
     [
         ("AutoRoundModifier: {scheme: W4A16, iters: -1}", "iters must be an integer >= 0, got -1"),
         ("AutoRoundModifier: {scheme: W4A16, lr: fast}", "lr must be a positive number or null"),
+        (
+            "AutoRoundModifier: {scheme: W4A16, lr: -0.01}",
+            r"lr must be a positive number or null \(1 / iters\), got -0.01",
+        ),
+        (
+            "AutoRoundModifier: {scheme: W4A16, lr: .nan}",
+            r"lr must be a positive number or null \(1 / iters\), got nan",
+        ),
+        ("AutoRoundModifier: {scheme: W4A16, iters: 2.5}", "iters must be an integer >= 0, got 2.5"),
         ("AutoRoundModifier: {scheme: W4A16, batch_size: 0}", "batch_size must be an integer >= 1"),
         (
             "AutoRoundModifier: {scheme: W4A16, reference: fp}",
@@ -193,6 +235,15 @@ def test_schemes_it_cannot_learn_are_refused_before_calibrating(scheme: str, fra
 
 def test_more_than_one_process_is_refused() -> None:
     assert AutoRoundModifier(scheme="W4A16").shares_statistics() is False
+
+
+def test_the_same_run_twice_gives_the_same_weights() -> None:
+    runs = [tiny_llama(1), tiny_llama(1)]
+    for model in runs:
+        recipe = AutoRoundModifier(config_groups=SYM, ignore=["lm_head"], iters=3, batch_size=2)
+        oneshot(model=model, dataset=data(4), recipe=recipe, max_seq_length=32)
+    for (name, a), b in zip(runs[0].named_parameters(), runs[1].parameters(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_zero_steps_is_round_to_nearest() -> None:

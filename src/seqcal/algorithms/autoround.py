@@ -40,6 +40,7 @@ from seqcal.algorithms.quant import quant_range, quantize
 from seqcal.backend import linear, onednn_for
 
 __all__ = [
+    "LearnedQuantizer",
     "RoundingParams",
     "TrainingKernels",
     "batches_of",
@@ -136,6 +137,95 @@ def learned_fake_quantize(
     x = _groups(W, group_size) / s + _groups(p.V.to(W.dtype), group_size)
     q = (_round_ste(x) + z).clamp(qmin, qmax)
     return ((q - z) * s).reshape(W.shape)
+
+
+@dataclass
+class LearnedQuantizer:
+    """:func:`learned_fake_quantize` of one weight as a single autograd Function (straight-through rounding, the
+    gradients of ``V``, ``alpha`` and ``beta`` written out), with the weight's group minima and maxima computed
+    once: the search calls it every step, and the elementwise graph autograd would record costs more than the
+    layer's products on a CPU. Its values and gradients are those of :func:`learned_fake_quantize`.
+
+    Example:
+        >>> W = torch.randn(8, 64); p = RoundingParams.start(W, 32)
+        >>> fq = LearnedQuantizer.of(W, num_bits=4, symmetric=True, group_size=32)
+        >>> torch.equal(fq(p), learned_fake_quantize(W, p, num_bits=4, symmetric=True, group_size=32))
+        True
+    """
+
+    Wg: Tensor  # [out, G, g] float32
+    w_min: Tensor  # [out, G] group minima clamped to <= 0
+    w_max: Tensor  # [out, G] group maxima clamped to >= 0
+    num_bits: int
+    symmetric: bool
+
+    @classmethod
+    def of(cls, W: Tensor, *, num_bits: int, symmetric: bool, group_size: int | None) -> LearnedQuantizer:
+        """The quantizer of ``W [out, in]`` in groups of ``group_size`` columns (None: per channel)."""
+        Wg = _groups(W.detach().float(), group_size)
+        return cls(Wg, Wg.amin(-1).clamp(max=0), Wg.amax(-1).clamp(min=0), num_bits, symmetric)
+
+    def __call__(self, p: RoundingParams, dtype: torch.dtype | None = None) -> Tensor:
+        """``W`` fake-quantized with ``p``, ``[out, in]`` in ``dtype`` (default float32), differentiable in ``p``."""
+        return _LearnedFakeQuantize.apply(self, p.V, p.alpha, p.beta, dtype or torch.float32)
+
+    def qparams(self, alpha: Tensor, beta: Tensor) -> dict[str, Any]:
+        """The shrunk ranges ``lo``, ``hi``, the scale before (``raw``) and after the zero guard (``s``) and the
+        zero point before its clamp (``z``, None when symmetric), all ``[out, G]``, as :func:`learned_qparams`."""
+        qmin, qmax = quant_range(self.num_bits)
+        lo, hi = self.w_min * alpha.clamp(0, 1), self.w_max * beta.clamp(0, 1)
+        if self.symmetric:
+            raw = torch.maximum(lo.abs(), hi) / ((qmax - qmin) / 2)
+        else:
+            raw = (hi - lo) / (qmax - qmin)
+        s = torch.where(raw == 0, torch.finfo(raw.dtype).eps, raw)
+        z = None if self.symmetric else (qmin - lo / s).round()
+        return {"lo": lo, "hi": hi, "raw": raw, "s": s, "z": z, "qmin": qmin, "qmax": qmax}
+
+
+class _LearnedFakeQuantize(torch.autograd.Function):
+    """``(clamp(round(W / s + V) + z) - z) s`` with the scale ``s`` and zero point ``z`` from the shrunk ranges; the
+    backward pass reads the int8 codes and the clamp's mask kept by the forward pass."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, fq: LearnedQuantizer, V: Tensor, alpha: Tensor, beta: Tensor, dtype: torch.dtype
+    ) -> Tensor:
+        v = fq.qparams(alpha, beta)
+        qmin, qmax, s, z = v["qmin"], v["qmax"], v["s"].unsqueeze(-1), v["z"]
+        t = torch.addcdiv(_groups(V, fq.Wg.shape[-1]), fq.Wg, s).round_()  # round(W / s + V)  [out, G, g]
+        if z is not None:
+            t += z.clamp(qmin, qmax).unsqueeze(-1)
+        q = t.clamp(qmin, qmax)
+        inside = q == t  # where the clamp passes the gradient
+        if z is not None:
+            q -= z.clamp(qmin, qmax).unsqueeze(-1)
+        ctx.fq, ctx.v = fq, v
+        ctx.save_for_backward(q.to(torch.int16), inside, alpha, beta)
+        return (q * s).flatten(1).to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        fq, v = ctx.fq, ctx.v
+        q, inside, alpha, beta = ctx.saved_tensors  # q: the codes minus the zero point
+        qmin, qmax, s, lo = v["qmin"], v["qmax"], v["s"], v["lo"]
+        go = _groups(grad.float(), fq.Wg.shape[-1])  # [out, G, g]
+        gV = go * s.unsqueeze(-1) * inside  # d/dV = s (straight-through rounding)
+        # d/ds of (q - z) s with the codes' argument W / s + V: (q - z) - inside W / s
+        gs = torch.linalg.vecdot(go, q.to(go.dtype)) - torch.linalg.vecdot(gV, fq.Wg) / s**2  # [out, G]
+        if fq.symmetric:
+            g_raw = gs * (v["raw"] != 0) / ((qmax - qmin) / 2)  # through max(|lo|, hi)
+            a, h = lo.abs(), v["hi"]
+            share = torch.where(a == h, 0.5, 1.0)  # torch.maximum splits a tie
+            g_lo = -(g_raw * share * (a >= h)) * (lo < 0)  # d|lo|/dlo = sign(lo)
+            g_hi = g_raw * share * (h >= a)
+        else:  # d/dz = s (inside - 1); z = clamp(round(qmin - lo / s)): straight-through, then the clamp's mask
+            gz = (gV.sum(-1) - s * go.sum(-1)) * ((v["z"] >= qmin) & (v["z"] <= qmax))
+            g_raw = (gs + gz * lo / s**2) * (v["raw"] != 0) / (qmax - qmin)
+            g_lo, g_hi = -gz / s - g_raw, g_raw
+        g_alpha = g_lo * fq.w_min * ((alpha >= 0) & (alpha <= 1))
+        g_beta = g_hi * fq.w_max * ((beta >= 0) & (beta <= 1))
+        return None, gV.flatten(1), g_alpha, g_beta, None
 
 
 def learned_codes(

@@ -26,11 +26,11 @@ from torch.func import functional_call
 
 from seqcal.algorithms import dequantize
 from seqcal.algorithms.autoround import (
+    LearnedQuantizer,
     RoundingParams,
     TrainingKernels,
     batches_of,
     learned_codes,
-    learned_fake_quantize,
     linear_lr,
     masked_mse,
     sign_step_,
@@ -205,7 +205,10 @@ class AutoRoundModifier(QuantizationModifier):
         block = model.get_submodule(layer)
         kw = {n: _format(self.modules[n]) for n in names}
         W = {n: model.get_submodule(n).weight.detach() for n in names}
+        quantizers = {n: LearnedQuantizer.of(W[n], **kw[n]) for n in names}
         params = {n: RoundingParams.start(W[n], kw[n]["group_size"]) for n in names}
+        # under amp the fake-quantized weights are made in bfloat16, the dtype autocast would cast them to
+        dtype = torch.bfloat16 if self.amp else None
         frozen = {k: v.detach() for k, v in block.named_parameters()}
         rel = {n: n[len(layer) + 1 :] + ".weight" for n in names}
         lr = self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
@@ -214,7 +217,7 @@ class AutoRoundModifier(QuantizationModifier):
             loss = 0.0
             for share, args, kwargs, mask, target in calls.batch(rows, reference, state.config.device):
                 with torch.enable_grad(), self._training_precision(state):
-                    weights = {rel[n]: learned_fake_quantize(W[n], params[n], **kw[n]) for n in names}
+                    weights = {rel[n]: quantizers[n](params[n], dtype or W[n].dtype) for n in names}
                     y = functional_call(block, {**frozen, **weights}, args, kwargs)
                     value = masked_mse(y[0] if isinstance(y, (tuple, list)) else y, target, mask) * share
                     value.backward()
