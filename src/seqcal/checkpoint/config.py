@@ -329,6 +329,8 @@ def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayo
     data["quantization_config"] = (
         sparse_only_block() if not state.quantized else _checked_block(model, state, layout)
     )
+    if state.transform_config:  # online rotations (QuIP, SpinQuant): compressed-tensors applies them on load
+        data["quantization_config"]["transform_config"] = state.transform_config
     if state.sparsity:  # pruned modules (seqcal.checkpoint.sparse)
         names = {n: layout.checkpoint_names(n) for n in state.sparsity}
         data["quantization_config"]["sparsity_config"] = sparsity_block(model, state, names)

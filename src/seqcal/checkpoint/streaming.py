@@ -386,6 +386,7 @@ class StreamingCheckpoint:
         with self.weights.modules_onloaded(rest) if self.weights else contextlib.nullcontext():
             for name in rest:
                 self.writer.add_module(name, self.model.get_submodule(name), self.state.quantized.get(name))
+        self.writer.add_transforms(self.state.transform_tensors)
         write_extras(self.path, self.model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)
         out = self.writer.close(checkpoint_config(self.model, self.state, self.layout))
         shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)

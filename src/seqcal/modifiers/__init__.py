@@ -8,6 +8,7 @@ from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.magnitude import ConstantPruningModifier, MagnitudePruningModifier
 from seqcal.modifiers.needs import Gather, Needs
 from seqcal.modifiers.quantization import QuantizationModifier
+from seqcal.modifiers.quip import QuIPModifier
 from seqcal.modifiers.smoothquant import LogarithmicEqualizationModifier, SmoothQuantModifier
 from seqcal.modifiers.sparsegpt import SparseGPTModifier
 from seqcal.modifiers.wanda import WandaPruningModifier
@@ -25,6 +26,7 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "MagnitudePruningModifier": MagnitudePruningModifier,
     "ConstantPruningModifier": ConstantPruningModifier,
     "AutoRoundModifier": AutoRoundModifier,
+    "QuIPModifier": QuIPModifier,
 }
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "Needs",
     "QuantizationModifier",
     "QuantizedWeight",
+    "QuIPModifier",
     "RunState",
     "SmoothQuantModifier",
     "SparseGPTModifier",

@@ -91,6 +91,10 @@ class RunState:
     # Every other module whose parameters or buffers a modifier changed in place, outside ``quantized``
     # (consumers of a fold, calibrated buffers): see ``changed_modules``.
     changed: set[str] = field(default_factory=set)
+    # Online rotations (QuIP, SpinQuant R4): compressed-tensors' ``transform_config`` block and its matrices,
+    # checkpoint key -> tensor; written to config.json's quantization_config and the checkpoint's tensors.
+    transform_config: dict[str, Any] = field(default_factory=dict)
+    transform_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def changed_modules(self) -> set[str]:
         """Every module whose weights a modifier changed: quantized, folded into (producer or consumer), pruned,
