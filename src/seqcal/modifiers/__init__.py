@@ -11,6 +11,7 @@ from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.quip import QuIPModifier
 from seqcal.modifiers.smoothquant import LogarithmicEqualizationModifier, SmoothQuantModifier
 from seqcal.modifiers.sparsegpt import SparseGPTModifier
+from seqcal.modifiers.spinquant import SpinQuantModifier
 from seqcal.modifiers.wanda import WandaPruningModifier
 
 # Recipe name -> class. A literal dict: a miss lists exactly these names.
@@ -27,6 +28,7 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "ConstantPruningModifier": ConstantPruningModifier,
     "AutoRoundModifier": AutoRoundModifier,
     "QuIPModifier": QuIPModifier,
+    "SpinQuantModifier": SpinQuantModifier,
 }
 
 __all__ = [
@@ -47,5 +49,6 @@ __all__ = [
     "RunState",
     "SmoothQuantModifier",
     "SparseGPTModifier",
+    "SpinQuantModifier",
     "WandaPruningModifier",
 ]

@@ -135,8 +135,8 @@ class RotationModifier(Modifier):
         state.transform_config.setdefault("config_groups", {}).update(self.transform_groups(model))
 
     def modules_in(self, subgraph: Subgraph) -> list[str]:
-        names = dict.fromkeys([*(n for n, _ in self._norms), *(e.module for e in self._edits)])
-        return [n for n in names if subgraph.holds(n)]
+        """The modules this modifier rotates in ``subgraph`` (the norms it folds are not listed: no weight matrix)."""
+        return [n for n in dict.fromkeys(e.module for e in self._edits) if subgraph.holds(n)]
 
     @contextlib.contextmanager
     def calibrate(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> Iterator[None]:
@@ -149,6 +149,7 @@ class RotationModifier(Modifier):
         return self._apply(subgraph, model, state)  # data-free runs: no calibration pass came first
 
     def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
+        self._done.update(n for n, _ in self._norms if subgraph.holds(n))
         for name in self.modules_in(subgraph):  # the restored weights are rotated already
             if name not in self._done:
                 self._hook(model, name)
@@ -157,18 +158,21 @@ class RotationModifier(Modifier):
     # --- the edits ------------------------------------------------------------------------------------------
     def _apply(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         todo = [n for n in self.modules_in(subgraph) if n not in self._done]
-        if not todo:
+        norms = [(n, linears) for n, linears in self._norms if subgraph.holds(n) and n not in self._done]
+        if not todo and not norms:
             return False
         if done := [n for n in todo if n in state.quantized]:
             raise ValueError(f"{self.name}: {done[0]} was quantized before it was rotated; put {self.name} before "
                              "the quantizing modifiers in the recipe")  # fmt: skip
         with torch.no_grad():
-            for norm, linears in self._norms:
-                if norm in todo:
-                    self._fuse_norm(model, norm, linears, subgraph)
+            for norm, linears in norms:
+                self._fuse_norm(model, norm, linears, subgraph)
             for e in self._edits:
                 if e.module in todo and e.location not in ONLINE:
                     self._fuse(model, e)
+        for name in [n for n, _ in norms]:
+            self._done.add(name)
+            state.changed.add(name)
         for name in todo:
             self._hook(model, name)
             self._done.add(name)
