@@ -155,8 +155,25 @@ class RotationModifier(Modifier):
                 self._hook(model, name)
                 self._done.add(name)
 
+    def on_fold(self, fold: Any, model: torch.nn.Module, state: RunState) -> None:
+        self._check_folds([fold])
+
+    def finalize(self, model: torch.nn.Module, state: RunState) -> None:
+        self._check_folds(state.folds)
+
+    def _check_folds(self, folds: list[Any]) -> None:
+        """Scales folded into a module whose input or output is rotated online would act on rotated channels
+        (checked as each fold is announced, before each subgraph for AWQ's, and at the end)."""
+        online = {e.module for e in self._edits if e.location in ONLINE}
+        touched = [n for f in folds for n in (f.mapping.producer, *f.mapping.consumers)]
+        if hit := [n for n in touched if n in online]:
+            raise ValueError(f"{self.name}: smoothing scales were folded into {hit[0]}, whose activations are rotated "
+                             "online, which would change the model; use SpinQuantModifier rotations [R1, R2] with "
+                             "AWQ or SmoothQuant, or drop the smoothing modifier")  # fmt: skip
+
     # --- the edits ------------------------------------------------------------------------------------------
     def _apply(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+        self._check_folds(state.folds)
         todo = [n for n in self.modules_in(subgraph) if n not in self._done]
         norms = [(n, linears) for n, linears in self._norms if subgraph.holds(n) and n not in self._done]
         if not todo and not norms:
