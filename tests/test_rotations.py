@@ -223,3 +223,45 @@ def test_rotating_after_the_quantizer_is_refused() -> None:
 def test_what_is_not_implemented_is_refused(cls: type, kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         cls(**kwargs)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_rotated_run_resumes_to_the_same_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rotated weights and folded norms of the finished subgraphs are restored, their online rotations hooked
+    again (``replayed``), and the rest rotated as in the uninterrupted run: the same bytes."""
+    import seqcal.checkpoint.streaming as streaming
+    from save_helpers import checkpoint_tensors
+
+    _llama(tie=True).save_pretrained(tmp_path / "model")
+    recipe = [
+        SpinQuantModifier(rotations=["R1", "R2", "R4"]),
+        GPTQModifier(config_groups=INT4, ignore=["lm_head"]),
+    ]
+    run = {"model": str(tmp_path / "model"), "dataset": _data(), "recipe": recipe}
+    oneshot(output_dir=str(tmp_path / "clean"), **run)
+    monkeypatch.setattr(streaming, "CHECKPOINT_BYTES", 1)  # progress recorded after every subgraph
+    done, calls = streaming.StreamingCheckpoint.done, []
+
+    def dies_after_two(self: streaming.StreamingCheckpoint, sg: object) -> None:
+        done(self, sg)
+        calls.append(sg)
+        if len(calls) == 2:  # the embeddings and layer 0 rotated, layer 1 and the head not yet
+            raise _Interrupted
+
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", dies_after_two)
+    with pytest.raises(_Interrupted):
+        oneshot(
+            output_dir=str(tmp_path / "killed"), **{**run, "recipe": [type(m)(**m.to_dict()) for m in recipe]}
+        )
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "done", done)
+    oneshot(output_dir=str(tmp_path / "killed"), resume=True, **{**run, "recipe": [type(m)(**m.to_dict())
+                                                                                  for m in recipe]})  # fmt: skip
+    a, b = checkpoint_tensors(tmp_path / "killed"), checkpoint_tensors(tmp_path / "clean")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -22,8 +22,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from seqcal.algorithms.rotations import rotate
 from seqcal.mappings.graph import norm_fold_reason
 from seqcal.mappings.names import checkpoint_names
+from seqcal.modifiers.base import RunState
 from seqcal.modifiers.rotations import Edit, RotationModifier
 from seqcal.modifiers.schemes import matches_target
 from seqcal.tracing.partition import Subgraph
@@ -123,7 +125,7 @@ class SpinQuantModifier(RotationModifier):
         self._untie: str | None = (
             None  # lm_head's weight tied to the embeddings on meta: copied in subgraph 0
         )
-        self._embedding: torch.Tensor | None = None
+        self._embedding: torch.Tensor | None = None  # E R, until lm_head is rotated
 
     # --- the plan -------------------------------------------------------------------------------------------
     def _match(self, model: torch.nn.Module, patterns: Any, role: str, required: bool = True) -> list[str]:
@@ -218,17 +220,39 @@ class SpinQuantModifier(RotationModifier):
                 tied.pop(f"{head}.weight", None)
 
     def _apply(self, subgraph: Subgraph, model: torch.nn.Module, state: Any) -> bool:
-        embed = next((e.module for e in self._edits if isinstance(model.get_submodule(e.module), torch.nn.Embedding)),
-                     None)  # fmt: skip
-        if self._untie and embed and subgraph.holds(embed) and embed not in self._done:
-            self._embedding = model.get_submodule(embed).weight.detach().to("cpu", copy=True)  # before R1
-        if self._untie and subgraph.holds(self._untie) and self._untie not in self._done:
-            if self._embedding is None:
-                raise RuntimeError(f"{self.name}: {self._untie} runs before the embeddings it is tied to")
-            with torch.no_grad():
-                model.get_submodule(self._untie).weight.copy_(self._embedding)
-            self._embedding = None
-        return super()._apply(subgraph, model, state)
+        head = self._untie
+        if head and subgraph.holds(head) and head not in self._done and self._embed() in self._done:
+            self._restore_head(model)  # its store value is the rotated embeddings by now
+        changed = super()._apply(subgraph, model, state)
+        self._stash(subgraph, model)
+        return changed
+
+    def replayed(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> None:
+        super().replayed(subgraph, model, state)
+        self._stash(subgraph, model)
+
+    def _embed(self) -> str:
+        return next(e.module for e in self._edits if e.scheme == "R1" and e.location == "weight_output")
+
+    def _stash(self, subgraph: Subgraph, model: torch.nn.Module) -> None:
+        """Offloaded tied lm_head: keep the rotated embeddings ``E R`` (as saved, so a resumed run has the same)."""
+        if (
+            self._untie
+            and self._embedding is None
+            and subgraph.holds(self._embed())
+            and self._embed() in self._done
+        ):
+            self._embedding = model.get_submodule(self._embed()).weight.detach().to("cpu", copy=True)
+
+    def _restore_head(self, model: torch.nn.Module) -> None:
+        """lm_head's weight ``E = (E R) R^T`` from the stashed rotated embeddings, before its own fold and R1."""
+        if self._embedding is None:
+            raise RuntimeError(f"{self.name}: {self._untie} runs before the embeddings it is tied to")
+        h = next(self._matrices[(e.scheme, e.size)] for e in self._edits if e.module == self._embed())
+        weight = model.get_submodule(self._untie).weight
+        with torch.no_grad():
+            weight.copy_(rotate(self._embedding.to(torch.float64), h.T).to(weight.dtype))
+        self._embedding = None
 
     # --- the checkpoint -------------------------------------------------------------------------------------
     def transform_groups(self, model: torch.nn.Module) -> dict[str, Any]:
