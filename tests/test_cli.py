@@ -74,7 +74,7 @@ def assert_user_error(result: subprocess.CompletedProcess[str], *fragments: str)
 
 def bad_recipe(tmp_path: Path) -> str:
     path = tmp_path / "recipe.yaml"
-    path.write_text("SpinQuantModifier:\n  rotations: [R1]\n")
+    path.write_text("OutputDistillationModifier:\n  comparison: l2\n")
     return str(path)
 
 
@@ -95,7 +95,7 @@ CASES = {
     ),
     "oneshot: a refused recipe": (
         lambda d, t: _oneshot(d, t, bad_recipe(t)),
-        ["recipe.yaml", "SpinQuantModifier"],
+        ["recipe.yaml", "OutputDistillationModifier"],
     ),
     "oneshot: a missing dataset": (
         lambda d, t: _oneshot(d, t, RTN, "--dataset", str(t / "calib.jsonl"), *SMALL),

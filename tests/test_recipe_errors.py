@@ -33,16 +33,6 @@ quant_stage:
 """,
         ["<string>:4:", "actorder='group' has been removed", "actorder='weight'"],
     ),
-    "examples/transform/spinquant_example (SpinQuant, retyped)": (
-        """
-quant_stage:
-  quant_modifiers:
-    SpinQuantModifier:
-      rotations: ["R1", "R2"]
-      transform_type: "hadamard"
-""",
-        ["<string>:4:", "SpinQuantModifier", "not supported by seqcal yet"],
-    ),
     "examples/llama_1.1b/example_quant_recipe.yaml (sparseml-era scheme_overrides)": (
         """
 test_stage:
@@ -130,10 +120,10 @@ BAD = {
         ],
     ),
     "unsupported modifier": (
-        "SpinQuantModifier: {rotations: [R1]}\nGPTQModifier: {scheme: W4A16}\n",
+        "OutputDistillationModifier: {comparison: l2}\nGPTQModifier: {scheme: W4A16}\n",
         [
             "<string>:1:",
-            "SpinQuantModifier",
+            "OutputDistillationModifier",
             "not supported by seqcal yet",
             "supported: QuantizationModifier",
         ],

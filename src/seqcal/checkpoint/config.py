@@ -333,6 +333,8 @@ def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayo
     data["quantization_config"] = (
         sparse_only_block() if not state.results.quantized else _checked_block(model, state, layout)
     )
+    if state.results.transform_config:  # online rotations (QuIP, SpinQuant): compressed-tensors applies them
+        data["quantization_config"]["transform_config"] = state.results.transform_config
     if state.results.sparsity:  # pruned modules (seqcal.checkpoint.sparse)
         names = {n: layout.checkpoint_names(n) for n in state.results.sparsity}
         data["quantization_config"]["sparsity_config"] = sparsity_block(model, state, names)

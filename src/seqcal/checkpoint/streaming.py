@@ -400,6 +400,7 @@ class StreamingCheckpoint:
                 self.writer.add_module(
                     name, self.model.get_submodule(name), self.state.results.quantized.get(name)
                 )
+        self.writer.add_transforms(self.state.results.transform_tensors)
         write_extras(self.path, self.model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)
         out = self.writer.close(checkpoint_config(self.model, self.state, self.layout))
         shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)

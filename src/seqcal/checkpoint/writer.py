@@ -139,6 +139,12 @@ class CheckpointWriter:
             tensors = self.layout.revert(tensors)
         return tensors
 
+    def add_transforms(self, tensors: dict[str, Tensor]) -> None:
+        """The online rotations' matrices (``RunState.transform_tensors``, keyed by in-memory module names)."""
+        if tensors and self.layout.revert is not None:
+            tensors = self.layout.revert(dict(tensors))
+        self.add_tensors({k: v.detach().to("cpu") for k, v in tensors.items()})
+
     def add_tensors(self, tensors: dict[str, Tensor]) -> None:
         """``add_tensor`` for each, in key order (what ``module_tensors`` returned)."""
         for key in sorted(tensors):
@@ -364,6 +370,7 @@ def save_checkpoint(
     try:
         for name, module in model.named_modules():
             writer.add_module(name, module, state.results.quantized.get(name))
+        writer.add_transforms(state.results.transform_tensors)
         write_extras(writer.output_dir, model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)
         return writer.close(config)
     except BaseException:

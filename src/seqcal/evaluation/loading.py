@@ -55,4 +55,40 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
         dtype = torch.bfloat16
     with warnings.catch_warnings():  # "the quantization_config from the model will be used": intended
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+    if isinstance(block, dict):
+        apply_online_transforms(model, block, Path(path))
+    return model
+
+
+ONLINE_LOCATIONS = ("input", "output")
+
+
+def apply_online_transforms(model: torch.nn.Module, block: dict, path: Path) -> None:
+    """The online rotations of ``block["transform_config"]`` (QuIP's, SpinQuant's R4), with the checkpoint's matrices.
+
+    transformers 5.24 loads compressed-tensors checkpoints without their ``transform_config``; the rotations
+    fused into the weights need nothing, the online ones are applied here by compressed-tensors, as vLLM does.
+
+    Args:
+        model: the loaded model.
+        block: the checkpoint's ``quantization_config``.
+        path: the checkpoint directory (its safetensors hold the matrices, ``<module>.<group>_<location>.weight``).
+    """
+    groups = (block.get("transform_config") or {}).get("config_groups") or {}
+    online = {}
+    for name, group in groups.items():
+        if apply := [a for a in group.get("apply", []) if a.get("location") in ONLINE_LOCATIONS]:
+            online[name] = {**group, "apply": apply}
+    if not online:
+        return
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from safetensors import safe_open
+
+    apply_transform_config(model, TransformConfig.model_validate({"config_groups": online}))
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f, torch.no_grad():
+            for key in f.keys():
+                if key in params and any(key.endswith(f"_{loc}.weight") for loc in ONLINE_LOCATIONS):
+                    params[key].copy_(f.get_tensor(key))  # shared by every module of its size

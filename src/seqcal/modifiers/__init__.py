@@ -9,8 +9,10 @@ from seqcal.modifiers.magnitude import ConstantPruningModifier, MagnitudePruning
 from seqcal.modifiers.needs import Gather, Needs
 from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.reap import REAPPruningModifier
+from seqcal.modifiers.quip import QuIPModifier
 from seqcal.modifiers.smoothquant import LogarithmicEqualizationModifier, SmoothQuantModifier
 from seqcal.modifiers.sparsegpt import SparseGPTModifier
+from seqcal.modifiers.spinquant import SpinQuantModifier
 from seqcal.modifiers.wanda import WandaPruningModifier
 
 # Recipe name -> class. A literal dict: a miss lists exactly these names.
@@ -27,6 +29,8 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "ConstantPruningModifier": ConstantPruningModifier,
     "AutoRoundModifier": AutoRoundModifier,
     "REAPPruningModifier": REAPPruningModifier,
+    "QuIPModifier": QuIPModifier,
+    "SpinQuantModifier": SpinQuantModifier,
 }
 
 __all__ = [
@@ -46,8 +50,10 @@ __all__ = [
     "QuantizationModifier",
     "QuantizedWeight",
     "REAPPruningModifier",
+    "QuIPModifier",
     "RunState",
     "SmoothQuantModifier",
     "SparseGPTModifier",
+    "SpinQuantModifier",
     "WandaPruningModifier",
 ]

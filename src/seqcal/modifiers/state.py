@@ -73,6 +73,9 @@ class RunResults:
         module_errors: module name -> metrics (rel_error, loss, ...).
         log: human-readable events (fallbacks, warnings), repeated at the end of the run.
         report: per-subgraph and per-module numbers, saved as quantization_report.json.
+        transform_config: online rotations (QuIP, SpinQuant R4) as compressed-tensors' ``transform_config``
+            block, written to config.json's quantization_config; transform_tensors: their matrices,
+            checkpoint key -> tensor.
     """
 
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
@@ -80,6 +83,8 @@ class RunResults:
     module_errors: dict[str, dict[str, float]] = field(default_factory=dict)
     log: list[str] = field(default_factory=list)
     report: dict[str, Any] = field(default_factory=dict)
+    transform_config: dict[str, Any] = field(default_factory=dict)
+    transform_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from seqcal.modifiers import MODIFIERS, AWQModifier, QuantizationModifier
 # llm-compressor modifiers seqcal does not implement yet: naming one is "not supported", not "unknown".
 # fmt: off
 UNSUPPORTED_MODIFIERS: tuple[str, ...] = (
-    "SpinQuantModifier", "QuIPModifier", "OutputDistillationModifier",
+    "OutputDistillationModifier",
 )
 # fmt: on
 IGNORED_TOP_LEVEL_KEYS: tuple[str, ...] = ("version", "metadata", "args")
