@@ -8,8 +8,8 @@ from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.magnitude import ConstantPruningModifier, MagnitudePruningModifier
 from seqcal.modifiers.needs import Gather, Needs
 from seqcal.modifiers.quantization import QuantizationModifier
-from seqcal.modifiers.reap import REAPPruningModifier
 from seqcal.modifiers.quip import QuIPModifier
+from seqcal.modifiers.reap import REAPPruningModifier
 from seqcal.modifiers.smoothquant import LogarithmicEqualizationModifier, SmoothQuantModifier
 from seqcal.modifiers.sparsegpt import SparseGPTModifier
 from seqcal.modifiers.spinquant import SpinQuantModifier
