@@ -18,6 +18,7 @@ import torch
 
 from seqcal.data.args import CalibrationDataError, DataArgs, PreparedBatches, _dataset_kind
 from seqcal.data.sources import _ROW_READERS, _row_where
+from seqcal.multimodal.classes import fix_forward
 from seqcal.multimodal.inputs import (
     MEDIA_KEYS,
     MediaArgs,
@@ -70,6 +71,7 @@ def prepare_media(
         CalibrationDataError: rows with images or audio and no processor to save beside the checkpoint, or
             any error of ``with_media_batches`` (a column the forward does not take, a text-only model).
     """
+    fix_forward(model)  # a transformers bug in the model's own forward, which calibration's checks call
     if media.given and data_args is None:
         raise CalibrationDataError("data_collator / preprocessing_func were given to a data-free run; drop them "
                                    "or use pipeline='sequential' with a dataset")  # fmt: skip
