@@ -19,6 +19,7 @@ import torch
 import transformers
 
 import mm_helpers as mh
+from seqcal import oneshot
 from seqcal.cli import main
 from seqcal.data.args import CalibrationDataError, DataArgs, PreparedBatches
 from seqcal.multimodal.run import own_route
@@ -223,3 +224,34 @@ def test_trace_takes_image_rows_and_checks_the_partition_on_them(llava, tmp_path
         n["name"]: n["shapes"] for n in json.loads(graph.read_text())["nodes"] if n["op"] == "placeholder"
     }
     assert inputs["pixel_values"] == [[1, 3, 8, 8]]  # traced on the first row's image
+
+
+def test_plan_takes_the_image_rows_lengths(llava, tmp_path: Path, capsys) -> None:
+    """``seqcal plan --dataset rows.jsonl``: the plan is made at the rows' count and their longest length with the
+    images' tokens, as the processor expands them (reading no weights)."""
+    path, proc, _ = llava
+    mh.image(0, 8).save(tmp_path / "a.png")
+    rows = [chat("a.png"), {"text": f"{QUESTION} the red cat on a blue photo", "image": "a.png"}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "r.json").write_text(json.dumps(recipe("llava")))
+    longest = len(
+        proc(text=f"<image> {QUESTION} the red cat on a blue photo", images=mh.image(0, 8))["input_ids"][0]
+    )
+    assert longest > len(f"{QUESTION} the red cat on a blue photo".split()) + 1  # the image's tokens counted
+    assert main(["plan", "--model", str(path), "--recipe", str(tmp_path / "r.json"), "--dataset",
+                 str(tmp_path / "rows.jsonl"), "--max-seq-length", "64"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "2 image or audio rows" in out and f"planned at 2 x {longest}\n" in out
+    want = oneshot(model=str(path), recipe=recipe("llava"), num_calibration_samples=2, max_seq_length=longest,
+                   dry_run=True, dataset=[]).table()  # fmt: skip
+    assert want in out
+
+
+def test_plan_refuses_a_row_longer_than_max_seq_length(llava, tmp_path: Path, capsys) -> None:
+    path, _, _ = llava
+    mh.image(0, 8).save(tmp_path / "a.png")
+    (tmp_path / "rows.jsonl").write_text(json.dumps(chat("a.png")) + "\n")
+    (tmp_path / "r.json").write_text(json.dumps(recipe("llava")))
+    assert main(["plan", "--model", str(path), "--recipe", str(tmp_path / "r.json"), "--dataset",
+                 str(tmp_path / "rows.jsonl"), "--max-seq-length", "4"]) != 0  # fmt: skip
+    assert "more than max_seq_length=4" in capsys.readouterr().err

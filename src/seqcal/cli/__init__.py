@@ -241,10 +241,17 @@ _MAX_HOST = ("e.g. 12GB: resident memory to stay under; the plan picks the cache
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from seqcal.entrypoint import oneshot
+    from seqcal.multimodal.run import media_lengths
 
+    samples, seq = args.num_calibration_samples, args.max_seq_length
+    lengths = media_lengths(args.dataset, args.model, samples, seq)
+    if lengths is not None:  # image or audio rows: planned at their longest row, its media's tokens included
+        samples, seq = len(lengths), max(lengths)
+        print(f"{args.dataset}: {samples} image or audio rows, {min(lengths)}-{seq} tokens each with their "
+              f"media's tokens; planned at {samples} x {seq}\n")  # fmt: skip
     plan = oneshot(
-        model=args.model, recipe=args.recipe, num_calibration_samples=args.num_calibration_samples,
-        max_seq_length=args.max_seq_length, batch_size=args.batch_size, offload=args.offload,
+        model=args.model, recipe=args.recipe, num_calibration_samples=samples,
+        max_seq_length=seq, batch_size=args.batch_size, offload=args.offload,
         sequential_targets=args.sequential_targets, dry_run=True, max_device_memory=args.max_device_memory,
         max_host_memory=args.max_host_memory, dataset=[],
     )  # fmt: skip
@@ -252,7 +259,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.world_size > 1:
         from seqcal.distributed.plan import plan_world
 
-        batches = -(-args.num_calibration_samples // plan.batch_size)  # the plan's (also when chosen)
+        batches = -(-samples // plan.batch_size)  # the plan's (also when chosen)
         print("\n" + plan_world(plan, args.world_size, args.num_shards, batches, plan.dtype_bytes))
     return 0
 
@@ -261,6 +268,8 @@ def _add_plan(sub: Any) -> None:
     plan = sub.add_parser("plan", help="predict device/host/disk memory per subgraph (reads no weights)")
     plan.add_argument("--model", required=True)
     plan.add_argument("--recipe", required=True)
+    plan.add_argument("--dataset", default=None,
+                      help="a JSON lines file of image or audio rows: the plan takes their lengths (text: ignored)")  # fmt: skip
     plan.add_argument("--num-calibration-samples", type=int, default=512)
     plan.add_argument("--max-seq-length", type=int, default=2048)
     plan.add_argument("--batch-size", type=parse_batch_size, default=None, help=_BATCH_SIZE)

@@ -97,7 +97,8 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     """
     from transformers import AutoConfig
 
-    from seqcal.multimodal.classes import build, checkpoint_aliases
+    from seqcal.mappings.names import checkpoint_names
+    from seqcal.multimodal.classes import build
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     # `dtype` since transformers 4.56; reading `torch_dtype` there logs a deprecation warning on every run
@@ -110,7 +111,8 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
         model.tie_weights()  # tied parameters become one object, found below under the name on disk
     store = WeightStore.from_checkpoint(path, dtype=dtype)
     _map_experts(model, store)
-    store.aliases.update(checkpoint_aliases(model, store.has))  # modules transformers renames as it loads
+    renamed = checkpoint_names(model, parameters=True)  # modules transformers renames as it loads
+    store.aliases.update({n: key for n, key in renamed.items() if not store.has(n) and store.has(key)})
     params = dict(model.named_parameters(remove_duplicate=False))
     # tied parameters share one object; a name absent from the files reads it under the stored name
     store.aliases.update({n: first for n, first in _tied_names(model).items() if not store.has(n)})

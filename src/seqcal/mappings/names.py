@@ -1,11 +1,12 @@
-"""The names a recipe pattern may use for a module: its name in memory and its name in the checkpoint.
+"""The names a module or parameter has in memory and in the checkpoint, where transformers renames it.
 
 transformers 5 renames some modules when it loads a checkpoint (Mixtral's ``block_sparse_moe`` becomes
 ``mlp``); it records each rename as a ``WeightRenaming`` in the model's checkpoint conversion mapping
 (``transformers.conversion_mapping``) and reverses them when it saves. A recipe written for the checkpoint
 (llm-compressor's Mixtral example ignores ``re:.*block_sparse_moe.gate``) names modules as the checkpoint does,
-so every pattern (targets, ignore, mappings) is matched against both names. Converters that fuse tensors (the
-per-expert weights) rename parameters, not modules, and are left out.
+so every pattern (targets, ignore, mappings) is matched against both names; a checkpoint read tensor by tensor
+is read under the parameters' checkpoint names. Converters that fuse tensors (the per-expert weights) are left out:
+they map many tensors to one, not a name to a name.
 
 Example:
     >>> checkpoint_names(mixtral)["model.layers.0.mlp.gate"]  # doctest: +SKIP
@@ -21,14 +22,15 @@ import torch
 _PROBE = ".weight"  # renamings are written for parameter keys: a module's name gets a leaf to rename with it
 
 
-def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
-    """In-memory module name -> the module's name in the checkpoint, for the modules whose names differ.
+def checkpoint_names(model: torch.nn.Module, parameters: bool = False) -> dict[str, str]:
+    """In-memory module (or parameter) name -> its name in the checkpoint, for the names that differ.
 
     Args:
         model: a transformers model (anything else has no renames: the result is empty).
+        parameters: map the parameters' names (``model.named_parameters()``) instead of the modules'.
 
     Returns:
-        Only the renamed modules; a module absent from the result has the same name in both.
+        Only the renamed names; a name absent from the result is the same in both.
 
     Example:
         >>> checkpoint_names(torch.nn.Linear(2, 2))
@@ -40,6 +42,12 @@ def checkpoint_names(model: torch.nn.Module) -> dict[str, str]:
     from transformers.core_model_loading import apply_renamings
 
     out: dict[str, str] = {}
+    if parameters:
+        for name, _ in model.named_parameters(remove_duplicate=False):
+            key = apply_renamings(name, renamings)
+            if key != name:
+                out[name] = key
+        return out
     for name, _ in model.named_modules():
         if not name:
             continue

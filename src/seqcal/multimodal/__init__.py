@@ -1,7 +1,7 @@
 """Vision-language and speech models: the model class from the config, their inputs through calibration.
 
 ``classes`` picks the class a checkpoint loads with (image-text-to-text, speech-to-text, seq2seq, causal LM)
-and the names its tensors are stored under; ``inputs`` turns rows mapped through a processor (pixel values,
+(the names its tensors are stored under: ``seqcal.mappings.names.checkpoint_names``); ``inputs`` turns rows mapped through a processor (pixel values,
 image grids, audio features) into calibration batches that carry every input the model's forward takes.
 """
 

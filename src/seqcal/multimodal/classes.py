@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,8 +89,8 @@ def build(config: Any, dtype: torch.dtype, trust_remote_code: bool = False) -> t
     """
     cls = model_class(config, trust_remote_code)
     if cls.__name__.startswith("AutoModel"):
-        return cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    return cls._from_config(config, dtype=dtype)
+        return fix_forward(cls.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code))
+    return fix_forward(cls._from_config(config, dtype=dtype))
 
 
 def from_pretrained(source: str, dtype: Any, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -102,35 +103,37 @@ def from_pretrained(source: str, dtype: Any, trust_remote_code: bool = False) ->
 
     config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     cls = model_class(config, trust_remote_code)
-    return cls.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    return fix_forward(cls.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code))
 
 
-def checkpoint_aliases(model: torch.nn.Module, stored: Any) -> dict[str, str]:
-    """Parameter name -> its key in a checkpoint that stores it under transformers' original name.
+def _llama4_image_outputs(model: torch.nn.Module) -> None:
+    """transformers 5.24's ``Llama4ForConditionalGeneration.forward`` reads ``image_outputs`` from its language
+    model's output, which has no such field, so every call fails after the last layer; a forward hook gives the
+    language model's output ``image_outputs=None`` (the model's output then carries None there, as for text
+    alone). A traced graph runs without module hooks, so its partition check falls back to layer-by-layer."""
+    language = getattr(model, "language_model", None)
+    if language is not None and not any(h is _no_image_outputs for h in language._forward_hooks.values()):
+        language.register_forward_hook(_no_image_outputs)
 
-    transformers 5 renames some modules as it loads (Llava's ``language_model.model.layers`` is the model's
-    ``model.language_model.layers``) and names them back as it saves; a checkpoint read tensor by tensor
-    must be read under the saved names.
 
-    Args:
-        model: the model built from the checkpoint's config.
-        stored: ``stored(key) -> bool``, whether the checkpoint has ``key``.
+def _no_image_outputs(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    if not isinstance(output, tuple) and "image_outputs" not in getattr(
+        type(output), "__dataclass_fields__", {}
+    ):
+        output.image_outputs = None  # a ModelOutput keeps an attribute outside its fields as it is
+    return output
 
-    Returns:
-        The parameters that are not stored under their own name but under their reverted one.
-    """
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # older transformers: modules have the checkpoint's names
-        return {}
-    missing = {n: torch.empty(0, device="meta") for n, _ in model.named_parameters() if not stored(n)}
-    if not missing or not hasattr(model, "config"):
-        return {}
-    # One call for all names; a renamed tensor keeps its object, which says whose new name it is.
-    owner = {id(t): name for name, t in missing.items()}
-    saved = revert_weight_conversion(model, dict(missing))
-    return {
-        owner[id(t)]: key
-        for key, t in saved.items()
-        if id(t) in owner and key != owner[id(t)] and stored(key)
-    }
+
+# model class -> the fix for a transformers bug in its forward (each a no-op where transformers has none).
+FORWARD_FIXES: dict[str, Callable[[torch.nn.Module], Any]] = {
+    "Llama4ForConditionalGeneration": _llama4_image_outputs,
+}
+
+
+def fix_forward(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with ``FORWARD_FIXES``' fix for its class applied once (kept for the model's life: its own
+    forward then runs, for calibration's checks and for the caller); ``model`` as it is for other classes."""
+    fix = FORWARD_FIXES.get(type(model).__name__)
+    if fix is not None:
+        fix(model)
+    return model

@@ -18,6 +18,7 @@ import torch
 
 from seqcal.data.args import CalibrationDataError, DataArgs, PreparedBatches, _dataset_kind
 from seqcal.data.sources import _ROW_READERS, _row_where
+from seqcal.multimodal.classes import fix_forward
 from seqcal.multimodal.inputs import (
     MEDIA_KEYS,
     MediaArgs,
@@ -70,6 +71,7 @@ def prepare_media(
         CalibrationDataError: rows with images or audio and no processor to save beside the checkpoint, or
             any error of ``with_media_batches`` (a column the forward does not take, a text-only model).
     """
+    fix_forward(model)  # a transformers bug in the model's own forward, which calibration's checks call
     if media.given and data_args is None:
         raise CalibrationDataError("data_collator / preprocessing_func were given to a data-free run; drop them "
                                    "or use pipeline='sequential' with a dataset")  # fmt: skip
@@ -179,6 +181,40 @@ def trace_inputs(
     sample = own_route(args, model, None, source).dataset[0]
     check = own_route(dataclasses.replace(args, batch_size=2), model, None, source).dataset[0]
     return model, sample, check
+
+
+def media_lengths(
+    dataset: str | None, model_arg: str, num_samples: int, max_seq_length: int
+) -> list[int] | None:
+    """For ``seqcal plan --dataset rows.jsonl``: each calibration row's length in tokens, its images' or audio's
+    placeholder tokens included (the processor in the model's directory expands them), or None when the file
+    holds no image or audio rows. Reads no weights: the model is built on the meta device from its config.
+
+    Args:
+        dataset: the ``--dataset`` file (None: text).
+        model_arg: the ``--model`` directory, Hub id or 'default'.
+        num_samples: the rows calibration would take (the first ones, as ``seqcal oneshot`` takes them).
+        max_seq_length: the longest sequence allowed (a longer row is refused as calibration refuses it).
+
+    Raises:
+        CalibrationDataError: as calibration raises it (a missing image, no processor, a row too long).
+    """
+    path = Path(dataset) if dataset else None
+    if path is None or path.suffix.lower() not in _ROW_FILES or not path.is_file():
+        return None
+    args = DataArgs(str(path), num_samples, max_seq_length, 1, shuffle_calibration_samples=False)
+    if _raw_rows(args) is None:
+        return None
+    from transformers import AutoConfig
+
+    from seqcal.models import resolve_model
+    from seqcal.multimodal.classes import build
+
+    source = Path(resolve_model(model_arg))
+    with torch.device("meta"):
+        model = build(AutoConfig.from_pretrained(source), torch.float32)
+    ready = own_route(args, model, None, source).dataset
+    return [int(next(b[k] for k in ("input_ids", "decoder_input_ids") if k in b).shape[-1]) for b in ready]
 
 
 def _load_processor(source: Path | None) -> Any:

@@ -1,0 +1,166 @@
+"""Memory bound with images: the ``seqcal oneshot`` command on a synthetic >= 1B vision-language model.
+
+Writes a random bf16 Llava checkpoint shard by shard (never the whole model in RAM): a CLIP vision tower
+(hidden 768, 12 layers, 224-pixel images in 14-pixel patches: 256 image tokens) and a Qwen2 text model of
+Qwen2.5-VL's kind (grouped-query attention with 2 KV heads, q/k/v biases; hidden 2048, ``--layers`` layers),
+stored under the names transformers saves it with. Its processor is built in code (a PIL image processor and
+SmolLM2's tokenizer with an ``<image>`` token added; no torchvision) and saved next to it. The calibration rows
+are a JSON lines file of chat rows, each a random PNG image and a WikiText-2 paragraph, read as a user would:
+
+    seqcal oneshot --model DIR --recipe gptq.yaml --dataset rows.jsonl --num-calibration-samples 16
+                   --max-seq-length 512 --output-dir OUT --overwrite
+
+The recipe is GPTQ W4A16 with the vision tower, the projector and lm_head ignored. Peak RSS is taken by GNU
+``time -v`` and by polling the process tree (``cli_membound.TreeRSS``); exits 1 when it is above one third of
+the checkpoint's size on disk.
+
+Usage: .venv/bin/python benchmarks/vlm_membound.py [--layers 28] [--samples 16] [--seq 512] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from big_offload import write_random_checkpoint  # noqa: E402
+from cli_membound import WORK, TreeRSS, calibration_text  # noqa: E402
+
+RECIPE = (
+    "GPTQModifier:\n  scheme: W4A16\n"
+    "  ignore: ['re:.*lm_head', 're:.*vision_tower.*', 're:.*multi_modal_projector.*']\n"
+)
+# Renders each image item as Llava's <image> marker (the processor expands it into 256 image tokens).
+TEMPLATE = (
+    "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}"
+)
+IMAGE = 224
+
+
+def make_processor(path: Path) -> int:
+    """SmolLM2's tokenizer with ``<image>`` and a CLIP image processor, saved as Llava's processor in ``path``;
+    returns the image token's id."""
+    from transformers import AutoTokenizer, CLIPImageProcessorPil, LlavaProcessor
+
+    from seqcal.models import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE})
+    proc = LlavaProcessor(image_processor=images, tokenizer=tok, patch_size=14, image_token="<image>",
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=TEMPLATE)  # fmt: skip
+    proc.save_pretrained(str(path))
+    return tok.convert_tokens_to_ids("<image>")
+
+
+def make_model(path: Path, layers: int) -> int:
+    """The synthetic checkpoint and its processor in ``path``; returns its safetensors bytes on disk."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    image_token = make_processor(path)
+    text = {"model_type": "qwen2", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": layers,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 49216,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False}  # fmt: skip
+    vision = {"model_type": "clip_vision_model", "hidden_size": 768, "intermediate_size": 3072,
+              "num_hidden_layers": 12, "num_attention_heads": 12, "image_size": IMAGE, "patch_size": 14}  # fmt: skip
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=image_token,
+                         vision_feature_select_strategy="default", vision_feature_layer=-2)  # fmt: skip
+    config.architectures = ["LlavaForConditionalGeneration"]
+    config.dtype = "bfloat16"
+    with torch.device("meta"):
+        skeleton = LlavaForConditionalGeneration(config)
+    shapes = {n: p for n, p in skeleton.state_dict().items()}
+    saved = revert_weight_conversion(skeleton, shapes)  # the names transformers saves the model under
+    return write_random_checkpoint(path, config, {name: t.shape for name, t in saved.items()})
+
+
+def make_rows(folder: Path, samples: int) -> Path:
+    """``samples`` chat rows (a random PNG image, a WikiText-2 paragraph) in ``folder / rows.jsonl``."""
+    from PIL import Image
+
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    paragraphs = [
+        p.strip() for p in calibration_text().read_text(encoding="utf-8").split("\n") if len(p) > 400
+    ]
+    rows = []
+    for i in range(samples):
+        pixels = np.random.default_rng(i).integers(0, 256, (IMAGE, IMAGE, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / "images" / f"{i}.png")
+        content = [
+            {"type": "image", "image": f"images/{i}.png"},
+            {"type": "text", "text": paragraphs[i][:1000]},
+        ]
+        rows.append({"messages": [{"role": "user", "content": content}]})
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder / "rows.jsonl"
+
+
+def run_cli(model: Path, out: Path, rows: Path, samples: int, seq: int) -> tuple[float, int, int, str]:
+    """``seqcal oneshot`` under GNU time; returns seconds, GNU time's peak, the process tree's peak, stderr."""
+    recipe = WORK / "gptq_w4a16_vlm.yaml"
+    recipe.write_text(RECIPE)
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "seqcal.cli", "oneshot", "--model", str(model),
+           "--recipe", str(recipe), "--dataset", str(rows), "--num-calibration-samples", str(samples),
+           "--max-seq-length", str(seq), "--output-dir", str(out), "--overwrite"]  # fmt: skip
+    print("command:", "seqcal", " ".join(cmd[5:]), flush=True)
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    poller = TreeRSS(proc.pid)
+    _, stderr = proc.communicate()
+    poller.stop()
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"seqcal oneshot failed ({proc.returncode}):\n{stderr[-4000:]}")
+    stats = dict(line.strip().rsplit(": ", 1) for line in stderr.splitlines() if ": " in line)
+    return seconds, int(stats["Maximum resident set size (kbytes)"]) * 1024, poller.peak, stderr
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
+    args = parser.parse_args()
+    WORK.mkdir(parents=True, exist_ok=True)
+    model, out = WORK / f"synthetic-vlm-{args.layers}L", WORK / f"out-vlm-{args.layers}L"
+    size = make_model(model, args.layers)
+    rows = make_rows(WORK / "vlm-rows", args.samples)
+    print(f"checkpoint: {size / 2e9:.2f}B params, {size / 1e9:.3f} GB bf16 on disk; rows: {rows}")
+    seconds, gnu_peak, tree_peak, stderr = run_cli(model, out, rows, args.samples, args.seq)
+    user, system = (float(line.split(": ")[1]) for line in stderr.splitlines()
+                    if line.strip().startswith(("User time", "System time")))  # fmt: skip
+    packed = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    print(f"seqcal oneshot: {seconds:.0f} s wall, {user + system:.0f} s CPU; "
+          f"{sum(k.endswith('weight_packed') for k in packed)} packed weights")  # fmt: skip
+    bound = size / 3
+    print(f"{'':<24}{'peak RSS GB':>12}{'x size on disk':>16}")
+    for name, peak in (("GNU time (CLI process)", gnu_peak), ("psutil (process tree)", tree_peak)):
+        print(f"{name:<24}{peak / 1e9:>12.3f}{peak / size:>16.3f}")
+    print(f"{'bound (one third)':<24}{bound / 1e9:>12.3f}{1 / 3:>16.3f}")
+    if not args.keep:
+        shutil.rmtree(model, ignore_errors=True)
+    ok = max(gnu_peak, tree_peak) <= bound
+    print("within the bound" if ok else "ABOVE the bound of one third of the size on disk")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
