@@ -158,9 +158,9 @@ def test_no_cached_input_is_held_through_the_solve(monkeypatch: pytest.MonkeyPat
     alive_at_solve: list[int] = []
     observe, compress = GPTQModifier.observe, GPTQModifier.compress
 
-    def observing(self, names, x, state):  # noqa: ANN001, ANN202
+    def observing(self, names, x, state, batch):  # noqa: ANN001, ANN202
         observed.append(weakref.ref(x))
-        return observe(self, names, x, state)
+        return observe(self, names, x, state, batch)
 
     def compressing(self, subgraph, model, state):  # noqa: ANN001, ANN202
         if observed:  # a subgraph whose modules were calibrated from cached inputs
