@@ -116,7 +116,10 @@ def run_env(settings: Settings) -> dict[str, str]:
 
 _ENV_PROBE = """
 import json, platform, torch, transformers, compressed_tensors, seqcal
-from seqcal.algorithms.products import use_onednn
+try:
+    from seqcal.backend.onednn import use_onednn
+except ImportError:  # the code before the package layout change (e.g. 50e74bd, the record's commit)
+    from seqcal.algorithms.products import use_onednn
 cpu = next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')), '')
 print(json.dumps({'torch': torch.__version__, 'threads': torch.get_num_threads(),
     'transformers': transformers.__version__, 'compressed_tensors': compressed_tensors.__version__,

@@ -30,8 +30,8 @@ def recipe(algo: str, bits: int) -> str:
     return f"{algo}: {{ignore: [lm_head], config_groups: {{g: {{targets: [Linear], weights: {weights}}}}}}}\n"
 
 
-def timed(cmd: list[str]) -> tuple[float, float, str]:
-    """Seconds, peak RSS (GB) of the command's process, and its output."""
+def timed(cmd: list[str]) -> tuple[float, float, float, str]:
+    """Wall seconds, CPU seconds (user + system), peak RSS (GB) of the command's process, and its output."""
     log = WORK / "last.log"
     start = time.perf_counter()
     with log.open("w") as out:
@@ -41,7 +41,8 @@ def timed(cmd: list[str]) -> tuple[float, float, str]:
     seconds, text = time.perf_counter() - start, log.read_text()
     if status:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
-    return seconds, usage.ru_maxrss / 2**20, text  # ru_maxrss: KiB on Linux
+    cpu = usage.ru_utime + usage.ru_stime
+    return seconds, cpu, usage.ru_maxrss / 2**20, text  # ru_maxrss: KiB on Linux
 
 
 def main() -> None:
@@ -54,21 +55,21 @@ def main() -> None:
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     calib, test = WIKI / "wiki.valid.raw", WIKI / "wiki.test.raw"
-    print("| scheme | algorithm | ppl (fp32) | time (s) | peak RSS (GB) |")
-    print("|---|---|---|---|---|")
+    print("| scheme | algorithm | ppl (fp32) | wall s | CPU s | peak RSS (GB) |")
+    print("|---|---|---|---|---|---|")
     for bits in args.bits:
         for algo in args.algos:
             path = WORK / f"{algo}-w{bits}.yaml"
             path.write_text(recipe(algo, bits))
             out = WORK / f"{algo}-w{bits}"
-            seconds, rss, _ = timed([*SEQCAL, "oneshot", "--model", "default", "--recipe", str(path), "--dataset",
-                                     str(calib), "--concatenate", "--num-calibration-samples", str(args.samples),
-                                     "--max-seq-length", str(args.seq_len), "--output-dir", str(out),
-                                     "--overwrite", "-q"])  # fmt: skip
-            _, _, text = timed([*SEQCAL, "eval", "ppl", "--model", str(out), "--dataset", str(test),
-                                "--eval-windows", str(args.eval_windows)])  # fmt: skip
+            seconds, cpu, rss, _ = timed([*SEQCAL, "oneshot", "--model", "default", "--recipe", str(path), "--dataset",
+                                          str(calib), "--concatenate", "--num-calibration-samples", str(args.samples),
+                                          "--max-seq-length", str(args.seq_len), "--output-dir", str(out),
+                                          "--overwrite", "-q"])  # fmt: skip
+            *_, text = timed([*SEQCAL, "eval", "ppl", "--model", str(out), "--dataset", str(test),
+                              "--eval-windows", str(args.eval_windows)])  # fmt: skip
             ppl = re.findall(r"perplexity[^0-9]*([0-9.]+)", text)
-            print(f"| W{bits}A16 g64 | {algo} | {ppl[-1] if ppl else text.strip()[-80:]} | {seconds:.0f} | {rss:.2f} |",
+            print(f"| W{bits}A16 g64 | {algo} | {ppl[-1] if ppl else text.strip()[-80:]} | {seconds:.0f} | {cpu:.0f} | {rss:.2f} |",
                   flush=True)  # fmt: skip
 
 
