@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 from save_helpers import checkpoint_tensors
 from seqcal.entrypoint import oneshot
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
-from seqcal.execution.weights import load_offloaded
+from seqcal.execution.store import load_offloaded
 from seqcal.experts import LinearExperts, every_token, linearize_experts
 from seqcal.modifiers import GPTQModifier, QuantizationModifier, RunState
 from zoo import ARCHS

@@ -130,7 +130,8 @@ def test_an_offloaded_siglip_tower_with_its_pooling_head_runs() -> None:
     out_proj: run offloaded, the safety hooks must onload it whole (it failed with "meta vs cpu" before)."""
     import copy
 
-    from seqcal.execution.weights import safety_hooks, stage_in_memory
+    from seqcal.execution.store import stage_in_memory
+    from seqcal.execution.weights import safety_hooks
 
     config = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=4, image_size=8, patch_size=4)  # fmt: skip

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from save_helpers import checkpoint_tensors
 from seqcal.checkpoint.preflight import DiskSpaceError, check_environment, check_output_dir
 from seqcal.entrypoint import oneshot
-from seqcal.execution.weights import load_offloaded, params_under
+from seqcal.execution.store import load_offloaded
+from seqcal.execution.weights import params_under
 
 RECIPE = "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}"
 
@@ -114,7 +115,7 @@ def test_staged_in_memory_model_equals_the_plain_in_memory_run(
 def test_where_a_run_executes(monkeypatch: pytest.MonkeyPatch) -> None:
     """With CUDA: weights off the model (a directory, or a model in RAM, staged) run on cuda; else where they are."""
     from seqcal.execution.pipeline import PipelineArgs, _execution_device, _stage
-    from seqcal.execution.weights import WeightStore
+    from seqcal.execution.store import WeightStore
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))  # fmt: skip

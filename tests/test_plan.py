@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from seqcal.cli import main
 from seqcal.entrypoint import oneshot
-from seqcal.execution.weights import WeightStore
+from seqcal.execution.store import WeightStore
 from seqcal.plan import MemoryPlan
 
 LAYERS, HIDDEN, INTER = 3, 128, 512

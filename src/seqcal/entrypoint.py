@@ -19,7 +19,7 @@ from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_pat
 from seqcal.distributed.group import merge_rank_profiles
 from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
-from seqcal.execution.weights import WeightStore, load_offloaded
+from seqcal.execution.store import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
 from seqcal.modifiers.state import RunState
 from seqcal.multimodal.inputs import MediaArgs

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from seqcal.execution.store import WeightStore
 from seqcal.execution.subgraphs import SubgraphList, trace_subgraphs
 from seqcal.execution.verify import Divergence, verify_partition
-from seqcal.execution.weights import SubgraphWeights, WeightStore, buffers_on, safety_hooks, targets_onloaded
+from seqcal.execution.weights import SubgraphWeights, buffers_on, safety_hooks, targets_onloaded
 from seqcal.experts import routed_experts
 from seqcal.modifiers.contract import ModifierSet
 from seqcal.modifiers.kv_hooks import kv_tap, kv_update_sites

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from seqcal.backend.host import trim_host_memory
 from seqcal.distributed.reduce import named_from_bytes, named_to_bytes
 from seqcal.execution.cache.store import ActivationCache
-from seqcal.execution.passes import autocast, local_shards, relative_error, run_pass, token_mask
+from seqcal.execution.passes import autocast, calibrate_kv, local_shards, relative_error, run_pass, token_mask
 from seqcal.execution.reference import reference_pass
 from seqcal.execution.transforms import (
     divide_inputs,
@@ -23,7 +23,6 @@ from seqcal.execution.transforms import (
 )
 from seqcal.modifiers import contract
 from seqcal.modifiers.contract import ModifierSet
-from seqcal.modifiers.kv_hooks import cache_update
 from seqcal.modifiers.state import Batch, BatchCursor, RunState
 from seqcal.records import Fold, fold_records, folds_from
 from seqcal.report.profile import NullProfiler, Profiler
@@ -318,54 +317,6 @@ def _run_one(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
     return sum(errors) / len(errors) if errors else None
 
 
-def _calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
-                  cache: ActivationCache, state: RunState, prof: Profiler, cursor: BatchCursor) -> None:  # fmt: skip
-    """One-pass cut: the keys and values of the attention modules whose cache update ``sg`` runs are observed in
-    a pass over every batch with the subgraph's modules already quantized (as inference computes them; outputs
-    not kept), then their k_scale / v_scale are set (on the subgraph's owner, sent to the other processes); the
-    propagation pass after it runs them as an fp8 KV cache holds them."""
-    mods = ModifierSet.of(modifiers)
-    kvs, calibrations = mods.with_kv(), mods.kv()
-    names = [n for n in sg.kv_updates if any(n in kv.modules and n not in kv.finished for kv in calibrations)]
-    if not names:
-        return
-    label = f"subgraph {sg.index} (KV cache)"
-    last = [node.name for node in sg.nodes if cache_update(node) in names][-1]  # nothing after it is needed
-    with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
-        for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
-            with contextlib.ExitStack() as stack:
-                for m in kvs:
-                    stack.enter_context(m.kv.observe_updates(names))
-                run_pass(
-                    runner,
-                    sg,
-                    batches,
-                    cache,
-                    state,
-                    None,
-                    prof,
-                    "calibration",
-                    shard,
-                    until=last,
-                    cursor=cursor,
-                )
-            if state.config.sharding is not None:
-                state.config.sharding.collect(sg.index, k, kvs, state.config.device, split=False)
-    sharding = state.config.sharding
-    if sharding is None:
-        for m in kvs:
-            m.kv_finish(sg, runner.model, state, updates=True)
-        return
-    with prof.span("communication", f"reduce {label}", subgraph=sg.index):
-        sharding.reduce(sg.index, kvs, state.config.device)
-    owner = sharding.owners[sg.index]
-    if sharding.owns(sg.index):
-        for m in kvs:
-            m.kv_finish(sg, runner.model, state, updates=True)
-    with prof.span("communication", f"share {label}", subgraph=sg.index):
-        sharding.share(sg.index, owner, [], runner.model, state, kvs, sg)
-
-
 def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]],
                      modifiers: Sequence[Any], cache: ActivationCache, state: RunState, prof: Profiler,
                      reference: ActivationCache | None = None, cursor: BatchCursor | None = None,
@@ -411,7 +362,7 @@ def _run_from_inputs(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mappin
     trim_host_memory()  # the solve's temporaries would otherwise land on a fragmented heap (RSS peak)
     _compress(runner, sg, modifiers, state, prof)
     if sg.kv_updates:
-        _calibrate_kv(runner, sg, batches, modifiers, cache, state, prof, cursor or BatchCursor())
+        calibrate_kv(runner, sg, batches, modifiers, cache, state, prof, cursor or BatchCursor())
     if sg.outputs:
         run_pass(runner, sg, batches, cache, state, None, prof, "propagation", cursor=cursor)
     errors = [

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from seqcal.execution.cache.store import ActivationCache
+from seqcal.modifiers.contract import ModifierSet
+from seqcal.modifiers.kv_hooks import cache_update
 from seqcal.modifiers.state import Batch, BatchCursor, RunState
 from seqcal.report.profile import Profiler, tensor_bytes
 from seqcal.tracing.partition import Subgraph, target_ends
@@ -133,3 +135,51 @@ def run_pass(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, A
                 if (b, name) in cache:
                     cache.drop(b, name)
         cache.settle()
+
+
+def calibrate_kv(runner: GraphRunner, sg: Subgraph, batches: Sequence[Mapping[str, Any]], modifiers: Sequence[Any],
+                  cache: ActivationCache, state: RunState, prof: Profiler, cursor: BatchCursor) -> None:  # fmt: skip
+    """One-pass cut: the keys and values of the attention modules whose cache update ``sg`` runs are observed in
+    a pass over every batch with the subgraph's modules already quantized (as inference computes them; outputs
+    not kept), then their k_scale / v_scale are set (on the subgraph's owner, sent to the other processes); the
+    propagation pass after it runs them as an fp8 KV cache holds them."""
+    mods = ModifierSet.of(modifiers)
+    kvs, calibrations = mods.with_kv(), mods.kv()
+    names = [n for n in sg.kv_updates if any(n in kv.modules and n not in kv.finished for kv in calibrations)]
+    if not names:
+        return
+    label = f"subgraph {sg.index} (KV cache)"
+    last = [node.name for node in sg.nodes if cache_update(node) in names][-1]  # nothing after it is needed
+    with prof.span("calibration", label, subgraph=sg.index, batches=len(batches)):
+        for k, shard in enumerate(local_shards(state, len(batches))):  # statistics per virtual shard
+            with contextlib.ExitStack() as stack:
+                for m in kvs:
+                    stack.enter_context(m.kv.observe_updates(names))
+                run_pass(
+                    runner,
+                    sg,
+                    batches,
+                    cache,
+                    state,
+                    None,
+                    prof,
+                    "calibration",
+                    shard,
+                    until=last,
+                    cursor=cursor,
+                )
+            if state.config.sharding is not None:
+                state.config.sharding.collect(sg.index, k, kvs, state.config.device, split=False)
+    sharding = state.config.sharding
+    if sharding is None:
+        for m in kvs:
+            m.kv_finish(sg, runner.model, state, updates=True)
+        return
+    with prof.span("communication", f"reduce {label}", subgraph=sg.index):
+        sharding.reduce(sg.index, kvs, state.config.device)
+    owner = sharding.owners[sg.index]
+    if sharding.owns(sg.index):
+        for m in kvs:
+            m.kv_finish(sg, runner.model, state, updates=True)
+    with prof.span("communication", f"share {label}", subgraph=sg.index):
+        sharding.share(sg.index, owner, [], runner.model, state, kvs, sg)

@@ -31,17 +31,11 @@ from seqcal.execution.cuts import (
 )
 from seqcal.execution.executor import calibrate_subgraphs
 from seqcal.execution.reference import reference_cache
+from seqcal.execution.store import WeightStore, restore_in_memory, stage_in_memory
 from seqcal.execution.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.execution.transforms import prepare_modifiers
 from seqcal.execution.verify import Divergence, refuse
-from seqcal.execution.weights import (
-    SubgraphWeights,
-    WeightStore,
-    buffers_on,
-    restore_in_memory,
-    safety_hooks,
-    stage_in_memory,
-)
+from seqcal.execution.weights import SubgraphWeights, buffers_on, safety_hooks
 from seqcal.modifiers import RunState, contract
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.contract import ModifierSet
