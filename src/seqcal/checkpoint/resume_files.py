@@ -16,6 +16,7 @@ from seqcal.algorithms import dequantize, formats
 from seqcal.checkpoint.writer import CONFIG_NAME, INDEX_NAME
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
+from seqcal.modifiers.state import RunState
 from seqcal.records import QuantizedWeight
 
 
@@ -62,3 +63,13 @@ def _undo_close(path: Path, closing: Mapping[str, str]) -> None:
     for partial, final in closing.items():
         if not (path / partial).exists() and (path / final).is_file():
             os.replace(path / final, path / partial)
+
+
+def restore_records(state: RunState, metadata: Mapping[str, str]) -> None:
+    """The run state's records of the modules a resumed run put back, from a resume file's ``metadata``: folded
+    producers, pruned modules and their sparsity (``config.json``'s sparsity_config lists them)."""
+    state.ledger.edited.update(json.loads(metadata.get("edited", "[]")))
+    for name, (structure, sparsity) in json.loads(metadata.get("sparsity", "{}")).items():
+        state.results.sparsity[name] = structure
+        if sparsity is not None:
+            state.results.module_errors.setdefault(name, {})["sparsity"] = sparsity

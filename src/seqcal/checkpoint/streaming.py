@@ -39,7 +39,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from seqcal.checkpoint.identity import data_fingerprint, differences
-from seqcal.checkpoint.resume_files import _deferred, _undo_close, dequantize_into, saved_weight
+from seqcal.checkpoint.resume_files import (
+    _deferred,
+    _undo_close,
+    dequantize_into,
+    restore_records,
+    saved_weight,
+)
 from seqcal.checkpoint.writer import (
     CONFIG_NAME,
     PROGRESS_NAME,
@@ -180,7 +186,7 @@ class StreamingCheckpoint:
                     name, self.model.get_submodule(name), self.state.results.quantized.get(name)).items()}
                 for name in names
             ]  # fmt: skip
-        mine = {n: q for n, q in self.state.results.quantized.items() if self._in(n, sg)}
+        mine = {n: q for n, q in self.state.results.quantized.items() if sg.holds(n)}
         tensors = {}
         for name, qw in mine.items():
             tensors.update({f"{name}:q": qw.q, f"{name}:scale": qw.scale})
@@ -271,7 +277,7 @@ class StreamingCheckpoint:
                     name, _, param = key.partition(":param:")
                     if name not in deferred:  # put back when its subgraph is replayed (``restore``)
                         self._put_back(name, param, f.get_tensor(key))
-                self._restore_records(f.metadata() or {})
+                restore_records(self.state, f.metadata() or {})
 
     def _put_back(self, name: str, param: str, value: torch.Tensor) -> None:
         """One saved parameter or buffer of module ``name`` back into the model (or its offloaded store)."""
@@ -285,15 +291,6 @@ class StreamingCheckpoint:
             target.data = value.to(target.device)
         self.state.ledger.changed.add(name)
 
-    def _restore_records(self, metadata: Mapping[str, str]) -> None:
-        """The run state's records of the restored modules: folded producers, pruned modules and their sparsity
-        (``config.json``'s sparsity_config lists them)."""
-        self.state.ledger.edited.update(json.loads(metadata.get("edited", "[]")))
-        for name, (structure, sparsity) in json.loads(metadata.get("sparsity", "{}")).items():
-            self.state.results.sparsity[name] = structure
-            if sparsity is not None:
-                self.state.results.module_errors.setdefault(name, {})["sparsity"] = sparsity
-
     def _edited(self, sg: Subgraph) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The parameters and buffers of every module of ``sg`` a modifier changed in place (``RunState.
         changed_modules``: folded smoothing scales, pruned weights, calibrated buffers) that ``state.results.quantized``
@@ -301,9 +298,7 @@ class StreamingCheckpoint:
         weights, so downstream subgraphs see what the interrupted run gave them."""
         out = {}
         names = sorted(
-            n
-            for n in self.state.changed_modules()
-            if self._in(n, sg) and n not in self.state.results.quantized
+            n for n in self.state.changed_modules() if sg.holds(n) and n not in self.state.results.quantized
         )
         for name in names:
             module = self.model.get_submodule(name)
@@ -312,7 +307,7 @@ class StreamingCheckpoint:
                 *module.named_buffers(recurse=False),
             ]:
                 out[f"{name}:param:{param}"] = value.detach()
-        mine = [n for n in self.state.changed_modules() if self._in(n, sg)]
+        mine = [n for n in self.state.changed_modules() if sg.holds(n)]
         sparsity = {
             n: [self.state.results.sparsity[n], self.state.results.module_errors.get(n, {}).get("sparsity")]
             for n in mine if n in self.state.results.sparsity
@@ -341,9 +336,6 @@ class StreamingCheckpoint:
                 qw, q=empty, scale=empty, zero_point=None, g_idx=None
             )
 
-    def _in(self, name: str, sg: Subgraph) -> bool:
-        return sg.holds(name)
-
     def restore(self, sg: Subgraph, schemes: dict[str, Any]) -> list[Fold]:
         """Put ``sg``'s saved quantized weights back into the model (replaying a finished subgraph).
 
@@ -358,7 +350,7 @@ class StreamingCheckpoint:
         self._restore_edited()  # before the first replay: a producer runs before the consumers that folded it
         file = self.path / RESUME_DIR / f"{sg.index}.st"
         if not file.is_file():
-            if any(self._in(name, sg) for name in schemes):
+            if any(sg.holds(name) for name in schemes):
                 raise ResumeError(  # replaying without them would save unquantized weights as quantized
                     f"{self.path}: the saved weights of finished subgraph {sg.index} ({file}) are missing; "
                     "the run cannot be resumed: start it again with overwrite=True"
