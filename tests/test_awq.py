@@ -156,7 +156,7 @@ def test_v_proj_to_o_proj_derived_from_the_graph_picks_the_brute_force_scale() -
 
 
 def _errors(model: torch.nn.Module) -> dict:
-    return model._seqcal_state.module_errors  # set by the fixture below
+    return model._seqcal_state.results.module_errors  # set by the fixture below
 
 
 @pytest.fixture(autouse=True)
@@ -192,8 +192,8 @@ def test_awq_loss_is_at_most_rtn_loss_per_mapping_and_beats_rtn_on_the_output() 
     oneshot(model=rtn, dataset=data, recipe=QuantizationModifier(config_groups=ASYM, ignore=["lm_head"]),
             max_seq_length=32)  # fmt: skip
     errors = _errors(awq)
-    skips = [line for line in awq._seqcal_state.log if "skipped as llm-compressor does" in line]
-    assert len(skips) == 1 and skips[0].startswith("AWQ: 2 mapping(s)"), awq._seqcal_state.log  # one line
+    skips = [line for line in awq._seqcal_state.results.log if "skipped as llm-compressor does" in line]
+    assert len(skips) == 1 and skips[0].startswith("AWQ: 2 mapping(s)"), awq._seqcal_state.results.log  # one line
     balanced = [n for n, e in errors.items() if "awq_loss" in e]
     assert len(balanced) == 2 * (3 + 2 + 1)  # q/k/v, gate/up, down per layer (v -> o skipped under GQA)
     for name in balanced:  # the search includes the identity scale, whose loss is plain RTN's

@@ -141,7 +141,9 @@ class CheckpointWriter:
 
     def add_transforms(self, tensors: dict[str, Tensor]) -> None:
         """The online rotations' matrices (``RunState.transform_tensors``, keyed by in-memory module names)."""
-        if tensors and self.layout.revert is not None:
+        if not tensors:  # no online rotation: nothing to write
+            return
+        if self.layout.revert is not None:
             tensors = self.layout.revert(dict(tensors))
         self.add_tensors({k: v.detach().to("cpu") for k, v in tensors.items()})
 
