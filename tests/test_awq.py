@@ -193,7 +193,9 @@ def test_awq_loss_is_at_most_rtn_loss_per_mapping_and_beats_rtn_on_the_output() 
             max_seq_length=32)  # fmt: skip
     errors = _errors(awq)
     skips = [line for line in awq._seqcal_state.results.log if "skipped as llm-compressor does" in line]
-    assert len(skips) == 1 and skips[0].startswith("AWQ: 2 mapping(s)"), awq._seqcal_state.results.log  # one line
+    assert len(skips) == 1 and skips[0].startswith("AWQ: 2 mapping(s)"), (
+        awq._seqcal_state.results.log
+    )  # one line
     balanced = [n for n, e in errors.items() if "awq_loss" in e]
     assert len(balanced) == 2 * (3 + 2 + 1)  # q/k/v, gate/up, down per layer (v -> o skipped under GQA)
     for name in balanced:  # the search includes the identity scale, whose loss is plain RTN's

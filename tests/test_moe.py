@@ -274,16 +274,19 @@ def test_all_experts_calibration_gives_every_expert_a_hessian() -> None:
     """All-experts mode: every expert's Hessian holds every token; routed mode on 8 tokens leaves experts
     without tokens, which fall back to round-to-nearest and are logged by name."""
     _, every = _calibrate(True, data(1, 8))
-    tokens = {n: e["tokens"] for n, e in every.module_errors.items() if ".experts." in n}
+    tokens = {n: e["tokens"] for n, e in every.results.module_errors.items() if ".experts." in n}
     assert len(tokens) == 48 and set(tokens.values()) == {8}
-    assert not any("never called" in line for line in every.log)
+    assert not any("never called" in line for line in every.results.log)
     _, routed = _calibrate(False, data(1, 8))
-    starved = [line.split(":")[0] for line in routed.log if "never called" in line]
+    starved = [line.split(":")[0] for line in routed.results.log if "never called" in line]
     assert starved and all(".mlp.experts." in name for name in starved)  # 16 routings cannot reach 16 experts
     assert all(
-        name not in routed.module_errors or "tokens" not in routed.module_errors[name] for name in starved
+        name not in routed.results.module_errors or "tokens" not in routed.results.module_errors[name]
+        for name in starved
     )
-    seen = [e["tokens"] for n, e in routed.module_errors.items() if ".experts." in n and "tokens" in e]
+    seen = [
+        e["tokens"] for n, e in routed.results.module_errors.items() if ".experts." in n and "tokens" in e
+    ]
     assert seen and max(seen) < 8 * 2
 
 

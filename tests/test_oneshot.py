@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaCon
 from save_helpers import as_bfloat16, checkpoint_tensors
 from seqcal.checkpoint.config import runs_only_in_bfloat16
 from seqcal.entrypoint import oneshot
+from seqcal.evaluation.loading import apply_online_transforms
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.base import QuantizedWeight, RunState
@@ -85,6 +86,8 @@ def test_every_shipped_recipe_round_trips(recipe: Path, tmp_path: Path) -> None:
     if runs_only_in_bfloat16(config):  # NVFP4 W4A4: compressed-tensors runs fp4 activations in bf16 only
         extra["dtype"] = torch.bfloat16
     loaded = AutoModelForCausalLM.from_pretrained(out, **extra).eval()
+    if "transform_config" in config:  # QuIP: transformers 5.24 leaves the online rotations to the loader
+        apply_online_transforms(loaded, config, out)
     inputs = probe()
     if "fp8_block" in recipe.stem:  # dynamic fp8 activations in groups of 128, compressed-tensors' own
         names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]

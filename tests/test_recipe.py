@@ -15,6 +15,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from recipe_helpers import assert_same, group_weights, round_trip
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.modifiers.pruning import PruningModifier
+from seqcal.modifiers.rotations import RotationModifier
 from seqcal.recipe.parse import Recipe, RecipeError, parse_recipe
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -51,8 +52,11 @@ def test_every_recipe_file_parses_and_round_trips(path: Path) -> None:
     recipe = parse_recipe(path)
     assert recipe.source == str(path)
     pruners = [m for m in recipe.modifiers if isinstance(m, PruningModifier)]
+    rotations = [
+        m for m in recipe.modifiers if isinstance(m, RotationModifier)
+    ]  # rotate lm_head's inputs too
     quantizers = [
-        m for m in recipe.modifiers if not m.transforms and m not in pruners
+        m for m in recipe.modifiers if not m.transforms and m not in pruners and m not in rotations
     ]  # smoothing: no lm_head
     # llm-compressor's examples (llmc_*) keep their own ignore lists after lm_head (NVFP4's: MoE routers too)
     ignores = [m.ignore if not path.name.startswith("llmc_") else m.ignore[:1] for m in quantizers]

@@ -158,7 +158,7 @@ def test_mixed_schemes_reload(tmp_path: Path) -> None:
     w4 = QuantizationScheme(targets=["re:.*mlp.*"], weights=weights())
     state = rtn(model, w8a8, attn)
     state.results.quantized.update(
-        rtn(model, w4, [n for n, _ in model.named_modules() if ".mlp." in n]).quantized
+        rtn(model, w4, [n for n, _ in model.named_modules() if ".mlp." in n]).results.quantized
     )
     ref = reference_logits(model, state)
     save_checkpoint(model, state, tmp_path)

@@ -297,7 +297,9 @@ def test_unobserved_padding_is_left_out() -> None:
     modifier2.validate(model2)
     with_pad = run_pipeline(model2, None, [modifier2], None, PipelineArgs(), batches=padded)
     name = "model.layers.0.self_attn.q_proj"  # before any attention: padding cannot change real tokens
-    assert torch.equal(plain.quantized[name].input_scale, with_pad.quantized[name].input_scale)
+    assert torch.equal(
+        plain.results.quantized[name].input_scale, with_pad.results.quantized[name].input_scale
+    )
 
 
 # --- recipes ------------------------------------------------------------------------------------------------
