@@ -179,7 +179,7 @@ def test_overlapping_targets_fall_back_to_module_names(tmp_path: Path) -> None:
         model, w8, q_names
     )  # both groups target "Linear": compressed-tensors would give all one scheme
     rest = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in q_names]
-    state.results.quantized.update(rtn(model, SCHEMES["w4a16_g16"], rest).quantized)
+    state.results.quantized.update(rtn(model, SCHEMES["w4a16_g16"], rest).results.quantized)
     ref = reference_logits(model, state)
     save_checkpoint(model, state, tmp_path)
     groups = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"]
