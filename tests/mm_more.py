@@ -122,15 +122,6 @@ def processor(arch: str, tok: Any) -> Any:
     if arch == "mistral3":
         images = transformers.PixtralImageProcessorPil(size={"longest_edge": 16}, patch_size=8)
         return Parts(tok, images, "[IMG]", _pixtral_tokens, chat)
-    if arch == "llama4":  # 16-pixel images in 4-pixel patches, pixel-shuffled by 0.5: 4 image tokens
-        text = {**_TEXT, "intermediate_size_mlp": 128, "head_dim": 16, "num_local_experts": 2}
-        vision = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
-                  "image_size": 16, "patch_size": 4, "pixel_shuffle_ratio": 0.5, "projector_input_dim": 64,
-                  "projector_output_dim": 64, "vision_output_dim": 64}  # fmt: skip
-        config = transformers.Llama4Config(
-            text_config=text, vision_config=vision, image_token_index=IMAGE_TOKEN
-        )
-        return transformers.Llama4ForConditionalGeneration(config).eval()
     raise KeyError(arch)
 
 
