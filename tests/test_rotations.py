@@ -170,6 +170,16 @@ def test_spinquant_r4_is_online_and_reloads(tmp_path: Path) -> None:
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+def test_online_rotations_alone_are_written_and_reload(tmp_path: Path) -> None:
+    # no quantizer: the checkpoint still carries transform_config, or it would load without R4 (silently wrong)
+    model = oneshot(model=_llama(), dataset=_data(), output_dir=str(tmp_path / "out"),
+                    recipe=[SpinQuantModifier(rotations=["R1", "R2", "R4"])])  # fmt: skip
+    block = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert block["transform_config"]["config_groups"]["R4"]["apply"][0]["location"] == "input"
+    got, want = _logits(load_causal_lm(tmp_path / "out", torch.float32)), _logits(model)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def test_spinquant_then_awq_reloads_with_the_logits_of_seqcals_model(tmp_path: Path) -> None:
     recipe = [SpinQuantModifier(), AWQModifier(config_groups=INT4, ignore=["lm_head"], n_grid=4)]
     model = oneshot(model=_llama(), dataset=_data(), recipe=recipe, output_dir=str(tmp_path / "out"))

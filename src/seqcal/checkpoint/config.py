@@ -328,8 +328,12 @@ def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayo
     config.dtype = str(getattr(model, "dtype", torch.float32)).removeprefix("torch.")
     config.architectures = [type(model).__name__]
     data = json.loads(config.to_json_string(use_diff=True))
-    if not state.results.quantized and not state.results.sparsity and state.config.kv_cache_scheme is None:
-        return data  # nothing compressed (experts removed only): a plain checkpoint
+    results = state.results
+    if (
+        not (results.quantized or results.sparsity or results.transform_config)
+        and state.config.kv_cache_scheme is None
+    ):
+        return data  # nothing compressed nor rotated online (experts removed only): a plain checkpoint
     data["quantization_config"] = (
         sparse_only_block() if not state.results.quantized else _checked_block(model, state, layout)
     )
