@@ -102,6 +102,7 @@ class MemoryPlan:
     dtype_bytes: int = 4  # bytes per weight element of the model
     one_pass: bool = False  # the cut: before each group of quantized modules (True) or after each target
     baseline: int = PROCESS_BASELINE  # the process's own resident memory, in every row's host
+    in_place_factor: bool = False  # GPTQ's cpu factor in the Hessian's own memory (gptq_factor.factor_bytes)
 
     @property
     def device_peak(self) -> int:
@@ -155,6 +156,7 @@ def plan_memory(
     overlap: bool | None = None,
     background: bool | None = None,
     baseline: int = PROCESS_BASELINE,
+    in_place_factor: bool = False,
 ) -> MemoryPlan:
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
@@ -172,6 +174,7 @@ def plan_memory(
             ``seqcal.execution.cache.store.OVERLAP``).
         background: the checkpoint's files written on a worker thread (None: ``streaming.BACKGROUND``).
         baseline: the process's resident memory besides the run's (``values.process_baseline``).
+        in_place_factor: GPTQ factors the Hessians in their own memory on the cpu (``gptq_quantize``).
     """
     overlap = cache_store.OVERLAP if overlap is None else overlap
     background = streaming.BACKGROUND if background is None else background
@@ -219,7 +222,7 @@ def plan_memory(
         # the solve's Cholesky factor beside the Hessians, as the GPTQ modifier sizes its chunks (_chunk_limit)
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
-        solve, chunks = solve_bytes(groups, dtype_bytes, limit, device_on_host)
+        solve, chunks = solve_bytes(groups, dtype_bytes, limit, device_on_host, in_place_factor)
         freed = sum(size(n) for n in sg.frees)
         after = alive + made - freed
         if sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
@@ -260,7 +263,7 @@ def plan_memory(
         notes.append(
             f"the activation cache, up to {cache_peak / 1024**3:.3f} GB, is on {cache_tier} (not planned)"
         )
-    return MemoryPlan(rows, host_peak, disk, notes, baseline=baseline)
+    return MemoryPlan(rows, host_peak, disk, notes, baseline=baseline, in_place_factor=in_place_factor)
 
 
 def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str] | None:
@@ -322,6 +325,7 @@ def make_plan(
     max_device_memory: int | None = None,
     one_pass: bool = True,
     cache_max_memory: int | None = None,
+    in_place_factor: bool = False,
 ) -> MemoryPlan:
     """Trace on a synthetic batch (no weights read) and plan; with ``max_device_memory``, refine targets.
 
@@ -332,7 +336,8 @@ def make_plan(
     fit, the plan cuts at the layer's children (attention, MLP: ``plan.targets``) and says so in
     ``plan.notes``. The one-pass cut is already per module group: there a subgraph that does not fit is
     only reported (a note naming it and the fix), as is a layer cut with no finer children.
-    ``cache_max_memory`` caps the activation cache's RAM as the run does (the rest spilled to disk).
+    ``cache_max_memory`` caps the activation cache's RAM as the run does (the rest spilled to disk);
+    ``in_place_factor`` plans GPTQ's cpu factor in the Hessians' own memory (a host budget's last resort).
 
     Example:
         >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,
@@ -357,7 +362,6 @@ def make_plan(
     ):
         cache_tier = "device"  # "cuda:0" running on cuda:0: the execution device's memory
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-    baseline = process_baseline(resident, PROCESS_BASELINE)  # measured now, before the plan's own trace
     targets, notes = sequential_targets, []
     for attempt in range(2):
         args = PipelineArgs(
@@ -371,9 +375,11 @@ def make_plan(
             values, widest = None, None
             notes.append(f"activation sizes come from the config: the stand-in run failed ({type(err).__name__}: "
                          f"{str(err)[:200]})")  # fmt: skip
+        # measured once, after the first trace: the run traces as the plan does and keeps its subgraphs
+        baseline = process_baseline(resident, PROCESS_BASELINE)
         kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
                       cache_tier=cache_tier, device_on_host=on_host, resident_weights=resident,
-                      device_budget=max_device_memory, baseline=baseline,
+                      device_budget=max_device_memory, baseline=baseline, in_place_factor=in_place_factor,
                       solved=quantized | set(mods.pruned()))  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,
                            widest=widest, **kwargs)  # fmt: skip
