@@ -4,7 +4,8 @@ The model is built on the meta device and traced (no weights needed), then per s
 
     device  = its weights + GPTQ Hessians of its Linear layers (fp32, one per shared input)
               + the larger of: one batch's activations (the values it reads and writes, its widest
-              intermediate twice, the fp32 copy of a target's input the Hessian update makes; on a GPU
+              intermediate twice, the fp32 copy of a target's input the Hessian update makes, one virtual
+              shard's Hessians beside the fold of the shards before (seqcal.distributed); on a GPU
               also the next batch's inputs and the last batch's outputs, copied beside the compute) and the GPTQ
               solve's temporaries (algorithms.gptq: the Cholesky factor beside the Hessian, whose memory takes
               the working copy and the inverse factor, or two fp32 copies of the stacked weight, its codes and
@@ -59,6 +60,12 @@ from seqcal.tracing.partition import Subgraph
 # at the first onload; benchmarks/RESULTS.md). A CUDA context adds its own host memory on top. The plan
 # measures the process it runs in instead (``values.process_baseline``); this is where it cannot.
 PROCESS_BASELINE = 370 * 1024**2
+# MKL's work buffers and code for a Hessian update's products on the cpu: measured 3.5 MiB beside the batch's copies
+# at 4096 inputs and 64 tokens (2 threads, 2-core x86)
+GEMM_BUFFERS = 4 << 20
+# Free pages glibc's heap keeps between two trims (backend.host.trim_host_memory, before each solve and after each
+# subgraph), in every row's host: measured 7 MiB at a 4096-wide down_proj's calibration, 5 before its factor
+HEAP_SLACK = 8 << 20
 
 
 @dataclass
@@ -78,15 +85,19 @@ class SubgraphPlan:
     quantized_numel: int = 0  # weights it quantizes (their codes and scales are sent to other processes)
     solve_cost: float = 0.0  # sum of out * in^2 + in^3 over them, as seqcal.distributed assigns solves
     device_cache: int = 0  # the activation cache on the execution device (offload="device" on a GPU)
-    # host = the plan's baseline + resident + cache_ram + work + held: the parts a host budget weighs (plan.host)
+    # host = the plan's baseline + HEAP_SLACK + resident + cache_ram + work + held: what a host budget weighs
     resident: int = 0  # weights that stay in RAM all along
     cache_ram: int = 0  # the activation cache in RAM while it runs
     work: int = 0  # its own work in RAM: the device share on a cpu run (weights, Hessians, solve) or its save
     held: int = 0  # the previous subgraph's save, written by the worker thread meanwhile
+    # while it calibrates: one virtual shard's Hessians beside the fold of those before (seqcal.distributed), and on
+    # the cpu MKL's buffers for the Hessian update (GEMM_BUFFERS)
+    accumulators: int = 0
 
     @property
     def device_peak(self) -> int:
-        return self.weights + self.hessians + max(self.activations, self.solve) + self.device_cache
+        calibration = self.activations + self.accumulators
+        return self.weights + self.hessians + max(calibration, self.solve) + self.device_cache
 
 
 @dataclass
@@ -234,6 +245,10 @@ def plan_memory(
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
                            alive * batches if in_ram else 0, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
+        # the shards of 2 batches or more fold in turn (each its own Hessians); MKL's buffers for their products
+        row.accumulators = (hessians if batches > 1 else 0) + (
+            GEMM_BUFFERS if groups and device_on_host else 0
+        )
         if on_device:
             row.device_cache = during  # every batch's cached values, on the device beside the subgraph's work
         during = during if in_ram else 0
@@ -247,7 +262,7 @@ def plan_memory(
             work = max(row.device_peak, save)
         else:  # on a GPU the solve's kept Hessian is in host memory, freed before the save
             work = max(max((kept_bytes(n_in) for _, n_in in groups), default=0), save)
-        row.host = baseline + resident_weights + during + work + held
+        row.host = baseline + HEAP_SLACK + resident_weights + during + work + held
         row.resident, row.cache_ram, row.work, row.held = resident_weights, during, work, held
         # what the worker still holds of it: the packed tensors and the resume file's int8 codes (streaming.done)
         held = written.get(sg.index, 0) + codes if background else 0
