@@ -12,7 +12,7 @@ The model is built on the meta device and traced (no weights needed), then per s
               the modifier's stacked copy; the Hessian's values kept meanwhile, in RAM on a GPU run; modules
               sharing a Hessian, such as a layer's experts, are stacked in chunks sized from
               ``max_device_memory``: column ``chunks``, see modifiers.solve_chunks)
-    host    = process baseline + activation cache (values alive during the subgraph, for every batch)
+    host    = process baseline (+ HEAP_SLACK) + activation cache (values alive during the subgraph, for every batch)
               + the save after it (the modules it finished, as written, and a copy of their int8 codes for
               resuming; the checkpoint writer streams tensors to disk and holds none), and the save before
               it, which a worker thread writes while it runs (``checkpoint.streaming.BACKGROUND``)
@@ -245,10 +245,8 @@ def plan_memory(
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
                            alive * batches if in_ram else 0, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
-        # the shards of 2 batches or more fold in turn (each its own Hessians); MKL's buffers for their products
-        row.accumulators = (hessians if batches > 1 else 0) + (
-            GEMM_BUFFERS if groups and device_on_host else 0
-        )
+        shards = hessians if batches > 1 else 0  # the shards of 2 batches or more fold in turn, each its own
+        row.accumulators = shards + (GEMM_BUFFERS if groups and device_on_host else 0)  # and MKL's buffers
         if on_device:
             row.device_cache = during  # every batch's cached values, on the device beside the subgraph's work
         during = during if in_ram else 0
