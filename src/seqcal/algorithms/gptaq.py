@@ -175,6 +175,7 @@ def gptaq_quantize(
     damp_growth: float = 10.0,
     scale_dtype: torch.dtype | None = None,
     type: Literal["int"] = "int",
+    in_place_factor: bool = False,
 ) -> GPTQResult:
     """Quantize ``W`` with GPTAQ given ``H`` of its quantized-model inputs and ``dXXT`` (module docstring).
 
@@ -194,6 +195,7 @@ def gptaq_quantize(
         observer, observer_kwargs, importance: the weight observer (``seqcal.algorithms.observe``).
         scale_dtype: dtype of the stored scale; default W's dtype (float16 if W is not a float).
         type: ``"int"`` only (fp8 and the block formats are GPTQ's).
+        in_place_factor: the CPU factor in ``H``'s memory, as ``gptq.gptq_quantize``'s.
 
     Returns:
         ``gptq.GPTQResult`` (codes, scale and zero point exactly as GPTQ's; ``loss`` its rounding objective).
@@ -213,7 +215,9 @@ def gptaq_quantize(
     qkw.update(observer=observer, observer_kwargs=observer_kwargs, importance=importance)
     order = ACTORDER.get(actorder) if actorder else None
     # GPTQ's factor, in H's memory (float32 on W's device: no copy), H's values back after the loop
-    with processing_factor(H, W.device, order, dampening_frac, max_retries, damp_growth) as factor:
+    with processing_factor(
+        H, W.device, order, dampening_frac, max_retries, damp_growth, in_place_factor
+    ) as factor:
         P = _mismatch(dXXT, factor, alpha)
         WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(
             W, factor.dead, factor.perm, order, group_size, qkw

@@ -165,6 +165,7 @@ def gptq_quantize(
     fmt: WeightFormat | None = None,
     global_scale: Tensor | None = None,
     pruned: Tensor | None = None,
+    in_place_factor: bool = False,
 ) -> GPTQResult:
     """Quantize ``W`` with GPTQ given the Hessian ``H`` of its inputs.
 
@@ -199,6 +200,9 @@ def gptq_quantize(
             stacked keep their own); fixed before the solve (from the unquantized weights).
         pruned: bool ``[out, in]`` sparsity mask (True = pruned, e.g. from SparseGPT): those weights are
             quantized to exactly 0 and their error is compensated like rounding errors; None: no mask.
+        in_place_factor: on the CPU, factor ``H`` in its own memory (``gptq_factor.cholesky_in_place_``: no
+            second [in, in] matrix, about 2x the time of LAPACK's); equal to the default up to float32 rounding,
+            so the codes may differ in a few roundings. For host budgets that need it; False keeps LAPACK's.
 
     Returns:
         :class:`GPTQResult`.
@@ -221,7 +225,9 @@ def gptq_quantize(
     order = ACTORDER.get(actorder) if actorder else None
     # the factor in H's memory (float32 on W's device: no copy), H's values back after the loop; the inverse
     # first: its [in, in] temporaries are gone before the weight-sized ones appear
-    with processing_factor(H, W.device, order, dampening_frac, max_retries, damp_growth) as factor:
+    with processing_factor(
+        H, W.device, order, dampening_frac, max_retries, damp_growth, in_place_factor
+    ) as factor:
         Hinv, dead, perm = factor.Hinv, factor.dead, factor.perm
         if fmt is not None:
             WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)

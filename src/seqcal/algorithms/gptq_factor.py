@@ -17,13 +17,52 @@ from torch import Tensor
 import seqcal.algorithms.products as products
 from seqcal.algorithms.hessian import KeptHessian
 from seqcal.backend import onednn_applies
+from seqcal.backend.host import free_mkl_buffers, trim_host_memory
 
 
 class GPTQNumericalError(RuntimeError):
     """The Hessian could not be inverted even after extra dampening; fall back to RTN for this module."""
 
 
-def _reverse_(t: Tensor, chunk: int = 1 << 20) -> Tensor:
+# Floats per temporary of the in-place passes below (1 MiB): they run between the Hessian's allocation and the
+# Cholesky factor's, the solve's peak, so what they leave on the C heap adds to it. Strips of 256 rows (4 MB at a
+# 4096-wide down_proj) and chunks of 4 MB left 26 MiB of free heap resident there (tests/test_host_peak.py).
+STRIP_FLOATS = 1 << 18
+# MKL's work buffers for the Cholesky factor and the triangular solve beside the [n, n] factor: LAPACK_PANEL floats
+# per input column and LAPACK_CODE bytes, the envelope of RSS measured on 1 and 2 threads (2-core x86: 1024 inputs
+# 7.4 MiB, 2048: 11.4, 4096: 19.5, 8192: 35.6; benchmarks/RESULTS.md)
+LAPACK_PANEL = 1024
+LAPACK_CODE = 4 << 20
+
+
+def strip_rows(n: int) -> int:
+    """Rows of an [n, n] matrix per temporary strip of the in-place passes (``STRIP_FLOATS``), at least one."""
+    return max(1, STRIP_FLOATS // max(n, 1))
+
+
+# Order of the diagonal blocks of the factor computed in the Hessian's own memory (:func:`cholesky_in_place_`):
+# its temporaries are a few [block, block] matrices (1 MiB each), its products large enough to run near BLAS's rate
+FACTOR_BLOCK = 512
+# What it holds at most beside the Hessian, in [block, block] float32 blocks, and LAPACK_PANEL / 2 floats per input
+# column: its temporaries and MKL's buffers for the blocks' products, the envelope of RSS measured on 2 threads
+# (2-core x86: 2048 inputs 19.6 MiB, 4096: 22.1, 8192: 29.6; torch's own allocations 4 blocks at 2048)
+IN_PLACE_BLOCKS = 16
+
+
+def factor_bytes(n: int, device_on_host: bool = True, in_place: bool = False) -> int:
+    """Bytes the inverse factor of an [n, n] Hessian allocates beside the Hessian (its own memory the working copy).
+
+    LAPACK's (or cuSOLVER's) Cholesky factor, an [n, n] float32 matrix, and on the host MKL's work buffers
+    (``LAPACK_PANEL``; on a GPU they are the device's); the blocked factor of ``products`` takes three quarters
+    of the matrix: this bounds it too. ``in_place`` (:func:`cholesky_in_place_`, CPU solves a host budget needs
+    it for, wider than ``FACTOR_BLOCK``): a few diagonal blocks, whatever ``n``.
+    """
+    if in_place and device_on_host and n > FACTOR_BLOCK:
+        return IN_PLACE_BLOCKS * FACTOR_BLOCK * FACTOR_BLOCK * 4 + n * LAPACK_PANEL // 2 * 4
+    return n * n * 4 + (n * LAPACK_PANEL * 4 + LAPACK_CODE if device_on_host else 0)
+
+
+def _reverse_(t: Tensor, chunk: int = STRIP_FLOATS) -> Tensor:
     """Reverse the elements of contiguous ``t`` in place, ``chunk`` at a time (no full-size temporary).
 
     For a contiguous square matrix that is ``P t P`` with P the reversal permutation.
@@ -38,9 +77,11 @@ def _reverse_(t: Tensor, chunk: int = 1 << 20) -> Tensor:
     return t
 
 
-def _transpose_(t: Tensor, rows: int = 256) -> Tensor:
-    """Transpose contiguous square ``t`` in place, a strip of ``rows`` rows at a time (no full-size temporary)."""
+def _transpose_(t: Tensor, rows: int | None = None) -> Tensor:
+    """Transpose contiguous square ``t`` in place, a strip of ``rows`` rows at a time (no full-size temporary;
+    None: ``strip_rows``)."""
     n = t.shape[0]
+    rows = rows or strip_rows(n)
     for i0 in range(0, n, rows):
         i1 = min(i0 + rows, n)
         block = t[i0:i1, i0:i1]
@@ -51,13 +92,15 @@ def _transpose_(t: Tensor, rows: int = 256) -> Tensor:
     return t
 
 
-def _permute_(H: Tensor, perm: Tensor, symmetric: bool = False, rows: int = 256) -> Tensor:
-    """``H[perm][:, perm]`` in ``H``'s memory (contiguous, square), with temporaries of ``rows`` rows.
+def _permute_(H: Tensor, perm: Tensor, symmetric: bool = False, rows: int | None = None) -> Tensor:
+    """``H[perm][:, perm]`` in ``H``'s memory (contiguous, square), with temporaries of ``rows`` rows (None:
+    ``strip_rows``).
 
     ``P^T H P = ((H^T P)^T) P``: columns are permuted a strip of rows at a time (a gather each), and a transpose in
     place turns permuted columns into permuted rows; ``symmetric`` (``H == H^T`` exactly) skips the first
     transpose. A constant number of passes, however many cycles ``perm`` has.
     """
+    rows = rows or strip_rows(H.shape[0])
     if not symmetric:
         _transpose_(H, rows)  # H^T
     _permute_columns_(H, perm, rows)  # H^T P
@@ -119,14 +162,16 @@ class Factor:
 @contextlib.contextmanager
 def processing_factor(
     H: Tensor, device: torch.device, actorder: str | None, dampening_frac: float, max_retries: int,
-    damp_growth: float,
+    damp_growth: float, in_place: bool = False,
 ) -> Iterator[Factor]:  # fmt: skip
     """The dampened inverse factor of ``H`` in processing order, for GPTQ's and GPTAQ's column loops.
 
     ``H`` as float32 on ``device`` (no copy when it already is: its memory is then the factor's scratch, and its
     values are written back, bit for bit, when the block ends); dead inputs' diagonal 1; columns ordered by
     descending ``diag(H)`` for ``actorder`` ``"weight"`` or ``"group"``; dampening raised ``damp_growth``x per
-    failed Cholesky, up to ``max_retries`` times. The factor must not be read after the block.
+    failed Cholesky, up to ``max_retries`` times. The factor must not be read after the block. ``in_place``: on
+    the CPU and wider than ``FACTOR_BLOCK``, the factor of :func:`cholesky_in_place_` (no second [in, in] matrix;
+    equal to LAPACK's up to float32 rounding, not bit for bit: for host budgets that need it).
 
     Raises:
         GPTQNumericalError: ``H`` has NaN or inf, or no dampening made it positive definite.
@@ -141,7 +186,7 @@ def processing_factor(
     perm = _order(H32, dead, actorder)
     with _factor_scratch(H32, H) as kept:
         Hinv, frac, retries = _inverse_hessian_factor(
-            H32, kept, perm, dead, dampening_frac, max_retries, damp_growth
+            H32, kept, perm, dead, dampening_frac, max_retries, damp_growth, in_place
         )
         yield Factor(Hinv, dead, perm, frac, retries)
 
@@ -154,6 +199,7 @@ def _inverse_hessian_factor(
     dampening_frac: float,
     max_retries: int,
     damp_growth: float,
+    in_place: bool = False,
 ) -> tuple[Tensor, float, int]:
     """Upper Cholesky factor of ``(Hp + damp I)^-1`` in ``H``'s memory, raising dampening ``damp_growth``x per
     failure.
@@ -163,7 +209,8 @@ def _inverse_hessian_factor(
     (:func:`_factor_scratch`), from which a retry rebuilds ``Hp`` and replays the dampening steps, so the values
     are those of dampening one copy step by step. Memory besides ``H`` and ``kept``: the Cholesky factor (one
     [in, in] matrix), or with the blocked factor of ``products.inverse_cholesky_factor_`` (float32 CPU solves
-    wider than ``FACTOR_LEAF`` where oneDNN is on) three quarters of one. Building the working copy in ``H``'s
+    wider than ``FACTOR_LEAF`` where oneDNN is on) three quarters of one, or with ``in_place`` (CPU) a few
+    [FACTOR_BLOCK, FACTOR_BLOCK] blocks (:func:`cholesky_in_place_`). Building the working copy in ``H``'s
     memory instead of a new [in, in] matrix bounds a layer's peak for wide inputs (down_proj: 5632^2 floats =
     127 MB each).
     """
@@ -187,15 +234,22 @@ def _inverse_hessian_factor(
         del Hp
         for step in steps:
             Hr.diagonal().add_(step)  # the diagonal of P Hp P is Hp's, reversed: same values, same adds
-        blocked = onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF  # float32 CPU: on oneDNN
-        inv = _lower_inverse(Hr, blocked)  # Lr^-1 in H's memory, or None when the Cholesky failed
+        if in_place and Hr.device.type == "cpu" and n > FACTOR_BLOCK:  # narrower: one block, LAPACK's own
+            method = "in_place"
+        elif onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF:  # float32 CPU: on oneDNN
+            method = "blocked"
+        else:
+            method = "lapack"
+        if Hr.device.type == "cpu":  # the factor, the solve's peak, on a trimmed heap: what the passes above
+            trim_host_memory()  # left free on it (a few MiB at 4096 inputs) is not resident beside it
+        inv = _lower_inverse(Hr, method)  # Lr^-1 in H's memory, or None when the Cholesky failed
         del Hr
         if inv is None:
             continue
-        # P Lr^-1 P, row-major, in H's memory. The blocked factor is row-major already: reversed in place.
+        # P Lr^-1 P, row-major, in H's memory. The blocked factors are row-major already: reversed in place.
         # LAPACK's is column-major: reversing its memory in place reverses it too (still column-major), and
         # the in-place transpose makes it row-major (contiguous() would make a second [in, in] matrix)
-        Hinv = _reverse_(inv) if blocked else _transpose_(_reverse_(inv.t()))
+        Hinv = _transpose_(_reverse_(inv.t())) if method == "lapack" else _reverse_(inv)
         del inv
         if torch.isfinite(Hinv.sum()) and bool((Hinv.diagonal() > 0).all()):
             return Hinv, frac, retry
@@ -206,21 +260,82 @@ def _inverse_hessian_factor(
     )
 
 
-def _lower_inverse(Hr: Tensor, blocked: bool) -> Tensor | None:
+def _lower_inverse(Hr: Tensor, method: str) -> Tensor | None:
     """``Lr^-1`` for the lower Cholesky factor ``Lr`` of ``Hr``, or None if ``Hr`` is not positive definite.
 
-    ``blocked``: ``products.inverse_cholesky_factor_`` in ``Hr``'s memory (row-major). Otherwise LAPACK's (or
-    cuSOLVER's) Cholesky, then ``Lr^-1`` in place of an identity written into ``Hr``'s memory and laid out
-    column-major, as solve_triangular lays out its own output: same call, same values, one [in, in] matrix
-    (the factor ``Lr``) besides ``Hr``.
+    ``method`` ``"blocked"``: ``products.inverse_cholesky_factor_`` in ``Hr``'s memory (row-major);
+    ``"in_place"``: :func:`cholesky_in_place_` then :func:`lower_inverse_in_place_` (row-major). ``"lapack"``:
+    LAPACK's (or cuSOLVER's) Cholesky, then ``Lr^-1`` in place of an identity written into ``Hr``'s memory and
+    laid out column-major, as solve_triangular lays out its own output: same call, same values, one [in, in]
+    matrix (the factor ``Lr``) besides ``Hr``.
     """
-    if blocked:
+    if method == "blocked":
         return products.inverse_cholesky_factor_(Hr)
+    if method == "in_place":
+        return None if cholesky_in_place_(Hr) is None else lower_inverse_in_place_(Hr)
     Lr, info = torch.linalg.cholesky_ex(Hr)
     if info.item() != 0:
         return None
+    if Hr.device.type == "cpu":
+        free_mkl_buffers()  # the Cholesky's pooled work buffers, not the solve's: 2-5 MiB off the peak
     inv = Hr.zero_().fill_diagonal_(1).t()  # Hr is spent: the identity in its memory, column-major
     return torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
+
+
+def cholesky_in_place_(A: Tensor, block: int = FACTOR_BLOCK) -> Tensor | None:
+    """The lower Cholesky factor ``L`` of ``A`` (``A = L L^T``) in ``A``'s lower triangle, its upper triangle
+    zeroed; None if ``A`` is not positive definite (``A`` then holds partial results). ``A``: contiguous [n, n],
+    only its lower triangle read.
+
+    Right-looking and blocked: LAPACK factors each diagonal block (a copy of ``block`` rows), the panel below it
+    is solved against it ``block`` rows at a time, and the trailing lower triangle takes the panel's product in
+    place, block row by block row (``addmm_`` on views of ``A``): temporaries of ``[block, block]`` only.
+
+    Example:
+        >>> A = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
+        >>> torch.allclose(cholesky_in_place_(A.clone(), block=1), torch.linalg.cholesky(A))
+        True
+    """
+    n = A.shape[0]
+    for k0 in range(0, n, block):
+        k1 = min(k0 + block, n)
+        L, info = torch.linalg.cholesky_ex(A[k0:k1, k0:k1])  # [b, b], a copy
+        if info.item() != 0:
+            return None
+        A[k0:k1, k0:k1] = L
+        for r0 in range(k1, n, block):  # L_ik = A_ik L_kk^-T
+            rows = A[r0 : r0 + block, k0:k1]
+            rows.copy_(torch.linalg.solve_triangular(L.T, rows, upper=True, left=False))
+        for j0 in range(k1, n, block):  # A_jj' -= L_jk L_j'k^T, on and below the diagonal blocks
+            j1 = min(j0 + block, n)
+            A[j0:j1, k1:j1].addmm_(A[j0:j1, k0:k1], A[k1:j1, k0:k1].T, alpha=-1)
+    return A.tril_()
+
+
+def lower_inverse_in_place_(L: Tensor, block: int = FACTOR_BLOCK) -> Tensor:
+    """``L^-1`` in ``L``'s memory for a lower triangular ``L`` (its upper triangle zero), blocked, with
+    temporaries of ``[block, block]`` only.
+
+    Block columns from the last: with ``X = L^-1`` known below and right of block ``j``, ``X_jj = L_jj^-1`` and
+    ``X_ij = -(sum_k X_ik L_kj) X_jj`` for the blocks ``i`` below, computed from the bottom block up, so that the
+    ``L_kj`` a block reads are not yet overwritten.
+
+    Example:
+        >>> L = torch.tensor([[2.0, 0.0], [1.0, 4.0]])
+        >>> torch.allclose(lower_inverse_in_place_(L.clone(), block=1), torch.linalg.inv(L))
+        True
+    """
+    n = L.shape[0]
+    for j0 in reversed(range(0, n, block)):
+        j1 = min(j0 + block, n)
+        eye = torch.eye(j1 - j0, dtype=L.dtype, device=L.device)
+        inverse = torch.linalg.solve_triangular(L[j0:j1, j0:j1], eye, upper=False)  # X_jj
+        for r0 in reversed(range(j1, n, block)):
+            r1 = min(r0 + block, n)
+            below = L[r0:r1, j1:r1] @ L[j1:r1, j0:j1]  # X_i,j1: (lower triangular) times L_j1:, j
+            L[r0:r1, j0:j1] = torch.mm(below, inverse).neg_()
+        L[j0:j1, j0:j1] = inverse
+    return L
 
 
 def _order(H: Tensor, dead: Tensor, actorder: str | None) -> Tensor | None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import tempfile
 import weakref
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -219,8 +218,9 @@ class KeptHessian:
         self.blocks: list[Tensor] = []  # the upper triangle's row blocks, or the whole matrix (in RAM)
         if self.file is not None:
             weakref.finalize(self, self.file.close)
-            for part in parts:
-                part.contiguous().numpy().tofile(self.file)  # one row block's copy at a time
+            for part in parts:  # a row at a time: a row of a contiguous H is written without a copy
+                for row in part:
+                    row.numpy().tofile(self.file)
             return
         # one allocation for all of it: large enough to be mapped on its own (backend.host), so that its
         # pages go back to the OS when the solve ends instead of staying in the heap
@@ -232,34 +232,31 @@ class KeptHessian:
             self.blocks.append(block.copy_(part, non_blocking=asynchronous))
             start += part.numel()
 
-    def _kept(self, H: Tensor) -> Iterator[Tensor]:
-        """The kept blocks in order, read back from the file one at a time when spilled."""
-        if self.file is None:
-            yield from self.blocks
-            return
+    def _read_rows(self, H: Tensor) -> Tensor:
+        """The spilled values read back straight into ``H``'s rows (no temporary); returns ``H``."""
         self.file.seek(0)
+        r = 0
         for shape in self.shapes:
-            block = torch.empty(shape, dtype=H.dtype)
-            if self.file.readinto(memoryview(block.numpy()).cast("B")) != block.nbytes:
-                raise OSError("the Hessian's kept values could not be read back from their temporary file")
-            yield block
+            for row in H[r : r + shape[0], H.shape[1] - shape[1] :]:
+                if self.file.readinto(memoryview(row.numpy()).cast("B")) != row.nbytes:
+                    raise OSError(
+                        "the Hessian's kept values could not be read back from their temporary file"
+                    )
+            r += shape[0]
+        return H
 
     def restore(self, H: Tensor) -> Tensor:
         """The kept values into ``H``'s memory (in place), both triangles; returns ``H``."""
-        asynchronous = H.device.type == "cuda"
-        if not self.symmetric and self.file is not None:  # the whole matrix, read straight into H's memory
-            self.file.seek(0)
-            if self.file.readinto(memoryview(H.contiguous().numpy()).cast("B")) != self.nbytes:
-                raise OSError("the Hessian's kept values could not be read back from their temporary file")
-            return H
-        blocks = self._kept(H)
-        if not self.symmetric:
-            return H.copy_(next(blocks), non_blocking=asynchronous)
-        r = 0
-        for block in blocks:
-            H[r : r + block.shape[0], r:].copy_(block, non_blocking=asynchronous)
-            r += block.shape[0]
-        return symmetrize_upper(H)
+        if self.file is not None:
+            self._read_rows(H)
+        elif not self.symmetric:
+            H.copy_(self.blocks[0], non_blocking=H.device.type == "cuda")
+        else:
+            r = 0
+            for block in self.blocks:
+                H[r : r + block.shape[0], r:].copy_(block, non_blocking=H.device.type == "cuda")
+                r += block.shape[0]
+        return symmetrize_upper(H) if self.symmetric else H
 
 
 def _host_empty(numel: int, like: Tensor) -> Tensor:

@@ -86,6 +86,10 @@ class PipelineArgs:
     # Device memory (bytes) the run may use; GPTQ sizes its stacked solves from it. The results do not depend
     # on it (solves are split by rows), so it is left out of the fingerprint.
     max_device_memory: int | None = field(default=None, repr=False)
+    # GPTQ factors each Hessian in its own memory on the cpu (no second [in, in] matrix), as a host budget may
+    # need (plan.host.fit_host). Equal to LAPACK's factor up to float32 rounding: a resume under a tighter
+    # budget may switch it, so it is left out of the fingerprint.
+    in_place_factor: bool = field(default=False, repr=False)
     # Virtual shards of the calibration batches (seqcal.distributed): statistics are accumulated per shard
     # and folded in shard order, the same with one process or many. Part of the result, so fingerprinted.
     num_shards: int = DEFAULT_SHARDS
@@ -183,6 +187,7 @@ def _run(
     config = RunConfig(
         device=device, compute_dtype=getattr(torch, args.compute_dtype) if args.compute_dtype else None,
         device_budget=args.max_device_memory, kv_cache_scheme=modifiers.kv_cache_scheme(),
+        in_place_factor=args.in_place_factor,
     )  # fmt: skip
     state = RunState(config)
     for modifier in modifiers:

@@ -105,6 +105,7 @@ class GPTAQModifier(GPTQModifier):
                 W, H.to(W.device), dXXT.to(W.device), alpha=float(self.alpha), block_size=self.block_size,
                 dampening_frac=float(self.dampening_frac), actorder=order, num_bits=kw["num_bits"],
                 symmetric=kw["symmetric"], strategy=kw["strategy"], group_size=kw["group_size"],
+                in_place_factor=state.config.in_place_factor,
             )  # fmt: skip
         except GPTQNumericalError as exc:
             state.results.log.append(f"{name}: GPTAQ failed ({exc}); fell back to round-to-nearest")

@@ -227,6 +227,7 @@ class GPTQModifier(QuantizationModifier):
             result = gptq_quantize(
                 W, H, block_size=self.block_size, dampening_frac=float(self.dampening_frac),
                 actorder=order, fmt=fmt, global_scale=per_row_global, pruned=pruned, importance=importance, **kw,
+                in_place_factor=state.config.in_place_factor,
             )  # fmt: skip
         except GPTQNumericalError as exc:
             for name, module, g in zip(names, modules, globals_):

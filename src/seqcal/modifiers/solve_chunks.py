@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from seqcal.algorithms.gptq_factor import factor_bytes
 from seqcal.algorithms.hessian import kept_in_ram
 from seqcal.experts import routed_experts, shared_expert_inputs
 from seqcal.tracing.partition import Subgraph
@@ -132,20 +133,23 @@ def hessian_bytes(groups: dict[tuple[str, int], list[int]]) -> int:
 
 
 def solve_bytes(
-    groups: dict[tuple[str, int], list[int]], dtype_bytes: int, limit: int, device_on_host: bool = True
-) -> tuple[int, int]:
+    groups: dict[tuple[str, int], list[int]], dtype_bytes: int, limit: int, device_on_host: bool = True,
+    in_place: bool = False,
+) -> tuple[int, int]:  # fmt: skip
     """Temporaries of the largest GPTQ solve of ``solve_groups`` beyond its Hessian and weights, and the
     most chunks one group is solved in (modules sharing a Hessian are stacked, ``limit`` bytes at most).
 
     The working copy and the factor take the Hessian's own memory; its values are kept beside it meanwhile, in
-    host memory (the device's when that is the host)."""
+    host memory (the device's when that is the host). ``in_place``: the CPU factor in the Hessian's own memory
+    (``gptq_factor.factor_bytes``)."""
     peak, most = 0, 1
     for (_, n_in), outs in groups.items():
         chunks = split_rows(outs, n_in, limit)
         most = max(most, len(chunks))
         n_out = max(sum(outs[i] for i in chunk) for chunk in chunks)
         kept = kept_in_ram(n_in) if device_on_host else 0  # a wide one is kept in a file
-        inverse = n_in**2 * 4 + kept  # the Cholesky factor (three quarters of one blocked on the CPU)
+        # the Cholesky factor and LAPACK's work buffers (a few blocks when in place)
+        inverse = factor_bytes(n_in, device_on_host, in_place) + kept
         # W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype (the factor is in
         # the Hessian's memory; the relative output error that follows works on row chunks: less than this)
         columns = kept + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)

@@ -42,6 +42,8 @@ class RunConfig:
 
     Attributes:
         device: the execution device.
+        in_place_factor: GPTQ's CPU solves factor each Hessian in its own memory (``gptq_quantize``'s
+            ``in_place_factor``), as the host budget needs (``plan.host.fit_host``).
         compute_dtype: autocast dtype of the forward passes (None: the weights' dtype).
         device_budget: bytes of device memory the run may use (``max_device_memory``), or None: modifiers size
             their working memory from it (GPTQ's stacked solves, ``modifiers.solve_chunks``).
@@ -61,6 +63,7 @@ class RunConfig:
     sharding: Shards | None = None
     kv_cache_scheme: Any = None
     kv_in_graph: bool = False
+    in_place_factor: bool = False
 
 
 @dataclass

@@ -4,14 +4,15 @@ The model is built on the meta device and traced (no weights needed), then per s
 
     device  = its weights + GPTQ Hessians of its Linear layers (fp32, one per shared input)
               + the larger of: one batch's activations (the values it reads and writes, its widest
-              intermediate twice, the fp32 copy of a target's input the Hessian update makes; on a GPU
+              intermediate twice, the fp32 copy of a target's input the Hessian update makes, one virtual
+              shard's Hessians beside the fold of the shards before (seqcal.distributed); on a GPU
               also the next batch's inputs and the last batch's outputs, copied beside the compute) and the GPTQ
               solve's temporaries (algorithms.gptq: the Cholesky factor beside the Hessian, whose memory takes
               the working copy and the inverse factor, or two fp32 copies of the stacked weight, its codes and
               the modifier's stacked copy; the Hessian's values kept meanwhile, in RAM on a GPU run; modules
               sharing a Hessian, such as a layer's experts, are stacked in chunks sized from
               ``max_device_memory``: column ``chunks``, see modifiers.solve_chunks)
-    host    = process baseline + activation cache (values alive during the subgraph, for every batch)
+    host    = process baseline (+ HEAP_SLACK) + activation cache (values alive during the subgraph, for every batch)
               + the save after it (the modules it finished, as written, and a copy of their int8 codes for
               resuming; the checkpoint writer streams tensors to disk and holds none), and the save before
               it, which a worker thread writes while it runs (``checkpoint.streaming.BACKGROUND``)
@@ -59,6 +60,12 @@ from seqcal.tracing.partition import Subgraph
 # at the first onload; benchmarks/RESULTS.md). A CUDA context adds its own host memory on top. The plan
 # measures the process it runs in instead (``values.process_baseline``); this is where it cannot.
 PROCESS_BASELINE = 370 * 1024**2
+# MKL's work buffers and code for a Hessian update's products on the cpu: measured 3.5 MiB beside the batch's copies
+# at 4096 inputs and 64 tokens (2 threads, 2-core x86)
+GEMM_BUFFERS = 4 << 20
+# Free pages glibc's heap keeps between two trims (backend.host.trim_host_memory, before each solve and after each
+# subgraph), in every row's host: measured 7 MiB at a 4096-wide down_proj's calibration, 5 before its factor
+HEAP_SLACK = 8 << 20
 
 
 @dataclass
@@ -78,15 +85,19 @@ class SubgraphPlan:
     quantized_numel: int = 0  # weights it quantizes (their codes and scales are sent to other processes)
     solve_cost: float = 0.0  # sum of out * in^2 + in^3 over them, as seqcal.distributed assigns solves
     device_cache: int = 0  # the activation cache on the execution device (offload="device" on a GPU)
-    # host = the plan's baseline + resident + cache_ram + work + held: the parts a host budget weighs (plan.host)
+    # host = the plan's baseline + HEAP_SLACK + resident + cache_ram + work + held: what a host budget weighs
     resident: int = 0  # weights that stay in RAM all along
     cache_ram: int = 0  # the activation cache in RAM while it runs
     work: int = 0  # its own work in RAM: the device share on a cpu run (weights, Hessians, solve) or its save
     held: int = 0  # the previous subgraph's save, written by the worker thread meanwhile
+    # while it calibrates: one virtual shard's Hessians beside the fold of those before (seqcal.distributed), and on
+    # the cpu MKL's buffers for the Hessian update (GEMM_BUFFERS)
+    accumulators: int = 0
 
     @property
     def device_peak(self) -> int:
-        return self.weights + self.hessians + max(self.activations, self.solve) + self.device_cache
+        calibration = self.activations + self.accumulators
+        return self.weights + self.hessians + max(calibration, self.solve) + self.device_cache
 
 
 @dataclass
@@ -102,6 +113,7 @@ class MemoryPlan:
     dtype_bytes: int = 4  # bytes per weight element of the model
     one_pass: bool = False  # the cut: before each group of quantized modules (True) or after each target
     baseline: int = PROCESS_BASELINE  # the process's own resident memory, in every row's host
+    in_place_factor: bool = False  # GPTQ's cpu factor in the Hessian's own memory (gptq_factor.factor_bytes)
 
     @property
     def device_peak(self) -> int:
@@ -155,6 +167,7 @@ def plan_memory(
     overlap: bool | None = None,
     background: bool | None = None,
     baseline: int = PROCESS_BASELINE,
+    in_place_factor: bool = False,
 ) -> MemoryPlan:
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
@@ -172,6 +185,7 @@ def plan_memory(
             ``seqcal.execution.cache.store.OVERLAP``).
         background: the checkpoint's files written on a worker thread (None: ``streaming.BACKGROUND``).
         baseline: the process's resident memory besides the run's (``values.process_baseline``).
+        in_place_factor: GPTQ factors the Hessians in their own memory on the cpu (``gptq_quantize``).
     """
     overlap = cache_store.OVERLAP if overlap is None else overlap
     background = streaming.BACKGROUND if background is None else background
@@ -219,7 +233,7 @@ def plan_memory(
         # the solve's Cholesky factor beside the Hessians, as the GPTQ modifier sizes its chunks (_chunk_limit)
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
-        solve, chunks = solve_bytes(groups, dtype_bytes, limit, device_on_host)
+        solve, chunks = solve_bytes(groups, dtype_bytes, limit, device_on_host, in_place_factor)
         freed = sum(size(n) for n in sg.frees)
         after = alive + made - freed
         if sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
@@ -231,6 +245,8 @@ def plan_memory(
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
                            alive * batches if in_ram else 0, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
+        shards = hessians if batches > 1 else 0  # the shards of 2 batches or more fold in turn, each its own
+        row.accumulators = shards + (GEMM_BUFFERS if groups and device_on_host else 0)  # and MKL's buffers
         if on_device:
             row.device_cache = during  # every batch's cached values, on the device beside the subgraph's work
         during = during if in_ram else 0
@@ -244,7 +260,7 @@ def plan_memory(
             work = max(row.device_peak, save)
         else:  # on a GPU the solve's kept Hessian is in host memory, freed before the save
             work = max(max((kept_bytes(n_in) for _, n_in in groups), default=0), save)
-        row.host = baseline + resident_weights + during + work + held
+        row.host = baseline + HEAP_SLACK + resident_weights + during + work + held
         row.resident, row.cache_ram, row.work, row.held = resident_weights, during, work, held
         # what the worker still holds of it: the packed tensors and the resume file's int8 codes (streaming.done)
         held = written.get(sg.index, 0) + codes if background else 0
@@ -260,7 +276,7 @@ def plan_memory(
         notes.append(
             f"the activation cache, up to {cache_peak / 1024**3:.3f} GB, is on {cache_tier} (not planned)"
         )
-    return MemoryPlan(rows, host_peak, disk, notes, baseline=baseline)
+    return MemoryPlan(rows, host_peak, disk, notes, baseline=baseline, in_place_factor=in_place_factor)
 
 
 def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str] | None:
@@ -322,6 +338,7 @@ def make_plan(
     max_device_memory: int | None = None,
     one_pass: bool = True,
     cache_max_memory: int | None = None,
+    in_place_factor: bool = False,
 ) -> MemoryPlan:
     """Trace on a synthetic batch (no weights read) and plan; with ``max_device_memory``, refine targets.
 
@@ -332,7 +349,8 @@ def make_plan(
     fit, the plan cuts at the layer's children (attention, MLP: ``plan.targets``) and says so in
     ``plan.notes``. The one-pass cut is already per module group: there a subgraph that does not fit is
     only reported (a note naming it and the fix), as is a layer cut with no finer children.
-    ``cache_max_memory`` caps the activation cache's RAM as the run does (the rest spilled to disk).
+    ``cache_max_memory`` caps the activation cache's RAM as the run does (the rest spilled to disk);
+    ``in_place_factor`` plans GPTQ's cpu factor in the Hessians' own memory (a host budget's last resort).
 
     Example:
         >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,
@@ -357,7 +375,6 @@ def make_plan(
     ):
         cache_tier = "device"  # "cuda:0" running on cuda:0: the execution device's memory
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-    baseline = process_baseline(resident, PROCESS_BASELINE)  # measured now, before the plan's own trace
     targets, notes = sequential_targets, []
     for attempt in range(2):
         args = PipelineArgs(
@@ -371,9 +388,11 @@ def make_plan(
             values, widest = None, None
             notes.append(f"activation sizes come from the config: the stand-in run failed ({type(err).__name__}: "
                          f"{str(err)[:200]})")  # fmt: skip
+        # measured once, after the first trace: the run traces as the plan does and keeps its subgraphs
+        baseline = process_baseline(resident, PROCESS_BASELINE)
         kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
                       cache_tier=cache_tier, device_on_host=on_host, resident_weights=resident,
-                      device_budget=max_device_memory, baseline=baseline,
+                      device_budget=max_device_memory, baseline=baseline, in_place_factor=in_place_factor,
                       solved=quantized | set(mods.pruned()))  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,
                            widest=widest, **kwargs)  # fmt: skip

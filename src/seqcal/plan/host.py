@@ -8,7 +8,10 @@ disk beyond a RAM budget. The cut moves the rest: the one-pass cut (one subgraph
 the layer cut (one per layer, every Hessian of a layer at once, fewer cached values). ``fit_host`` picks:
 
 1. the cut: the default one when its floor (the plan with the whole cache on disk) fits, else the other cut
-   when its floor fits; else the budget is refused, naming the smallest that works and what dominates it;
+   when its floor fits, else (a cpu run) either cut with GPTQ's Cholesky factor in the Hessian's own memory
+   (``gptq_quantize``'s ``in_place_factor``: no second [in, in] matrix, equal to LAPACK's factor up to float32
+   rounding, about twice its time); else the budget is refused, naming the smallest that works and what
+   dominates it;
 2. the cache's RAM: all of it when the plan fits, else the most that keeps every subgraph under the budget.
 
 Each decision is one log line (``HostFit.decisions``).
@@ -50,6 +53,9 @@ class HostFit:
     one_pass: bool  # the cut: before each module group (True) or after each layer
     cache_max_memory: int | None  # the activation cache's RAM budget for the run (None: no cap)
     decisions: list[str] = field(default_factory=list)
+    in_place_factor: bool = (
+        False  # GPTQ's cpu factor in the Hessian's own memory (the plan's in_place_factor)
+    )
 
 
 def check_budget(budget: int | None, total_ram: int | None) -> int | None:
@@ -121,6 +127,7 @@ def fit_host(
     other_cut: Callable[[], MemoryPlan] | None,
     cache_max_memory: int | None = None,
     cache_in_ram: bool = True,
+    in_place: Callable[[bool], MemoryPlan] | None = None,
 ) -> HostFit:
     """Choose the cut and the cache's RAM so that the run's predicted resident memory stays under ``budget``.
 
@@ -133,6 +140,8 @@ def fit_host(
         cache_max_memory: the user's own cap of the cache's RAM (kept when lower than the one chosen).
         cache_in_ram: the cache's tier is "cpu", whose RAM cache_max_memory caps (the other tiers' share of RAM,
             "device" on a cpu run, cannot be moved to disk).
+        in_place: the plan of a cut (its ``one_pass``) with GPTQ's factor in the Hessians' own memory, made only
+            when neither cut fits otherwise; None: not offered.
 
     Returns:
         The HostFit; its ``decisions`` are logged by the caller, one line each.
@@ -153,6 +162,14 @@ def fit_host(
             plan, one_pass, cut, floor, worst = other, not one_pass, other_name, other_floor, other_worst
         elif other_floor < floor:
             floor, worst = other_floor, other_worst
+    if floor > budget and in_place is not None:
+        cuts = [one_pass] + ([not one_pass] if other_cut is not None else [])
+        found, floor, worst = _in_place_fit(budget, in_place, cuts, cache_in_ram, floor, worst)
+        if found is not None:
+            plan, one_pass, cut = found, found.one_pass, "one-pass cut" if found.one_pass else "layer cut"
+            decisions.append(f"max_host_memory {budget / _GB:.2f} GB: GPTQ's Cholesky factors in the Hessians' own "
+                             f"memory (blocked; equal to LAPACK's up to float32 rounding), the {cut}'s floor "
+                             f"{floor / _GB:.2f} GB")  # fmt: skip
     if floor > budget:
         cause, fix = dominant(worst) if worst is not None else ("the process itself", "")
         raise HostBudgetError(
@@ -170,7 +187,21 @@ def fit_host(
     if limit is not None:
         plan.limit_cache(limit)
     decisions.append(_cache_decision(budget, plan, limit, whole, cache_in_ram, cache_max_memory))
-    return HostFit(budget, plan, one_pass, limit, decisions)
+    return HostFit(budget, plan, one_pass, limit, decisions, plan.in_place_factor)
+
+
+def _in_place_fit(budget: int, in_place: Callable[[bool], MemoryPlan], cuts: list[bool], movable: bool, floor: int,
+                  worst: SubgraphPlan | None) -> tuple[MemoryPlan | None, int, SubgraphPlan | None]:  # fmt: skip
+    """The first of ``cuts`` (``one_pass`` values) whose plan with the in-place factor fits ``budget``, its floor
+    and the row that sets it; else None with the lowest floor of all (``floor``, ``worst``: the others')."""
+    for one_pass in cuts:
+        plan = in_place(one_pass)
+        plan_floor, plan_worst = floor_of(plan, movable)
+        if plan_floor <= budget:
+            return plan, plan_floor, plan_worst
+        if plan_floor < floor:
+            floor, worst = plan_floor, plan_worst
+    return None, floor, worst
 
 
 def _cache_decision(budget: int, plan: MemoryPlan, limit: int | None, whole: int, in_ram: bool,

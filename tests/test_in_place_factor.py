@@ -1,0 +1,205 @@
+"""GPTQ's Cholesky factor in the Hessian's own memory (``gptq_factor.cholesky_in_place_``): LAPACK's values up to
+float32 rounding, valid codes, a few blocks of temporaries instead of a second [in, in] matrix, and the host budget
+that takes it only when neither cut fits without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seqcal.algorithms import gptq_factor
+from seqcal.algorithms.gptq import gptq_quantize
+from seqcal.algorithms.gptq_factor import (
+    FACTOR_BLOCK,
+    GPTQNumericalError,
+    cholesky_in_place_,
+    factor_bytes,
+    lower_inverse_in_place_,
+    processing_factor,
+)
+from seqcal.algorithms.hessian import KeptHessian, kept_in_ram, symmetrize_upper
+from seqcal.plan import PROCESS_BASELINE, MemoryPlan, SubgraphPlan
+from seqcal.plan.host import HostBudgetError, fit_host
+
+
+def _hessian(n: int, seed: int = 0) -> torch.Tensor:
+    """An exactly symmetric float32 Hessian with a spread spectrum (some inputs 10x larger), as GPTQ's are."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n + 200, n, generator=g)
+    X[:, : n // 4] *= 10
+    return symmetrize_upper(2 * X.T @ X / X.shape[0])
+
+
+@pytest.mark.parametrize(("n", "block"), [(300, 128), (256, 64), (5, 8)])
+def test_the_in_place_factor_and_inverse_equal_float64s(n: int, block: int) -> None:
+    H = _hessian(n)
+    H.diagonal().add_(0.01 * H.diagonal().mean())
+    L64 = torch.linalg.cholesky(H.double())
+    A = H.clone()
+    L = cholesky_in_place_(A, block)
+    assert L is not None and L.data_ptr() == A.data_ptr()
+    assert torch.equal(L, L.tril())  # the upper triangle is zeroed
+    assert (L.double() - L64).abs().max() <= 1e-5 * L64.abs().max()
+    X = lower_inverse_in_place_(L, block)
+    X64 = torch.linalg.inv(L64)
+    assert X.data_ptr() == A.data_ptr() and torch.equal(X, X.tril())
+    assert (X.double() - X64).abs().max() <= 1e-5 * X64.abs().max()
+
+
+def test_a_matrix_that_is_not_positive_definite_has_no_factor() -> None:
+    H = _hessian(200)
+    H[150, 150] = -1.0  # a negative diagonal: no Cholesky, in the third block
+    assert cholesky_in_place_(H.clone(), 64) is None
+
+
+def test_the_processing_factor_in_place_equals_lapacks_and_restores_the_hessian() -> None:
+    n = FACTOR_BLOCK + 188  # two blocks, the second ragged
+    H = _hessian(n)
+    before = H.clone()
+    with processing_factor(H.clone(), torch.device("cpu"), "weight", 0.01, 3, 10.0) as f:
+        lapack = f.Hinv.clone()
+    with processing_factor(H, torch.device("cpu"), "weight", 0.01, 3, 10.0, in_place=True) as f:
+        assert f.Hinv.data_ptr() == H.data_ptr() and f.retries == 0
+        assert not torch.equal(f.Hinv, lapack)  # another algorithm: not the same bits
+        assert (f.Hinv - lapack).abs().max() <= 1e-5 * lapack.abs().max()
+    assert torch.equal(H, before)  # the Hessian's values back, bit for bit
+
+
+def test_an_indefinite_hessian_is_dampened_until_the_in_place_factor_works() -> None:
+    n = FACTOR_BLOCK + 64
+    H = _hessian(n)
+    H.diagonal()[-10:] -= 1.5 * H.diagonal()[-10:].min()  # slightly indefinite: the first dampening fails
+    with processing_factor(H, torch.device("cpu"), None, 0.01, 3, 10.0, in_place=True) as f:
+        assert f.retries > 0 and bool((f.Hinv.diagonal() > 0).all())
+    with pytest.raises(GPTQNumericalError, match="Cholesky of the Hessian failed"):
+        bad = _hessian(n)
+        bad.diagonal()[-1] = -1e9
+        with processing_factor(bad, torch.device("cpu"), None, 0.01, 1, 10.0, in_place=True):
+            pass
+
+
+def test_gptq_with_the_in_place_factor_gives_valid_codes_close_to_lapacks() -> None:
+    n = FACTOR_BLOCK + 128
+    H = _hessian(n, seed=1)
+    W = torch.randn(96, n, generator=torch.Generator().manual_seed(2))
+    kw = dict(num_bits=4, group_size=128, actorder="weight")
+    ref = gptq_quantize(W, H.clone(), **kw)
+    got = gptq_quantize(W, H.clone(), in_place_factor=True, **kw)
+    assert got.q.dtype == torch.int8 and int(got.q.min()) >= -8 and int(got.q.max()) <= 7
+    scale = got.scale.float().repeat_interleave(128, dim=1)
+    assert torch.equal(got.Q, got.q.float() * scale)  # exactly what the checkpoint dequantizes to
+    assert (got.q == ref.q).float().mean() > 0.99  # a few roundings may flip, no more
+    assert got.loss == pytest.approx(ref.loss, rel=1e-3)
+
+
+def _allocated_peak(fn) -> int:
+    """Peak bytes torch's CPU allocator holds during ``fn()`` beyond what it held before (profiler events)."""
+    with torch.profiler.profile(
+        profile_memory=True, activities=[torch.profiler.ProfilerActivity.CPU]
+    ) as prof:
+        fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def test_the_in_place_factor_allocates_a_few_blocks_where_lapacks_allocates_a_matrix() -> None:
+    n = 4 * FACTOR_BLOCK
+    dead = torch.zeros(n, dtype=torch.bool)
+    peaks = {}
+    for in_place in (False, True):
+        H = _hessian(n)
+        kept = KeptHessian(H)  # its copy is made before: the factor's own allocations are measured
+
+        def factor(H: torch.Tensor = H, kept: KeptHessian = kept, in_place: bool = in_place) -> None:
+            gptq_factor._inverse_hessian_factor(H, kept, None, dead, 0.01, 0, 10.0, in_place)
+
+        peaks[in_place] = _allocated_peak(factor)
+    assert peaks[False] >= n * n * 4  # LAPACK's factor beside the Hessian
+    assert peaks[True] <= 6 * FACTOR_BLOCK**2 * 4 < n * n * 4 // 2  # a few blocks, counted in factor_bytes
+    assert factor_bytes(n, in_place=True) >= peaks[True]
+
+
+def test_the_plan_counts_a_few_blocks_for_the_in_place_factor() -> None:
+    n = 8192
+    lapack, in_place = factor_bytes(n), factor_bytes(n, in_place=True)
+    assert lapack > n * n * 4 and in_place < 40 << 20
+    assert factor_bytes(n, device_on_host=False, in_place=True) == n * n * 4  # on a GPU: cuSOLVER's
+    assert factor_bytes(FACTOR_BLOCK, in_place=True) == factor_bytes(FACTOR_BLOCK)  # one block: LAPACK's
+
+
+def _plan(work: int, one_pass: bool, in_place: bool = False) -> MemoryPlan:
+    row = SubgraphPlan(0, ["layers.0.mlp.down_proj"], work, 0, 0, 0)
+    row.work, row.host = work, PROCESS_BASELINE + work
+    return MemoryPlan([row], row.host, 0, one_pass=one_pass, in_place_factor=in_place)
+
+
+def test_the_budget_takes_the_in_place_factor_only_when_no_cut_fits_without_it() -> None:
+    mb = 10**6
+    default, layers = _plan(600 * mb, True), _plan(550 * mb, False)
+    asked: list[bool] = []
+
+    def in_place(one_pass: bool) -> MemoryPlan:
+        asked.append(one_pass)
+        return _plan((300 if one_pass else 250) * mb, one_pass, in_place=True)
+
+    # the default plan fits: the in-place plans are not even made
+    fit = fit_host(
+        PROCESS_BASELINE + 600 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
+    )
+    assert not fit.in_place_factor and asked == []
+    # neither cut fits: the default cut with the in-place factor does, and the run is told so
+    fit = fit_host(
+        PROCESS_BASELINE + 400 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
+    )
+    assert fit.in_place_factor and fit.one_pass and asked == [True]
+    assert any("Cholesky factors in the Hessians' own memory" in line for line in fit.decisions)
+    # only the layer cut with it fits
+    asked.clear()
+    fit = fit_host(
+        PROCESS_BASELINE + 280 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
+    )
+    assert fit.in_place_factor and not fit.one_pass and asked == [True, False]
+    # nothing fits: refused, naming the lowest floor of all four
+    with pytest.raises(HostBudgetError, match=f"needs at least {(PROCESS_BASELINE + 250 * mb) / 1e9:.2f} GB"):
+        fit_host(
+            PROCESS_BASELINE + 100 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
+        )
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=2 * FACTOR_BLOCK, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    path = tmp_path_factory.mktemp("wide-down-proj")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_the_plan_counts_the_shards_hessians_while_calibrating_and_the_in_place_factor(wide_dir) -> None:
+    from seqcal.entrypoint import oneshot
+    from seqcal.modifiers.solve_chunks import solve_bytes
+    from seqcal.plan import GEMM_BUFFERS
+
+    def plan(samples: int) -> MemoryPlan:
+        return oneshot(model=str(wide_dir), recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head]}", dataset=[],
+                       dry_run=True, num_calibration_samples=samples, max_seq_length=16, batch_size=1)  # fmt: skip
+
+    one, several = plan(1), plan(4)
+    down = several.rows[-1]  # down_proj, calibrated from its cached inputs
+    assert down.hessians == (2 * FACTOR_BLOCK) ** 2 * 4
+    # several batches: a shard's Hessian beside the fold of those before; one batch: none
+    assert down.accumulators == down.hessians + GEMM_BUFFERS and one.rows[-1].accumulators == GEMM_BUFFERS
+    assert down.device_peak >= down.weights + 2 * down.hessians
+    groups = {("mlp", 2 * FACTOR_BLOCK): [128]}
+    assert solve_bytes(groups, 4, 1 << 30)[0] == down.solve
+    kept = kept_in_ram(2 * FACTOR_BLOCK)  # the Hessian's values, in RAM at this width
+    assert (
+        solve_bytes(groups, 4, 1 << 30, in_place=True)[0]
+        == factor_bytes(2 * FACTOR_BLOCK, in_place=True) + kept
+    )
