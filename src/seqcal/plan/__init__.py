@@ -52,6 +52,7 @@ from seqcal.modifiers.solve_chunks import (
     solve_bytes,
     solve_groups,
 )
+from seqcal.plan.cuts import finer_targets, over_budget_note
 from seqcal.plan.values import measure_values, owned_bytes, process_baseline
 from seqcal.tracing.partition import Subgraph
 
@@ -279,30 +280,6 @@ def plan_memory(
     return MemoryPlan(rows, host_peak, disk, notes, baseline=baseline, in_place_factor=in_place_factor)
 
 
-def finer_targets(model: torch.nn.Module, subgraphs: list[Subgraph]) -> list[str] | None:
-    """Class names of the children (attention, MLP, ...) of the current target layers, or None."""
-    names = [t for sg in subgraphs for t in sg.targets]
-    if not names:
-        return None
-    layer = model.get_submodule(names[0])
-    children = [c for c in layer.children() if any(True for _ in c.parameters())]
-    # a class also found inside another child (Qwen3's RMSNorm: the layer's norms and the attention's q/k
-    # norms) would give nested targets: it runs between the targets instead
-    nested = {type(m).__name__ for c in children for m in c.modules() if m is not c}
-    return sorted({type(c).__name__ for c in children} - nested) or None
-
-
-def _over_budget(plan: MemoryPlan, max_device_memory: int, why: str) -> str:
-    """The note for a plan whose largest subgraph exceeds ``max_device_memory`` with no finer cut left."""
-    gib = 1024**3
-    worst = max(plan.rows, key=lambda r: r.device_peak)
-    return (
-        f"subgraph {worst.index} ({', '.join(worst.targets[:1]) or '-'}) needs {worst.device_peak / gib:.2f} GiB "
-        f"of device memory, more than max_device_memory ({max_device_memory / gib:.2f} GiB), and {why}; the "
-        "run goes ahead as planned: lower batch_size or max_seq_length, or raise max_device_memory"
-    )
-
-
 def _plan_auto_batch(model: torch.nn.Module, plan: MemoryPlan, subgraphs: list[Subgraph], quantized: set[str],
                      values: Mapping[str, int] | None, widest: Mapping[int, int] | None, kwargs: dict[str, Any],
                      max_device_memory: int | None) -> MemoryPlan:  # fmt: skip
@@ -407,7 +384,10 @@ def make_plan(
             why = ("the one-pass cut already gives each group of quantized modules its own subgraph"
                    if one_pass_cut is not None else "these are already the finer targets" if attempt
                    else "its targets have no finer children to cut at")  # fmt: skip
-            notes.append(_over_budget(plan, max_device_memory, why))
+            worst = max(plan.rows, key=lambda r: r.device_peak)
+            notes.append(
+                over_budget_note(worst.index, worst.targets, worst.device_peak, max_device_memory, why)
+            )
             break
         notes.append(f"subgraphs of {targets or 'the inferred layers'} need {plan.device_peak / 1024**3:.2f} GB "
                      f"> max_device_memory: using finer targets {finer}")  # fmt: skip
