@@ -112,7 +112,8 @@ def make_rows(folder: Path, samples: int) -> Path:
 def run_cli(
     model: Path, out: Path, rows: Path, samples: int, seq: int, stages: bool = False
 ) -> tuple[float, int, int, str]:
-    """``seqcal oneshot`` under GNU time; returns seconds, GNU time's peak, the process tree's peak, stderr.
+    """``seqcal oneshot`` under GNU time; returns seconds, GNU time's peak, the process tree's peak, stderr. The
+    tree's RSS over time is written to ``out / "rss.tsv"`` (seconds, bytes).
 
     With ``stages`` the command runs in-process under ``_rss_stages.py``, which prints the peak RSS of each stage
     (the check of the partition, each subgraph, the save)."""
@@ -134,6 +135,7 @@ def run_cli(
         raise SystemExit(f"seqcal oneshot failed ({proc.returncode}):\n{stderr[-4000:]}")
     if stages:
         print(stderr[stderr.index("stage" + " " * 20) : stderr.index("\tCommand being timed")].rstrip())
+    (out / "rss.tsv").write_text("".join(f"{t:.2f}\t{r}\n" for t, r in poller.series))  # seconds, bytes
     stats = dict(line.strip().rsplit(": ", 1) for line in stderr.splitlines() if ": " in line)
     return seconds, int(stats["Maximum resident set size (kbytes)"]) * 1024, poller.peak, stderr
 
