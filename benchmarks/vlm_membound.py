@@ -14,7 +14,7 @@ The recipe is GPTQ W4A16 with the vision tower, the projector and lm_head ignore
 ``time -v`` and by polling the process tree (``cli_membound.TreeRSS``); exits 1 when it is above one third of
 the checkpoint's size on disk.
 
-Usage: .venv/bin/python benchmarks/vlm_membound.py [--layers 28] [--samples 16] [--seq 512] [--keep]
+Usage: .venv/bin/python benchmarks/vlm_membound.py [--layers 28] [--samples 16] [--seq 512] [--keep] [--stages]
 """
 
 from __future__ import annotations
@@ -109,14 +109,21 @@ def make_rows(folder: Path, samples: int) -> Path:
     return folder / "rows.jsonl"
 
 
-def run_cli(model: Path, out: Path, rows: Path, samples: int, seq: int) -> tuple[float, int, int, str]:
-    """``seqcal oneshot`` under GNU time; returns seconds, GNU time's peak, the process tree's peak, stderr."""
+def run_cli(
+    model: Path, out: Path, rows: Path, samples: int, seq: int, stages: bool = False
+) -> tuple[float, int, int, str]:
+    """``seqcal oneshot`` under GNU time; returns seconds, GNU time's peak, the process tree's peak, stderr. The
+    tree's RSS over time is written to ``out / "rss.tsv"`` (seconds, bytes).
+
+    With ``stages`` the command runs in-process under ``_rss_stages.py``, which prints the peak RSS of each stage
+    (the check of the partition, each subgraph, the save)."""
     recipe = WORK / "gptq_w4a16_vlm.yaml"
     recipe.write_text(RECIPE)
-    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "seqcal.cli", "oneshot", "--model", str(model),
+    entry = [str(Path(__file__).with_name("_rss_stages.py"))] if stages else ["-m", "seqcal.cli"]
+    cmd = ["/usr/bin/time", "-v", sys.executable, *entry, "oneshot", "--model", str(model),
            "--recipe", str(recipe), "--dataset", str(rows), "--num-calibration-samples", str(samples),
            "--max-seq-length", str(seq), "--output-dir", str(out), "--overwrite"]  # fmt: skip
-    print("command:", "seqcal", " ".join(cmd[5:]), flush=True)
+    print("command:", "seqcal", " ".join(cmd[3 + len(entry) :]), flush=True)
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -126,6 +133,9 @@ def run_cli(model: Path, out: Path, rows: Path, samples: int, seq: int) -> tuple
     seconds = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"seqcal oneshot failed ({proc.returncode}):\n{stderr[-4000:]}")
+    if stages:
+        print(stderr[stderr.index("stage" + " " * 20) : stderr.index("\tCommand being timed")].rstrip())
+    (out / "rss.tsv").write_text("".join(f"{t:.2f}\t{r}\n" for t, r in poller.series))  # seconds, bytes
     stats = dict(line.strip().rsplit(": ", 1) for line in stderr.splitlines() if ": " in line)
     return seconds, int(stats["Maximum resident set size (kbytes)"]) * 1024, poller.peak, stderr
 
@@ -138,13 +148,14 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
+    parser.add_argument("--stages", action="store_true", help="also print the peak RSS of each stage")
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     model, out = WORK / f"synthetic-vlm-{args.layers}L", WORK / f"out-vlm-{args.layers}L"
     size = make_model(model, args.layers)
     rows = make_rows(WORK / "vlm-rows", args.samples)
     print(f"checkpoint: {size / 2e9:.2f}B params, {size / 1e9:.3f} GB bf16 on disk; rows: {rows}")
-    seconds, gnu_peak, tree_peak, stderr = run_cli(model, out, rows, args.samples, args.seq)
+    seconds, gnu_peak, tree_peak, stderr = run_cli(model, out, rows, args.samples, args.seq, args.stages)
     user, system = (float(line.split(": ")[1]) for line in stderr.splitlines()
                     if line.strip().startswith(("User time", "System time")))  # fmt: skip
     packed = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]

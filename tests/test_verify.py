@@ -15,7 +15,7 @@ import seqcal.execution.cuts
 import seqcal.execution.pipeline
 import seqcal.execution.subgraphs
 from seqcal import TracingError, oneshot, trace_subgraphs
-from seqcal.execution.verify import CHECK_TOKENS, EXTRA_PAD, check_sample
+from seqcal.execution.verify import CHECK_TOKENS, EXTRA_PAD, _error, check_sample
 from seqcal.tracing import trace
 from test_fallback import RECIPE, Chain, data
 
@@ -79,6 +79,24 @@ def test_check_sample_text_gets_another_batch_length_and_left_padding() -> None:
     assert check["attention_mask"].sum(1).tolist() == [CHECK_TOKENS, CHECK_TOKENS - length // 3 + EXTRA_PAD]
     pads = check["attention_mask"] == 0
     assert (check["labels"][pads] == -100).all() and (check["token_type_ids"][pads] == 0).all()
+
+
+@pytest.mark.parametrize("chunk", [1, 64, 1 << 20])
+def test_error_summed_in_chunks_equals_the_error_of_the_whole_output(chunk: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    want = torch.randn(3, 50, 7, generator=g)
+    got = want + 1e-3 * torch.randn(3, 50, 7, generator=g)
+    got[2, 10, 3] = want[2, 10, 3] = float("inf")  # an entry infinite in both is left out of the norms
+    finite = torch.isfinite(want)
+    whole = float((got.double() - want.double())[finite].norm() / want.double()[finite].norm())
+    assert 1e-4 < whole < 1e-2
+    assert _error(got, want, chunk) == pytest.approx(whole, rel=1e-9)
+    assert _error(got.bfloat16(), got.bfloat16(), chunk) == 0.0
+    late = got.clone()
+    late[2, 49, 6] = float("nan")  # non-finite in one output only, in the last chunk: differs
+    assert _error(late, want, chunk) == float("inf")
+    assert _error(torch.full((5,), float("inf")), torch.full((5,), float("inf")), chunk) == 0.0
+    assert _error(got[:2], want, chunk) == float("inf")
 
 
 def test_check_sample_keeps_the_batch_of_images_and_needs_a_sequence() -> None:

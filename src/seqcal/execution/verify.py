@@ -43,6 +43,8 @@ SEQUENCE_INPUTS = (
     "input_ids", "inputs_embeds", "token_type_ids", "mm_token_type_ids", "position_ids", "labels", "attention_mask"
 )  # fmt: skip
 PAD_LABEL = -100
+# Entries compared at a time (float64 copies of 8 MB each): an output's error never needs a copy of it whole.
+ERROR_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -296,17 +298,32 @@ def _compare(got: Any, want: Any) -> tuple[str, float] | None:
     return worst
 
 
-def _error(got: torch.Tensor | None, want: torch.Tensor) -> float:
+def _error(got: torch.Tensor | None, want: torch.Tensor, chunk: int = ERROR_CHUNK) -> float:
+    """Relative error ``|got - want| / |want|`` (Frobenius, in float64) over the entries finite in both; inf when
+    the shapes or the finite entries differ. Summed ``chunk`` entries at a time, so a large output (the logits
+    of a sample with image tokens) costs a few MB beside it, not several float64 copies of it.
+
+    Example:
+        >>> _error(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0]))
+        0.0
+    """
     if got is None or got.shape != want.shape:
         return float("inf")
-    a, b = got.detach().double().cpu(), want.detach().double().cpu()
-    finite = torch.isfinite(b)
-    if not torch.equal(finite, torch.isfinite(a)):
-        return float("inf")
-    if not bool(finite.any()):
+    a_all, b_all = got.detach().reshape(-1), want.detach().reshape(-1)
+    diff = ref = 0.0
+    seen = False
+    for start in range(0, b_all.numel(), chunk):
+        a, b = (t[start : start + chunk].to("cpu", torch.float64) for t in (a_all, b_all))
+        finite = torch.isfinite(b)
+        if not torch.equal(finite, torch.isfinite(a)):
+            return float("inf")
+        seen = seen or bool(finite.any())
+        a, b = a[finite], b[finite]
+        diff += float((a - b).square().sum())
+        ref += float(b.square().sum())
+    if not seen:
         return 0.0
-    a, b = a[finite], b[finite]
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    return diff**0.5 / max(ref**0.5, 1e-30)
 
 
 def _tolerance(dtype: torch.dtype) -> float:
