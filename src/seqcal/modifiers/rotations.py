@@ -33,8 +33,10 @@ from seqcal.modifiers.base import BatchCursor, Modifier, RunState
 from seqcal.tracing.partition import Subgraph
 
 ONLINE = ("input", "output")  # locations applied to activations at run time
-# A folded norm weight below this fraction of its norm's median marks a channel the norm turns down (massive
-# activations): in the folded weight that column is tiny, and round to nearest loses it.
+# A norm whose smallest weight is below this fraction of its median spans more than 1 / FAINT: folded into the
+# Linears after it, it makes their columns' scales that unequal, and round to nearest of them can lose more than
+# the rotation gains (measured on SmolLM2-135M, whose norms span up to 1e4: the fold alone, no rotation, costs more
+# than any rotation gave back).
 FAINT = 0.01
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16}  # fmt: skip
@@ -102,7 +104,7 @@ class RotationModifier(Modifier):
         self._done: set[str] = set()
         self._hooks: list[Any] = []
         self._matrices: dict[tuple[str, int], torch.Tensor] = {}
-        # folded norms with faint channels: (norm, smallest |weight|, median |weight|)
+        # folded norms spanning more than 1 / FAINT: (norm, smallest |weight|, median |weight|)
         self._faint: list[tuple[str, float, float]] = []
 
     # --- what subclasses give -------------------------------------------------------------------------------
@@ -171,14 +173,14 @@ class RotationModifier(Modifier):
             state.results.log.append(note)
 
     def _faint_note(self) -> str | None:
-        """The log line for norms folded with channels they turn down (what round to nearest then loses), or None."""
+        """The log line for folded norms whose weights span more than ``1 / FAINT``, or None."""
         if not self._faint:
             return None
         norm, low, mid = min(self._faint, key=lambda f: f[1] / f[2])
-        return (f"{self.name}: {len(self._faint)} norm(s) folded into the Linears they feed have weights under "
-                f"{FAINT:g} of their median ({norm}: {low:.2g} against {mid:.2g}); the channels they turn down become "
-                "tiny columns of the folded weights, which round to nearest loses, so the rotated model may quantize "
-                "worse than the original; quantize with GPTQ, or use rotations that fold no norm (R2, R4)")  # fmt: skip
+        return (f"{self.name}: {len(self._faint)} norm(s) folded into the Linears they feed span more than "
+                f"{1 / FAINT:g}x ({norm}: smallest {low:.2g} against a median of {mid:.2g}); round to nearest of the "
+                "folded weights may lose more than the rotation gains; quantize with GPTQ, whose Hessians weigh each "
+                "input channel, or use rotations that fold no norm (R2, R4)")  # fmt: skip
 
     def _check_folds(self, folds: list[Any]) -> None:
         """Scales folded into a module whose input or output is rotated online would act on rotated channels
