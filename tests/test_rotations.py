@@ -159,6 +159,25 @@ def test_spinquant_fused_rotations_reload_as_the_float_model(tmp_path: Path, tie
     assert (_logits(loaded) - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("faint", [False, True])
+def test_spinquant_says_when_a_folded_norm_spans_orders_of_magnitude(tmp_path: Path, faint: bool) -> None:
+    """A norm whose weights span more than 100x (a channel of massive activations the model turns down), folded
+    into the Linears after it, can cost round to nearest more than the rotation gains: the run says so, and only
+    then."""
+    model = _llama()
+    if faint:
+        model.model.layers[1].post_attention_layernorm.weight.data[5] = 1e-4
+    oneshot(model=model, dataset=_data(), output_dir=str(tmp_path / "out"),
+            recipe=[SpinQuantModifier(), QuantizationModifier(config_groups=INT4, ignore=["lm_head"])])  # fmt: skip
+    log = json.loads((tmp_path / "out" / "quantization_report.json").read_text())["log"]
+    notes = [line for line in log if "may lose more than the rotation gains" in line]
+    if faint:
+        assert len(notes) == 1 and "1 norm(s)" in notes[0], log
+        assert "model.layers.1.post_attention_layernorm: smallest 0.0001 against" in notes[0], notes
+    else:
+        assert not notes, notes
+
+
 def test_spinquant_r4_is_online_and_reloads(tmp_path: Path) -> None:
     model = oneshot(model=_llama(), dataset=_data(), output_dir=str(tmp_path / "out"),
                     recipe=[SpinQuantModifier(rotations=["R1", "R2", "R4"]),

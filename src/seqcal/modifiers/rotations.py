@@ -33,6 +33,11 @@ from seqcal.modifiers.base import BatchCursor, Modifier, RunState
 from seqcal.tracing.partition import Subgraph
 
 ONLINE = ("input", "output")  # locations applied to activations at run time
+# A norm whose smallest weight is below this fraction of its median spans more than 1 / FAINT: folded into the
+# Linears after it, it makes their columns' scales that unequal, and round to nearest of them can lose more than
+# the rotation gains (measured on SmolLM2-135M, whose norms span up to 1e4: the fold alone, no rotation, costs more
+# than any rotation gave back).
+FAINT = 0.01
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16}  # fmt: skip
 
@@ -99,6 +104,8 @@ class RotationModifier(Modifier):
         self._done: set[str] = set()
         self._hooks: list[Any] = []
         self._matrices: dict[tuple[str, int], torch.Tensor] = {}
+        # folded norms spanning more than 1 / FAINT: (norm, smallest |weight|, median |weight|)
+        self._faint: list[tuple[str, float, float]] = []
 
     # --- what subclasses give -------------------------------------------------------------------------------
     def plan(self, model: torch.nn.Module) -> list[Edit]:
@@ -124,7 +131,7 @@ class RotationModifier(Modifier):
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self._edits:
             self.validate(model)
-        self._done, self._hooks = set(), []
+        self._done, self._hooks, self._faint = set(), [], []
         gen = torch.Generator().manual_seed(0)
         self._matrices = {}
         for e in self._edits:  # one matrix per scheme and order, in plan order (random ones reproducible)
@@ -162,6 +169,18 @@ class RotationModifier(Modifier):
 
     def finalize(self, model: torch.nn.Module, state: RunState) -> None:
         self._check_folds(state.ledger.folds)
+        if note := self._faint_note():
+            state.results.log.append(note)
+
+    def _faint_note(self) -> str | None:
+        """The log line for folded norms whose weights span more than ``1 / FAINT``, or None."""
+        if not self._faint:
+            return None
+        norm, low, mid = min(self._faint, key=lambda f: f[1] / f[2])
+        return (f"{self.name}: {len(self._faint)} norm(s) folded into the Linears they feed span more than "
+                f"{1 / FAINT:g}x ({norm}: smallest {low:.2g} against a median of {mid:.2g}); round to nearest of the "
+                "folded weights may lose more than the rotation gains; quantize with GPTQ, whose Hessians weigh each "
+                "input channel, or use rotations that fold no norm (R2, R4)")  # fmt: skip
 
     def _check_folds(self, folds: list[Any]) -> None:
         """Scales folded into a module whose input or output is rotated online would act on rotated channels
@@ -205,6 +224,9 @@ class RotationModifier(Modifier):
             raise ValueError(f"{self.name}: {norm} and {missing[0]} run in different subgraphs, so the norm cannot "
                              "be folded into it; give sequential_targets that keep them together")  # fmt: skip
         g = weight.detach().to(torch.float64)
+        low, mid = g.abs().min().item(), g.abs().median().item()
+        if low < FAINT * mid:
+            self._faint.append((norm, low, mid))
         for name in linears:
             w = model.get_submodule(name).weight
             w.copy_((w.to(torch.float64) * g).to(w.dtype))  # [out, in] * [in]

@@ -9,6 +9,11 @@ stream (q/k/v, gate/up, lm_head) by ``R1`` on its input; v_proj's output and o_p
 R4 is online: down_proj's input is rotated at run time (``transform_config``). Tied embeddings are untied (lm_head
 gets its own weight). R3 (queries and keys inside attention) is not implemented and refused.
 
+The fold has a cost the rotation does not undo: norm weights that span orders of magnitude (a model turning
+channels of massive activations down) make the folded weights' columns that unequal, and round to nearest of them
+can lose more than the rotation gains; the run logs such norms (``FAINT`` in ``modifiers/rotations.py``). GPTQ,
+whose Hessians weigh each input channel, gains from the rotation there; R2 and R4 fold no norm.
+
 Example:
     >>> SpinQuantModifier(rotations=["R1", "R2"]).rotations
     ['R1', 'R2']
