@@ -92,3 +92,19 @@ def test_a_spilled_kept_hessian_is_restored_bit_for_bit_and_holds_no_memory(symm
     assert KeptHessian(H).file is None  # small: in memory
     wide = 1 + int((SPILL_BYTES / 2) ** 0.5)  # about half of n^2 floats reaches the threshold
     assert kept_in_ram(wide) == 0 and kept_in_ram(wide, "cuda") > SPILL_BYTES and kept_in_ram(600) > 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_a_run_started_from_a_large_process_measures_its_own_peak() -> None:
+    """``ru_maxrss`` survives fork and exec: the peak a child reports must be its own, not its parent's."""
+    ballast = torch.ones(256 * 2**20, dtype=torch.uint8)  # 256 MiB resident in this process when it forks
+    child = "from seqcal.plan.host import measured_peak; import resource; " \
+            "print(measured_peak(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    own, inherited = (int(v) for v in done.stdout.split())
+    parent = int(next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+                 .split()[1]) * 1024  # fmt: skip
+    assert ballast.numel() and inherited >= parent - 64 * 2**20  # the parent's size, as ru_maxrss has it
+    assert own < parent - 128 * 2**20  # the child's own peak: the imports, without the parent's ballast

@@ -225,7 +225,7 @@ def _cache_decision(budget: int, plan: MemoryPlan, limit: int | None, whole: int
 def host_report(budget: int | None, plan: MemoryPlan | None, fit: HostFit | None) -> dict[str, Any]:
     """The ``host_memory`` entry of quantization_report.json: the budget, the predicted and the measured peak.
 
-    The measured peak is the process's (``ru_maxrss``: since it started, the whole command on the command line);
+    The measured peak is the process's (``measured_peak``: since it started, the whole command on the command line);
     the predicted one the plan's, None when no plan was made.
     """
     return {
@@ -239,7 +239,18 @@ def host_report(budget: int | None, plan: MemoryPlan | None, fit: HostFit | None
 
 
 def measured_peak() -> int | None:
-    """The process's peak resident memory in bytes so far (None where ``resource`` is absent: Windows)."""
+    """The process's peak resident memory in bytes so far (None where neither source exists: Windows).
+
+    On Linux, ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` keeps the parent's resident size across
+    fork and exec, so a run started from a large process (a test runner, a notebook) would report the
+    parent's memory as its own.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     try:
         import resource
     except ImportError:
