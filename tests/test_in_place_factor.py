@@ -149,19 +149,19 @@ def test_the_budget_takes_the_in_place_factor_only_when_no_cut_fits_without_it()
     fit = fit_host(
         PROCESS_BASELINE + 600 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
     )
-    assert not fit.in_place_factor and asked == []
+    assert not fit.plan.in_place_factor and asked == []
     # neither cut fits: the default cut with the in-place factor does, and the run is told so
     fit = fit_host(
         PROCESS_BASELINE + 400 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
     )
-    assert fit.in_place_factor and fit.one_pass and asked == [True]
+    assert fit.plan.in_place_factor and fit.one_pass and asked == [True]
     assert any("Cholesky factors in the Hessians' own memory" in line for line in fit.decisions)
     # only the layer cut with it fits
     asked.clear()
     fit = fit_host(
         PROCESS_BASELINE + 280 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
     )
-    assert fit.in_place_factor and not fit.one_pass and asked == [True, False]
+    assert fit.plan.in_place_factor and not fit.one_pass and asked == [True, False]
     # nothing fits: refused, naming the lowest floor of all four
     with pytest.raises(HostBudgetError, match=f"needs at least {(PROCESS_BASELINE + 250 * mb) / 1e9:.2f} GB"):
         fit_host(

@@ -301,7 +301,7 @@ def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_ar
                        cache_in_ram=pipe_args.offload == "cpu",
                        in_place=lambda one_pass: plan_cut(one_pass, in_place=True))  # fmt: skip
         plan, pipe_args.one_pass, pipe_args.cache_max_memory = fit.plan, fit.one_pass, fit.cache_max_memory
-        pipe_args.in_place_factor = fit.in_place_factor
+        pipe_args.in_place_factor = fit.plan.in_place_factor
         for line in fit.decisions:
             logger.info("seqcal: %s", line)
     if not args.dry_run:

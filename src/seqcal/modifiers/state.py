@@ -42,8 +42,6 @@ class RunConfig:
 
     Attributes:
         device: the execution device.
-        in_place_factor: GPTQ's CPU solves factor each Hessian in its own memory (``gptq_quantize``'s
-            ``in_place_factor``), as the host budget needs (``plan.host.fit_host``).
         compute_dtype: autocast dtype of the forward passes (None: the weights' dtype).
         device_budget: bytes of device memory the run may use (``max_device_memory``), or None: modifiers size
             their working memory from it (GPTQ's stacked solves, ``modifiers.solve_chunks``).
@@ -55,6 +53,8 @@ class RunConfig:
         kv_in_graph: the keys and values reach the traced graph through the one-pass cut's stand-in cache
             (``kv_hooks.kv_tap``), which observes them; False: attention modules are handed an observing
             cache by a hook in the layer cut.
+        in_place_factor: GPTQ's CPU solves factor each Hessian in its own memory (``gptq_quantize``'s
+            ``in_place_factor``), as the host budget needs (``plan.host.fit_host``).
     """
 
     device: torch.device = torch.device("cpu")

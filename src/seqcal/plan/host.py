@@ -53,9 +53,6 @@ class HostFit:
     one_pass: bool  # the cut: before each module group (True) or after each layer
     cache_max_memory: int | None  # the activation cache's RAM budget for the run (None: no cap)
     decisions: list[str] = field(default_factory=list)
-    in_place_factor: bool = (
-        False  # GPTQ's cpu factor in the Hessian's own memory (the plan's in_place_factor)
-    )
 
 
 def check_budget(budget: int | None, total_ram: int | None) -> int | None:
@@ -149,12 +146,12 @@ def fit_host(
     Raises:
         HostBudgetError: no cut fits, even with the whole cache on disk; names the smallest budget and its cause.
     """
-    decisions, cut = [], "one-pass cut" if one_pass else "layer cut"
+    decisions, cut = [], _cut_name(one_pass)
     floor, worst = floor_of(plan, cache_in_ram)
     if floor > budget and other_cut is not None:
         other = other_cut()
         other_floor, other_worst = floor_of(other, cache_in_ram)
-        other_name = "layer cut" if one_pass else "one-pass cut"
+        other_name = _cut_name(not one_pass)
         if other_floor <= budget:
             decisions.append(f"max_host_memory {budget / _GB:.2f} GB: the {other_name} instead of the {cut}, whose "
                              f"floor is {floor / _GB:.2f} GB ({dominant(worst)[0]}); the {other_name} needs "
@@ -166,7 +163,7 @@ def fit_host(
         cuts = [one_pass] + ([not one_pass] if other_cut is not None else [])
         found, floor, worst = _in_place_fit(budget, in_place, cuts, cache_in_ram, floor, worst)
         if found is not None:
-            plan, one_pass, cut = found, found.one_pass, "one-pass cut" if found.one_pass else "layer cut"
+            plan, one_pass, cut = found, found.one_pass, _cut_name(found.one_pass)
             decisions.append(f"max_host_memory {budget / _GB:.2f} GB: GPTQ's Cholesky factors in the Hessians' own "
                              f"memory (blocked; equal to LAPACK's up to float32 rounding), the {cut}'s floor "
                              f"{floor / _GB:.2f} GB")  # fmt: skip
@@ -187,7 +184,12 @@ def fit_host(
     if limit is not None:
         plan.limit_cache(limit)
     decisions.append(_cache_decision(budget, plan, limit, whole, cache_in_ram, cache_max_memory))
-    return HostFit(budget, plan, one_pass, limit, decisions, plan.in_place_factor)
+    return HostFit(budget, plan, one_pass, limit, decisions)
+
+
+def _cut_name(one_pass: bool) -> str:
+    """The cut's name in the decisions and errors."""
+    return "one-pass cut" if one_pass else "layer cut"
 
 
 def _in_place_fit(budget: int, in_place: Callable[[bool], MemoryPlan], cuts: list[bool], movable: bool, floor: int,
