@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import tempfile
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -13,6 +15,108 @@ from seqcal.records import Partial as Partial  # re-exported: the fold moved to 
 from seqcal.records import Statistic
 from seqcal.records import fold as fold
 from seqcal.records import tensors_of as tensors_of
+
+# A running sum of the shards' statistics this large or larger waits in a temporary file while the next shard
+# accumulates (``SpilledSum``): on the cpu the fold then holds one 8192-wide Hessian (268 MB) at a time, not the
+# shard's beside the total. As ``hessian.KeptHessian``'s spill: 32 MiB, so that SmolLM2's Hessians stay in RAM.
+SPILL_BYTES = 32 << 20
+_STRIP = 1 << 20  # bytes read back and added at a time
+_SPILLABLE = (torch.float32, torch.float64, torch.int64, torch.int32)  # dtypes numpy writes as they are
+
+
+class SpilledSum:
+    """A statistic's running sum in an unnamed temporary file; :meth:`add_to` adds it into the next shard's sum.
+
+    The fold's ``total += partial`` becomes ``partial += total``, read back a strip at a time: IEEE addition is
+    commutative, so the bits are the same, and the process holds one of the two at a time.
+
+    Example:
+        >>> total, partial = torch.randn(1000), torch.randn(1000)
+        >>> torch.equal(SpilledSum(total.clone()).add_to(partial.clone()), total + partial)
+        True
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+        self.file = tempfile.TemporaryFile()  # unnamed: gone when closed, or when the process ends
+        weakref.finalize(self, self.file.close)
+        tensor.detach().contiguous().numpy().tofile(self.file)  # a contiguous tensor: written without a copy
+
+    @staticmethod
+    def takes(stat: Statistic) -> bool:
+        """Whether ``stat`` is a sum large enough to spill, on the cpu, in a dtype the file holds."""
+        t = stat.tensor
+        return (stat.reduce == "sum" and t.device.type == "cpu" and t.dtype in _SPILLABLE
+                and t.is_contiguous() and t.numel() * t.element_size() >= SPILL_BYTES)  # fmt: skip
+
+    def add_to(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor += the spilled sum`` in place (same shape and dtype, contiguous on the cpu); the file is closed."""
+        if tensor.shape != self.shape or tensor.dtype != self.dtype or not tensor.is_contiguous():
+            raise ValueError(f"a spilled sum {self.dtype} {list(self.shape)} cannot be added to {tensor.dtype} "
+                             f"{list(tensor.shape)}")  # fmt: skip
+        flat = tensor.view(-1)
+        strip = torch.empty(max(_STRIP // tensor.element_size(), 1), dtype=tensor.dtype)
+        self.file.seek(0)
+        for start in range(0, flat.numel(), strip.numel()):
+            part = strip[: min(strip.numel(), flat.numel() - start)]
+            self._read_into(part)
+            flat[start : start + part.numel()].add_(part)
+        self.file.close()
+        return tensor
+
+    def read(self) -> torch.Tensor:
+        """The spilled sum as a new tensor; the file is closed."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.file.seek(0)
+        self._read_into(out.view(-1))
+        self.file.close()
+        return out
+
+    def _read_into(self, part: torch.Tensor) -> None:
+        if self.file.readinto(memoryview(part.numpy()).cast("B")) != part.numel() * part.element_size():
+            raise OSError(
+                "a spilled sum of the shards' statistics could not be read back from its temporary file"
+            )
+
+
+def spill_sums(total: Partial, spilled: dict[tuple[str, str], SpilledSum]) -> None:
+    """Move the large sums of ``total`` (``SpilledSum.takes``) into ``spilled``, keyed (key, statistic name),
+    out of ``total``; a tensor two entries share stays in RAM."""
+    ids = [id(s.tensor) for stats in total.values() for s in stats.values()]
+    for key, stats in total.items():
+        for name in [n for n, s in stats.items() if SpilledSum.takes(s) and ids.count(id(s.tensor)) == 1]:
+            spilled[key, name] = SpilledSum(stats.pop(name).tensor)
+
+
+def fold_spilled(
+    total: Partial | None, partial: Partial, spilled: dict[tuple[str, str], SpilledSum]
+) -> Partial:
+    """``fold(total, partial)`` where some of the fold's sums wait in ``spilled`` (``spill_sums``): each is added
+    into ``partial``'s tensor of the same name, which becomes the total's (same bits as the fold); the rest fold
+    as usual. A spilled sum the partial has no tensor for stays spilled (``restore_sums`` brings it back)."""
+    rest: Partial = {}
+    ids = [id(s.tensor) for stats in partial.values() for s in stats.values()]
+    total = {} if total is None else total
+    for key, stats in partial.items():
+        for name, stat in stats.items():
+            file = spilled.get((key, name))
+            if file is not None and stat.reduce == "sum" and ids.count(id(stat.tensor)) == 1:
+                del spilled[key, name]
+                total.setdefault(key, {})[name] = Statistic(file.add_to(stat.tensor), "sum")
+            else:
+                if file is not None:  # folded the usual way, which raises for another reduction
+                    total.setdefault(key, {})[name] = Statistic(spilled.pop((key, name)).read(), "sum")
+                rest.setdefault(key, {})[name] = stat
+    return fold(total, rest)
+
+
+def restore_sums(total: Partial | None, spilled: dict[tuple[str, str], SpilledSum]) -> Partial | None:
+    """``total`` with every sum still in ``spilled`` read back (``spilled`` is emptied)."""
+    for (key, name), file in list(spilled.items()):
+        total = {} if total is None else total
+        total.setdefault(key, {})[name] = Statistic(file.read(), "sum")
+        del spilled[key, name]
+    return total
 
 
 def partial_to_bytes(partial: Partial) -> bytes:

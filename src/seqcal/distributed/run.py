@@ -14,9 +14,13 @@ from seqcal.distributed.group import DistributedError, ProcessGroup, process_gro
 from seqcal.distributed.parts import part_of, solve_costs
 from seqcal.distributed.reduce import (
     Partial,
+    SpilledSum,
     fold,
+    fold_spilled,
     partial_from_bytes,
     partial_to_bytes,
+    restore_sums,
+    spill_sums,
     tensors_of,
 )
 from seqcal.distributed.shards import ShardPlan, assign_owners
@@ -73,6 +77,8 @@ class ShardedRun:
         self._folders: list[int] = []  # the ranks folding statistics of the subgraph being reduced
         self._total: Partial | None = None  # this rank's fold of the current subgraph's shards so far
         self._next = 0  # the first shard not folded yet
+        # the fold's large cpu sums while the next shard accumulates: in temporary files (reduce.SPILL_BYTES)
+        self._spilled: dict[tuple[str, str], SpilledSum] = {}
         self.traffic: list[dict[str, Any]] = []  # per subgraph: bytes this rank sent, seconds communicating
 
     def local_batches(self, batches: Sequence[Any]) -> list[Any]:
@@ -118,8 +124,7 @@ class ShardedRun:
                 self.group.send(partial_to_bytes(self._part_for(partial, rank, index, modifiers)), rank,
                                 self._what(index))  # fmt: skip
         if me in self._folders:
-            mine = self._part_for(partial, me, index, modifiers)
-            self._total, self._next = fold(self._total, mine), number + 1
+            self._fold(self._part_for(partial, me, index, modifiers), number)
 
     def _agree_parts(self, index: int, partial: Partial, modifiers: Sequence[Any], split: bool) -> None:
         """Which rank solves each module group of subgraph ``index``: rank 0 decides from its first shard's
@@ -214,6 +219,7 @@ class ShardedRun:
         me, owner = self.group.rank, self.owns(index)
         if me in self._folders:
             self._fold_until(self.plan.shards, index, device)
+            self._total = restore_sums(self._total, self._spilled)
         mods = ModifierSet.of(modifiers)
         shared = [i for i, m in enumerate(mods) if everywhere or mods.compresses_everywhere(m)]
         if shared and self.group.world_size > 1:
@@ -267,7 +273,7 @@ class ShardedRun:
         return tensors_of(total or {})
 
     def _start(self, index: int) -> None:
-        self._total, self._next = None, 0
+        self._total, self._next, self._spilled = None, 0, {}
         self.traffic.append({"subgraph": index, "reduce_bytes": self.group.bytes_sent,
                              "reduce_seconds": self.group.comm_seconds})  # fmt: skip  # until reduce: the start
 
@@ -276,7 +282,16 @@ class ShardedRun:
         while self._next < stop:
             holder = self.plan.rank_of(self._next)
             data = self.group.recv(holder, self._what(index))
-            self._total, self._next = fold(self._total, partial_from_bytes(data, device)), self._next + 1
+            self._fold(partial_from_bytes(data, device), self._next)
+
+    def _fold(self, partial: Partial, number: int) -> None:
+        """Fold shard ``number``'s ``partial`` into the total. While another shard is still to come, the total's
+        large cpu sums wait in temporary files (``reduce.spill_sums``): the next shard's accumulators then grow
+        beside no second copy of them, and its fold adds them back in place, with the same bits."""
+        self._total = fold_spilled(self._total, partial, self._spilled)
+        self._next = number + 1
+        if self._next < self.plan.shards:
+            spill_sums(self._total, self._spilled)
 
     @staticmethod
     def _what(index: int) -> str:

@@ -5,7 +5,8 @@ The model is built on the meta device and traced (no weights needed), then per s
     device  = its weights + GPTQ Hessians of its Linear layers (fp32, one per shared input)
               + the larger of: one batch's activations (the values it reads and writes, its widest
               intermediate twice, the fp32 copy of a target's input the Hessian update makes, one virtual
-              shard's Hessians beside the fold of the shards before (seqcal.distributed); on a GPU
+              shard's Hessians beside the fold of the shards before (seqcal.distributed; on the cpu the fold's
+              Hessians of 32 MiB or more wait in a temporary file meanwhile); on a GPU
               also the next batch's inputs and the last batch's outputs, copied beside the compute) and the GPTQ
               solve's temporaries (algorithms.gptq: the Cholesky factor beside the Hessian, whose memory takes
               the working copy and the inverse factor, or two fp32 copies of the stacked weight, its codes and
@@ -39,6 +40,7 @@ import torch
 from seqcal.algorithms.hessian import kept_bytes
 from seqcal.checkpoint import streaming
 from seqcal.data.autobatch import AUTO, auto_batch_limits, samples_per_batch
+from seqcal.distributed.reduce import SPILL_BYTES
 from seqcal.execution.cache import store as cache_store
 from seqcal.execution.cuts import onloaded_modules
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
@@ -246,7 +248,10 @@ def plan_memory(
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
                            alive * batches if in_ram else 0, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
-        shards = hessians if batches > 1 else 0  # the shards of 2 batches or more fold in turn, each its own
+        # the shards of 2 batches or more fold in turn, each its own Hessians beside the fold of those before,
+        # whose large ones wait on disk meanwhile on the cpu (distributed.reduce.SPILL_BYTES)
+        folds = [n_in**2 * 4 for _, n_in in groups]
+        shards = sum(b for b in folds if not (device_on_host and b >= SPILL_BYTES)) if batches > 1 else 0
         row.accumulators = shards + (GEMM_BUFFERS if groups and device_on_host else 0)  # and MKL's buffers
         if on_device:
             row.device_cache = during  # every batch's cached values, on the device beside the subgraph's work
