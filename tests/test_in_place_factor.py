@@ -11,9 +11,11 @@ from seqcal.algorithms import gptq_factor
 from seqcal.algorithms.gptq import gptq_quantize
 from seqcal.algorithms.gptq_factor import (
     FACTOR_BLOCK,
+    IN_PLACE_FROM,
     GPTQNumericalError,
     cholesky_in_place_,
     factor_bytes,
+    factors_in_place,
     lower_inverse_in_place_,
     processing_factor,
 )
@@ -123,11 +125,27 @@ def test_the_in_place_factor_allocates_a_few_blocks_where_lapacks_allocates_a_ma
 
 
 def test_the_plan_counts_a_few_blocks_for_the_in_place_factor() -> None:
-    n = 8192
+    n = 2048
     lapack, in_place = factor_bytes(n), factor_bytes(n, in_place=True)
     assert lapack > n * n * 4 and in_place < 40 << 20
     assert factor_bytes(n, device_on_host=False, in_place=True) == n * n * 4  # on a GPU: cuSOLVER's
     assert factor_bytes(FACTOR_BLOCK, in_place=True) == factor_bytes(FACTOR_BLOCK)  # one block: LAPACK's
+
+
+def test_wide_cpu_hessians_are_factored_in_place_whatever_the_run_asks() -> None:
+    """From IN_PLACE_FROM inputs (a 4096- or 8192-wide down_proj) the cpu factor is in place: no second matrix."""
+    assert not factors_in_place(IN_PLACE_FROM - 1, True) and factors_in_place(IN_PLACE_FROM, True)
+    assert factor_bytes(8192) == factor_bytes(8192, in_place=True) < 40 << 20
+    assert factor_bytes(8192, device_on_host=False) == 8192 * 8192 * 4  # a GPU's cuSOLVER factor
+    n = IN_PLACE_FROM
+    H = _hessian(n)
+    kept = KeptHessian(H)
+    dead = torch.zeros(n, dtype=torch.bool)
+
+    def factor() -> None:
+        gptq_factor._inverse_hessian_factor(H, kept, None, dead, 0.01, 0, 10.0)  # the run's default
+
+    assert _allocated_peak(factor) <= factor_bytes(n) < n * n * 4 // 2
 
 
 def _plan(work: int, one_pass: bool, in_place: bool = False) -> MemoryPlan:
@@ -167,6 +185,59 @@ def test_the_budget_takes_the_in_place_factor_only_when_no_cut_fits_without_it()
         fit_host(
             PROCESS_BASELINE + 100 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
         )
+
+
+def test_the_budget_writes_each_save_before_the_next_subgraph_only_when_the_in_place_factor_is_not_enough() -> (
+    None
+):
+    mb = 10**6
+    default = _plan(600 * mb, True)
+
+    def in_place(one_pass: bool) -> MemoryPlan:
+        return _plan(300 * mb, one_pass, in_place=True)
+
+    def synchronous(one_pass: bool) -> MemoryPlan:
+        plan = _plan(240 * mb, one_pass, in_place=True)
+        plan.background_save = False
+        return plan
+
+    kw = dict(one_pass=True, other_cut=None, in_place=in_place, synchronous=synchronous)
+    fit = fit_host(PROCESS_BASELINE + 300 * mb, default, **kw)
+    assert fit.plan.in_place_factor and fit.plan.background_save  # the factor alone is enough
+    fit = fit_host(PROCESS_BASELINE + 250 * mb, default, **kw)
+    assert fit.plan.in_place_factor and not fit.plan.background_save
+    assert any("written before the next subgraph starts" in line for line in fit.decisions)
+    with pytest.raises(HostBudgetError, match=f"needs at least {(PROCESS_BASELINE + 240 * mb) / 1e9:.2f} GB"):
+        fit_host(PROCESS_BASELINE + 200 * mb, default, **kw)
+
+
+def test_a_budget_that_chose_the_synchronous_save_writes_no_file_on_a_worker_thread(
+    wide_dir, tmp_path, monkeypatch
+) -> None:
+    import seqcal.checkpoint.streaming as streaming
+    import seqcal.entrypoint as entrypoint
+    from dist_helpers import tensor_hashes
+
+    workers = []
+    init, fit = streaming.StreamingCheckpoint.__init__, entrypoint.fit_host
+
+    def recording(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        workers.append(self._worker)
+
+    def synchronous(*args, **kwargs):  # as if the budget had needed it
+        chosen = fit(*args, **kwargs)
+        chosen.plan.background_save = False
+        return chosen
+
+    monkeypatch.setattr(streaming.StreamingCheckpoint, "__init__", recording)
+    kw = dict(model=str(wide_dir), recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head]}",
+              dataset=[{"input_ids": list(range(1, 17))}] * 2, max_seq_length=16, max_host_memory="20GB")  # fmt: skip
+    entrypoint.oneshot(output_dir=str(tmp_path / "background"), **kw)
+    monkeypatch.setattr(entrypoint, "fit_host", synchronous)
+    entrypoint.oneshot(output_dir=str(tmp_path / "synchronous"), **kw)
+    assert workers[0] is not None and workers[1] is None
+    assert tensor_hashes(tmp_path / "background") == tensor_hashes(tmp_path / "synchronous")
 
 
 @pytest.fixture(scope="module")

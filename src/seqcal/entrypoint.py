@@ -285,13 +285,13 @@ def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_ar
     if not args.dry_run and args.max_device_memory is None and host_budget is None:
         return None, None
 
-    def plan_cut(one_pass: bool, in_place: bool = False) -> Any:
+    def plan_cut(one_pass: bool, in_place: bool = False, background: bool | None = None) -> Any:
         return make_plan(
             model, parsed.modifiers, num_samples=args.num_calibration_samples, seq_len=args.max_seq_length,
             batch_size=_batch_size(args), sequential_targets=pipe_args.sequential_targets,
             tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
             max_device_memory=parse_bytes(args.max_device_memory), one_pass=one_pass,
-            cache_max_memory=pipe_args.cache_max_memory, in_place_factor=in_place,
+            cache_max_memory=pipe_args.cache_max_memory, in_place_factor=in_place, background_save=background,
         )  # fmt: skip
 
     plan, fit = plan_cut(pipe_args.one_pass), None
@@ -299,9 +299,12 @@ def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_ar
         fit = fit_host(host_budget, plan, one_pass=plan.one_pass, other_cut=(lambda: plan_cut(False))
                        if plan.one_pass else None, cache_max_memory=pipe_args.cache_max_memory,
                        cache_in_ram=pipe_args.offload == "cpu",
-                       in_place=lambda one_pass: plan_cut(one_pass, in_place=True))  # fmt: skip
+                       in_place=lambda one_pass: plan_cut(one_pass, in_place=True),
+                       synchronous=lambda one_pass: plan_cut(one_pass, in_place=True, background=False))  # fmt: skip
         plan, pipe_args.one_pass, pipe_args.cache_max_memory = fit.plan, fit.one_pass, fit.cache_max_memory
         pipe_args.in_place_factor = fit.plan.in_place_factor
+        if not fit.plan.background_save:
+            pipe_args.background_save = False
         for line in fit.decisions:
             logger.info("seqcal: %s", line)
     if not args.dry_run:

@@ -47,6 +47,17 @@ FACTOR_BLOCK = 512
 # column: its temporaries and MKL's buffers for the blocks' products, the envelope of RSS measured on 2 threads
 # (2-core x86: 2048 inputs 19.6 MiB, 4096: 22.1, 8192: 29.6; torch's own allocations 4 blocks at 2048)
 IN_PLACE_BLOCKS = 16
+# CPU Hessians this wide or wider are factored in their own memory whatever the run asks (``in_place``): no second
+# [in, in] matrix beside the Hessian (268 MB at a 8192-wide down_proj), and no slower than LAPACK's there (2-core x86,
+# 2 threads, best of two: 4096 inputs 0.42 s against 0.76 s, 5632 0.91 s against 1.58 s, 8192 2.51 s against 4.35 s;
+# benchmarks/JOURNAL.md). Narrower ones keep LAPACK's factor: SmolLM2's checkpoints were recorded with its bits.
+IN_PLACE_FROM = 4096
+
+
+def factors_in_place(n: int, device_on_host: bool, in_place: bool = False) -> bool:
+    """Whether the inverse factor of an [n, n] Hessian is computed in its own memory (:func:`cholesky_in_place_`):
+    on the host, wider than one block, when the run asks (``in_place``) or from ``IN_PLACE_FROM`` inputs."""
+    return device_on_host and n > FACTOR_BLOCK and (in_place or n >= IN_PLACE_FROM)
 
 
 def factor_bytes(n: int, device_on_host: bool = True, in_place: bool = False) -> int:
@@ -54,10 +65,10 @@ def factor_bytes(n: int, device_on_host: bool = True, in_place: bool = False) ->
 
     LAPACK's (or cuSOLVER's) Cholesky factor, an [n, n] float32 matrix, and on the host MKL's work buffers
     (``LAPACK_PANEL``; on a GPU they are the device's); the blocked factor of ``products`` takes three quarters
-    of the matrix: this bounds it too. ``in_place`` (:func:`cholesky_in_place_`, CPU solves a host budget needs
-    it for, wider than ``FACTOR_BLOCK``): a few diagonal blocks, whatever ``n``.
+    of the matrix: this bounds it too. In place (:func:`factors_in_place`: CPU solves from ``IN_PLACE_FROM`` inputs,
+    or wider than ``FACTOR_BLOCK`` where a host budget asks, ``in_place``): a few diagonal blocks, whatever ``n``.
     """
-    if in_place and device_on_host and n > FACTOR_BLOCK:
+    if factors_in_place(n, device_on_host, in_place):
         return IN_PLACE_BLOCKS * FACTOR_BLOCK * FACTOR_BLOCK * 4 + n * LAPACK_PANEL // 2 * 4
     return n * n * 4 + (n * LAPACK_PANEL * 4 + LAPACK_CODE if device_on_host else 0)
 
@@ -234,7 +245,7 @@ def _inverse_hessian_factor(
         del Hp
         for step in steps:
             Hr.diagonal().add_(step)  # the diagonal of P Hp P is Hp's, reversed: same values, same adds
-        if in_place and Hr.device.type == "cpu" and n > FACTOR_BLOCK:  # narrower: one block, LAPACK's own
+        if factors_in_place(n, Hr.device.type == "cpu", in_place):  # narrower than a block: LAPACK's own
             method = "in_place"
         elif onednn_applies(Hr, Hr) and n > products.FACTOR_LEAF:  # float32 CPU: on oneDNN
             method = "blocked"

@@ -90,6 +90,10 @@ class PipelineArgs:
     # need (plan.host.fit_host). Equal to LAPACK's factor up to float32 rounding: a resume under a tighter
     # budget may switch it, so it is left out of the fingerprint.
     in_place_factor: bool = field(default=False, repr=False)
+    # Write each subgraph's share of the checkpoint on a worker thread while the next subgraph runs (None:
+    # ``streaming.BACKGROUND``); False writes it before the next starts, as a host budget may need (the save
+    # held beside a subgraph's work). The same files either way, so it is left out of the fingerprint.
+    background_save: bool | None = field(default=None, repr=False)
     # Virtual shards of the calibration batches (seqcal.distributed): statistics are accumulated per shard
     # and folded in shard order, the same with one process or many. Part of the result, so fingerprinted.
     num_shards: int = DEFAULT_SHARDS
@@ -264,7 +268,15 @@ def _run(
             )  # the loop's shards, cut
             writes = sharding.group.writes  # one process writes the checkpoint
             stream = _streaming(
-                model, state, subgraphs, output if writes else None, weights, batches, modifiers, profiler
+                model,
+                state,
+                subgraphs,
+                output if writes else None,
+                weights,
+                batches,
+                modifiers,
+                profiler,
+                args.background_save,
             )
             schemes = modifiers.quantized()
 
@@ -323,12 +335,14 @@ def _execution_device(model: torch.nn.Module, store: WeightStore | None) -> torc
 def _streaming(
     model: torch.nn.Module, state: RunState, subgraphs: SubgraphList, output: OutputPlan | None, weights: Any,
     batches: list[dict[str, Any]], modifiers: Sequence[Any] = (), profiler: Any = None,
+    background: bool | None = None,
 ) -> StreamingCheckpoint | None:  # fmt: skip
     if output is None or output.args.output_dir is None:
         return None
     output.stream = StreamingCheckpoint(
         model, state, output.args.output_dir, subgraphs, output.run_id, overwrite=output.args.overwrite,
         resume=output.args.resume, weights=weights, batches=batches, profiler=profiler,
+        background=background,
     )  # fmt: skip
     stuck = ModifierSet.of(modifiers).not_resumable()
     if output.stream.finished >= 0 and stuck:

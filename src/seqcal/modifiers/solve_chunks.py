@@ -151,7 +151,9 @@ def solve_bytes(
         # the Cholesky factor and LAPACK's work buffers (a few blocks when in place)
         inverse = factor_bytes(n_in, device_on_host, in_place) + kept
         # W^T and codes as fp32 + int8 codes + the stacked weight and the result in W's dtype (the factor is in
-        # the Hessian's memory; the relative output error that follows works on row chunks: less than this)
-        columns = kept + n_out * n_in * (2 * 4 + 1 + 2 * dtype_bytes)
+        # the Hessian's memory; the relative output error that follows works on row chunks: less than this). A
+        # module solved alone is not stacked: its weight is the module's own, counted with the subgraph's weights
+        stacked = 2 if any(len(chunk) > 1 for chunk in chunks) else 1
+        columns = kept + n_out * n_in * (2 * 4 + 1 + stacked * dtype_bytes)
         peak = max(peak, inverse, columns)
     return peak, most

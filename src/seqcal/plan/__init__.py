@@ -117,6 +117,7 @@ class MemoryPlan:
     one_pass: bool = False  # the cut: before each group of quantized modules (True) or after each target
     baseline: int = PROCESS_BASELINE  # the process's own resident memory, in every row's host
     in_place_factor: bool = False  # GPTQ's cpu factor in the Hessian's own memory (gptq_factor.factor_bytes)
+    background_save: bool = True  # each subgraph's save written while the next runs (streaming.BACKGROUND)
 
     @property
     def device_peak(self) -> int:
@@ -282,7 +283,8 @@ def plan_memory(
         notes.append(
             f"the activation cache, up to {cache_peak / 1024**3:.3f} GB, is on {cache_tier} (not planned)"
         )
-    return MemoryPlan(rows, host_peak, disk, notes, baseline=baseline, in_place_factor=in_place_factor)
+    return MemoryPlan(rows, host_peak, disk, notes, baseline=baseline, in_place_factor=in_place_factor,
+                      background_save=background)  # fmt: skip
 
 
 def _plan_auto_batch(model: torch.nn.Module, plan: MemoryPlan, subgraphs: list[Subgraph], quantized: set[str],
@@ -321,6 +323,7 @@ def make_plan(
     one_pass: bool = True,
     cache_max_memory: int | None = None,
     in_place_factor: bool = False,
+    background_save: bool | None = None,
 ) -> MemoryPlan:
     """Trace on a synthetic batch (no weights read) and plan; with ``max_device_memory``, refine targets.
 
@@ -332,7 +335,8 @@ def make_plan(
     ``plan.notes``. The one-pass cut is already per module group: there a subgraph that does not fit is
     only reported (a note naming it and the fix), as is a layer cut with no finer children.
     ``cache_max_memory`` caps the activation cache's RAM as the run does (the rest spilled to disk);
-    ``in_place_factor`` plans GPTQ's cpu factor in the Hessians' own memory (a host budget's last resort).
+    ``in_place_factor`` plans GPTQ's cpu factor in the Hessians' own memory and ``background_save=False`` each
+    subgraph's save written before the next starts (a host budget's last resorts).
 
     Example:
         >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,
@@ -375,6 +379,7 @@ def make_plan(
         kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
                       cache_tier=cache_tier, device_on_host=on_host, resident_weights=resident,
                       device_budget=max_device_memory, baseline=baseline, in_place_factor=in_place_factor,
+                      background=background_save,
                       solved=quantized | set(mods.pruned()))  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,
                            widest=widest, **kwargs)  # fmt: skip

@@ -10,8 +10,9 @@ the layer cut (one per layer, every Hessian of a layer at once, fewer cached val
 1. the cut: the default one when its floor (the plan with the whole cache on disk) fits, else the other cut
    when its floor fits, else (a cpu run) either cut with GPTQ's Cholesky factor in the Hessian's own memory
    (``gptq_quantize``'s ``in_place_factor``: no second [in, in] matrix, equal to LAPACK's factor up to float32
-   rounding, about twice its time); else the budget is refused, naming the smallest that works and what
-   dominates it;
+   rounding; CPU Hessians of ``gptq_factor.IN_PLACE_FROM`` inputs or more are factored so anyway), then also with
+   each subgraph's checkpoint files written before the next subgraph starts (no save held beside its work, the
+   same files); else the budget is refused, naming the smallest that works and what dominates it;
 2. the cache's RAM: all of it when the plan fits, else the most that keeps every subgraph under the budget.
 
 Each decision is one log line (``HostFit.decisions``).
@@ -125,6 +126,7 @@ def fit_host(
     cache_max_memory: int | None = None,
     cache_in_ram: bool = True,
     in_place: Callable[[bool], MemoryPlan] | None = None,
+    synchronous: Callable[[bool], MemoryPlan] | None = None,
 ) -> HostFit:
     """Choose the cut and the cache's RAM so that the run's predicted resident memory stays under ``budget``.
 
@@ -139,6 +141,8 @@ def fit_host(
             "device" on a cpu run, cannot be moved to disk).
         in_place: the plan of a cut (its ``one_pass``) with GPTQ's factor in the Hessians' own memory, made only
             when neither cut fits otherwise; None: not offered.
+        synchronous: the plan of a cut with the in-place factor and each subgraph's save written before the next
+            subgraph starts (``PipelineArgs.background_save``), made only when ``in_place`` does not fit either.
 
     Returns:
         The HostFit; its ``decisions`` are logged by the caller, one line each.
@@ -159,14 +163,20 @@ def fit_host(
             plan, one_pass, cut, floor, worst = other, not one_pass, other_name, other_floor, other_worst
         elif other_floor < floor:
             floor, worst = other_floor, other_worst
-    if floor > budget and in_place is not None:
-        cuts = [one_pass] + ([not one_pass] if other_cut is not None else [])
-        found, floor, worst = _in_place_fit(budget, in_place, cuts, cache_in_ram, floor, worst)
+    cuts = [one_pass] + ([not one_pass] if other_cut is not None else [])
+    factor = "GPTQ's Cholesky factors in the Hessians' own memory (blocked; equal to LAPACK's up to float32 rounding)"
+    saves = (
+        "each subgraph's checkpoint files written before the next subgraph starts (none held beside its work)"
+    )
+    for make, what in ((in_place, factor), (synchronous, f"{factor}, and {saves}")):
+        if floor <= budget or make is None:
+            continue
+        found, floor, worst = _economy_fit(budget, make, cuts, cache_in_ram, floor, worst)
         if found is not None:
             plan, one_pass, cut = found, found.one_pass, _cut_name(found.one_pass)
-            decisions.append(f"max_host_memory {budget / _GB:.2f} GB: GPTQ's Cholesky factors in the Hessians' own "
-                             f"memory (blocked; equal to LAPACK's up to float32 rounding), the {cut}'s floor "
-                             f"{floor / _GB:.2f} GB")  # fmt: skip
+            decisions.append(
+                f"max_host_memory {budget / _GB:.2f} GB: {what}, the {cut}'s floor {floor / _GB:.2f} GB"
+            )
     if floor > budget:
         cause, fix = dominant(worst) if worst is not None else ("the process itself", "")
         raise HostBudgetError(
@@ -192,12 +202,13 @@ def _cut_name(one_pass: bool) -> str:
     return "one-pass cut" if one_pass else "layer cut"
 
 
-def _in_place_fit(budget: int, in_place: Callable[[bool], MemoryPlan], cuts: list[bool], movable: bool, floor: int,
-                  worst: SubgraphPlan | None) -> tuple[MemoryPlan | None, int, SubgraphPlan | None]:  # fmt: skip
-    """The first of ``cuts`` (``one_pass`` values) whose plan with the in-place factor fits ``budget``, its floor
-    and the row that sets it; else None with the lowest floor of all (``floor``, ``worst``: the others')."""
+def _economy_fit(budget: int, make: Callable[[bool], MemoryPlan], cuts: list[bool], movable: bool, floor: int,
+                 worst: SubgraphPlan | None) -> tuple[MemoryPlan | None, int, SubgraphPlan | None]:  # fmt: skip
+    """The first of ``cuts`` (``one_pass`` values) whose plan by ``make`` (the in-place factor, the synchronous
+    save) fits ``budget``, its floor and the row that sets it; else None with the lowest floor of all (``floor``,
+    ``worst``: the others')."""
     for one_pass in cuts:
-        plan = in_place(one_pass)
+        plan = make(one_pass)
         plan_floor, plan_worst = floor_of(plan, movable)
         if plan_floor <= budget:
             return plan, plan_floor, plan_worst
