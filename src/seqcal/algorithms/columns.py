@@ -82,7 +82,12 @@ def quantize_columns(
         (torch.Size([4, 8]), torch.int8)
     """
     n_in, n_out = WT.shape
-    CT = torch.empty_like(WT)  # [in, out] codes, as floats until the end
+    # [in, out] codes, as floats until the end: float16 holds every grid's codes exactly (integers up to 2048, fp8
+    # e4m3, fp6 and fp4 values) in half float32's memory (33.5 MB less at a 8192-wide down_proj); each block's are
+    # computed in a float32 buffer and copied in, so the values and the bits are those of a float32 matrix
+    exact = max(abs(qrange[0]), abs(qrange[1])) <= 2048
+    CT = torch.empty(WT.shape, dtype=torch.float16 if exact else WT.dtype, device=WT.device)
+    C1s = torch.empty(min(block_size, n_in), n_out, dtype=WT.dtype, device=WT.device)  # a block's codes
     groups = col_group.tolist()  # plain ints: cheap indexing in the per-column loop
     scaleT, zeroT = scale.T.contiguous(), zero.T.contiguous()  # [G, out or 1]
     symmetric = not bool(zeroT.any())  # then the zero point adds and subtracts nothing: skip those kernels
@@ -113,7 +118,8 @@ def quantize_columns(
             rows = [(scaleT[g], zeroT[g]) for g in groups[i1:i2]]
             keep = None if pruned is None else pruned[i1:i2]
             terms = None if mismatch is None else (mismatch[i1:i2, i1:i2], torch.empty_like(W1))  # P, and w_q
-            column_block(W1, CT[i1:i2], Err1, Hinv1, rows, qrange, symmetric, keep, terms)
+            column_block(W1, C1s[: i2 - i1], Err1, Hinv1, rows, qrange, symmetric, keep, terms)
+            CT[i1:i2] = C1s[: i2 - i1]
         losses += (Err1 * Err1).sum(0)
         WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)  # lazy batch update of later blocks: rounding,
         if terms is not None:

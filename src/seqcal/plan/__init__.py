@@ -9,7 +9,7 @@ The model is built on the meta device and traced (no weights needed), then per s
               Hessians of 32 MiB or more wait in a temporary file meanwhile); on a GPU
               also the next batch's inputs and the last batch's outputs, copied beside the compute) and the GPTQ
               solve's temporaries (algorithms.gptq: the Cholesky factor beside the Hessian, whose memory takes
-              the working copy and the inverse factor, or two fp32 copies of the stacked weight, its codes and
+              the working copy and the inverse factor, or an fp32 and an fp16 copy of the stacked weight, its codes and
               the modifier's stacked copy; the Hessian's values kept meanwhile, in RAM on a GPU run; modules
               sharing a Hessian, such as a layer's experts, are stacked in chunks sized from
               ``max_device_memory``: column ``chunks``, see modifiers.solve_chunks)
