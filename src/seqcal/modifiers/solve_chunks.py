@@ -150,11 +150,11 @@ def solve_bytes(
         kept = kept_in_ram(n_in) if device_on_host else 0  # a wide one is kept in a file
         # the Cholesky factor and LAPACK's work buffers (a few blocks when in place)
         inverse = factor_bytes(n_in, device_on_host, in_place) + kept
-        # W^T as fp32, the codes as fp16 (columns.quantize_columns) and int8 + the stacked weight and the result in
-        # W's dtype (the factor is in the Hessian's memory; the relative output error that follows works on row
-        # chunks: less than this). A module solved alone is not stacked: its weight is the module's own, counted
-        # with the subgraph's weights
+        # W^T as fp32 and the int8 codes (columns.quantize_columns), the stacked weight and the result in W's dtype
+        # (the factor is in the Hessian's memory; the relative output error that follows works on row chunks: less
+        # than this). A module solved alone is not stacked: its weight is the module's own, counted with the
+        # subgraph's weights
         stacked = 2 if any(len(chunk) > 1 for chunk in chunks) else 1
-        columns = kept + n_out * n_in * (4 + 2 + 1 + stacked * dtype_bytes)
+        columns = kept + n_out * n_in * (4 + 1 + stacked * dtype_bytes)
         peak = max(peak, inverse, columns)
     return peak, most
