@@ -12,6 +12,7 @@ from seqcal.backend.host import onednn_cache_limited
 from seqcal.backend.threads import hint_threads
 from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
+from seqcal.checkpoint.streaming import recorded_choices
 from seqcal.data.autobatch import default_batch_size, with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.data.checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
@@ -235,6 +236,8 @@ def run_oneshot(args: OneshotArgs) -> Any:
     experts = linearize_experts(loaded, calibrate_all=args.moe_calibrate_all_experts)
     parsed.validate(loaded)
     plan, fit = _memory_plan(args, loaded, parsed, pipe_args, host_budget)
+    if out_args.resume:
+        _keep_recorded_choices(out_args.output_dir, pipe_args, fit)
     if args.dry_run:
         experts.restore()
         return plan
@@ -276,6 +279,27 @@ def _pipeline_args(args: OneshotArgs) -> PipelineArgs:
 def _batch_size(args: OneshotArgs) -> int | str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return default_batch_size(device) if args.batch_size is None else args.batch_size
+
+
+def _keep_recorded_choices(output_dir: str | None, pipe_args: PipelineArgs, fit: HostFit | None) -> None:
+    """A resume finishes with GPTQ's factor as the interrupted run chose it (``streaming.recorded_choices``): the
+    plan's process baseline moves by a few MB between processes, so the same budget may choose the other factor,
+    which changes float32 roundings in the subgraphs still to come.
+
+    Raises:
+        HostBudgetError: the interrupted run used LAPACK's factor and this run's budget needs the in-place one.
+    """
+    recorded = recorded_choices(output_dir).get("in_place_factor")
+    if recorded is None or bool(recorded) == pipe_args.in_place_factor:
+        return
+    if not recorded and fit is not None:
+        raise HostBudgetError(
+            f"max_host_memory={fit.budget / 1e9:.2f} GB needs GPTQ's factor in the Hessians' own memory, but the "
+            f"interrupted run in {output_dir} used LAPACK's; resume it with the max_host_memory it was started with"
+        )
+    logger.info("seqcal: resume: GPTQ's factor %s, as the interrupted run chose it",
+                "in the Hessians' own memory" if recorded else "by LAPACK")  # fmt: skip
+    pipe_args.in_place_factor = bool(recorded)
 
 
 def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_args: PipelineArgs,

@@ -87,8 +87,9 @@ class PipelineArgs:
     # on it (solves are split by rows), so it is left out of the fingerprint.
     max_device_memory: int | None = field(default=None, repr=False)
     # GPTQ factors each Hessian in its own memory on the cpu (no second [in, in] matrix), as a host budget may
-    # need (plan.host.fit_host). Equal to LAPACK's factor up to float32 rounding: a resume under a tighter
-    # budget may switch it, so it is left out of the fingerprint.
+    # need (plan.host.fit_host). Equal to LAPACK's factor up to float32 rounding; left out of the fingerprint
+    # (the budget is not part of the result): the progress record keeps it, and a resume finishes with the
+    # interrupted run's choice (checkpoint.streaming.recorded_choices).
     in_place_factor: bool = field(default=False, repr=False)
     # Write each subgraph's share of the checkpoint on a worker thread while the next subgraph runs (None:
     # ``streaming.BACKGROUND``); False writes it before the next starts, as a host budget may need (the save
