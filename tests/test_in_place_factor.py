@@ -274,3 +274,15 @@ def test_the_plan_counts_the_shards_hessians_while_calibrating_and_the_in_place_
         solve_bytes(groups, 4, 1 << 30, in_place=True)[0]
         == factor_bytes(2 * FACTOR_BLOCK, in_place=True) + kept
     )
+
+
+def test_the_solve_counts_a_stacked_copy_only_for_modules_solved_together() -> None:
+    """A module solved alone is its own weight (counted with the subgraph's); a stack is a new matrix."""
+    from seqcal.modifiers.solve_chunks import solve_bytes
+
+    n_in, rows, dtype_bytes = 8192, 2048, 2
+    alone = solve_bytes({("mlp", n_in): [rows]}, dtype_bytes, 1 << 40)[0]
+    stacked = solve_bytes({("mlp", n_in): [rows // 2, rows // 2]}, dtype_bytes, 1 << 40)[0]
+    assert stacked - alone == rows * n_in * dtype_bytes
+    # W^T in fp32, the int8 codes and the result in the weight's dtype (no [in, out] matrix of codes)
+    assert alone == rows * n_in * (4 + 1 + dtype_bytes) + kept_in_ram(n_in)
