@@ -15,6 +15,7 @@ The recipe is GPTQ W4A16 with the vision tower, the projector and lm_head ignore
 the checkpoint's size on disk.
 
 Usage: .venv/bin/python benchmarks/vlm_membound.py [--layers 28] [--samples 16] [--seq 512] [--keep] [--stages]
+           [--max-host-memory 10GB]
 """
 
 from __future__ import annotations
@@ -110,7 +111,13 @@ def make_rows(folder: Path, samples: int) -> Path:
 
 
 def run_cli(
-    model: Path, out: Path, rows: Path, samples: int, seq: int, stages: bool = False
+    model: Path,
+    out: Path,
+    rows: Path,
+    samples: int,
+    seq: int,
+    stages: bool = False,
+    budget: str | None = None,
 ) -> tuple[float, int, int, str]:
     """``seqcal oneshot`` under GNU time; returns seconds, GNU time's peak, the process tree's peak, stderr. The
     tree's RSS over time is written to ``out / "rss.tsv"`` (seconds, bytes).
@@ -122,7 +129,8 @@ def run_cli(
     entry = [str(Path(__file__).with_name("_rss_stages.py"))] if stages else ["-m", "seqcal.cli"]
     cmd = ["/usr/bin/time", "-v", sys.executable, *entry, "oneshot", "--model", str(model),
            "--recipe", str(recipe), "--dataset", str(rows), "--num-calibration-samples", str(samples),
-           "--max-seq-length", str(seq), "--output-dir", str(out), "--overwrite"]  # fmt: skip
+           "--max-seq-length", str(seq), "--output-dir", str(out), "--overwrite",
+           *(["--max-host-memory", budget] if budget else [])]  # fmt: skip
     print("command:", "seqcal", " ".join(cmd[3 + len(entry) :]), flush=True)
     env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
     start = time.perf_counter()
@@ -149,18 +157,30 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--keep", action="store_true", help="keep the synthetic model and the output")
     parser.add_argument("--stages", action="store_true", help="also print the peak RSS of each stage")
+    parser.add_argument(
+        "--max-host-memory",
+        default=None,
+        help="passed to seqcal oneshot; the plan's predicted peak is then printed beside the measured",
+    )
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
     model, out = WORK / f"synthetic-vlm-{args.layers}L", WORK / f"out-vlm-{args.layers}L"
     size = make_model(model, args.layers)
     rows = make_rows(WORK / "vlm-rows", args.samples)
     print(f"checkpoint: {size / 2e9:.2f}B params, {size / 1e9:.3f} GB bf16 on disk; rows: {rows}")
-    seconds, gnu_peak, tree_peak, stderr = run_cli(model, out, rows, args.samples, args.seq, args.stages)
+    seconds, gnu_peak, tree_peak, stderr = run_cli(model, out, rows, args.samples, args.seq, args.stages,
+                                                   args.max_host_memory)  # fmt: skip
     user, system = (float(line.split(": ")[1]) for line in stderr.splitlines()
                     if line.strip().startswith(("User time", "System time")))  # fmt: skip
     packed = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     print(f"seqcal oneshot: {seconds:.0f} s wall, {user + system:.0f} s CPU; "
           f"{sum(k.endswith('weight_packed') for k in packed)} packed weights")  # fmt: skip
+    if args.max_host_memory:
+        host = json.loads((out / "quantization_report.json").read_text())["host_memory"]
+        predicted = host["predicted_peak"]
+        print(f"plan: predicted host peak {predicted / 1e9:.3f} GB, the run's own measure "
+              f"{host['measured_peak'] / 1e9:.3f} GB, GNU time {gnu_peak / 1e9:.3f} GB "
+              f"({(predicted - gnu_peak) / gnu_peak:+.1%})")  # fmt: skip
     bound = size / 3
     print(f"{'':<24}{'peak RSS GB':>12}{'x size on disk':>16}")
     for name, peak in (("GNU time (CLI process)", gnu_peak), ("psutil (process tree)", tree_peak)):
