@@ -188,3 +188,14 @@ def test_plan_takes_the_execution_device_by_name_for_the_device_tier(
     assert [r.device_cache for r in by_name.rows] == [r.device_cache for r in by_tier.rows]
     assert max(r.device_cache for r in by_name.rows) > 0 and not by_name.notes
     assert any("is on cuda:1 (not planned)" in n for n in _plan(model_dir, offload="cuda:1").notes)
+
+
+def test_the_plan_is_for_the_rows_an_in_memory_dataset_has(model_dir: Path) -> None:
+    """Four rows given with the default num_calibration_samples (512): the plan sizes the cache for four."""
+    rows = [{"input_ids": list(range(1, 65))} for _ in range(4)]
+    default = oneshot(model=str(model_dir), recipe=GPTQ, dataset=rows, dry_run=True, max_seq_length=64,
+                      batch_size=1)  # fmt: skip
+    four = _plan(model_dir, num_calibration_samples=4)
+    many = _plan(model_dir, num_calibration_samples=512)
+    assert [r.host_cache for r in default.rows] == [r.host_cache for r in four.rows]
+    assert max(r.host_cache for r in many.rows) > max(r.host_cache for r in four.rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +282,23 @@ def _batch_size(args: OneshotArgs) -> int | str:
     return default_batch_size(device) if args.batch_size is None else args.batch_size
 
 
+def _planned_samples(args: OneshotArgs) -> int:
+    """The calibration samples the plan sizes the run for: ``num_calibration_samples``, or fewer when the dataset
+    is rows in memory (a list, a ``datasets.Dataset``) that has fewer; a file or a Hub name is counted when read,
+    and no rows (``dataset=[]``, what ``seqcal plan`` passes) plans for ``num_calibration_samples``."""
+    rows = (
+        args.dataset
+    )  # a DatasetDict (a Mapping of splits) or a DataLoader (len: batches) is not counted here
+    counted = isinstance(rows, (list, tuple)) or (
+        hasattr(rows, "column_names") and not isinstance(rows, Mapping)
+    )
+    return (
+        min(args.num_calibration_samples, len(rows))
+        if counted and len(rows)
+        else args.num_calibration_samples
+    )
+
+
 def _keep_recorded_choices(output_dir: str | None, pipe_args: PipelineArgs, fit: HostFit | None) -> None:
     """A resume finishes with GPTQ's factor as the interrupted run chose it (``streaming.recorded_choices``): the
     plan's process baseline moves by a few MB between processes, so the same budget may choose the other factor,
@@ -311,7 +329,7 @@ def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_ar
 
     def plan_cut(one_pass: bool, in_place: bool = False, background: bool | None = None) -> Any:
         return make_plan(
-            model, parsed.modifiers, num_samples=args.num_calibration_samples, seq_len=args.max_seq_length,
+            model, parsed.modifiers, num_samples=_planned_samples(args), seq_len=args.max_seq_length,
             batch_size=_batch_size(args), sequential_targets=pipe_args.sequential_targets,
             tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
             max_device_memory=parse_bytes(args.max_device_memory), one_pass=one_pass,
