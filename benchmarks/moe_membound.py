@@ -36,7 +36,8 @@ n, seq, budget = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] or None
 data = [{"input_ids": torch.randint(0, 32000, (seq,), generator=g).tolist()} for _ in range(n)]
 start = time.perf_counter()
 oneshot(model=sys.argv[1], dataset=data, recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head]}",
-        output_dir=sys.argv[2], max_seq_length=seq, overwrite=True, max_host_memory=budget)
+        output_dir=sys.argv[2], max_seq_length=seq, num_calibration_samples=n, overwrite=True,
+        max_host_memory=budget)
 print(f"seconds {time.perf_counter() - start:.1f}")
 """
 
