@@ -4,14 +4,18 @@ Writes a random bf16 checkpoint shard by shard in transformers' own per-expert l
 (``mlp.experts.{i}.gate_proj.weight``, never the whole model in RAM), then runs ``oneshot`` on the directory
 (weights offloaded, every expert calibrated on every token) under GNU time and reports peak RSS against
 the size on disk (the bound for dense models: at most one third), and how many expert weights came out
-quantized.
+quantized. With ``--max-host-memory B`` the run is given that budget (``oneshot(max_host_memory=B)``, as the
+command's ``--max-host-memory``): the plan's decisions (the report's) are printed, then its predicted host peak against the
+measured one (``host_memory`` of quantization_report.json) and GNU time's peak against B; exits 1 above B.
 
 Usage: .venv/bin/python benchmarks/moe_membound.py [--layers 10] [--experts 64] [--samples 4] [--seq 128]
+           [--max-host-memory 900MB]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -28,11 +32,12 @@ RUN = """
 import sys, torch, time
 from seqcal.entrypoint import oneshot
 g = torch.Generator().manual_seed(0)
-n, seq = int(sys.argv[3]), int(sys.argv[4])
+n, seq, budget = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] or None
 data = [{"input_ids": torch.randint(0, 32000, (seq,), generator=g).tolist()} for _ in range(n)]
 start = time.perf_counter()
 oneshot(model=sys.argv[1], dataset=data, recipe="GPTQModifier: {scheme: W4A16, ignore: [lm_head]}",
-        output_dir=sys.argv[2], max_seq_length=seq, overwrite=True)
+        output_dir=sys.argv[2], max_seq_length=seq, num_calibration_samples=n, overwrite=True,
+        max_host_memory=budget)
 print(f"seconds {time.perf_counter() - start:.1f}")
 """
 
@@ -61,6 +66,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument(
+        "--max-host-memory", default="", help="e.g. 900MB: the run's host budget (default: none)"
+    )
     args = parser.parse_args()
     tag = f"{args.layers}L-{args.experts}E"
     model, out = WORK / f"synthetic-qwen3moe-{tag}", WORK / f"out-qwen3moe-{tag}"
@@ -81,6 +89,7 @@ def main() -> None:
         str(out),
         str(args.samples),
         str(args.seq),
+        args.max_host_memory,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode:
@@ -95,6 +104,25 @@ def main() -> None:
         with safe_open(str(file), framework="pt") as f:
             packed += [k for k in f.keys() if ".experts." in k and k.endswith("weight_packed")]
     print(f"quantized expert weights: {len(packed)} of {args.layers * args.experts * 3}")
+    if args.max_host_memory:
+        if not budget_kept(out / "quantization_report.json", rss):
+            raise SystemExit(1)
+
+
+def budget_kept(report_path: Path, rss: float) -> bool:
+    """Prints the plan's predicted host peak against the measured ones; returns whether GNU time's peak ``rss``
+    (GB) is within the budget the report holds."""
+    host = json.loads(report_path.read_text())["host_memory"]
+    print("\n".join(host["decisions"]))
+    budget, predicted, measured = (
+        host[k] / 1e9 for k in ("max_host_memory", "predicted_peak", "measured_peak")
+    )
+    print(
+        f"plan: predicted host peak {predicted:.3f} GB, measured {measured:.3f} GB (report) / {rss:.3f} GB "
+        f"(GNU time): {(predicted / measured - 1) * 100:+.1f}% / {(predicted / rss - 1) * 100:+.1f}%; "
+        f"budget {budget:.3f} GB: {'kept' if rss <= budget else 'EXCEEDED'}"
+    )
+    return rss <= budget
 
 
 if __name__ == "__main__":
