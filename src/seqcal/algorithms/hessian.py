@@ -303,7 +303,13 @@ def quadratic_forms(A: Tensor, H: Tensor) -> Tensor:
     return out
 
 
-def relative_output_error(W: Tensor, Q: Tensor, H: Tensor, rows: int = 256) -> float:
+# Values per row chunk of relative_output_error: 256 rows up to SmolLM2's 1536 inputs, fewer for wider ones, whose
+# chunk's temporaries (about six [rows, in] float32 matrices) would otherwise reach 50 MB at a 8192-wide down_proj,
+# above what the memory plan counts for the end of a solve
+ERROR_CHUNK_FLOATS = 256 * 1536
+
+
+def relative_output_error(W: Tensor, Q: Tensor, H: Tensor, rows: int | None = None) -> float:
     """``||(Q - W) X^T|| / ||W X^T||`` over every calibration input row of X, from its Hessian alone.
 
     With ``H = 2/n X^T X`` (:func:`accumulate_hessian`), ``||A X^T||_F^2 = n/2 tr(A H A^T)``; the scale
@@ -316,7 +322,7 @@ def relative_output_error(W: Tensor, Q: Tensor, H: Tensor, rows: int = 256) -> f
         W: original weight ``[out, in]``.
         Q: quantized (dequantized) weight ``[out, in]``.
         H: Hessian ``[in, in]`` of the inputs, float32.
-        rows: output rows per chunk.
+        rows: output rows per chunk (None: 256, fewer past ``ERROR_CHUNK_FLOATS`` values).
 
     Returns:
         The relative error of the module's output (0 when ``Q == W``).
@@ -326,6 +332,7 @@ def relative_output_error(W: Tensor, Q: Tensor, H: Tensor, rows: int = 256) -> f
         >>> W = torch.randn(4, 8); round(relative_output_error(W, 1.1 * W, H), 4)
         0.1
     """
+    rows = rows or max(16, min(256, ERROR_CHUNK_FLOATS // max(W.shape[1], 1)))
     num = torch.zeros((), dtype=H.dtype, device=H.device)
     den = torch.zeros((), dtype=H.dtype, device=H.device)
     for r in range(0, W.shape[0], rows):
