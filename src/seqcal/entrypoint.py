@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ from seqcal.backend.host import onednn_cache_limited
 from seqcal.backend.threads import hint_threads
 from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
-from seqcal.checkpoint.streaming import recorded_choices
 from seqcal.data.autobatch import default_batch_size, with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
 from seqcal.data.checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
@@ -35,6 +33,7 @@ from seqcal.plan.host import (
     check_whole_load,
     fit_host,
     host_report,
+    keep_recorded_choices,
     total_ram,
 )
 from seqcal.recipe.parse import parse_recipe
@@ -238,7 +237,7 @@ def run_oneshot(args: OneshotArgs) -> Any:
     parsed.validate(loaded)
     plan, fit = _memory_plan(args, loaded, parsed, pipe_args, host_budget)
     if out_args.resume:
-        _keep_recorded_choices(out_args.output_dir, pipe_args, fit)
+        keep_recorded_choices(out_args.output_dir, pipe_args, fit)
     if args.dry_run:
         experts.restore()
         return plan
@@ -282,44 +281,6 @@ def _batch_size(args: OneshotArgs) -> int | str:
     return default_batch_size(device) if args.batch_size is None else args.batch_size
 
 
-def _planned_samples(args: OneshotArgs) -> int:
-    """The calibration samples the plan sizes the run for: ``num_calibration_samples``, or fewer when the dataset
-    is rows in memory (a list, a ``datasets.Dataset``) that has fewer; a file or a Hub name is counted when read,
-    and no rows (``dataset=[]``, what ``seqcal plan`` passes) plans for ``num_calibration_samples``."""
-    rows = (
-        args.dataset
-    )  # a DatasetDict (a Mapping of splits) or a DataLoader (len: batches) is not counted here
-    counted = isinstance(rows, (list, tuple)) or (
-        hasattr(rows, "column_names") and not isinstance(rows, Mapping)
-    )
-    return (
-        min(args.num_calibration_samples, len(rows))
-        if counted and len(rows)
-        else args.num_calibration_samples
-    )
-
-
-def _keep_recorded_choices(output_dir: str | None, pipe_args: PipelineArgs, fit: HostFit | None) -> None:
-    """A resume finishes with GPTQ's factor as the interrupted run chose it (``streaming.recorded_choices``): the
-    plan's process baseline moves by a few MB between processes, so the same budget may choose the other factor,
-    which changes float32 roundings in the subgraphs still to come.
-
-    Raises:
-        HostBudgetError: the interrupted run used LAPACK's factor and this run's budget needs the in-place one.
-    """
-    recorded = recorded_choices(output_dir).get("in_place_factor")
-    if recorded is None or bool(recorded) == pipe_args.in_place_factor:
-        return
-    if not recorded and fit is not None:
-        raise HostBudgetError(
-            f"max_host_memory={fit.budget / 1e9:.2f} GB needs GPTQ's factor in the Hessians' own memory, but the "
-            f"interrupted run in {output_dir} used LAPACK's; resume it with the max_host_memory it was started with"
-        )
-    logger.info("seqcal: resume: GPTQ's factor %s, as the interrupted run chose it",
-                "in the Hessians' own memory" if recorded else "by LAPACK")  # fmt: skip
-    pipe_args.in_place_factor = bool(recorded)
-
-
 def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_args: PipelineArgs,
                  host_budget: int | None) -> tuple[Any, HostFit | None]:  # fmt: skip
     """The memory plan when the run asks for one (dry_run, max_device_memory, max_host_memory); it may choose the
@@ -329,7 +290,7 @@ def _memory_plan(args: OneshotArgs, model: torch.nn.Module, parsed: Any, pipe_ar
 
     def plan_cut(one_pass: bool, in_place: bool = False, background: bool | None = None) -> Any:
         return make_plan(
-            model, parsed.modifiers, num_samples=_planned_samples(args), seq_len=args.max_seq_length,
+            model, parsed.modifiers, num_samples=args.planned_samples(), seq_len=args.max_seq_length,
             batch_size=_batch_size(args), sequential_targets=pipe_args.sequential_targets,
             tracing_ignore=pipe_args.tracing_ignore, cache_tier=pipe_args.offload,
             max_device_memory=parse_bytes(args.max_device_memory), one_pass=one_pass,

@@ -7,6 +7,7 @@ each stage takes of it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,21 @@ class OneshotArgs:
 
     def model_args(self) -> ModelArgs:
         return ModelArgs(self.model, self.tokenizer, self.dtype, self.trust_remote_code, self.model_revision)
+
+    def planned_samples(self) -> int:
+        """The calibration samples the plan sizes the run for: ``num_calibration_samples``, or fewer when the
+        dataset is rows in memory (a list, a ``datasets.Dataset``) that has fewer; a file or a Hub name is counted
+        when read, and no rows (``dataset=[]``, what ``seqcal plan`` passes) plans for ``num_calibration_samples``.
+        A DatasetDict (a Mapping of splits) or a DataLoader (its length counts batches) is not counted here."""
+        rows = self.dataset
+        counted = isinstance(rows, (list, tuple)) or (
+            hasattr(rows, "column_names") and not isinstance(rows, Mapping)
+        )
+        return (
+            min(self.num_calibration_samples, len(rows))
+            if counted and len(rows)
+            else self.num_calibration_samples
+        )
 
     def output_args(self) -> OutputArgs:
         return OutputArgs(self.output_dir, self.overwrite, self.resume)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from seqcal.algorithms import dequantize, formats
-from seqcal.checkpoint.writer import CONFIG_NAME, INDEX_NAME
+from seqcal.checkpoint.writer import CONFIG_NAME, INDEX_NAME, PROGRESS_NAME
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
 from seqcal.modifiers.state import RunState
@@ -73,3 +73,17 @@ def restore_records(state: RunState, metadata: Mapping[str, str]) -> None:
         state.results.sparsity[name] = structure
         if sparsity is not None:
             state.results.module_errors.setdefault(name, {})["sparsity"] = sparsity
+
+
+def recorded_choices(output_dir: str | Path | None) -> dict[str, Any]:
+    """The choices an interrupted run in ``output_dir`` recorded with its progress (``{"in_place_factor": ...}``:
+    GPTQ's cpu factor, which a host budget chose and which changes float32 roundings, not the run's identity), so
+    that its resume finishes with the same ones; {} when there is none."""
+    path = Path(output_dir) / PROGRESS_NAME if output_dir is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        choices = json.loads(path.read_text(encoding="utf-8")).get("progress", {}).get("choices", {})
+    except (OSError, ValueError, AttributeError):
+        return {}  # an unreadable record: StreamingCheckpoint's resume says what is wrong with it
+    return dict(choices) if isinstance(choices, Mapping) else {}

@@ -76,28 +76,7 @@ class ResumeError(SeqcalError, RuntimeError):
     """The output directory cannot be resumed (finished, or made by a different run)."""
 
 
-__all__ = [
-    "BACKGROUND",
-    "CHECKPOINT_BYTES",
-    "RESUME_DIR",
-    "ResumeError",
-    "StreamingCheckpoint",
-    "recorded_choices",
-]
-
-
-def recorded_choices(output_dir: str | Path | None) -> dict[str, Any]:
-    """The choices an interrupted run in ``output_dir`` recorded with its progress (``{"in_place_factor": ...}``:
-    GPTQ's cpu factor, which a host budget chose and which changes float32 roundings, not the run's identity), so
-    that its resume finishes with the same ones; {} when there is none."""
-    path = Path(output_dir) / PROGRESS_NAME if output_dir is not None else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        choices = json.loads(path.read_text(encoding="utf-8")).get("progress", {}).get("choices", {})
-    except (OSError, ValueError, AttributeError):
-        return {}  # an unreadable record: StreamingCheckpoint's resume says what is wrong with it
-    return dict(choices) if isinstance(choices, Mapping) else {}
+__all__ = ["BACKGROUND", "CHECKPOINT_BYTES", "RESUME_DIR", "ResumeError", "StreamingCheckpoint"]
 
 
 class StreamingCheckpoint:
@@ -152,8 +131,7 @@ class StreamingCheckpoint:
         self.owner = self._owners(subgraphs)
 
     def _record(self, finished: int) -> None:
-        # with the run's choices that change bits but not its identity (``recorded_choices``: a resume keeps them)
-        choices = {"in_place_factor": bool(getattr(self.state.config, "in_place_factor", False))}
+        choices = {"in_place_factor": bool(self.state.config.in_place_factor)}  # what a resume keeps
         self.writer.checkpoint({"finished": finished, "run": self.run_id, "choices": choices})
         self.finished = finished
 

@@ -87,13 +87,11 @@ class PipelineArgs:
     # on it (solves are split by rows), so it is left out of the fingerprint.
     max_device_memory: int | None = field(default=None, repr=False)
     # GPTQ factors each Hessian in its own memory on the cpu (no second [in, in] matrix), as a host budget may
-    # need (plan.host.fit_host). Equal to LAPACK's factor up to float32 rounding; left out of the fingerprint
-    # (the budget is not part of the result): the progress record keeps it, and a resume finishes with the
-    # interrupted run's choice (checkpoint.streaming.recorded_choices).
+    # need (plan.host.fit_host). Equal to LAPACK's up to float32 rounding; not fingerprinted: the progress
+    # record keeps it, and a resume keeps the interrupted run's (checkpoint.resume_files.recorded_choices).
     in_place_factor: bool = field(default=False, repr=False)
-    # Write each subgraph's share of the checkpoint on a worker thread while the next subgraph runs (None:
-    # ``streaming.BACKGROUND``); False writes it before the next starts, as a host budget may need (the save
-    # held beside a subgraph's work). The same files either way, so it is left out of the fingerprint.
+    # The checkpoint's files written on a worker thread (None: streaming.BACKGROUND) or, as a host budget may
+    # need, before the next subgraph starts (False). The same files: not fingerprinted.
     background_save: bool | None = field(default=None, repr=False)
     # Virtual shards of the calibration batches (seqcal.distributed): statistics are accumulated per shard
     # and folded in shard order, the same with one process or many. Part of the result, so fingerprinted.
@@ -269,16 +267,9 @@ def _run(
             )  # the loop's shards, cut
             writes = sharding.group.writes  # one process writes the checkpoint
             stream = _streaming(
-                model,
-                state,
-                subgraphs,
-                output if writes else None,
-                weights,
-                batches,
-                modifiers,
-                profiler,
+                model, state, subgraphs, output if writes else None, weights, batches, modifiers, profiler,
                 args.background_save,
-            )
+            )  # fmt: skip
             schemes = modifiers.quantized()
 
             def done(sg: Any) -> int | None:

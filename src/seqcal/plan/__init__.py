@@ -2,28 +2,25 @@
 
 The model is built on the meta device and traced (no weights needed), then per subgraph:
 
-    device  = its weights + GPTQ Hessians of its Linear layers (fp32, one per shared input)
-              + the larger of: one batch's activations (the values it reads and writes, its widest
-              intermediate twice, the fp32 copy of a target's input the Hessian update makes, one virtual
-              shard's Hessians beside the fold of the shards before (seqcal.distributed; on the cpu the fold's
-              Hessians of 32 MiB or more wait in a temporary file meanwhile); on a GPU
-              also the next batch's inputs and the last batch's outputs, copied beside the compute) and the GPTQ
-              solve's temporaries (algorithms.gptq: the Cholesky factor beside the Hessian, whose memory takes
-              the working copy and the inverse factor, or an fp32 copy of the stacked weight, its codes and
-              the modifier's stacked copy; the Hessian's values kept meanwhile, in RAM on a GPU run; modules
-              sharing a Hessian, such as a layer's experts, are stacked in chunks sized from
-              ``max_device_memory``: column ``chunks``, see modifiers.solve_chunks)
+    device  = its weights + GPTQ Hessians of its Linear layers (fp32, one per shared input) + the larger of: one
+              batch's activations (the values it reads and writes, its widest intermediate twice, the fp32 copy of
+              a target's input the Hessian update makes, one virtual shard's Hessians beside the fold of those
+              before (seqcal.distributed; on the cpu those of 32 MiB or more on disk meanwhile); on a GPU the next
+              batch's inputs and the last batch's outputs, copied beside the compute) and the GPTQ solve's
+              temporaries (algorithms.gptq: the Cholesky factor beside the Hessian, whose memory takes the working
+              copy and the inverse factor, or an fp32 copy of the stacked weight, its codes and the modifier's
+              stacked copy; the Hessian's values kept meanwhile, in RAM on a GPU run; modules sharing a Hessian,
+              such as a layer's experts, are stacked in chunks sized from ``max_device_memory``: column
+              ``chunks``, see modifiers.solve_chunks)
     host    = process baseline (+ HEAP_SLACK) + activation cache (values alive during the subgraph, for every batch)
-              + the save after it (the modules it finished, as written, and a copy of their int8 codes for
-              resuming; the checkpoint writer streams tensors to disk and holds none), and the save before
-              it, which a worker thread writes while it runs (``checkpoint.streaming.BACKGROUND``)
-              + the device's share when the device is the host (cpu runs), or every weight when the model
-              sits in RAM
+              + the save after it (the modules it finished, as written, and a copy of their int8 codes for resuming;
+              the writer streams tensors to disk and holds none), and the save before it, which a worker thread
+              writes while it runs (``checkpoint.streaming.BACKGROUND``) + the device's share when the device is
+              the host (cpu runs), or every weight when the model sits in RAM
     disk    = the checkpoint (quantized widths) and, with the disk cache tier, the activation cache
 
-The size of every value crossing a subgraph boundary is measured, not guessed (``seqcal.plan.values``:
-the subgraphs run on tiny batches with stand-in weights). If that run fails the plan falls back to sizes
-from the config (hidden, intermediate) and says so.
+The size of every value crossing a subgraph boundary is measured, not guessed (``seqcal.plan.values``: the
+subgraphs run on tiny batches with stand-in weights); if that run fails, sizes come from the config, said so.
 
 Given ``max_device_memory``, a subgraph that would not fit makes the plan retry with finer targets (the
 children of the layer class: attention, MLP) and report the switch.
@@ -55,22 +52,15 @@ from seqcal.modifiers.solve_chunks import (
     solve_groups,
 )
 from seqcal.plan.cuts import finer_targets, over_budget_note
-from seqcal.plan.values import measure_values, owned_bytes, process_baseline
+from seqcal.plan.values import (
+    GEMM_BUFFERS,
+    HEAP_SLACK,
+    PROCESS_BASELINE,
+    measure_values,
+    owned_bytes,
+    process_baseline,
+)
 from seqcal.tracing.partition import Subgraph
-
-# Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
-# model skeleton on meta, trace and batches (measured on this machine: 0.34 GiB after the imports, 0.36 GiB
-# at the first onload; benchmarks/RESULTS.md). A CUDA context adds its own host memory on top. The plan
-# measures the process it runs in instead (``values.process_baseline``); this is where it cannot.
-PROCESS_BASELINE = 370 * 1024**2
-# MKL's work buffers and code for a Hessian update's products on the cpu: measured 3.5 MiB beside the batch's copies
-# at 4096 inputs and 64 tokens (2 threads, 2-core x86)
-GEMM_BUFFERS = 4 << 20
-# Free pages glibc's heap keeps between two trims (backend.host.trim_host_memory, before each solve and after each
-# subgraph), in every row's host: measured 7 MiB at a 4096-wide down_proj's calibration, 5 before its factor; and
-# the spread of one run's peak between processes against the baseline each measures (the same run in three
-# processes: 477.5 to 480.4 MiB for predictions of 479.3 to 483.4 MiB; tests/test_host_peak.py's model)
-HEAP_SLACK = 14 << 20
 
 
 @dataclass
@@ -251,18 +241,16 @@ def plan_memory(
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
                            alive * batches if in_ram else 0, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
-        # the shards of 2 batches or more fold in turn, each its own Hessians beside the fold of those before,
-        # whose large ones wait on disk meanwhile on the cpu (distributed.reduce.SPILL_BYTES)
-        folds = [n_in**2 * 4 for _, n_in in groups]
+        folds = [
+            n_in**2 * 4 for _, n_in in groups
+        ]  # the shards' fold beside the next shard's (large: on disk)
         shards = sum(b for b in folds if not (device_on_host and b >= SPILL_BYTES)) if batches > 1 else 0
         row.accumulators = shards + (GEMM_BUFFERS if groups and device_on_host else 0)  # and MKL's buffers
         if on_device:
             row.device_cache = during  # every batch's cached values, on the device beside the subgraph's work
         during = during if in_ram else 0
         codes = sum(n_in * sum(outs) for (_, n_in), outs in groups.items())
-        # the tensors as written (streamed from their own memory: checkpoint.shard_file) and the resume file's int8
-        # codes twice (the results' and the bytes safetensors serializes them into); counting the written tensors
-        # twice made SmolLM2's fp32 embedding subgraph 16% over its measured peak
+        # the tensors as written (streamed from their own memory) + the resume file's int8 codes and their bytes
         save = written.get(sg.index, 0) + 2 * codes
         row.quantized_numel = codes
         row.solve_cost = sum(
@@ -340,8 +328,7 @@ def make_plan(
     ``plan.notes``. The one-pass cut is already per module group: there a subgraph that does not fit is
     only reported (a note naming it and the fix), as is a layer cut with no finer children.
     ``cache_max_memory`` caps the activation cache's RAM as the run does (the rest spilled to disk);
-    ``in_place_factor`` plans GPTQ's cpu factor in the Hessians' own memory and ``background_save=False`` each
-    subgraph's save written before the next starts (a host budget's last resorts).
+    ``in_place_factor`` and ``background_save=False``: a host budget's last resorts (``plan.host.fit_host``).
 
     Example:
         >>> print(make_plan(model, [GPTQModifier(scheme="W4A16")], num_samples=16, seq_len=256, batch_size=1,

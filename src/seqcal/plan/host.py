@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from seqcal.checkpoint.resume_files import recorded_choices
 from seqcal.errors import SeqcalError
 from seqcal.plan import PROCESS_BASELINE, MemoryPlan, SubgraphPlan
 
@@ -295,3 +296,24 @@ def check_whole_load(source: str | os.PathLike[str], budget: int | None) -> None
             f"output_dir) and its weights alone take {size / _GB:.2f} GB beside the process's "
             f"{PROCESS_BASELINE / _GB:.2f} GB; pass output_dir to read them per subgraph, or raise max_host_memory"
         )
+
+
+def keep_recorded_choices(output_dir: str | None, pipe_args: Any, fit: HostFit | None) -> None:
+    """A resume finishes with GPTQ's factor as the interrupted run chose it (``resume_files.recorded_choices``): the
+    plan's process baseline moves by a few MB between processes, so the same budget may choose the other factor,
+    which changes float32 roundings in the subgraphs still to come.
+
+    Raises:
+        HostBudgetError: the interrupted run used LAPACK's factor and this run's budget needs the in-place one.
+    """
+    recorded = recorded_choices(output_dir).get("in_place_factor")
+    if recorded is None or bool(recorded) == pipe_args.in_place_factor:
+        return
+    if not recorded and fit is not None:
+        raise HostBudgetError(
+            f"max_host_memory={fit.budget / 1e9:.2f} GB needs GPTQ's factor in the Hessians' own memory, but the "
+            f"interrupted run in {output_dir} used LAPACK's; resume it with the max_host_memory it was started with"
+        )
+    logger.info("seqcal: resume: GPTQ's factor %s, as the interrupted run chose it",
+                "in the Hessians' own memory" if recorded else "by LAPACK")  # fmt: skip
+    pipe_args.in_place_factor = bool(recorded)

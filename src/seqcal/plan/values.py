@@ -26,6 +26,21 @@ from seqcal.report.profile import tensor_bytes
 from seqcal.tracing.partition import Subgraph
 from seqcal.tracing.runner import GraphRunner
 
+# Resident memory of the process before the first subgraph: Python, torch, transformers and seqcal imported,
+# model skeleton on meta, trace and batches (measured on this machine: 0.34 GiB after the imports, 0.36 GiB
+# at the first onload; benchmarks/RESULTS.md). A CUDA context adds its own host memory on top. The plan
+# measures the process it runs in instead (``values.process_baseline``); this is where it cannot.
+PROCESS_BASELINE = 370 * 1024**2
+# MKL's work buffers and code for a Hessian update's products on the cpu: measured 3.5 MiB beside the batch's copies
+# at 4096 inputs and 64 tokens (2 threads, 2-core x86)
+GEMM_BUFFERS = 4 << 20
+# Free pages glibc's heap keeps between two trims (backend.host.trim_host_memory, before each solve and after each
+# subgraph), in every row's host: measured 7 MiB at a 4096-wide down_proj's calibration, 5 before its factor; and
+# the spread of one run's peak between processes against the baseline each measures (the same run in three
+# processes: 477.5 to 480.4 MiB for predictions of 479.3 to 483.4 MiB; tests/test_host_peak.py's model)
+HEAP_SLACK = 14 << 20
+
+
 PROBE_TOKENS = (4, 8, 16)  # tokens per row of the stand-in runs that measure the crossing values
 
 
