@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import tempfile
 import weakref
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -176,6 +177,16 @@ KEPT_ROWS = 2 * UPPER_BLOCK  # rows per kept block of a Hessian's upper triangle
 SPILL_BYTES = 32 << 20
 
 
+def read_exactly(file: Any, t: Tensor, what: str) -> None:
+    """Fill contiguous cpu ``t`` from ``file``'s next ``t.nbytes`` bytes, in its own memory (no temporary).
+
+    Raises:
+        OSError: the file ends first (``what``: the values, named in the message).
+    """
+    if file.readinto(memoryview(t.numpy()).cast("B")) != t.nbytes:
+        raise OSError(f"{what} could not be read back from their temporary file")
+
+
 def kept_bytes(n: int, rows: int = KEPT_ROWS) -> int:
     """Bytes :class:`KeptHessian` keeps of an exactly symmetric float32 [n, n] Hessian."""
     return sum((n - r) * min(rows, n - r) for r in range(0, n, rows)) * 4
@@ -238,10 +249,7 @@ class KeptHessian:
         r = 0
         for shape in self.shapes:
             for row in H[r : r + shape[0], H.shape[1] - shape[1] :]:
-                if self.file.readinto(memoryview(row.numpy()).cast("B")) != row.nbytes:
-                    raise OSError(
-                        "the Hessian's kept values could not be read back from their temporary file"
-                    )
+                read_exactly(self.file, row, "the Hessian's kept values")
             r += shape[0]
         return H
 

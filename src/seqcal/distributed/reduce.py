@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
+from seqcal.algorithms.hessian import SPILL_BYTES, read_exactly
 from seqcal.records import Partial as Partial  # re-exported: the fold moved to seqcal.records
 from seqcal.records import Statistic
 from seqcal.records import fold as fold
 from seqcal.records import tensors_of as tensors_of
 
-# A running sum of the shards' statistics this large or larger waits in a temporary file while the next shard
-# accumulates (``SpilledSum``): on the cpu the fold then holds one 8192-wide Hessian (268 MB) at a time, not the
-# shard's beside the total. As ``hessian.KeptHessian``'s spill: 32 MiB, so that SmolLM2's Hessians stay in RAM.
-SPILL_BYTES = 32 << 20
+# A running sum of the shards' statistics of SPILL_BYTES or more (``hessian.KeptHessian``'s threshold: SmolLM2's
+# Hessians stay in RAM) waits in a temporary file while the next shard accumulates (``SpilledSum``): on the cpu the
+# fold then holds one 8192-wide Hessian (268 MB) at a time, not the shard's beside the total.
 _STRIP = 1 << 20  # bytes read back and added at a time
 _SPILLABLE = (torch.float32, torch.float64, torch.int64, torch.int32)  # dtypes numpy writes as they are
 
@@ -59,7 +59,7 @@ class SpilledSum:
         self.file.seek(0)
         for start in range(0, flat.numel(), strip.numel()):
             part = strip[: min(strip.numel(), flat.numel() - start)]
-            self._read_into(part)
+            read_exactly(self.file, part, "a spilled sum of the shards' statistics")
             flat[start : start + part.numel()].add_(part)
         self.file.close()
         return tensor
@@ -68,15 +68,9 @@ class SpilledSum:
         """The spilled sum as a new tensor; the file is closed."""
         out = torch.empty(self.shape, dtype=self.dtype)
         self.file.seek(0)
-        self._read_into(out.view(-1))
+        read_exactly(self.file, out.view(-1), "a spilled sum of the shards' statistics")
         self.file.close()
         return out
-
-    def _read_into(self, part: torch.Tensor) -> None:
-        if self.file.readinto(memoryview(part.numpy()).cast("B")) != part.numel() * part.element_size():
-            raise OSError(
-                "a spilled sum of the shards' statistics could not be read back from its temporary file"
-            )
 
 
 def spill_sums(total: Partial, spilled: dict[tuple[str, str], SpilledSum]) -> None:
@@ -112,10 +106,12 @@ def fold_spilled(
 
 def restore_sums(total: Partial | None, spilled: dict[tuple[str, str], SpilledSum]) -> Partial | None:
     """``total`` with every sum still in ``spilled`` read back (``spilled`` is emptied)."""
-    for (key, name), file in list(spilled.items()):
-        total = {} if total is None else total
+    if not spilled:
+        return total
+    total = {} if total is None else total
+    for (key, name), file in spilled.items():
         total.setdefault(key, {})[name] = Statistic(file.read(), "sum")
-        del spilled[key, name]
+    spilled.clear()
     return total
 
 

@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-from seqcal.algorithms.hessian import kept_bytes
+from seqcal.algorithms.hessian import SPILL_BYTES, kept_bytes
 from seqcal.checkpoint import streaming
 from seqcal.data.autobatch import AUTO, auto_batch_limits, samples_per_batch
-from seqcal.distributed.reduce import SPILL_BYTES
 from seqcal.execution.cache import store as cache_store
 from seqcal.execution.cuts import onloaded_modules
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
@@ -241,10 +240,9 @@ def plan_memory(
         cache_peak = max(cache_peak, alive * batches)
         row = SubgraphPlan(sg.index, sg.targets, weights, hessians, activations,
                            alive * batches if in_ram else 0, solve, chunks=chunks, chunk_bytes=limit)  # fmt: skip
-        folds = [
-            n_in**2 * 4 for _, n_in in groups
-        ]  # the shards' fold beside the next shard's (large: on disk)
-        shards = sum(b for b in folds if not (device_on_host and b >= SPILL_BYTES)) if batches > 1 else 0
+        # the shards' fold beside the next shard's Hessians (on the cpu, the large ones on disk meanwhile: distributed.reduce)
+        folds = [n_in**2 * 4 for _, n_in in groups if not (device_on_host and n_in**2 * 4 >= SPILL_BYTES)]
+        shards = sum(folds) if batches > 1 else 0
         row.accumulators = shards + (GEMM_BUFFERS if groups and device_on_host else 0)  # and MKL's buffers
         if on_device:
             row.device_cache = during  # every batch's cached values, on the device beside the subgraph's work
