@@ -96,25 +96,64 @@ def _weight_and_qparams(
 
     Returns ``WT [in, out]`` float32 (column i of the processing order is row i), ``scale, zero_point``,
     ``col_group [in]`` (the qparam column used by each processed column) and ``g_idx`` (or None).
-    At most two weight-sized float32 copies exist at once.
+    One weight-sized float32 copy at a time: the qparams' (dropped before ``WT`` is made), then ``WT``.
     """
     n_in = W.shape[1]
-    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
-    W32[:, dead] = 0  # inputs never seen: any weight is free, so make it 0
     col_group = torch.arange(n_in, device=W.device)
     col_group = col_group // group_size if qkw["strategy"] == "group" else torch.zeros_like(col_group)
-    if actorder is None:
-        return W32.T.contiguous(), *weight_qparams(W32, **qkw), col_group, None
-    if actorder == "weight":
-        # groups stay contiguous in the original order: the checkpoint format does not change
-        scale, zero_point = weight_qparams(W32, **qkw)
-        return W32.T.index_select(0, perm), scale, zero_point, col_group[perm], None
-    W32 = W32[:, perm]
+    if actorder is None or actorder == "weight":
+        # "weight": groups stay contiguous in the original order, so the checkpoint format does not change
+        scale, zero_point = weight_qparams(_float_rows(W, dead, None), **qkw)
+        order = None if actorder is None else perm
+        return (
+            _processing_rows(W, dead, order),
+            scale,
+            zero_point,
+            col_group if order is None else col_group[perm],
+            None,
+        )
     if qkw.get("importance") is not None:  # the importance follows its columns
         qkw = {**qkw, "importance": qkw["importance"][perm]}
-    scale, zero_point = weight_qparams(W32, **qkw)  # groups of consecutive *permuted* columns
+    scale, zero_point = weight_qparams(
+        _float_rows(W, dead, perm), **qkw
+    )  # groups of consecutive *permuted* columns
     g_idx = col_group[torch.argsort(perm)].to(torch.int32) if qkw["strategy"] == "group" else None
-    return W32.T.contiguous(), scale, zero_point, col_group, g_idx
+    return _processing_rows(W, dead, perm), scale, zero_point, col_group, g_idx
+
+
+# Output rows per strip: 8 MiB of float32 at most beside the weight-sized copies being built.
+STRIP_FLOATS = 1 << 21
+
+
+def _strips(n_out: int, n_in: int) -> range:
+    """Start rows of the strips of an ``[n_out, n_in]`` weight (``STRIP_FLOATS`` floats each, one row at least)."""
+    return range(0, n_out, max(1, STRIP_FLOATS // max(n_in, 1)))
+
+
+def _float_rows(W: Tensor, dead: Tensor, perm: Tensor | None) -> Tensor:
+    """``W [out, in]`` in float32, inputs never seen zeroed (any weight is free there), columns in ``perm``'s
+    order; built a strip of rows at a time, so no second weight-sized copy exists meanwhile."""
+    n_out, n_in = W.shape
+    out = torch.empty(n_out, n_in, dtype=torch.float32, device=W.device)
+    step = _strips(n_out, n_in).step
+    for r in _strips(n_out, n_in):
+        strip = W[r : r + step].detach().to(torch.float32, copy=True)
+        strip[:, dead] = 0
+        out[r : r + step] = strip if perm is None else strip.index_select(1, perm)
+    return out
+
+
+def _processing_rows(W: Tensor, dead: Tensor, perm: Tensor | None) -> Tensor:
+    """``WT [in, out]``: :func:`_float_rows` transposed, rows in ``perm``'s order, from strips of W (the same
+    values as transposing a whole float32 copy: every element is copied, none computed)."""
+    n_out, n_in = W.shape
+    WT = torch.empty(n_in, n_out, dtype=torch.float32, device=W.device)
+    step = _strips(n_out, n_in).step
+    for r in _strips(n_out, n_in):
+        strip = W[r : r + step].detach().to(torch.float32, copy=True)
+        strip[:, dead] = 0
+        WT[:, r : r + step] = strip.T if perm is None else strip.T.index_select(0, perm)
+    return WT
 
 
 def _format_qparams(
@@ -128,11 +167,8 @@ def _format_qparams(
     """:func:`_weight_and_qparams` for a ``seqcal.algorithms.formats`` format (contiguous groups / blocks only)."""
     if actorder == "group":
         raise ValueError("gptq_quantize: actorder='group' is not supported for block, NVFP4 or MX formats")
-    W32 = W.detach().to(torch.float32, copy=True)  # [out, in]
-    W32[:, dead] = 0
-    scale, zero_point = formats.qparams(W32, fmt, global_scale)
-    WT = W32.T.contiguous() if perm is None else W32.T.index_select(0, perm)
-    return WT, scale, zero_point, torch.empty(0), None
+    scale, zero_point = formats.qparams(_float_rows(W, dead, None), fmt, global_scale)
+    return _processing_rows(W, dead, perm), scale, zero_point, torch.empty(0), None
 
 
 def _format_columns(
@@ -285,9 +321,17 @@ def _stored_qparams(
 def _original_order(
     QT: Tensor, codes: Tensor, perm: Tensor | None, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """``(Q [out, in] in dtype, codes)`` in the original column order from the loop's processing order."""
-    Q = QT.T.to(dtype)  # [out, in]; the cast is per element, so casting before un-permuting is exact
+    """``(Q [out, in] in dtype, codes)`` in the original column order from the loop's processing order.
+
+    Un-permuted a strip of rows at a time (the codes in their own memory): beside QT and the codes, only Q
+    and a strip exist, not a permuted copy of each (80 MiB more at a 8192-wide down_proj)."""
     if perm is None:
-        return Q, codes
+        return QT.T.to(dtype), codes  # the cast is per element: the same values in either order
     inv = torch.argsort(perm)
-    return Q[:, inv], codes[:, inv]
+    n_in, n_out = QT.shape
+    Q = torch.empty(n_out, n_in, dtype=dtype, device=QT.device)
+    step = _strips(n_out, n_in).step
+    for r in _strips(n_out, n_in):
+        Q[r : r + step] = QT[:, r : r + step].index_select(0, inv).T  # cast on assignment, per element
+        codes[r : r + step] = codes[r : r + step].index_select(1, inv)
+    return Q, codes

@@ -150,12 +150,11 @@ def solve_bytes(
         kept = kept_in_ram(n_in) if device_on_host else 0  # a wide one is kept in a file
         # the Cholesky factor and LAPACK's work buffers (a few blocks when in place)
         inverse = factor_bytes(n_in, device_on_host, in_place) + kept
-        # Per weight: the fp32 copy and its transpose a moment before the loop (gptq._weight_and_qparams), then W^T
-        # in fp32, the int8 codes and the result in W's dtype (columns.quantize_columns; the factor is in the
-        # Hessian's memory, the relative output error after it works on row chunks): 8 bytes per bf16 weight, not
-        # 7 (a 2-layer 1B-width run measured 17 MB over). A stack of modules adds its stacked copy; a module solved
-        # alone is its own weight, counted with the subgraph's.
+        # Per weight: W^T in fp32, the int8 codes and the result in W's dtype, at most (gptq._weight_and_qparams and
+        # gptq._original_order build and un-permute them a strip of rows at a time; the factor is in the Hessian's
+        # memory, the relative output error after it works on row chunks). A stack of modules adds its stacked
+        # copy; a module solved alone is its own weight, counted with the subgraph's.
         stacked = 2 if any(len(chunk) > 1 for chunk in chunks) else 1
-        columns = kept + n_out * n_in * (max(4 + 4, 4 + 1 + dtype_bytes) + (stacked - 1) * dtype_bytes)
+        columns = kept + n_out * n_in * (4 + 1 + dtype_bytes + (stacked - 1) * dtype_bytes)
         peak = max(peak, inverse, columns)
     return peak, most

@@ -1,0 +1,63 @@
+"""GPTQ's weight-sized float32 copies built and un-permuted a strip of rows at a time (``gptq.STRIP_FLOATS``):
+the same bits as whole-matrix copies, and no second weight-sized copy beside the first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seqcal.algorithms.gptq as gptq_module
+from seqcal.algorithms import gptq_quantize
+from test_factor_scratch import _hessian
+from test_products import _allocation_peak
+
+CASES = [  # (actorder, quantization arguments)
+    (None, {"group_size": 16}),
+    ("static", {"group_size": 16}),
+    ("group", {"group_size": 16}),
+    ("static", {"strategy": "channel", "group_size": None}),
+    ("static", {"group_size": 16, "observer": "mse"}),
+]
+
+
+@pytest.mark.parametrize("actorder, kwargs", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strips_give_the_bits_of_one_strip(monkeypatch, actorder, kwargs, dtype):
+    """Strips of 1 or 3 rows (a last strip shorter) against one strip for the whole weight: Q, the codes, the
+    qparams, g_idx and the loss equal, with a dead input (zeroed in every strip)."""
+    W = torch.randn(11, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    H = _hessian(64)
+    H[7], H[:, 7] = 0, 0  # an input never seen
+    results = []
+    for floats in (1 << 30, 64, 3 * 64):
+        monkeypatch.setattr(gptq_module, "STRIP_FLOATS", floats)
+        results.append(gptq_quantize(W, H.clone(), actorder=actorder, **kwargs))
+    for other in results[1:]:
+        for field in ("Q", "q", "scale", "zero_point", "g_idx"):
+            a, b = getattr(results[0], field), getattr(other, field)
+            assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype), field
+        assert other.loss == results[0].loss
+    assert not results[0].Q[:, 7].any() or actorder is None  # the dead column's weight was zeroed first
+
+
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+def test_one_float32_copy_of_the_weight_at_a_time(monkeypatch, actorder):
+    """The qparams' float32 copy is gone before W^T is made, and Q is un-permuted from QT with the codes in their
+    own memory: 4 bytes per weight, then 2 (Q in bfloat16), plus a strip; whole-matrix copies took 8 and 5."""
+    monkeypatch.setattr(gptq_module, "STRIP_FLOATS", 4096)  # strips of 8 rows of 512 inputs
+    out, n = 512, 512
+    W = torch.randn(out, n, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    dead, perm = torch.zeros(n, dtype=torch.bool), torch.randperm(n, generator=torch.Generator().manual_seed(5))
+    qkw = dict(num_bits=4, symmetric=True, strategy="group", group_size=64, type="int", observer="minmax",
+               observer_kwargs=None, importance=None)  # fmt: skip
+    (WT, *_), peak, _ = _allocation_peak(
+        lambda: gptq_module._weight_and_qparams(W, dead, perm, actorder, 64, qkw)
+    )
+    weight, strip = out * n, 4096 * 4 * 3  # a strip in float32: its copy, its permuted copy, its transpose
+    qparams = 10 * out * (n // 64) * 4  # the observer's [out, groups] float32 temporaries
+    assert WT.shape == (n, out) and 4 * weight <= peak <= 4 * weight + max(strip, qparams), peak / weight
+    codes = torch.randint(-8, 8, (out, n), dtype=torch.int8)
+    expected = (WT.T.to(torch.bfloat16)[:, torch.argsort(perm)], codes[:, torch.argsort(perm)])
+    (Q, permuted), peak, _ = _allocation_peak(lambda: gptq_module._original_order(WT, codes, perm, torch.bfloat16))
+    assert torch.equal(Q, expected[0]) and torch.equal(permuted, expected[1]) and permuted is codes
+    assert 2 * weight <= peak <= 2 * weight + strip, peak / weight
