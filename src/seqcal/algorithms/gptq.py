@@ -121,8 +121,8 @@ def _weight_and_qparams(
     return _processing_rows(W, dead, perm), scale, zero_point, col_group, g_idx
 
 
-# Output rows per strip: 8 MiB of float32 at most beside the weight-sized copies being built.
-STRIP_FLOATS = 1 << 21
+# Output rows per strip: 1 MiB of float32 at most beside the weight-sized copies being built.
+STRIP_FLOATS = 1 << 18
 
 
 def _strips(n_out: int, n_in: int) -> range:
