@@ -61,3 +61,23 @@ def test_one_float32_copy_of_the_weight_at_a_time(monkeypatch, actorder):
     (Q, permuted), peak, _ = _allocation_peak(lambda: gptq_module._original_order(WT, codes, perm, torch.bfloat16))
     assert torch.equal(Q, expected[0]) and torch.equal(permuted, expected[1]) and permuted is codes
     assert 2 * weight <= peak <= 2 * weight + strip, peak / weight
+
+
+@pytest.mark.parametrize("actorder", [None, "static", "group"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overwrite_writes_q_into_the_weight_with_the_same_error(monkeypatch, actorder, dtype):
+    """``overwrite=True``: Q is W's own memory, with the bits of the returned Q of the default, and the relative
+    output error is exactly the one taken afterwards from the two matrices (the same chunks: 16, 16 and 8 rows)."""
+    import seqcal.algorithms.hessian as hessian
+    from seqcal.algorithms.hessian import relative_output_error
+
+    monkeypatch.setattr(hessian, "ERROR_CHUNK_FLOATS", 16 * 96)
+    assert hessian.error_rows(96) == 16
+    W = torch.randn(40, 96, generator=torch.Generator().manual_seed(6)).to(dtype)
+    H = _hessian(96)
+    default = gptq_quantize(W, H.clone(), actorder=actorder, group_size=32)
+    expected = relative_output_error(W, default.Q, H)
+    target = W.clone()
+    result = gptq_quantize(target, H.clone(), actorder=actorder, group_size=32, overwrite=True)
+    assert result.Q is target and torch.equal(target, default.Q) and torch.equal(result.q, default.q)
+    assert result.rel_error == expected and default.rel_error is None and expected > 0

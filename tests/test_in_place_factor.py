@@ -277,14 +277,18 @@ def test_the_plan_counts_the_shards_hessians_while_calibrating_and_the_in_place_
 
 
 def test_the_solve_counts_a_stacked_copy_only_for_modules_solved_together() -> None:
-    """A module solved alone is its own weight (counted with the subgraph's); a stack is a new matrix."""
+    """A module solved alone is its own weight (counted with the subgraph's) and takes Q in its memory; a stack
+    is a new matrix, and its Q another."""
+    from seqcal.algorithms.hessian import error_rows
     from seqcal.modifiers.solve_chunks import solve_bytes
 
     n_in, rows, dtype_bytes = 8192, 2048, 2
     alone = solve_bytes({("mlp", n_in): [rows]}, dtype_bytes, 1 << 40)[0]
     stacked = solve_bytes({("mlp", n_in): [rows // 2, rows // 2]}, dtype_bytes, 1 << 40)[0]
-    assert stacked - alone == rows * n_in * dtype_bytes
-    # W^T in fp32, the int8 codes and the result in the weight's dtype (the fp32 copies built and un-permuted a
-    # strip of rows at a time; no [in, out] matrix of codes): 7 bytes per bf16 weight, 9 per fp32 one
-    assert alone == rows * n_in * 7 + kept_in_ram(n_in)
-    assert solve_bytes({("mlp", n_in): [rows]}, 4, 1 << 40)[0] == rows * n_in * 9 + kept_in_ram(n_in)
+    # W^T in fp32 and the int8 codes (the fp32 copies built a strip of rows at a time; no [in, out] matrix of
+    # codes): 5 bytes per weight, and the output error's chunk of rows for a module alone; a stack adds its
+    # stacked copy and its Q in the weight's dtype
+    error = 6 * error_rows(n_in) * n_in * 4
+    assert alone == rows * n_in * 5 + error + kept_in_ram(n_in)
+    assert stacked == rows * n_in * (5 + 2 * dtype_bytes) + kept_in_ram(n_in)
+    assert solve_bytes({("mlp", n_in): [rows]}, 4, 1 << 40)[0] == alone  # the same for a float32 weight

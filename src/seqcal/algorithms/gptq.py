@@ -28,6 +28,7 @@ from seqcal.algorithms.gptq_factor import GPTQNumericalError as GPTQNumericalErr
 from seqcal.algorithms.gptq_factor import _factor_scratch as _factor_scratch  # re-exported (SparseGPT)
 from seqcal.algorithms.gptq_factor import _inverse_hessian_factor as _inverse_hessian_factor  # re-exported
 from seqcal.algorithms.gptq_factor import processing_factor
+from seqcal.algorithms.hessian import OutputError, error_rows
 from seqcal.algorithms.observe import weight_qparams
 from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
 
@@ -54,6 +55,8 @@ class GPTQResult:
         retries: how many times dampening had to be increased (0 = first try worked).
         row_loss: ``[out]`` the objective per output row (``loss`` is its sum), so that rows of several
             modules solved together (they share one Hessian) can be told apart again.
+        rel_error: with ``overwrite=True``, :func:`~seqcal.algorithms.hessian.relative_output_error` of Q
+            against W as it was (None otherwise).
     """
 
     Q: Tensor
@@ -65,6 +68,7 @@ class GPTQResult:
     dampening_frac: float
     retries: int
     row_loss: Tensor | None = None
+    rel_error: float | None = None
 
 
 def _check_inputs(W: Tensor, H: Tensor, strategy: str, group_size: int | None, block_size: int) -> None:
@@ -202,6 +206,7 @@ def gptq_quantize(
     global_scale: Tensor | None = None,
     pruned: Tensor | None = None,
     in_place_factor: bool = False,
+    overwrite: bool = False,
 ) -> GPTQResult:
     """Quantize ``W`` with GPTQ given the Hessian ``H`` of its inputs.
 
@@ -214,7 +219,7 @@ def gptq_quantize(
     (compressed-tensors 0.20 rejects ``actorder="group"`` in configs; prefer ``"weight"``).
 
     Args:
-        W: weight ``[out, in]``, any float dtype (not modified).
+        W: weight ``[out, in]``, any float dtype (not modified, unless ``overwrite``).
         H: Hessian ``[in, in]`` from :func:`accumulate_hessian`; its memory is the inverse
             factor's scratch meanwhile, its values the same after.
         num_bits, symmetric, type: target format (``type="float"``: fp8 e4m3, symmetric).
@@ -239,6 +244,9 @@ def gptq_quantize(
         in_place_factor: on the CPU, factor ``H`` in its own memory (``gptq_factor.cholesky_in_place_``: no
             second [in, in] matrix, about 2x the time of LAPACK's); equal to the default up to float32 rounding,
             so the codes may differ in a few roundings. For host budgets that need it; False keeps LAPACK's.
+        overwrite: write Q into W's own memory, a chunk of rows at a time, each chunk's output error taken just
+            before (``rel_error``): no third weight-sized matrix beside W^T and the codes (32 MiB at a 8192-wide
+            bf16 down_proj). ``Q`` is then W. For a module solved alone, whose weight Q replaces anyway.
 
     Returns:
         :class:`GPTQResult`.
@@ -289,7 +297,12 @@ def gptq_quantize(
                 WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
             )
         del WT, Hinv
-    Q, codes = _original_order(QT, codes, perm, W.dtype)
+    rel_error = None
+    if overwrite:  # H holds its values again here (processing_factor restored them)
+        rel_error, Q = _overwrite_in_order(W, QT, perm, H), W
+        codes = _codes_in_order(codes, perm)
+    else:
+        Q, codes = _original_order(QT, codes, perm, W.dtype)
     del QT
     if fmt is not None and zero_point is None:
         zero_point = torch.zeros_like(scale, dtype=fmt.code_dtype)
@@ -303,6 +316,7 @@ def gptq_quantize(
         dampening_frac=factor.dampening_frac,
         retries=factor.retries,
         row_loss=row_loss,
+        rel_error=rel_error,
     )
 
 
@@ -333,5 +347,29 @@ def _original_order(
     step = _strips(n_out, n_in).step
     for r in _strips(n_out, n_in):
         Q[r : r + step] = QT[:, r : r + step].index_select(0, inv).T  # cast on assignment, per element
+    return Q, _codes_in_order(codes, perm)
+
+
+def _codes_in_order(codes: Tensor, perm: Tensor | None) -> Tensor:
+    """The codes' columns in the original order, in their own memory, a strip of rows at a time."""
+    if perm is None:
+        return codes
+    inv = torch.argsort(perm)
+    step = _strips(*codes.shape).step
+    for r in _strips(*codes.shape):
         codes[r : r + step] = codes[r : r + step].index_select(1, inv)
-    return Q, codes
+    return codes
+
+
+def _overwrite_in_order(W: Tensor, QT: Tensor, perm: Tensor | None, H: Tensor) -> float:
+    """Q (``QT`` transposed, columns in the original order, in W's dtype) written over ``W`` in the row chunks of
+    :func:`~seqcal.algorithms.hessian.relative_output_error`, each chunk's error taken first; returns that error
+    (the same value: the same chunks, sums and order)."""
+    inv = None if perm is None else torch.argsort(perm)
+    error, rows = OutputError(H), error_rows(W.shape[1])
+    for r in range(0, W.shape[0], rows):
+        columns = QT[:, r : r + rows]  # [in, rows] in processing order
+        q = (columns if inv is None else columns.index_select(0, inv)).T.to(W.dtype)
+        error.add(W[r : r + rows], q)
+        W[r : r + rows] = q
+    return error.value()

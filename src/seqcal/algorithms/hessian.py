@@ -340,13 +340,35 @@ def relative_output_error(W: Tensor, Q: Tensor, H: Tensor, rows: int | None = No
         >>> W = torch.randn(4, 8); round(relative_output_error(W, 1.1 * W, H), 4)
         0.1
     """
-    rows = rows or max(16, min(256, ERROR_CHUNK_FLOATS // max(W.shape[1], 1)))
-    num = torch.zeros((), dtype=H.dtype, device=H.device)
-    den = torch.zeros((), dtype=H.dtype, device=H.device)
+    rows = rows or error_rows(W.shape[1])
+    error = OutputError(H)
     for r in range(0, W.shape[0], rows):
-        w = W[r : r + rows].to(H.dtype)  # [rows, in]
-        d = Q[r : r + rows].to(H.dtype) - w  # [rows, in]
-        forms = quadratic_forms(torch.cat([d, w]), H)  # [2 rows]: the error's rows, then the weight's
-        num += forms[: d.shape[0]].sum()
-        den += forms[d.shape[0] :].sum()
-    return (num.clamp_min(0) / den.clamp_min(torch.finfo(H.dtype).tiny)).sqrt().item()
+        error.add(W[r : r + rows], Q[r : r + rows])
+    return error.value()
+
+
+def error_rows(n_in: int) -> int:
+    """Output rows per chunk of :func:`relative_output_error` for ``n_in`` inputs (``ERROR_CHUNK_FLOATS``)."""
+    return max(16, min(256, ERROR_CHUNK_FLOATS // max(n_in, 1)))
+
+
+class OutputError:
+    """:func:`relative_output_error` summed over chunks of rows as they come (the same sums in the same order),
+    for a caller that overwrites each chunk of W once its error is taken (``gptq_quantize(overwrite=True)``)."""
+
+    def __init__(self, H: Tensor) -> None:
+        self.H = H
+        self.num = torch.zeros((), dtype=H.dtype, device=H.device)
+        self.den = torch.zeros((), dtype=H.dtype, device=H.device)
+
+    def add(self, W: Tensor, Q: Tensor) -> None:
+        """Adds the rows ``W [rows, in]`` and their quantized values ``Q``."""
+        w = W.to(self.H.dtype)  # [rows, in]
+        d = Q.to(self.H.dtype) - w  # [rows, in]
+        forms = quadratic_forms(torch.cat([d, w]), self.H)  # [2 rows]: the error's rows, then the weight's
+        self.num += forms[: d.shape[0]].sum()
+        self.den += forms[d.shape[0] :].sum()
+
+    def value(self) -> float:
+        """The relative error of the rows added so far (0 when every ``Q == W``)."""
+        return (self.num.clamp_min(0) / self.den.clamp_min(torch.finfo(self.H.dtype).tiny)).sqrt().item()

@@ -211,6 +211,9 @@ class GPTQModifier(QuantizationModifier):
         modules = [model.get_submodule(n) for n in names]
         rows = [m.weight.shape[0] for m in modules]
         W = torch.cat([m.weight.data for m in modules]) if len(modules) > 1 else modules[0].weight.data
+        # a module solved alone takes Q in its weight's own memory (the error of each chunk taken first), unless that
+        # memory is shared with another tensor's
+        overwrite = len(modules) == 1 and W.is_contiguous() and W.untyped_storage().nbytes() == W.nbytes
         order = getattr(scheme.weights.actorder, "value", scheme.weights.actorder) or self.actorder
         fmt, globals_ = weight_format(scheme), [self._global_scales.get(n) for n in names]
         per_row_global = None  # NVFP4: each stacked module keeps its own (fused group's) global scale
@@ -227,7 +230,7 @@ class GPTQModifier(QuantizationModifier):
             result = gptq_quantize(
                 W, H, block_size=self.block_size, dampening_frac=float(self.dampening_frac),
                 actorder=order, fmt=fmt, global_scale=per_row_global, pruned=pruned, importance=importance, **kw,
-                in_place_factor=state.config.in_place_factor,
+                in_place_factor=state.config.in_place_factor, overwrite=overwrite,
             )  # fmt: skip
         except GPTQNumericalError as exc:
             for name, module, g in zip(names, modules, globals_):
@@ -243,8 +246,11 @@ class GPTQModifier(QuantizationModifier):
             split(result.zero_point), split(result.row_loss),
         ):  # fmt: skip
             errors = state.results.module_errors.setdefault(name, {})
-            errors["rel_error"] = relative_output_error(module.weight.data, Q, H)
-            module.weight.data = Q.contiguous()
+            if result.rel_error is None:
+                errors["rel_error"] = relative_output_error(module.weight.data, Q, H)
+                module.weight.data = Q.contiguous()
+            else:  # Q is the weight's own memory already
+                errors["rel_error"] = result.rel_error
             errors["gptq_loss"] = loss.sum().item()
             state.results.quantized[name] = QuantizedWeight(
                 q=q.contiguous(), scale=scale.contiguous(),

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from seqcal.algorithms.gptq_factor import factor_bytes
-from seqcal.algorithms.hessian import kept_in_ram
+from seqcal.algorithms.hessian import error_rows, kept_in_ram
 from seqcal.experts import routed_experts, shared_expert_inputs
 from seqcal.tracing.partition import Subgraph
 
@@ -150,11 +150,12 @@ def solve_bytes(
         kept = kept_in_ram(n_in) if device_on_host else 0  # a wide one is kept in a file
         # the Cholesky factor and LAPACK's work buffers (a few blocks when in place)
         inverse = factor_bytes(n_in, device_on_host, in_place) + kept
-        # Per weight: W^T in fp32, the int8 codes and the result in W's dtype, at most (gptq._weight_and_qparams and
-        # gptq._original_order build and un-permute them a strip of rows at a time; the factor is in the Hessian's
-        # memory, the relative output error after it works on row chunks). A stack of modules adds its stacked
-        # copy; a module solved alone is its own weight, counted with the subgraph's.
-        stacked = 2 if any(len(chunk) > 1 for chunk in chunks) else 1
-        columns = kept + n_out * n_in * (4 + 1 + dtype_bytes + (stacked - 1) * dtype_bytes)
+        # Per weight: W^T in fp32 and the int8 codes (gptq._weight_and_qparams builds W^T a strip of rows at a time;
+        # the factor is in the Hessian's memory). A module solved alone takes Q in its own weight's memory, each
+        # chunk of rows after its output error (about six [rows, in] float32 temporaries); a stack of modules
+        # has its stacked copy and a new Q in W's dtype (gptq._original_order, a strip at a time), the error after.
+        stacked = any(len(chunk) > 1 for chunk in chunks)
+        per_weight = 4 + 1 + (2 * dtype_bytes if stacked else 0)
+        columns = kept + n_out * n_in * per_weight + (0 if stacked else 6 * error_rows(n_in) * n_in * 4)
         peak = max(peak, inverse, columns)
     return peak, most
