@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from seqcal.entrypoint import ModelArgs, load_model, oneshot
 from seqcal.modifiers import GPTQModifier
 from seqcal.plan import PROCESS_BASELINE, MemoryPlan, SubgraphPlan
-from seqcal.plan.host import HostBudgetError, check_budget, fit_host, floor_of
+from seqcal.plan.host import BUDGET_MARGIN, HostBudgetError, check_budget, fit_host, floor_of
 from test_oneshot import tiny_llama, token_data
 
 GPTQ = "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}"
@@ -63,6 +64,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def room(usable: int) -> int:
+    """The least budget the plan may fill up to ``usable`` bytes of (the plan keeps ``BUDGET_MARGIN`` free)."""
+    return int(usable / (1 - BUDGET_MARGIN)) + 1
+
+
 def _plan(model_dir: Path, **kwargs: object) -> MemoryPlan:
     args = {"num_calibration_samples": 64, "max_seq_length": 64, "batch_size": 1, **kwargs}
     return oneshot(model=str(model_dir), recipe=GPTQ, dataset=[], dry_run=True, **args)
@@ -94,11 +100,11 @@ def test_the_budget_caps_the_cache_or_is_refused_with_the_smallest_that_works(mo
     cache = max(r.cache_ram for r in whole.rows)
     assert cache > 0 and whole.host_peak > floor
     # generous: nothing changes
-    assert _plan(model_dir, max_host_memory=whole.host_peak).host_peak == whole.host_peak
+    assert _plan(model_dir, max_host_memory=room(whole.host_peak)).host_peak == whole.host_peak
     # between the floor and the whole plan: the cache's RAM is capped, the peak kept, the rest planned on disk
-    budget = floor + cache // 2
+    budget = room(floor + cache // 2)
     capped = _plan(model_dir, max_host_memory=budget)
-    assert capped.host_peak <= budget < whole.host_peak
+    assert capped.host_peak <= budget * (1 - BUDGET_MARGIN) < whole.host_peak
     assert max(r.cache_ram for r in capped.rows) < cache and capped.disk > whole.disk
     # below the floor of both cuts: refused, naming the smallest budget, which is then accepted
     layer_floor, _ = floor_of(_plan(model_dir, one_pass=False))
@@ -106,8 +112,10 @@ def test_the_budget_caps_the_cache_or_is_refused_with_the_smallest_that_works(mo
     with pytest.raises(HostBudgetError, match=rf"needs at least {smallest / 1e9:.2f} GB even with the activation "
                                               r"cache on disk, most of it the process itself") as err:  # fmt: skip
         _plan(model_dir, max_host_memory=smallest - 10**6)
-    assert _plan(model_dir, max_host_memory=smallest).host_peak <= smallest
-    assert "raise max_host_memory" in str(err.value)
+    assert _plan(model_dir, max_host_memory=room(smallest)).host_peak <= smallest
+    least = float(re.search(r"raise max_host_memory to ([0-9.]+) GB", str(err.value)).group(1)) * 1e9
+    assert smallest < least <= room(smallest) + 10**7  # the floor and the margin, rounded up to 0.01 GB
+    assert _plan(model_dir, max_host_memory=least).host_peak <= least * (1 - BUDGET_MARGIN)
 
 
 def _row(index: int, work: int, cache: int) -> SubgraphPlan:
@@ -121,9 +129,10 @@ def test_the_other_cut_is_taken_when_only_it_fits() -> None:
     mb = 10**6
     one_pass = MemoryPlan([_row(0, 500 * mb, 100 * mb)], PROCESS_BASELINE + 600 * mb, 0, one_pass=True)
     layers = MemoryPlan([_row(0, 200 * mb, 300 * mb)], PROCESS_BASELINE + 500 * mb, 0)
-    budget, layers_peak = PROCESS_BASELINE + 400 * mb, layers.host_peak
+    budget, layers_peak = room(PROCESS_BASELINE + 400 * mb), layers.host_peak
     fit = fit_host(budget, one_pass, one_pass=True, other_cut=lambda: layers)
-    assert not fit.one_pass and fit.cache_max_memory == 200 * mb and fit.plan.host_peak == budget
+    assert not fit.one_pass and fit.cache_max_memory == 200 * mb
+    assert fit.plan.host_peak == PROCESS_BASELINE + 400 * mb  # the budget less its margin
     assert fit.plan.disk == 100 * mb and len(fit.decisions) == 2
     assert fit.decisions[0].startswith(
         f"max_host_memory {budget / 1e9:.2f} GB: the layer cut instead of the one-pass"
@@ -140,7 +149,7 @@ def test_the_other_cut_is_taken_when_only_it_fits() -> None:
 
 def test_the_report_has_the_predicted_and_measured_peak(model_dir: Path, tmp_path: Path) -> None:
     whole = _plan(model_dir, num_calibration_samples=4, max_seq_length=32)
-    budget = floor_of(whole)[0] + max(r.cache_ram for r in whole.rows) // 2
+    budget = room(floor_of(whole)[0] + max(r.cache_ram for r in whole.rows) // 2)
     oneshot(model=str(model_dir), recipe=GPTQ, dataset=token_data(4), max_seq_length=32, batch_size=1,
             output_dir=str(tmp_path / "out"), max_host_memory=budget)  # fmt: skip
     report = json.loads((tmp_path / "out" / "quantization_report.json").read_text())["host_memory"]
