@@ -47,7 +47,10 @@ def test_one_float32_copy_of_the_weight_at_a_time(monkeypatch, actorder):
     monkeypatch.setattr(gptq_module, "STRIP_FLOATS", 4096)  # strips of 8 rows of 512 inputs
     out, n = 512, 512
     W = torch.randn(out, n, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    dead, perm = torch.zeros(n, dtype=torch.bool), torch.randperm(n, generator=torch.Generator().manual_seed(5))
+    dead, perm = (
+        torch.zeros(n, dtype=torch.bool),
+        torch.randperm(n, generator=torch.Generator().manual_seed(5)),
+    )
     qkw = dict(num_bits=4, symmetric=True, strategy="group", group_size=64, type="int", observer="minmax",
                observer_kwargs=None, importance=None)  # fmt: skip
     (WT, *_), peak, _ = _allocation_peak(
@@ -58,7 +61,9 @@ def test_one_float32_copy_of_the_weight_at_a_time(monkeypatch, actorder):
     assert WT.shape == (n, out) and 4 * weight <= peak <= 4 * weight + max(strip, qparams), peak / weight
     codes = torch.randint(-8, 8, (out, n), dtype=torch.int8)
     expected = (WT.T.to(torch.bfloat16)[:, torch.argsort(perm)], codes[:, torch.argsort(perm)])
-    (Q, permuted), peak, _ = _allocation_peak(lambda: gptq_module._original_order(WT, codes, perm, torch.bfloat16))
+    (Q, permuted), peak, _ = _allocation_peak(
+        lambda: gptq_module._original_order(WT, codes, perm, torch.bfloat16)
+    )
     assert torch.equal(Q, expected[0]) and torch.equal(permuted, expected[1]) and permuted is codes
     assert 2 * weight <= peak <= 2 * weight + strip, peak / weight
 

@@ -18,8 +18,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from seqcal.execution.cuts import onloaded_modules
-from seqcal.plan.host import BUDGET_MARGIN
 from seqcal.execution.subgraphs import trace_subgraphs
+from seqcal.plan.host import BUDGET_MARGIN
 from seqcal.tracing.partition import Subgraph
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,6 +22,7 @@ from seqcal.algorithms.gptq_factor import (
 from seqcal.algorithms.hessian import KeptHessian, kept_in_ram, symmetrize_upper
 from seqcal.plan import PROCESS_BASELINE, MemoryPlan, SubgraphPlan
 from seqcal.plan.host import HostBudgetError, fit_host
+from test_host_budget import room
 
 
 def _hessian(n: int, seed: int = 0) -> torch.Tensor:
@@ -165,25 +166,29 @@ def test_the_budget_takes_the_in_place_factor_only_when_no_cut_fits_without_it()
 
     # the default plan fits: the in-place plans are not even made
     fit = fit_host(
-        PROCESS_BASELINE + 600 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
+        room(PROCESS_BASELINE + 600 * mb), default, one_pass=True, other_cut=lambda: layers, in_place=in_place
     )
     assert not fit.plan.in_place_factor and asked == []
     # neither cut fits: the default cut with the in-place factor does, and the run is told so
     fit = fit_host(
-        PROCESS_BASELINE + 400 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
+        room(PROCESS_BASELINE + 400 * mb), default, one_pass=True, other_cut=lambda: layers, in_place=in_place
     )
     assert fit.plan.in_place_factor and fit.one_pass and asked == [True]
     assert any("Cholesky factors in the Hessians' own memory" in line for line in fit.decisions)
     # only the layer cut with it fits
     asked.clear()
     fit = fit_host(
-        PROCESS_BASELINE + 280 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
+        room(PROCESS_BASELINE + 280 * mb), default, one_pass=True, other_cut=lambda: layers, in_place=in_place
     )
     assert fit.plan.in_place_factor and not fit.one_pass and asked == [True, False]
     # nothing fits: refused, naming the lowest floor of all four
     with pytest.raises(HostBudgetError, match=f"needs at least {(PROCESS_BASELINE + 250 * mb) / 1e9:.2f} GB"):
         fit_host(
-            PROCESS_BASELINE + 100 * mb, default, one_pass=True, other_cut=lambda: layers, in_place=in_place
+            room(PROCESS_BASELINE + 100 * mb),
+            default,
+            one_pass=True,
+            other_cut=lambda: layers,
+            in_place=in_place,
         )
 
 
@@ -202,13 +207,13 @@ def test_the_budget_writes_each_save_before_the_next_subgraph_only_when_the_in_p
         return plan
 
     kw = dict(one_pass=True, other_cut=None, in_place=in_place, synchronous=synchronous)
-    fit = fit_host(PROCESS_BASELINE + 300 * mb, default, **kw)
+    fit = fit_host(room(PROCESS_BASELINE + 300 * mb), default, **kw)
     assert fit.plan.in_place_factor and fit.plan.background_save  # the factor alone is enough
-    fit = fit_host(PROCESS_BASELINE + 250 * mb, default, **kw)
+    fit = fit_host(room(PROCESS_BASELINE + 250 * mb), default, **kw)
     assert fit.plan.in_place_factor and not fit.plan.background_save
     assert any("written before the next subgraph starts" in line for line in fit.decisions)
     with pytest.raises(HostBudgetError, match=f"needs at least {(PROCESS_BASELINE + 240 * mb) / 1e9:.2f} GB"):
-        fit_host(PROCESS_BASELINE + 200 * mb, default, **kw)
+        fit_host(room(PROCESS_BASELINE + 200 * mb), default, **kw)
 
 
 def test_a_budget_that_chose_the_synchronous_save_writes_no_file_on_a_worker_thread(
