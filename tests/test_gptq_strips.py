@@ -1,5 +1,6 @@
 """GPTQ's weight-sized float32 copies built and un-permuted a strip of rows at a time (``gptq.STRIP_FLOATS``):
-the same bits as whole-matrix copies, and no second weight-sized copy beside the first."""
+the same bits as whole-matrix copies, and no second weight-sized copy beside the first; the save's packing and its
+check of the weight by chunks of rows too."""
 
 from __future__ import annotations
 
@@ -86,3 +87,42 @@ def test_overwrite_writes_q_into_the_weight_with_the_same_error(monkeypatch, act
     result = gptq_quantize(target, H.clone(), actorder=actorder, group_size=32, overwrite=True)
     assert result.Q is target and torch.equal(target, default.Q) and torch.equal(result.q, default.q)
     assert result.rel_error == expected and default.rel_error is None and expected > 0
+
+
+@pytest.mark.parametrize("num_bits", [2, 3, 4, 8])
+def test_codes_packed_a_chunk_of_rows_at_a_time(monkeypatch, num_bits):
+    """``pack_int32`` widens a few rows at a time (``PACK_CODES``): the same words as one chunk, and no int32 copy
+    of all the codes (12 bytes a code at once before: 192 MiB at a 8192-wide down_proj)."""
+    import seqcal.algorithms.packing as packing
+
+    q = torch.randint(-(1 << (num_bits - 1)), 1 << (num_bits - 1), (64, 1000), dtype=torch.int8)
+    whole = packing.pack_int32(q, num_bits)
+    monkeypatch.setattr(packing, "PACK_CODES", 3 * 1000)  # chunks of 3 rows, the last one shorter
+    (chunked, peak, _) = _allocation_peak(lambda: packing.pack_int32(q, num_bits))
+    assert torch.equal(chunked, whole) and torch.equal(packing.unpack_int32(whole, num_bits, q.shape), q)
+    assert peak <= chunked.nbytes + 12 * 3 * 1024 + (64 << 10), peak  # the result and one chunk's temporaries
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_the_save_compares_the_weight_a_chunk_of_rows_at_a_time(monkeypatch, symmetric):
+    """The save's check that the weight in memory is what the codes dequantize to goes by chunks of rows
+    (``CHECK_VALUES``), each with its own rows of the scale and zero point, and still sees a change in the last
+    chunk."""
+    import seqcal.checkpoint.tensors as tensors
+    from seqcal.algorithms.quant import dequantize
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    from seqcal.records import QuantizedWeight
+
+    scheme = preset_name_to_scheme("W4A16" if symmetric else "W4A16_ASYM", ["Linear"])
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-8, 8, (10, 256), dtype=torch.int8, generator=g)
+    scale = torch.rand(10, 2, generator=g).to(torch.bfloat16) + 0.1
+    zp = None if symmetric else torch.randint(-2, 2, (10, 2), dtype=torch.int8, generator=g)
+    weight = dequantize(q, scale, zp, group_size=128, dtype=torch.bfloat16)
+    qw = QuantizedWeight(q=q, scale=scale, zero_point=zp, g_idx=None, scheme=scheme)
+    monkeypatch.setattr(tensors, "CHECK_VALUES", 3 * 256)  # chunks of 3 rows
+    tensors._check_fake_quantized("m", weight, qw)
+    weight[9, 255] += 1.0
+    with pytest.raises(ValueError, match="differs from the dequantized codes"):
+        tensors._check_fake_quantized("m", weight, qw)

@@ -52,7 +52,24 @@ def pack_int32(q: Tensor, num_bits: int, dim: int = -1) -> Tensor:
     dim = _check_pack_args(num_bits, dim, q.ndim)
     u = q.movedim(dim, -1)
     lead = u.shape[:-1]
-    u = u.reshape(-1, u.shape[-1]).to(torch.int32) + (1 << (num_bits - 1))  # [R, C] unsigned codes
+    u = u.reshape(-1, u.shape[-1])  # [R, C] signed codes
+    R, C = u.shape
+    packed = torch.empty(R, math.ceil(C * num_bits / 32), dtype=torch.int32, device=q.device)
+    step = max(1, PACK_CODES // max(C, 1))
+    for r in range(
+        0, R, step
+    ):  # rows are packed on their own: a few MiB of int32 temporaries, not 12 bytes a code
+        packed[r : r + step] = _pack_rows(u[r : r + step], num_bits)
+    return packed.reshape(*lead, -1).movedim(-1, dim).contiguous()
+
+
+# Codes per chunk of rows that pack_int32 widens to int32 at once (4 MiB of each temporary)
+PACK_CODES = 1 << 20
+
+
+def _pack_rows(q: Tensor, num_bits: int) -> Tensor:
+    """:func:`pack_int32` of the rows of ``q [R, C]`` (int8): ``[R, ceil(C * num_bits / 32)]`` int32."""
+    u = q.to(torch.int32) + (1 << (num_bits - 1))  # [R, C] unsigned codes
     R, C = u.shape
     chunks = math.ceil(C / 32)
     u = torch.nn.functional.pad(u, (0, chunks * 32 - C)).view(R, chunks, 32)  # 32 codes fill b words
@@ -62,8 +79,7 @@ def pack_int32(q: Tensor, num_bits: int, dim: int = -1) -> Tensor:
         words[:, :, w] |= u[:, :, i] << off  # bits past 31 wrap away; the carry goes to the next word
         if off + num_bits > 32:
             words[:, :, w + 1] |= u[:, :, i] >> (32 - off)
-    packed = words.view(R, -1)[:, : math.ceil(C * num_bits / 32)]
-    return packed.reshape(*lead, -1).movedim(-1, dim).contiguous()
+    return words.view(R, -1)[:, : math.ceil(C * num_bits / 32)]
 
 
 def unpack_int32(packed: Tensor, num_bits: int, shape: tuple[int, ...] | torch.Size, dim: int = -1) -> Tensor:
