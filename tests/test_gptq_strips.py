@@ -108,10 +108,10 @@ def test_the_save_compares_the_weight_a_chunk_of_rows_at_a_time(monkeypatch, sym
     """The save's check that the weight in memory is what the codes dequantize to goes by chunks of rows
     (``CHECK_VALUES``), each with its own rows of the scale and zero point, and still sees a change in the last
     chunk."""
-    import seqcal.checkpoint.tensors as tensors
-    from seqcal.algorithms.quant import dequantize
     from compressed_tensors.quantization import preset_name_to_scheme
 
+    import seqcal.checkpoint.tensors as tensors
+    from seqcal.algorithms.quant import dequantize
     from seqcal.records import QuantizedWeight
 
     scheme = preset_name_to_scheme("W4A16" if symmetric else "W4A16_ASYM", ["Linear"])
