@@ -15,6 +15,7 @@ from the (dead-column-masked) weight, and rounded to their storage dtype so that
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -135,29 +136,30 @@ def _strips(n_out: int, n_in: int) -> range:
     return range(0, n_out, max(1, STRIP_FLOATS // max(n_in, 1)))
 
 
-def _float_rows(W: Tensor, dead: Tensor, perm: Tensor | None) -> Tensor:
-    """``W [out, in]`` in float32, inputs never seen zeroed (any weight is free there), columns in ``perm``'s
-    order; built a strip of rows at a time, so no second weight-sized copy exists meanwhile."""
-    n_out, n_in = W.shape
-    out = torch.empty(n_out, n_in, dtype=torch.float32, device=W.device)
-    step = _strips(n_out, n_in).step
-    for r in _strips(n_out, n_in):
+def _float_strips(W: Tensor, dead: Tensor) -> Iterator[tuple[slice, Tensor]]:
+    """``(rows, W[rows] in float32)`` a strip at a time, inputs never seen zeroed (any weight is free there)."""
+    step = _strips(*W.shape).step
+    for r in _strips(*W.shape):
         strip = W[r : r + step].detach().to(torch.float32, copy=True)
         strip[:, dead] = 0
-        out[r : r + step] = strip if perm is None else strip.index_select(1, perm)
+        yield slice(r, r + step), strip
+
+
+def _float_rows(W: Tensor, dead: Tensor, perm: Tensor | None) -> Tensor:
+    """``W [out, in]`` in float32 (:func:`_float_strips`), columns in ``perm``'s order; built a strip of rows at a
+    time, so no second weight-sized copy exists meanwhile."""
+    out = torch.empty(W.shape, dtype=torch.float32, device=W.device)
+    for rows, strip in _float_strips(W, dead):
+        out[rows] = strip if perm is None else strip.index_select(1, perm)
     return out
 
 
 def _processing_rows(W: Tensor, dead: Tensor, perm: Tensor | None) -> Tensor:
     """``WT [in, out]``: :func:`_float_rows` transposed, rows in ``perm``'s order, from strips of W (the same
     values as transposing a whole float32 copy: every element is copied, none computed)."""
-    n_out, n_in = W.shape
-    WT = torch.empty(n_in, n_out, dtype=torch.float32, device=W.device)
-    step = _strips(n_out, n_in).step
-    for r in _strips(n_out, n_in):
-        strip = W[r : r + step].detach().to(torch.float32, copy=True)
-        strip[:, dead] = 0
-        WT[:, r : r + step] = strip.T if perm is None else strip.T.index_select(0, perm)
+    WT = torch.empty(W.shape[1], W.shape[0], dtype=torch.float32, device=W.device)
+    for rows, strip in _float_strips(W, dead):
+        WT[:, rows] = strip.T if perm is None else strip.T.index_select(0, perm)
     return WT
 
 
