@@ -44,9 +44,10 @@ logger = logging.getLogger("seqcal")
 
 _GB = 1e9
 # The share of a budget the plan leaves free for what it cannot see from the process it measures (library code
-# first run later, the allocator's arenas): its prediction fell short of the measured peak by up to 1.1% at
-# Llama-3.2-1B's widths, and was above it by 1-6% elsewhere (benchmarks/RESULTS.md).
-BUDGET_MARGIN = 0.02
+# first run later, the allocator's arenas, what a long run accumulates): at Llama-3.2-1B's widths under 900 MB its
+# prediction fell short of the measured peak by 0.7% over 2 layers and 3.0% over 24; it was above it by 1-7%
+# elsewhere (benchmarks/RESULTS.md).
+BUDGET_MARGIN = 0.04
 
 
 class HostBudgetError(SeqcalError, ValueError):
