@@ -62,8 +62,12 @@ def test_one_float32_copy_of_the_weight_at_a_time(monkeypatch, actorder):
     assert WT.shape == (n, out) and 4 * weight <= peak <= 4 * weight + max(strip, qparams), peak / weight
     codes = torch.randint(-8, 8, (out, n), dtype=torch.int8)
     expected = (WT.T.to(torch.bfloat16)[:, torch.argsort(perm)], codes[:, torch.argsort(perm)])
+    inv = torch.argsort(perm)
     (Q, permuted), peak, _ = _allocation_peak(
-        lambda: gptq_module._original_order(WT, codes, perm, torch.bfloat16)
+        lambda: (
+            gptq_module._original_order(WT, inv, torch.bfloat16),
+            gptq_module._codes_in_order(codes, inv),
+        )
     )
     assert torch.equal(Q, expected[0]) and torch.equal(permuted, expected[1]) and permuted is codes
     assert 2 * weight <= peak <= 2 * weight + strip, peak / weight

@@ -34,6 +34,7 @@ from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
 from seqcal.algorithms.gptq import (
     ACTORDER,
     GPTQResult,
+    _codes_in_order,
     _original_order,
     _stored_qparams,
     _weight_and_qparams,
@@ -230,7 +231,8 @@ def gptaq_quantize(
                 WT, factor.Hinv, scale32, zero32, col_group, block_size, qrange, mismatch=P
             )
         del WT, P
-    Q, codes = _original_order(QT, codes, factor.perm, W.dtype)
+    inv = None if factor.perm is None else torch.argsort(factor.perm)  # processing -> original order
+    Q, codes = _original_order(QT, inv, W.dtype), _codes_in_order(codes, inv)
     return GPTQResult(
         Q=Q, q=codes, scale=scale, zero_point=zero_point, g_idx=g_idx, loss=row_loss.sum().item(),
         dampening_frac=factor.dampening_frac, retries=factor.retries, row_loss=row_loss,

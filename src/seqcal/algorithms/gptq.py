@@ -90,8 +90,8 @@ def _check_inputs(W: Tensor, H: Tensor, strategy: str, group_size: int | None, b
         )
     if block_size <= 0:
         raise ValueError(f"gptq_quantize: block_size must be > 0, got {block_size}")
-    step = _strips(*W.shape).step  # a strip at a time: a float32 copy of a 8192-wide weight is 64 MiB
-    if not all(bool(torch.isfinite(W[r : r + step]).all()) for r in _strips(*W.shape)):
+    # a strip at a time: a float32 copy of a 8192-wide weight is 64 MiB
+    if not all(bool(torch.isfinite(W[rows]).all()) for rows in _strips(*W.shape)):
         raise ValueError("gptq_quantize: W contains NaN or inf; the checkpoint is broken upstream of GPTQ")
 
 
@@ -111,18 +111,12 @@ def _weight_and_qparams(
         # "weight": groups stay contiguous in the original order, so the checkpoint format does not change
         scale, zero_point = weight_qparams(_float_rows(W, dead, None), **qkw)
         order = None if actorder is None else perm
-        return (
-            _processing_rows(W, dead, order),
-            scale,
-            zero_point,
-            col_group if order is None else col_group[perm],
-            None,
-        )
+        col_group = col_group if order is None else col_group[order]
+        return _processing_rows(W, dead, order), scale, zero_point, col_group, None
     if qkw.get("importance") is not None:  # the importance follows its columns
         qkw = {**qkw, "importance": qkw["importance"][perm]}
-    scale, zero_point = weight_qparams(
-        _float_rows(W, dead, perm), **qkw
-    )  # groups of consecutive *permuted* columns
+    # groups of consecutive *permuted* columns
+    scale, zero_point = weight_qparams(_float_rows(W, dead, perm), **qkw)
     g_idx = col_group[torch.argsort(perm)].to(torch.int32) if qkw["strategy"] == "group" else None
     return _processing_rows(W, dead, perm), scale, zero_point, col_group, g_idx
 
@@ -131,18 +125,18 @@ def _weight_and_qparams(
 STRIP_FLOATS = 1 << 18
 
 
-def _strips(n_out: int, n_in: int) -> range:
-    """Start rows of the strips of an ``[n_out, n_in]`` weight (``STRIP_FLOATS`` floats each, one row at least)."""
-    return range(0, n_out, max(1, STRIP_FLOATS // max(n_in, 1)))
+def _strips(n_out: int, n_in: int) -> list[slice]:
+    """The rows of each strip of an ``[n_out, n_in]`` weight (``STRIP_FLOATS`` floats each, one row at least)."""
+    step = max(1, STRIP_FLOATS // max(n_in, 1))
+    return [slice(r, r + step) for r in range(0, n_out, step)]
 
 
 def _float_strips(W: Tensor, dead: Tensor) -> Iterator[tuple[slice, Tensor]]:
     """``(rows, W[rows] in float32)`` a strip at a time, inputs never seen zeroed (any weight is free there)."""
-    step = _strips(*W.shape).step
-    for r in _strips(*W.shape):
-        strip = W[r : r + step].detach().to(torch.float32, copy=True)
+    for rows in _strips(*W.shape):
+        strip = W[rows].detach().to(torch.float32, copy=True)
         strip[:, dead] = 0
-        yield slice(r, r + step), strip
+        yield rows, strip
 
 
 def _float_rows(W: Tensor, dead: Tensor, perm: Tensor | None) -> Tensor:
@@ -300,12 +294,12 @@ def gptq_quantize(
                 WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
             )
         del WT, Hinv
-    rel_error = None
+    rel_error, inv = None, None if perm is None else torch.argsort(perm)  # inv: processing -> original order
     if overwrite:  # H holds its values again here (processing_factor restored them)
-        rel_error, Q = _overwrite_in_order(W, QT, perm, H), W
-        codes = _codes_in_order(codes, perm)
+        rel_error, Q = _overwrite_in_order(W, QT, inv, H), W
     else:
-        Q, codes = _original_order(QT, codes, perm, W.dtype)
+        Q = _original_order(QT, inv, W.dtype)
+    codes = _codes_in_order(codes, inv)
     del QT
     if fmt is not None and zero_point is None:
         zero_point = torch.zeros_like(scale, dtype=fmt.code_dtype)
@@ -335,40 +329,29 @@ def _stored_qparams(
     return scale, scale32, zero_point.float().reshape(scale32.shape)
 
 
-def _original_order(
-    QT: Tensor, codes: Tensor, perm: Tensor | None, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """``(Q [out, in] in dtype, codes)`` in the original column order from the loop's processing order.
-
-    Un-permuted a strip of rows at a time (the codes in their own memory): beside QT and the codes, only Q
-    and a strip exist, not a permuted copy of each (80 MiB more at a 8192-wide down_proj)."""
-    if perm is None:
-        return QT.T.to(dtype), codes  # the cast is per element: the same values in either order
-    inv = torch.argsort(perm)
-    n_in, n_out = QT.shape
-    Q = torch.empty(n_out, n_in, dtype=dtype, device=QT.device)
-    step = _strips(n_out, n_in).step
-    for r in _strips(n_out, n_in):
-        Q[r : r + step] = QT[:, r : r + step].index_select(0, inv).T  # cast on assignment, per element
-    return Q, _codes_in_order(codes, perm)
+def _original_order(QT: Tensor, inv: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``Q [out, in]`` in ``dtype`` and the original column order (``inv``: ``argsort`` of the processing order)
+    from the loop's ``QT``, a strip of rows at a time: beside QT, only Q and a strip exist, not a permuted copy."""
+    if inv is None:
+        return QT.T.to(dtype)  # the cast is per element: the same values in either order
+    Q = torch.empty(QT.shape[1], QT.shape[0], dtype=dtype, device=QT.device)
+    for rows in _strips(*Q.shape):
+        Q[rows] = QT[:, rows].index_select(0, inv).T  # cast on assignment, per element
+    return Q
 
 
-def _codes_in_order(codes: Tensor, perm: Tensor | None) -> Tensor:
+def _codes_in_order(codes: Tensor, inv: Tensor | None) -> Tensor:
     """The codes' columns in the original order, in their own memory, a strip of rows at a time."""
-    if perm is None:
-        return codes
-    inv = torch.argsort(perm)
-    step = _strips(*codes.shape).step
-    for r in _strips(*codes.shape):
-        codes[r : r + step] = codes[r : r + step].index_select(1, inv)
+    if inv is not None:
+        for rows in _strips(*codes.shape):
+            codes[rows] = codes[rows].index_select(1, inv)
     return codes
 
 
-def _overwrite_in_order(W: Tensor, QT: Tensor, perm: Tensor | None, H: Tensor) -> float:
+def _overwrite_in_order(W: Tensor, QT: Tensor, inv: Tensor | None, H: Tensor) -> float:
     """Q (``QT`` transposed, columns in the original order, in W's dtype) written over ``W`` in the row chunks of
     :func:`~seqcal.algorithms.hessian.relative_output_error`, each chunk's error taken first; returns that error
     (the same value: the same chunks, sums and order)."""
-    inv = None if perm is None else torch.argsort(perm)
     error, rows = OutputError(H), error_rows(W.shape[1])
     for r in range(0, W.shape[0], rows):
         columns = QT[:, r : r + rows]  # [in, rows] in processing order

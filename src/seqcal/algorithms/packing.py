@@ -56,9 +56,8 @@ def pack_int32(q: Tensor, num_bits: int, dim: int = -1) -> Tensor:
     R, C = u.shape
     packed = torch.empty(R, math.ceil(C * num_bits / 32), dtype=torch.int32, device=q.device)
     step = max(1, PACK_CODES // max(C, 1))
-    for r in range(
-        0, R, step
-    ):  # rows are packed on their own: a few MiB of int32 temporaries, not 12 bytes a code
+    # rows are packed on their own: a few MiB of int32 temporaries, not 12 bytes a code
+    for r in range(0, R, step):
         packed[r : r + step] = _pack_rows(u[r : r + step], num_bits)
     return packed.reshape(*lead, -1).movedim(-1, dim).contiguous()
 

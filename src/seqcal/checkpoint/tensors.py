@@ -114,23 +114,15 @@ def _compressed(name: str, qw: QuantizedWeight, shape: tuple[int, ...]) -> dict[
 
 
 def _check_fake_quantized(name: str, weight: Tensor, qw: QuantizedWeight) -> None:
-    """The weight in memory must be exactly what the checkpoint dequantizes to (integer codes compared a chunk of
-    rows at a time: a float32 copy of a 8192-wide weight is 64 MiB)."""
-    w, fmt = qw.scheme.weights, weight_format(qw.scheme)
-    group_size = w.group_size if strategy_of(w) == "group" else None
+    """The weight in memory must be exactly what the checkpoint dequantizes to (integer codes with a scale per
+    row compared a chunk of rows at a time: a float32 copy of a 8192-wide weight is 64 MiB)."""
     rows = weight.shape[0]
-    per_row = fmt is None and weight.dim() == 2 and qw.scale.dim() == 2 and qw.scale.shape[0] == rows
+    per_row = weight_format(qw.scheme) is None and weight.dim() == 2 and qw.scale.dim() == 2
+    per_row = per_row and qw.scale.shape[0] == rows
     step = max(1, CHECK_VALUES // max(weight[0].numel(), 1)) if per_row else rows
     for r in range(0, rows, step):
         part = slice(r, r + step)
-        if fmt is not None:
-            expected = formats.dequantize(
-                qw.q, qw.scale, qw.zero_point, fmt, qw.global_scale, dtype=weight.dtype
-            )
-        else:
-            scale, zp = (qw.scale[part], None if qw.zero_point is None else qw.zero_point[part]) if per_row else (
-                qw.scale, qw.zero_point)  # fmt: skip
-            expected = dequantize(qw.q[part], scale, zp, group_size=group_size, dtype=weight.dtype)
+        expected = _dequantized(qw, part if per_row else None, weight.dtype)
         actual = weight[part].to(expected.device)
         if not torch.equal(expected, actual):
             diff = (expected.float() - actual.float()).abs().max().item()
@@ -139,6 +131,18 @@ def _check_fake_quantized(name: str, weight: Tensor, qw: QuantizedWeight) -> Non
                 f"(max |diff| {diff:.3g}); something changed the weight after it was quantized, so the checkpoint "
                 "would not be the model in memory. Quantize after every weight-changing modifier"
             )
+
+
+def _dequantized(qw: QuantizedWeight, rows: slice | None, dtype: torch.dtype) -> Tensor:
+    """What ``qw``'s codes dequantize to in ``dtype``: the ``rows`` of integer codes with a scale per row, or all."""
+    w, fmt = qw.scheme.weights, weight_format(qw.scheme)
+    if fmt is not None:
+        return formats.dequantize(qw.q, qw.scale, qw.zero_point, fmt, qw.global_scale, dtype=dtype)
+    q, scale, zp = qw.q, qw.scale, qw.zero_point
+    if rows is not None:
+        q, scale, zp = q[rows], scale[rows], None if zp is None else zp[rows]
+    group_size = w.group_size if strategy_of(w) == "group" else None
+    return dequantize(q, scale, zp, group_size=group_size, dtype=dtype)
 
 
 # Weights per chunk of rows compared by _check_fake_quantized
