@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ import torch
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.report import FORMATS
 
+logger = logging.getLogger("seqcal")
+
 _SAMPLE_TEXTS = (
     "The history of the city begins with a small settlement on the river, where traders met to exchange "
     "grain, salt and timber. Over the centuries the town grew into a regional centre.",
@@ -20,15 +23,30 @@ _SAMPLE_TEXTS = (
 
 
 def load_model_and_tokenizer(model_arg: str, dtype: str) -> tuple[torch.nn.Module, Any]:
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from seqcal.evaluation.loading import load_causal_lm
     from seqcal.models import resolve_model
+    from seqcal.multimodal.classes import model_class, model_task
 
     path = resolve_model(model_arg)
     try:
-        model = load_causal_lm(path, getattr(torch, dtype))
+        config = AutoConfig.from_pretrained(path)
+        task = model_task(config)
+        if task == "speech-to-text":
+            raise UsageError(
+                f"{model_arg} is a speech model ({type(config).__name__}): its forward needs audio, so its graph "
+                "is traced on audio rows; pass --dataset rows.jsonl (rows with an 'audio' file and a 'text')"
+            )
+        if task == "causal-lm":
+            model = load_causal_lm(path, getattr(torch, dtype))
+        else:  # a vision-language model, traced on text alone (its language model's graph)
+            model = model_class(config).from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+            logger.warning("seqcal: %s traced on text alone: the vision tower does not run; pass --dataset "
+                           "rows.jsonl (rows with images) to trace it with images", type(model).__name__)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(path)
+    except UsageError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure inside transformers is about this checkpoint
         raise ModelLoadError.wrap(path, exc) from exc
     if tokenizer.pad_token_id is None:

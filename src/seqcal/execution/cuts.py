@@ -12,6 +12,7 @@ import inspect
 import logging
 import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -149,6 +150,19 @@ def log_cut(
         logger.info(
             "seqcal: cutting after each layer (%s needs more than its modules' inputs): %s", needs, layer_cut
         )
+
+
+@contextlib.contextmanager
+def reading_weights(model: torch.nn.Module, store: WeightStore | None) -> Iterator[None]:
+    """Weights on meta (``store`` not None) read per module, on the cpu, while the model's own code runs
+    outside any subgraph: the tracer deciding a branch on the sample (Mllama's ``cross_attention_states is
+    None``, computed by the vision tower), the layer-by-layer fallback capturing the layers' inputs."""
+    if store is None:
+        yield
+        return
+    cpu = torch.device("cpu")
+    with safety_hooks(model, store, cpu), buffers_on(model, cpu):
+        yield
 
 
 def verify_run(

@@ -27,6 +27,7 @@ from seqcal.execution.cuts import (
     log_cut,
     one_pass_subgraphs,
     onloaded_modules,
+    reading_weights,
     verify_run,
 )
 from seqcal.execution.executor import calibrate_subgraphs
@@ -35,7 +36,7 @@ from seqcal.execution.store import WeightStore, restore_in_memory, stage_in_memo
 from seqcal.execution.subgraphs import SubgraphList, model_device, trace_subgraphs
 from seqcal.execution.transforms import prepare_modifiers
 from seqcal.execution.verify import Divergence, refuse
-from seqcal.execution.weights import SubgraphWeights, buffers_on, safety_hooks
+from seqcal.execution.weights import SubgraphWeights, buffers_on, reports_device, safety_hooks
 from seqcal.modifiers import RunState, contract
 from seqcal.modifiers.activations import quantized_inputs
 from seqcal.modifiers.contract import ModifierSet
@@ -155,7 +156,8 @@ def run_pipeline(
         store = stage_in_memory(model)
     try:
         data = batches if batches is not None else data_args
-        return _run(model, tokenizer, modifiers, data, args, output, store, profiler, staged)
+        with reports_device(model, _execution_device(model, store) if store is not None else None):
+            return _run(model, tokenizer, modifiers, data, args, output, store, profiler, staged)
     except OSError as exc:
         if exc.errno != errno.ENOSPC or output is None or output.args.output_dir is None:
             raise
@@ -215,7 +217,8 @@ def _run(
             rows = _whole_model(model, modifiers, state, batches)
     else:
         batches = [{**batch, **_no_cache(model)} for batch in batches]
-        subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
+        with reading_weights(model, store):
+            subgraphs = one_pass_subgraphs(model, batches[0], modifiers, args) if targets is None else None
 
         def differs(candidate: SubgraphList) -> Divergence | None:
             if not args.verify or not modifiers.calibrating:
@@ -230,17 +233,15 @@ def _run(
         log_cut(subgraphs, targets, modifiers, args)
         try:
             if subgraphs is None:
-                subgraphs = trace_subgraphs(
-                    model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph,
-                    trace_into=args.trace_into, verify=False,
-                )  # fmt: skip
+                with reading_weights(model, store):
+                    subgraphs = trace_subgraphs(
+                        model, batches[0], targets, args.tracing_ignore, None, args.targets_per_subgraph,
+                        trace_into=args.trace_into, verify=False,
+                    )  # fmt: skip
                 if diverged := differs(subgraphs):
                     raise refuse(diverged, model)
         except TracingError as err:
-            # the capture runs the model's own forward: weights on meta are onloaded per module for it
-            cpu = torch.device("cpu")
-            onloading = safety_hooks(model, store, cpu) if store is not None else contextlib.nullcontext()
-            with onloading, linears_on_onednn(device):
+            with reading_weights(model, store), linears_on_onednn(device):
                 subgraphs, batches = layerwise_fallback(model, batches, targets, err)
         prepare_modifiers(model, subgraphs, batches[0], modifiers, state)  # v2: graph, producers they edit
 

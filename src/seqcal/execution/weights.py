@@ -39,6 +39,8 @@ def onload(model: torch.nn.Module, store: WeightStore, names: Iterable[str], dev
 # reads): the safety hooks onload all their parameters as one unit when they run.
 READS_CHILDREN: dict[str, str] = {
     "MultiheadAttention": "out_proj.weight and out_proj.bias, passed to F.multi_head_attention_forward",
+    "MllamaVisionModel": "patch_embedding.weight's device, read before patch_embedding runs",
+    "Qwen2AudioEncoder": "conv1.weight's device and embed_positions.weight, read without calling them",
 }
 
 
@@ -124,6 +126,50 @@ def targets_onloaded(
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def reports_device(model: torch.nn.Module, device: torch.device | None) -> Iterator[None]:
+    """Every transformers model in ``model`` (itself, its vision tower, ...) says ``device`` is its ``.device``
+    while the block runs; nothing changes for ``device`` None.
+
+    Why: transformers' ``PreTrainedModel.device`` is its first parameter's device, which is meta while the
+    weights are offloaded, and some forwards move what they compute there (Idefics3's token embeddings go
+    ``.to(self.device)``). The weights of a running module are on ``device``, so that is the true answer. Each
+    such module gets, for the block, a subclass of its own class (same name) that only adds the property.
+
+    Example:
+        >>> with reports_device(model, torch.device("cpu")):  # doctest: +SKIP
+        ...     model(**batch)
+    """
+    swapped = []
+    if device is not None:
+        for module in model.modules():
+            cls = type(module)
+            if isinstance(getattr(cls, "device", None), property) and hasattr(module, "config"):
+                module.__class__ = _reporting(cls, device)
+                swapped.append((module, cls))
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
+_REPORTING: dict[tuple[type, torch.device], type] = {}
+
+
+def _reporting(cls: type, device: torch.device) -> type:
+    """``cls`` with ``device`` as its ``.device`` (one subclass per class and device)."""
+    key = (cls, device)
+    if key not in _REPORTING:
+        attrs = {
+            "device": property(lambda self: device),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        }
+        _REPORTING[key] = type(cls.__name__, (cls,), attrs)
+    return _REPORTING[key]
 
 
 @contextlib.contextmanager

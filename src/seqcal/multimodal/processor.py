@@ -4,7 +4,8 @@ A processor object given to ``oneshot`` (``processor=``, llm-compressor's name f
 into its tokenizer, which batches text as any tokenizer does, and the processor, saved with the checkpoint.
 For a model given as a directory, its processor files are copied into the checkpoint as they are, so
 processors that need optional packages to load (transformers' torchvision-backed video processors) are kept
-without loading them.
+without loading them. Calibration rows with images are turned into inputs by ``load_processor``, which loads
+such a processor without its video part where torchvision is missing (a CPU-only torch install).
 
 Example:
     >>> tok, processor = split_processor(AutoProcessor.from_pretrained("llava-dir"))  # doctest: +SKIP
@@ -13,9 +14,13 @@ Example:
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger("seqcal")
 
 # Files of a processor besides the tokenizer's (transformers' names), copied from the model's directory.
 PROCESSOR_FILES = (
@@ -73,6 +78,51 @@ def has_processor(processor: Any, source: Path | None) -> bool:
     return processor is not None or (
         source is not None and any((source / f).is_file() for f in PROCESSOR_FILES)
     )
+
+
+def load_processor(source: Path) -> Any:
+    """The processor in ``source`` (``AutoProcessor``); without torchvision, the same class less its video part.
+
+    Why by hand: transformers builds Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's processors with a video processor
+    that only loads with torchvision, so ``AutoProcessor`` raises ImportError for them on a machine without it,
+    although images need only the image processor (which has a PIL backend) and the tokenizer. Calibration
+    rows carry no video, so the processor is built from those two parts; its class, chat template and the way
+    it expands image tokens are transformers' own.
+
+    Raises:
+        ImportError: as ``AutoProcessor`` raises it, when the processor cannot be built without the package.
+    """
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(str(source))
+    except ImportError as exc:
+        cls = _processor_class(source)
+        if cls is None or "video_processor" not in cls.get_attributes():
+            raise
+        kept = [name for name in cls.get_attributes() if name != "video_processor"]
+        without_video = type(cls.__name__, (cls,), {
+            "get_attributes": classmethod(lambda _cls: list(kept)), "__module__": cls.__module__,
+        })  # fmt: skip
+        processor = without_video.from_pretrained(str(source))
+        logger.info("seqcal: %s loaded without its video processor (%s); images and text only",
+                    cls.__name__, str(exc).strip().split(". ")[0])  # fmt: skip
+        return processor
+
+
+def _processor_class(source: Path) -> Any:
+    """The processor class ``source``'s files name (or its config's model type maps to), or None."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = None
+    for file in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
+        if name is None and (source / file).is_file():
+            name = json.loads((source / file).read_text(encoding="utf-8")).get("processor_class")
+    if name is None and (source / "config.json").is_file():
+        model_type = json.loads((source / "config.json").read_text(encoding="utf-8")).get("model_type")
+        name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, name, None) if isinstance(name, str) else None
 
 
 def save_processor(processor: Any, source: Path | None, output_dir: str | Path) -> list[str]:

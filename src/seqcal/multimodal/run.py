@@ -27,7 +27,7 @@ from seqcal.multimodal.inputs import (
     text_only_note,
     with_media_batches,
 )
-from seqcal.multimodal.processor import PROCESSOR_FILES, has_processor, save_processor
+from seqcal.multimodal.processor import PROCESSOR_FILES, has_processor, load_processor, save_processor
 from seqcal.multimodal.rows import MEDIA_COLUMNS, batches, is_media_row, media_rows, sampling_rate
 
 logger = logging.getLogger("seqcal")
@@ -225,9 +225,7 @@ def _load_processor(source: Path | None) -> Any:
             f"({', '.join(PROCESSOR_FILES[:2])}) to turn them into model inputs; pass processor= (the model's "
             "processor object or its directory)"
         )
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(str(source))
+    return load_processor(source)
 
 
 def finish_media(run: MediaRun, output_dir: str | Path) -> None:
