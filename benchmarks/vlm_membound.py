@@ -14,8 +14,15 @@ The recipe is GPTQ W4A16 with the vision tower, the projector and lm_head ignore
 ``time -v`` and by polling the process tree (``cli_membound.TreeRSS``); exits 1 when it is above one third of
 the checkpoint's size on disk.
 
-Usage: .venv/bin/python benchmarks/vlm_membound.py [--layers 28] [--samples 16] [--seq 512] [--keep] [--stages]
-           [--max-host-memory 10GB]
+With ``--arch qwen2_5_vl`` the checkpoint is Qwen2.5-VL-3B's shape instead (its vision tower: 32 blocks of
+1280, window attention, 2x2 patch merger; its text model: hidden 2048, intermediate 11008, 16 heads and 2 KV
+heads, a 151936-token vocabulary tied to the head; ``--layers`` of its 36 layers), with Qwen2.5-VL's image
+processor (448-pixel images: 1024 patches, 256 image tokens) and SmolLM2's tokenizer with Qwen's vision tokens
+added. Its processor is the image processor and the tokenizer (transformers builds Qwen2.5-VL's own with a
+video part that needs torchvision; seqcal loads it without that part where torchvision is missing).
+
+Usage: .venv/bin/python benchmarks/vlm_membound.py [--arch llava|qwen2_5_vl] [--layers 28] [--samples 16]
+           [--seq 512] [--keep] [--stages] [--max-host-memory 10GB]
 """
 
 from __future__ import annotations
@@ -65,6 +72,59 @@ def make_processor(path: Path) -> int:
     return tok.convert_tokens_to_ids("<image>")
 
 
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_IMAGE = 448
+QWEN_RECIPE = "GPTQModifier:\n  scheme: W4A16\n  ignore: ['re:.*lm_head', 're:.*visual.*']\n"
+
+
+def make_qwen_model(path: Path, layers: int) -> int:
+    """Qwen2.5-VL-3B's shape with ``layers`` text layers, and its processor's files, in ``path``; returns its
+    safetensors bytes on disk."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from seqcal.models import default_model_dir
+
+    if (path / "config.json").exists() and any(path.glob("*.safetensors")):
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
+    ids = dict(zip(QWEN_TOKENS, tok.convert_tokens_to_ids(list(QWEN_TOKENS))))
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(str(path))
+    Qwen2VLImageProcessorPil().save_pretrained(str(path))  # Qwen2.5-VL's defaults: 14-pixel patches, merge 2
+    config_file = path / "preprocessor_config.json"
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "processor_class": "Qwen2_5_VLProcessor"})
+    )
+    (path / "chat_template.jinja").write_text(
+        TEMPLATE.replace("<image>\n", "<|vision_start|><|image_pad|><|vision_end|>")
+    )
+    text = {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": layers, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 128000,
+            "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                                             "mrope_section": [16, 24, 24]}}  # fmt: skip
+    vision = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 2048,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+              "fullatt_block_indexes": [7, 15, 23, 31]}  # fmt: skip
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])  # fmt: skip
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    config.dtype = "bfloat16"
+    with torch.device("meta"):
+        skeleton = Qwen2_5_VLForConditionalGeneration(config)
+    shapes = dict(skeleton.state_dict())
+    shapes.pop("lm_head.weight")  # tied to the embeddings: not in the files
+    saved = revert_weight_conversion(skeleton, shapes)
+    return write_random_checkpoint(path, config, {name: t.shape for name, t in saved.items()})
+
+
 def make_model(path: Path, layers: int) -> int:
     """The synthetic checkpoint and its processor in ``path``; returns its safetensors bytes on disk."""
     from transformers import LlavaConfig, LlavaForConditionalGeneration
@@ -89,8 +149,9 @@ def make_model(path: Path, layers: int) -> int:
     return write_random_checkpoint(path, config, {name: t.shape for name, t in saved.items()})
 
 
-def make_rows(folder: Path, samples: int) -> Path:
-    """``samples`` chat rows (a random PNG image, a WikiText-2 paragraph) in ``folder / rows.jsonl``."""
+def make_rows(folder: Path, samples: int, image: int = IMAGE, chars: int = 1000) -> Path:
+    """``samples`` chat rows (a random ``image``-pixel PNG image, ``chars`` of a WikiText-2 paragraph) in
+    ``folder / rows.jsonl``."""
     from PIL import Image
 
     (folder / "images").mkdir(parents=True, exist_ok=True)
@@ -99,11 +160,11 @@ def make_rows(folder: Path, samples: int) -> Path:
     ]
     rows = []
     for i in range(samples):
-        pixels = np.random.default_rng(i).integers(0, 256, (IMAGE, IMAGE, 3), dtype=np.uint8)
+        pixels = np.random.default_rng(i).integers(0, 256, (image, image, 3), dtype=np.uint8)
         Image.fromarray(pixels).save(folder / "images" / f"{i}.png")
         content = [
             {"type": "image", "image": f"images/{i}.png"},
-            {"type": "text", "text": paragraphs[i][:1000]},
+            {"type": "text", "text": paragraphs[i][:chars]},
         ]
         rows.append({"messages": [{"role": "user", "content": content}]})
     (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -118,6 +179,7 @@ def run_cli(
     seq: int,
     stages: bool = False,
     budget: str | None = None,
+    recipe_text: str = RECIPE,
 ) -> tuple[float, int, int, str]:
     """``seqcal oneshot`` under GNU time; returns seconds, GNU time's peak, the process tree's peak, stderr. The
     tree's RSS over time is written to ``out / "rss.tsv"`` (seconds, bytes).
@@ -125,7 +187,7 @@ def run_cli(
     With ``stages`` the command runs in-process under ``_rss_stages.py``, which prints the peak RSS of each stage
     (the check of the partition, each subgraph, the save)."""
     recipe = WORK / "gptq_w4a16_vlm.yaml"
-    recipe.write_text(RECIPE)
+    recipe.write_text(recipe_text)
     entry = [str(Path(__file__).with_name("_rss_stages.py"))] if stages else ["-m", "seqcal.cli"]
     cmd = ["/usr/bin/time", "-v", sys.executable, *entry, "oneshot", "--model", str(model),
            "--recipe", str(recipe), "--dataset", str(rows), "--num-calibration-samples", str(samples),
@@ -152,6 +214,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--arch", choices=("llava", "qwen2_5_vl"), default="llava")
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--seq", type=int, default=512)
@@ -164,12 +227,14 @@ def main() -> int:
     )
     args = parser.parse_args()
     WORK.mkdir(parents=True, exist_ok=True)
-    model, out = WORK / f"synthetic-vlm-{args.layers}L", WORK / f"out-vlm-{args.layers}L"
-    size = make_model(model, args.layers)
-    rows = make_rows(WORK / "vlm-rows", args.samples)
+    qwen = args.arch == "qwen2_5_vl"
+    kind = "qwen2_5_vl" if qwen else "vlm"
+    model, out = WORK / f"synthetic-{kind}-{args.layers}L", WORK / f"out-{kind}-{args.layers}L"
+    size = (make_qwen_model if qwen else make_model)(model, args.layers)
+    rows = make_rows(WORK / f"{kind}-rows", args.samples, *((QWEN_IMAGE, 600) if qwen else ()))
     print(f"checkpoint: {size / 2e9:.2f}B params, {size / 1e9:.3f} GB bf16 on disk; rows: {rows}")
     seconds, gnu_peak, tree_peak, stderr = run_cli(model, out, rows, args.samples, args.seq, args.stages,
-                                                   args.max_host_memory)  # fmt: skip
+                                                   args.max_host_memory, QWEN_RECIPE if qwen else RECIPE)  # fmt: skip
     user, system = (float(line.split(": ")[1]) for line in stderr.splitlines()
                     if line.strip().startswith(("User time", "System time")))  # fmt: skip
     packed = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]

@@ -388,8 +388,10 @@ class StreamingCheckpoint:
         if self.last > self.finished:
             self._record(self.last)
         rest = [name for name, index in self.owner.items() if index == -1]
-        with self.weights.modules_onloaded(rest) if self.weights else contextlib.nullcontext():
-            for name in rest:
+        for (
+            name
+        ) in rest:  # one module's weights at a time: these may be a whole vision tower (run in opaque code)
+            with self.weights.modules_onloaded([name]) if self.weights else contextlib.nullcontext():
                 self.writer.add_module(
                     name, self.model.get_submodule(name), self.state.results.quantized.get(name)
                 )

@@ -57,6 +57,11 @@ def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     return getattr(module.get_submodule(owner) if owner else module, leaf)
 
 
+# Bytes of weights the safety hooks release on the host between two trims of the heap. Measured on Qwen2.5-VL's
+# vision tower run module by module (32 blocks of 9 MB weights): without a trim RSS grew by ~17 MB a block.
+TRIM_EVERY = 64 * 1024**2
+
+
 @contextlib.contextmanager
 def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.device) -> Iterator[None]:
     """Onload, for one call, the parameters a module reads (its direct ones, all of a ``READS_CHILDREN``
@@ -64,6 +69,7 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
     handles = []
     owned: dict[int, tuple[str, list[str]]] = {}  # module id -> (its name, the relative names it reads)
     onloaded: dict[int, list[str]] = {}  # module id -> parameters this hook onloaded for the running call
+    freed = [0]  # host bytes released since the heap was last trimmed
 
     def pre(module: torch.nn.Module, args: Any) -> None:
         prefix, names = owned[id(module)]
@@ -75,7 +81,14 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
 
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         for name in onloaded.pop(id(module), []):
+            tensor = _tensor(module, name)
+            freed[0] += tensor.nbytes if tensor.device.type == "cpu" else 0
             set_module_tensor_to_device(module, name, "meta")
+        if (
+            freed[0] > TRIM_EVERY
+        ):  # weights below the mmap threshold leave holes in the heap: see trim_host_memory
+            trim_host_memory()
+            freed[0] = 0
 
     try:
         for prefix, module in model.named_modules():
