@@ -239,3 +239,39 @@ def test_gemma3_and_whisper_examples_calibrate_on_images_and_audio(tmp_path: Pat
     proc = run_example("whisper_audio.py", "--model", str(whisper), "--audio", str(tmp_path / "audio"),
                        "--output-dir", str(tmp_path / "w"), *scheme, cwd=tmp_path)  # fmt: skip
     assert "reloads as WhisperForConditionalGeneration" in proc.stdout
+
+
+def _qwen_example_runs_here() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(m) is not None for m in ("torchvision", "qwen_vl_utils"))
+
+
+@pytest.mark.skipif(
+    not _qwen_example_runs_here(),
+    reason="the Qwen2.5-VL example loads Qwen's processor with AutoProcessor, which needs torchvision, and "
+    "reads images with qwen_vl_utils; neither is installed (CPU-only torch)",
+)
+def test_qwen2_5_vl_example_calibrates_on_images(tmp_path: Path) -> None:
+    """Needs torchvision for the processor as the example builds it; seqcal's own routes do without it."""
+    import transformers
+
+    import mm_helpers as mh
+
+    model, _ = mh.save_tiny("qwen2_5_vl", tmp_path)
+    images = transformers.Qwen2VLImageProcessor(patch_size=2, merge_size=2, temporal_patch_size=2,
+                                                min_pixels=64, max_pixels=64)  # fmt: skip
+    video = transformers.Qwen2VLVideoProcessor(patch_size=2, merge_size=2, temporal_patch_size=2)
+    template = (
+        "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+        "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}"
+    )
+    transformers.Qwen2_5_VLProcessor(image_processor=images, tokenizer=mh.tokenizer("qwen2_5_vl"),
+                                     video_processor=video, chat_template=template).save_pretrained(str(model))  # fmt: skip
+    (tmp_path / "images").mkdir()
+    for i in range(2):
+        mh.image(i, 32).save(tmp_path / "images" / f"{i}.png")
+    proc = run_example("qwen2_5_vl_images.py", "--model", str(model), "--images", str(tmp_path / "images"),
+                       "--output-dir", str(tmp_path / "q"), "--scheme", "W8A8", "--num-calibration-samples",
+                       "2", "--max-seq-length", "64", cwd=tmp_path)  # fmt: skip
+    assert "reloads as Qwen2_5_VLForConditionalGeneration" in proc.stdout
