@@ -387,10 +387,8 @@ class StreamingCheckpoint:
         self.close()
         if self.last > self.finished:
             self._record(self.last)
-        rest = [name for name, index in self.owner.items() if index == -1]
-        for (
-            name
-        ) in rest:  # one module's weights at a time: these may be a whole vision tower (run in opaque code)
+        # the modules no subgraph holds, one's weights at a time: they may be a vision tower run in opaque code
+        for name in [name for name, index in self.owner.items() if index == -1]:
             with self.weights.modules_onloaded([name]) if self.weights else contextlib.nullcontext():
                 self.writer.add_module(
                     name, self.model.get_submodule(name), self.state.results.quantized.get(name)
