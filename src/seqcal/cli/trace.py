@@ -27,7 +27,7 @@ def load_model_and_tokenizer(model_arg: str, dtype: str) -> tuple[torch.nn.Modul
 
     from seqcal.evaluation.loading import load_causal_lm
     from seqcal.models import resolve_model
-    from seqcal.multimodal.classes import model_class, model_task
+    from seqcal.multimodal.classes import from_pretrained, model_task
 
     path = resolve_model(model_arg)
     try:
@@ -41,7 +41,7 @@ def load_model_and_tokenizer(model_arg: str, dtype: str) -> tuple[torch.nn.Modul
         if task == "causal-lm":
             model = load_causal_lm(path, getattr(torch, dtype))
         else:  # a vision-language model, traced on text alone (its language model's graph)
-            model = model_class(config).from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+            model = from_pretrained(path, getattr(torch, dtype)).eval()  # its class, its forward's fixes
             logger.warning("seqcal: %s traced on text alone: the vision tower does not run; pass --dataset "
                            "rows.jsonl (rows with images) to trace it with images", type(model).__name__)  # fmt: skip
         tokenizer = AutoTokenizer.from_pretrained(path)
