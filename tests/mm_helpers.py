@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import wave
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +164,13 @@ def audio_rows(proc: Any, model_config: Any, n: int, silent: bool = False) -> li
         ids = [[model_config.decoder_start_token_id] + [4 + (i + k) % len(WORDS) for k in range(5)]]
         rows.append({"input_features": feats.tolist(), "decoder_input_ids": ids})
     return rows
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int) -> None:
+    """``samples`` (floats in [-1, 1], mono) as a 16-bit WAV file at ``rate`` Hz."""
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1), f.setsampwidth(2), f.setframerate(rate)
+        f.writeframes((samples * 32767).astype("<i2").tobytes())
 
 
 def collate_one(rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -257,17 +257,14 @@ def test_qwen2_5_vl_example_calibrates_on_images(tmp_path: Path) -> None:
     import transformers
 
     import mm_helpers as mh
+    from test_multimodal_cli import qwen_template
 
     model, _ = mh.save_tiny("qwen2_5_vl", tmp_path)
     images = transformers.Qwen2VLImageProcessor(patch_size=2, merge_size=2, temporal_patch_size=2,
                                                 min_pixels=64, max_pixels=64)  # fmt: skip
     video = transformers.Qwen2VLVideoProcessor(patch_size=2, merge_size=2, temporal_patch_size=2)
-    template = (
-        "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-        "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}"
-    )
     transformers.Qwen2_5_VLProcessor(image_processor=images, tokenizer=mh.tokenizer("qwen2_5_vl"),
-                                     video_processor=video, chat_template=template).save_pretrained(str(model))  # fmt: skip
+                                     video_processor=video, chat_template=qwen_template()).save_pretrained(str(model))  # fmt: skip
     (tmp_path / "images").mkdir()
     for i in range(2):
         mh.image(i, 32).save(tmp_path / "images" / f"{i}.png")

@@ -12,7 +12,6 @@ and the inputs they make must be exactly those of the image processor and tokeni
 from __future__ import annotations
 
 import json
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -22,30 +21,30 @@ import transformers
 
 import mm_helpers as mh
 import mm_more
+import test_multimodal
+import test_multimodal_more
 from seqcal.cli import main
 from seqcal.multimodal.processor import load_processor
 from test_multimodal import tensors
 
 QWEN_MARKER = "<|vision_start|><|image_pad|><|vision_end|>"
-# model -> (modules the recipe keeps in full precision, a part of every quantized Linear's name)
-ARCHS = {
-    "gemma3": (["re:.*vision_tower.*", "re:.*multi_modal_projector.*"], "language_model"),
-    "idefics3": (["re:.*vision_model.*", "re:.*connector.*"], "text_model"),
-    "mllama": (["re:.*vision_model.*", "re:.*multi_modal_projector.*"], "language_model"),
-    "qwen2_5_vl": (["re:.*visual.*"], "layers"),  # its files keep the names older transformers wrote
-    "qwen3_vl": (["re:.*visual.*"], "language_model"),
-    "whisper": (["re:.*encoder.*", "proj_out"], "decoder"),
-    "qwen2_audio": (["re:.*audio_tower.*", "re:.*multi_modal_projector.*"], "language_model"),
-}
-KEPT = (
-    "vision_tower",
-    "multi_modal_projector",
-    "vision_model",
-    "connector",
-    "visual",
-    "encoder",
-    "audio_tower",
-)
+# The models and recipes of the Python-route tests (Llava's command line is tested in test_multimodal_rows;
+# Mistral 3's Pixtral processor needs torchvision as a whole).
+ARCHS = ["gemma3", "idefics3", "mllama", "qwen2_5_vl", "qwen3_vl", "whisper", "qwen2_audio"]
+KEPT = (*test_multimodal.SKIPPED, *test_multimodal_more.KEPT)  # parts of the names of what stays unquantized
+
+
+def recipe(arch: str) -> dict:
+    return (
+        test_multimodal.recipe(arch) if arch in test_multimodal.IGNORED else test_multimodal_more.recipe(arch)
+    )
+
+
+def quantized_part(arch: str) -> str:
+    """A part of every quantized Linear's name in the checkpoint."""
+    return {**test_multimodal.IGNORED, **test_multimodal_more.IGNORED}[arch][1]
+
+
 SIDE = {**mm_more.IMAGE_SIDE, **mh.IMAGE_SIDE}
 
 
@@ -68,14 +67,6 @@ def qwen_template() -> str:
     return mm_more.template("qwen3_vl").replace(mm_more.MARKERS["qwen3_vl"], QWEN_MARKER)
 
 
-def _wav(path: Path, samples: np.ndarray, rate: int) -> None:
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(rate)
-        f.writeframes((samples * 32767).astype("<i2").tobytes())
-
-
 def rows_file(arch: str, folder: Path) -> Path:
     """Three JSON lines, each naming a file (relative to the file) in its own row shape."""
     (folder / "media").mkdir()
@@ -84,7 +75,9 @@ def rows_file(arch: str, folder: Path) -> Path:
         words = " ".join(mh.WORDS[(i + k) % len(mh.WORDS)] for k in range(3 + i))
         if arch in ("whisper", "qwen2_audio"):
             rate = 1600 if arch == "whisper" else 16000
-            _wav(folder / "media" / f"{i}.wav", np.random.default_rng(i).uniform(-0.5, 0.5, rate), rate)
+            mh.write_wav(
+                folder / "media" / f"{i}.wav", np.random.default_rng(i).uniform(-0.5, 0.5, rate), rate
+            )
             item = {"type": "audio", "audio": f"media/{i}.wav"}
             if arch == "whisper":  # a speech model's row: the audio and its transcript
                 rows.append({"audio": f"media/{i}.wav", "text": words})
@@ -98,13 +91,10 @@ def rows_file(arch: str, folder: Path) -> Path:
     return folder / "rows.jsonl"
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("arch", ARCHS)
 def test_jsonl_rows_calibrate_from_the_command_line(arch: str, tmp_path: Path) -> None:
     path, _ = save_with_processor(arch, tmp_path)
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel"}
-    recipe = {"GPTQModifier": {"targets": "Linear", "ignore": ["lm_head", *ARCHS[arch][0]],
-                               "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}}  # fmt: skip
-    (tmp_path / "r.json").write_text(json.dumps(recipe))
+    (tmp_path / "r.json").write_text(json.dumps(recipe(arch)))
     out = tmp_path / "out"
     assert main(["oneshot", "--model", str(path), "--dataset", str(rows_file(arch, tmp_path)), "--recipe",
                  str(tmp_path / "r.json"), "--output-dir", str(out), "--max-seq-length", "128",
@@ -112,7 +102,7 @@ def test_jsonl_rows_calibrate_from_the_command_line(arch: str, tmp_path: Path) -
 
     saved, original = tensors(out), tensors(path)
     packed = [k for k in saved if k.endswith("weight_packed")]
-    assert packed and all(ARCHS[arch][1] in k and not any(p in k for p in KEPT) for k in packed)
+    assert packed and all(quantized_part(arch) in k and not any(p in k for p in KEPT) for k in packed)
     kept = [k for k in original if any(p in k for p in KEPT)]
     assert kept and all(torch.equal(saved[k], original[k]) for k in kept)
     cls = getattr(transformers, json.loads((path / "config.json").read_text())["architectures"][0])

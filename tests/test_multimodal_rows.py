@@ -10,7 +10,6 @@ only checked to be fetched by transformers' loader when given.
 from __future__ import annotations
 
 import json
-import wave
 from pathlib import Path
 
 import numpy as np
@@ -184,17 +183,11 @@ def test_a_row_the_processor_refuses_is_named_with_the_reason(llava) -> None:
         route([{"text": QUESTION, "image": mh.image(0, 8)}], model, raw)
 
 
-def _wav(path: Path, samples: np.ndarray, rate: int) -> None:
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(1), f.setsampwidth(2), f.setframerate(rate)
-        f.writeframes((samples * 32767).astype("<i2").tobytes())
-
-
 def test_audio_rows_give_features_and_decoder_ids(tmp_path: Path) -> None:
     path, proc = mh.save_tiny("whisper", tmp_path)
     model = transformers.WhisperForConditionalGeneration.from_pretrained(path).eval()
     wave_ = np.random.default_rng(0).uniform(-0.5, 0.5, 1600).astype("f4")
-    _wav(tmp_path / "a.wav", wave_, 3200)  # twice the processor's rate: resampled to 1600 Hz
+    mh.write_wav(tmp_path / "a.wav", wave_, 3200)  # twice the processor's rate: resampled to 1600 Hz
     rows = [
         {"audio": str(tmp_path / "a.wav"), "text": "the cat"},
         {"audio": {"array": wave_, "sampling_rate": 1600}},
