@@ -294,7 +294,8 @@ def gptq_quantize(
                 WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
             )
         del WT, Hinv
-    rel_error, inv = None, None if perm is None else torch.argsort(perm)  # inv: processing -> original order
+    inv = None if perm is None else torch.argsort(perm)  # processing -> original order
+    rel_error = None
     if overwrite:  # H holds its values again here (processing_factor restored them)
         rel_error, Q = _overwrite_in_order(W, QT, inv, H), W
     else:
