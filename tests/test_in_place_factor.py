@@ -297,3 +297,40 @@ def test_the_solve_counts_a_stacked_copy_only_for_modules_solved_together() -> N
     assert alone == rows * n_in * 5 + error + kept_in_ram(n_in)
     assert stacked == rows * n_in * (5 + 2 * dtype_bytes) + kept_in_ram(n_in)
     assert solve_bytes({("mlp", n_in): [rows]}, 4, 1 << 40)[0] == alone  # the same for a float32 weight
+
+
+def test_the_lean_solve_counts_one_chunk_of_rows_for_a_module_alone() -> None:
+    """With the in-place factor and row chunks, a module solved alone holds its int8 codes and one 16 MiB chunk of
+    W^T instead of W^T whole; a stack, and a solve without the in-place factor, are counted as before. GPTQ's
+    min-max schemes allow the chunks, an MSE observer and GPTAQ do not (the plan then counts the whole weight)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    from seqcal.algorithms.gptq_rows import ROW_CHUNK_FLOATS, chunk_rows
+    from seqcal.algorithms.hessian import error_rows
+    from seqcal.modifiers import GPTAQModifier, GPTQModifier
+    from seqcal.modifiers.solve_chunks import solve_bytes
+
+    n_in, rows = 8192, 2048
+    alone = {("mlp", n_in): [rows]}
+    whole = solve_bytes(alone, 2, 1 << 40, in_place=True)[0]
+    lean = solve_bytes(alone, 2, 1 << 40, in_place=True, row_chunks=True)[0]
+    assert chunk_rows(n_in) * n_in == ROW_CHUNK_FLOATS
+    error = 6 * error_rows(n_in) * n_in * 4
+    assert lean == max(
+        factor_bytes(n_in, in_place=True), rows * n_in + ROW_CHUNK_FLOATS * 4 + error
+    ) + kept_in_ram(n_in)
+    assert whole - lean == rows * n_in * 4 - ROW_CHUNK_FLOATS * 4  # 48 MiB less at a 8192-wide down_proj
+    stacked = {("mlp", n_in): [rows // 2, rows // 2]}
+    assert solve_bytes(stacked, 2, 1 << 40, in_place=True, row_chunks=True) == solve_bytes(
+        stacked, 2, 1 << 40, True, True
+    )
+    assert solve_bytes(alone, 2, 1 << 40, row_chunks=True) == solve_bytes(alone, 2, 1 << 40)  # needs in_place
+    gptq, mse = GPTQModifier(scheme="W4A16"), GPTQModifier(scheme="W4A16")
+    gptq.modules = {"m": preset_name_to_scheme("W4A16", ["Linear"])}
+    mse.modules = {"m": preset_name_to_scheme("W4A16", ["Linear"])}
+    mse.modules["m"].weights.observer = "mse"
+    gptaq = GPTAQModifier(scheme="W4A16")
+    gptaq.modules = dict(gptq.modules)
+    assert (
+        gptq.solves_rows_in_chunks() and not mse.solves_rows_in_chunks() and not gptaq.solves_rows_in_chunks()
+    )

@@ -31,15 +31,9 @@ import torch
 from torch import Tensor
 
 from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
-from seqcal.algorithms.gptq import (
-    ACTORDER,
-    GPTQResult,
-    _codes_in_order,
-    _original_order,
-    _stored_qparams,
-    _weight_and_qparams,
-)
+from seqcal.algorithms.gptq import ACTORDER, GPTQResult
 from seqcal.algorithms.gptq_factor import Factor, _permute_, processing_factor
+from seqcal.algorithms.gptq_rows import _codes_in_order, _original_order, _stored_qparams, _weight_and_qparams
 from seqcal.algorithms.hessian import running_square
 from seqcal.algorithms.quant import STRATEGIES, Strategy, quant_range
 

@@ -15,7 +15,6 @@ from the (dead-column-masked) weight, and rounded to their storage dtype so that
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -29,8 +28,20 @@ from seqcal.algorithms.gptq_factor import GPTQNumericalError as GPTQNumericalErr
 from seqcal.algorithms.gptq_factor import _factor_scratch as _factor_scratch  # re-exported (SparseGPT)
 from seqcal.algorithms.gptq_factor import _inverse_hessian_factor as _inverse_hessian_factor  # re-exported
 from seqcal.algorithms.gptq_factor import processing_factor
-from seqcal.algorithms.hessian import OutputError, error_rows
-from seqcal.algorithms.observe import weight_qparams
+from seqcal.algorithms.gptq_rows import (
+    _codes_in_order,
+    _float_rows,
+    _original_order,
+    _overwrite_in_order,
+    _processing_rows,
+    _stored_qparams,
+    _strips,
+    _weight_and_qparams,
+    overwrite_from_codes,
+    processing_mask,
+    row_chunked,
+    solve_row_chunks,
+)
 from seqcal.algorithms.quant import STRATEGIES, QuantType, Strategy, quant_range
 
 # "static" and "dynamic" are compressed-tensors' aliases of "weight" and "group"
@@ -95,68 +106,6 @@ def _check_inputs(W: Tensor, H: Tensor, strategy: str, group_size: int | None, b
         raise ValueError("gptq_quantize: W contains NaN or inf; the checkpoint is broken upstream of GPTQ")
 
 
-def _weight_and_qparams(
-    W: Tensor, dead: Tensor, perm: Tensor | None, actorder: str | None, group_size: int | None, qkw: dict
-):
-    """W transposed into processing order and its qparams.
-
-    Returns ``WT [in, out]`` float32 (column i of the processing order is row i), ``scale, zero_point``,
-    ``col_group [in]`` (the qparam column used by each processed column) and ``g_idx`` (or None).
-    One weight-sized float32 copy at a time: the qparams' (dropped before ``WT`` is made), then ``WT``.
-    """
-    n_in = W.shape[1]
-    col_group = torch.arange(n_in, device=W.device)
-    col_group = col_group // group_size if qkw["strategy"] == "group" else torch.zeros_like(col_group)
-    if actorder is None or actorder == "weight":
-        # "weight": groups stay contiguous in the original order, so the checkpoint format does not change
-        scale, zero_point = weight_qparams(_float_rows(W, dead, None), **qkw)
-        order = None if actorder is None else perm
-        col_group = col_group if order is None else col_group[order]
-        return _processing_rows(W, dead, order), scale, zero_point, col_group, None
-    if qkw.get("importance") is not None:  # the importance follows its columns
-        qkw = {**qkw, "importance": qkw["importance"][perm]}
-    # groups of consecutive *permuted* columns
-    scale, zero_point = weight_qparams(_float_rows(W, dead, perm), **qkw)
-    g_idx = col_group[torch.argsort(perm)].to(torch.int32) if qkw["strategy"] == "group" else None
-    return _processing_rows(W, dead, perm), scale, zero_point, col_group, g_idx
-
-
-# Output rows per strip: 1 MiB of float32 at most beside the weight-sized copies being built.
-STRIP_FLOATS = 1 << 18
-
-
-def _strips(n_out: int, n_in: int) -> list[slice]:
-    """The rows of each strip of an ``[n_out, n_in]`` weight (``STRIP_FLOATS`` floats each, one row at least)."""
-    step = max(1, STRIP_FLOATS // max(n_in, 1))
-    return [slice(r, r + step) for r in range(0, n_out, step)]
-
-
-def _float_strips(W: Tensor, dead: Tensor) -> Iterator[tuple[slice, Tensor]]:
-    """``(rows, W[rows] in float32)`` a strip at a time, inputs never seen zeroed (any weight is free there)."""
-    for rows in _strips(*W.shape):
-        strip = W[rows].detach().to(torch.float32, copy=True)
-        strip[:, dead] = 0
-        yield rows, strip
-
-
-def _float_rows(W: Tensor, dead: Tensor, perm: Tensor | None) -> Tensor:
-    """``W [out, in]`` in float32 (:func:`_float_strips`), columns in ``perm``'s order; built a strip of rows at a
-    time, so no second weight-sized copy exists meanwhile."""
-    out = torch.empty(W.shape, dtype=torch.float32, device=W.device)
-    for rows, strip in _float_strips(W, dead):
-        out[rows] = strip if perm is None else strip.index_select(1, perm)
-    return out
-
-
-def _processing_rows(W: Tensor, dead: Tensor, perm: Tensor | None) -> Tensor:
-    """``WT [in, out]``: :func:`_float_rows` transposed, rows in ``perm``'s order, from strips of W (the same
-    values as transposing a whole float32 copy: every element is copied, none computed)."""
-    WT = torch.empty(W.shape[1], W.shape[0], dtype=torch.float32, device=W.device)
-    for rows, strip in _float_strips(W, dead):
-        WT[:, rows] = strip.T if perm is None else strip.T.index_select(0, perm)
-    return WT
-
-
 def _format_qparams(
     W: Tensor,
     dead: Tensor,
@@ -204,6 +153,7 @@ def gptq_quantize(
     pruned: Tensor | None = None,
     in_place_factor: bool = False,
     overwrite: bool = False,
+    row_chunks: bool = False,
 ) -> GPTQResult:
     """Quantize ``W`` with GPTQ given the Hessian ``H`` of its inputs.
 
@@ -244,6 +194,10 @@ def gptq_quantize(
         overwrite: write Q into W's own memory, a chunk of rows at a time, each chunk's output error taken just
             before (``rel_error``): no third weight-sized matrix beside W^T and the codes (32 MiB at a 8192-wide
             bf16 down_proj). ``Q`` is then W. For a module solved alone, whose weight Q replaces anyway.
+        row_chunks: with ``overwrite``, solve the rows a chunk at a time (``gptq_rows.solve_row_chunks``: W^T and
+            its qparams' float32 copy 16 MiB at a time, not weight-sized) where the qparams allow it (per-row
+            ones of the min-max observer, ``gptq_rows.row_chunked``); equal to the whole solve up to float32
+            rounding. For host budgets that need it, with ``in_place_factor``; False solves the whole weight.
 
     Returns:
         :class:`GPTQResult`.
@@ -270,33 +224,41 @@ def gptq_quantize(
         H, W.device, order, dampening_frac, max_retries, damp_growth, in_place_factor
     ) as factor:
         Hinv, dead, perm = factor.Hinv, factor.dead, factor.perm
+        QT = None  # the row-chunked solve keeps none: Q comes from the codes
+        one_thread = one_intra_op_thread() if W.device.type == "cpu" else contextlib.nullcontext()
         if fmt is not None:
             WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)
             scale = scale.to(scale_dtype)  # exact: fp8 values, powers of two, or block scales rounded first
             scale32, zero32, col_group = _format_columns(scale, zero_point, fmt, W.shape, global_scale, perm)
             qrange = (*formats.grid_range(fmt), fmt.grid)
         else:
-            WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(
-                W, dead, perm, order, group_size, qkw
-            )
-            scale, scale32, zero32 = _stored_qparams(scale, zero_point, scale_dtype)
             qrange = (*quant_range(num_bits, type), "fp8" if type == "float" else "int")
-        prunedT = None
-        if pruned is not None:  # [in, out] in processing order, like WT
+        if fmt is None and overwrite and row_chunks and row_chunked(strategy, observer, False):
+            with one_thread:  # the loop of tiny ops on one intra-op thread (columns.one_intra_op_thread)
+                scale, zero_point, scale32, zero32, col_group, g_idx, codes, row_loss = solve_row_chunks(
+                    W, dead, perm, order, group_size, qkw, scale_dtype, Hinv, block_size, qrange, pruned
+                )
+        else:
+            if fmt is None:
+                WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(
+                    W, dead, perm, order, group_size, qkw
+                )
+                scale, scale32, zero32 = _stored_qparams(scale, zero_point, scale_dtype)
             prunedT = (
-                pruned.T.contiguous().to(WT.device)
-                if perm is None
-                else pruned.T.to(WT.device).index_select(0, perm)
-            )
-        # the loop of tiny ops on one intra-op thread; the inverse factor above (LAPACK) keeps the caller's threads
-        with one_intra_op_thread() if WT.device.type == "cpu" else contextlib.nullcontext():
-            QT, codes, row_loss = quantize_columns(
-                WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
-            )
-        del WT, Hinv
+                None if pruned is None else processing_mask(pruned, perm, WT.device)
+            )  # [in, out], like WT
+            # the loop on one intra-op thread; the inverse factor above (LAPACK) keeps the caller's threads
+            with one_thread:
+                QT, codes, row_loss = quantize_columns(
+                    WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
+                )
+            del WT
+        del Hinv
     inv = None if perm is None else torch.argsort(perm)  # processing -> original order
     rel_error = None
-    if overwrite:  # H holds its values again here (processing_factor restored them)
+    if QT is None:  # H holds its values again here (processing_factor restored them)
+        rel_error, Q = overwrite_from_codes(W, codes, scale32, zero32, col_group, inv, H), W
+    elif overwrite:
         rel_error, Q = _overwrite_in_order(W, QT, inv, H), W
     else:
         Q = _original_order(QT, inv, W.dtype)
@@ -316,47 +278,3 @@ def gptq_quantize(
         row_loss=row_loss,
         rel_error=rel_error,
     )
-
-
-def _stored_qparams(
-    scale: Tensor, zero_point: Tensor, scale_dtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The integer formats' scale as stored (``scale_dtype``; an underflow to 0 made the smallest normal, so no
-    column divides by 0) and the float32 ``[out or 1, G]`` scale and zero point the column loop rounds with: rounded
-    first, so that ``Q`` is exactly what the checkpoint dequantizes to."""
-    scale = scale.to(scale_dtype)
-    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
-    scale32 = scale.float().reshape(scale.shape[0] if scale.ndim == 2 else 1, -1)  # [out or 1, G]
-    return scale, scale32, zero_point.float().reshape(scale32.shape)
-
-
-def _original_order(QT: Tensor, inv: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """``Q [out, in]`` in ``dtype`` and the original column order (``inv``: ``argsort`` of the processing order)
-    from the loop's ``QT``, a strip of rows at a time: beside QT, only Q and a strip exist, not a permuted copy."""
-    if inv is None:
-        return QT.T.to(dtype)  # the cast is per element: the same values in either order
-    Q = torch.empty(QT.shape[1], QT.shape[0], dtype=dtype, device=QT.device)
-    for rows in _strips(*Q.shape):
-        Q[rows] = QT[:, rows].index_select(0, inv).T  # cast on assignment, per element
-    return Q
-
-
-def _codes_in_order(codes: Tensor, inv: Tensor | None) -> Tensor:
-    """The codes' columns in the original order, in their own memory, a strip of rows at a time."""
-    if inv is not None:
-        for rows in _strips(*codes.shape):
-            codes[rows] = codes[rows].index_select(1, inv)
-    return codes
-
-
-def _overwrite_in_order(W: Tensor, QT: Tensor, inv: Tensor | None, H: Tensor) -> float:
-    """Q (``QT`` transposed, columns in the original order, in W's dtype) written over ``W`` in the row chunks of
-    :func:`~seqcal.algorithms.hessian.relative_output_error`, each chunk's error taken first; returns that error
-    (the same value: the same chunks, sums and order)."""
-    error, rows = OutputError(H), error_rows(W.shape[1])
-    for r in range(0, W.shape[0], rows):
-        columns = QT[:, r : r + rows]  # [in, rows] in processing order
-        q = (columns if inv is None else columns.index_select(0, inv)).T.to(W.dtype)
-        error.add(W[r : r + rows], q)
-        W[r : r + rows] = q
-    return error.value()

@@ -51,6 +51,9 @@ class GPTAQModifier(GPTQModifier):
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or self.alpha < 0:
             raise ValueError(f"{self.name}: alpha must be a number >= 0, got {self.alpha!r}")
 
+    def solves_rows_in_chunks(self) -> bool:
+        return False  # GPTAQ's solve holds its whole weight (algorithms.gptaq)
+
     def validate(self, model: torch.nn.Module) -> None:
         super().validate(model)
         for name, scheme in self.modules.items():

@@ -18,6 +18,7 @@ from seqcal.algorithms import (
     relative_output_error,
     symmetrize_upper,
 )
+from seqcal.algorithms.gptq_rows import row_chunked
 from seqcal.algorithms.smoothing import smoothed_hessian
 from seqcal.experts import every_token
 from seqcal.modifiers.base import Batch, BatchCursor, Fold, QuantizedWeight, RunState, Statistic
@@ -106,6 +107,13 @@ class GPTQModifier(QuantizationModifier):
 
     def layer_targets(self) -> str | list[str] | None:
         return self.sequential_targets
+
+    def solves_rows_in_chunks(self) -> bool:
+        """Whether a host budget's lean solve (``state.config.in_place_factor``) takes every module of this modifier
+        a chunk of rows at a time (``gptq_rows.row_chunked``: per-row qparams of the min-max observer); the plan
+        counts the solve's weight-sized copies from it."""
+        kwargs = [(quant_kwargs(s), weight_format(s) is not None) for s in self.modules.values()]
+        return all(row_chunked(kw["strategy"], kw["observer"], block) for kw, block in kwargs)
 
     @contextlib.contextmanager
     def calibrate(
@@ -231,6 +239,7 @@ class GPTQModifier(QuantizationModifier):
                 W, H, block_size=self.block_size, dampening_frac=float(self.dampening_frac),
                 actorder=order, fmt=fmt, global_scale=per_row_global, pruned=pruned, importance=importance, **kw,
                 in_place_factor=state.config.in_place_factor, overwrite=overwrite,
+                row_chunks=state.config.in_place_factor,  # a budget's lean solve: both, or neither
             )  # fmt: skip
         except GPTQNumericalError as exc:
             for name, module, g in zip(names, modules, globals_):

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from seqcal.algorithms.gptq_factor import factor_bytes
+from seqcal.algorithms.gptq_rows import chunk_rows
 from seqcal.algorithms.hessian import error_rows, kept_in_ram
 from seqcal.experts import routed_experts, shared_expert_inputs
 from seqcal.tracing.partition import Subgraph
@@ -134,14 +135,15 @@ def hessian_bytes(groups: dict[tuple[str, int], list[int]]) -> int:
 
 def solve_bytes(
     groups: dict[tuple[str, int], list[int]], dtype_bytes: int, limit: int, device_on_host: bool = True,
-    in_place: bool = False,
+    in_place: bool = False, row_chunks: bool = False,
 ) -> tuple[int, int]:  # fmt: skip
     """Temporaries of the largest GPTQ solve of ``solve_groups`` beyond its Hessian and weights, and the
     most chunks one group is solved in (modules sharing a Hessian are stacked, ``limit`` bytes at most).
 
     The working copy and the factor take the Hessian's own memory; its values are kept beside it meanwhile, in
     host memory (the device's when that is the host). ``in_place``: the CPU factor in the Hessian's own memory
-    (``gptq_factor.factor_bytes``)."""
+    (``gptq_factor.factor_bytes``); ``row_chunks``: with it, a module solved alone goes a chunk of rows at a
+    time (``gptq_rows.solve_row_chunks``; every quantized module's qparams allow it)."""
     peak, most = 0, 1
     for (_, n_in), outs in groups.items():
         chunks = split_rows(outs, n_in, limit)
@@ -154,8 +156,12 @@ def solve_bytes(
         # the factor is in the Hessian's memory). A module solved alone takes Q in its own weight's memory, each
         # chunk of rows after its output error (about six [rows, in] float32 temporaries); a stack of modules
         # has its stacked copy and a new Q in W's dtype (gptq._original_order, a strip at a time), the error after.
+        # A module solved a chunk of rows at a time has W^T of one chunk beside its codes.
         stacked = any(len(chunk) > 1 for chunk in chunks)
         per_weight = 4 + 1 + (2 * dtype_bytes if stacked else 0)
-        columns = kept + n_out * n_in * per_weight + (0 if stacked else 6 * error_rows(n_in) * n_in * 4)
+        errors = 0 if stacked else 6 * error_rows(n_in) * n_in * 4
+        columns = kept + n_out * n_in * per_weight + errors
+        if row_chunks and in_place and not stacked:
+            columns = kept + n_out * n_in + min(n_out, chunk_rows(n_in)) * n_in * 4 + errors
         peak = max(peak, inverse, columns)
     return peak, most

@@ -163,6 +163,7 @@ def plan_memory(
     background: bool | None = None,
     baseline: int = PROCESS_BASELINE,
     in_place_factor: bool = False,
+    row_chunks: bool = False,
 ) -> MemoryPlan:
     """Predict the run's memory (see the module docstring). ``model`` may be on meta.
 
@@ -180,7 +181,7 @@ def plan_memory(
             ``seqcal.execution.cache.store.OVERLAP``).
         background: the checkpoint's files written on a worker thread (None: ``streaming.BACKGROUND``).
         baseline: the process's resident memory besides the run's (``values.process_baseline``).
-        in_place_factor: GPTQ factors the Hessians in their own memory on the cpu (``gptq_quantize``).
+        in_place_factor, row_chunks: GPTQ's lean cpu solve (``gptq_quantize``'s: factor in place, rows in chunks).
     """
     overlap = cache_store.OVERLAP if overlap is None else overlap
     background = streaming.BACKGROUND if background is None else background
@@ -228,7 +229,7 @@ def plan_memory(
         # the solve's Cholesky factor beside the Hessians, as the GPTQ modifier sizes its chunks (_chunk_limit)
         inverse = max((n_in**2 * 4 for _, n_in in groups), default=0)
         limit = chunk_bytes(dense, device_budget, weights + hessians + inverse)
-        solve, chunks = solve_bytes(groups, dtype_bytes, limit, device_on_host, in_place_factor)
+        solve, chunks = solve_bytes(groups, dtype_bytes, limit, device_on_host, in_place_factor, row_chunks)
         freed = sum(size(n) for n in sg.frees)
         after = alive + made - freed
         if sg.target_inputs or groups:  # the pass that stores the outputs (the one pass of a cut before its
@@ -339,6 +340,7 @@ def make_plan(
     sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
     mods = ModifierSet.of(modifiers)
     quantized = set(mods.quantized())
+    row_chunks = all(getattr(m, "solves_rows_in_chunks", bool)() for m in mods if m.quantizes())  # GPTQ's
     bits = max((s.weights.num_bits for s in mods.quantized().values()), default=16)
     dtype_bytes = next((p.element_size() for p in model.parameters()), 4)
     # as the pipeline: offloaded weights, and a model in RAM on the cpu (staged), run on cuda when present
@@ -369,7 +371,7 @@ def make_plan(
         kwargs = dict(num_samples=num_samples, seq_len=seq_len, dtype_bytes=dtype_bytes, quant_bits=bits,
                       cache_tier=cache_tier, device_on_host=on_host, resident_weights=resident,
                       device_budget=max_device_memory, baseline=baseline, in_place_factor=in_place_factor,
-                      background=background_save,
+                      background=background_save, row_chunks=row_chunks,
                       solved=quantized | set(mods.pruned()))  # fmt: skip
         plan = plan_memory(model, list(subgraphs), quantized, batch_size=batch_size, value_bytes=values,
                            widest=widest, **kwargs)  # fmt: skip

@@ -10,7 +10,9 @@ the layer cut (one per layer, every Hessian of a layer at once, fewer cached val
 1. the cut: the default one when its floor (the plan with the whole cache on disk) fits, else the other cut
    when its floor fits, else (a cpu run) either cut with GPTQ's Cholesky factor in the Hessian's own memory
    (``gptq_quantize``'s ``in_place_factor``: no second [in, in] matrix, equal to LAPACK's factor up to float32
-   rounding; CPU Hessians of ``gptq_factor.IN_PLACE_FROM`` inputs or more are factored so anyway), then also with
+   rounding; CPU Hessians of ``gptq_factor.IN_PLACE_FROM`` inputs or more are factored so anyway) and a module
+   solved alone a chunk of rows at a time where its qparams allow it (``row_chunks``: no weight-sized float32
+   copy, the same codes up to float32 rounding), then also with
    each subgraph's checkpoint files written before the next subgraph starts (no save held beside its work, the
    same files); else the budget is refused, naming the smallest that works and what dominates it;
 2. the cache's RAM: all of it when the plan fits, else the most that keeps every subgraph under the budget.
@@ -175,7 +177,10 @@ def fit_host(
         elif other_floor < floor:
             floor, worst = other_floor, other_worst
     cuts = [one_pass] + ([not one_pass] if other_cut is not None else [])
-    factor = "GPTQ's Cholesky factors in the Hessians' own memory (blocked; equal to LAPACK's up to float32 rounding)"
+    factor = (
+        "GPTQ's Cholesky factors in the Hessians' own memory (blocked; equal to LAPACK's up to float32 rounding) "
+        "and its modules' rows solved 16 MiB at a time where their qparams allow it"
+    )
     saves = (
         "each subgraph's checkpoint files written before the next subgraph starts (none held beside its work)"
     )

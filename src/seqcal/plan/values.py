@@ -170,6 +170,12 @@ def _warm_kernels() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             W = torch.randn(256, 1024, generator=generator).to(dtype)
             gptq_quantize(
-                W, H.clone(), group_size=128, actorder="static", in_place_factor=in_place, overwrite=True
+                W,
+                H.clone(),
+                group_size=128,
+                actorder="static",
+                in_place_factor=in_place,
+                overwrite=True,
+                row_chunks=in_place,
             )
             torch.nn.functional.linear(X[:64].to(dtype), W)
