@@ -100,6 +100,7 @@ ROW_CASES = [  # (actorder, quantization arguments, whether the rows go in chunk
     ("static", {"group_size": 32, "symmetric": False}, True),
     ("group", {"group_size": 32}, True),
     ("static", {"strategy": "channel", "group_size": None}, True),
+    (None, {"strategy": "channel", "group_size": None, "num_bits": 8, "type": "float"}, True),  # fp8 codes
     ("static", {"group_size": 32, "observer": "mse"}, False),  # its search stops on all rows at once
     ("static", {"strategy": "tensor", "group_size": None}, False),  # one scale over every row
 ]
