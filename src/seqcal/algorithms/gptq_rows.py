@@ -167,10 +167,10 @@ def solve_row_chunks(
         )
         scale, scale32, zero32 = _stored_qparams(scale, zero_point, scale_dtype)
         prunedT = None if pruned is None else processing_mask(pruned[rows], perm, WT.device)
-        _, chunk_codes, loss = quantize_columns(
-            WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT
-        )
-        del WT
+        # the loop's Q^T is WT itself: not kept, so that it is gone before the next chunk's copies
+        loop = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT)
+        chunk_codes, loss = loop[1], loop[2]
+        del WT, loop
         if codes is None:
             codes = torch.empty(W.shape, dtype=chunk_codes.dtype, device=W.device)
         codes[rows] = chunk_codes
