@@ -2,7 +2,7 @@
 
 ``load_offloaded`` builds the model with parameters on the meta device (buffers computed at init, such as
 rotary tables, stay real) and a ``WeightStore`` that knows where each parameter lives in the checkpoint's
-safetensors files (memory-mapped reads: only what is asked for is paged in). A model given in RAM is staged
+safetensors files (each tensor read into memory of its own when asked for: ``read_tensor``). A model given in RAM is staged
 into a store the same way (``stage_in_memory``) and put back at the end (``restore_in_memory``). Weights a
 modifier changed are kept in the store's overrides until they are written to the output checkpoint.
 
@@ -12,7 +12,11 @@ expert's tensors under its checkpoint name, or one expert's slice of a tensor th
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import struct
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,13 +70,58 @@ class WeightStore:
         if name in self.views:
             stored, part = self.views[name]
             with safe_open(self.files[stored], framework="pt") as f:
-                tensor = part(f.get_slice(stored))
+                tensor = part(f.get_slice(stored)).clone()  # memory of its own, not the file's (read_tensor)
         elif stored not in self.files:
             raise KeyError(f"parameter {name!r} is not in the checkpoint (looked for {stored!r})")
         else:
-            with safe_open(self.files[stored], framework="pt") as f:
-                tensor = f.get_tensor(stored)
+            tensor = read_tensor(self.files[stored], stored)
         return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
+
+
+# safetensors' dtype names -> torch's, for ``read_tensor`` (others go through safetensors itself)
+_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I8": torch.int8,
+    "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+
+
+def read_tensor(path: str, key: str) -> torch.Tensor:
+    """Tensor ``key`` of the safetensors file ``path``, read into memory of its own (``readinto``, no mapping).
+
+    Why not safetensors' ``get_tensor``: it returns a view of a mapping of the whole file, made anew by each
+    ``safe_open``, which lives as long as the tensor. Every tensor read so keeps its own mapping of the file's
+    header resident beside it (1.2 MB for a 512 MB shard of per-expert tensors), and its bytes count as the
+    file's pages: a layer of 105 per-expert tensors (102 MB) held 237 MB of the shard's pages until released
+    (benchmarks/RESULTS.md). Read into a buffer, a weight is its own bytes, in the process's memory, freed with it.
+    The file's layout is safetensors' (an 8-byte little-endian header length, the JSON header, the data);
+    dtypes it does not list, and big-endian hosts, go through safetensors.
+    """
+    stat = os.stat(path)
+    start, header = _header(path, stat.st_mtime_ns, stat.st_size)
+    info = header.get(key)
+    if info is None or info["dtype"] not in _DTYPES or sys.byteorder != "little":
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(key).clone()
+    begin, end = info["data_offsets"]
+    out = torch.empty(end - begin, dtype=torch.uint8)
+    view, done = memoryview(out.numpy()), 0
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start + begin)
+        while done < len(view):
+            count = f.readinto(view[done:])
+            if not count:
+                raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
+            done += count
+    return out.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+@functools.lru_cache(maxsize=16)
+def _header(path: str, mtime_ns: int, size: int) -> tuple[int, dict[str, Any]]:
+    """Where the data of safetensors file ``path`` starts, and its header (one read per file as it is now)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return 8 + length, json.loads(f.read(length))
 
 
 def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> tuple[
