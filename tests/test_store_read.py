@@ -44,7 +44,8 @@ def test_a_tensor_is_read_with_safetensors_values_into_memory_of_its_own(tmp_pat
     for key, expected in tensors.items():
         got = read[key]
         assert got.dtype == expected.dtype and got.shape == expected.shape, key
-        assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), key  # bits
+        bits = got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)
+        assert torch.equal(*bits), key
         with safe_open(str(path), framework="pt") as f:
             assert torch.equal(f.get_tensor(key).float(), got.float()), key
     assert not _mapped(path)  # every tensor alive, none of them in a mapping of the file

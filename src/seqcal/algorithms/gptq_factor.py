@@ -199,8 +199,10 @@ def processing_factor(
         Hinv, frac, retries = _inverse_hessian_factor(
             H32, kept, perm, dead, dampening_frac, max_retries, damp_growth, in_place
         )
-        if Hinv.device.type == "cpu":  # MKL pools the factor's work buffers (56 MiB at 8192 inputs, the blocked
-            trim_host_memory()  # factor): handed back to the OS before the loop's copies are made beside them
+        # MKL pools the factor's work buffers (56 MiB at 8192 inputs, the blocked factor): handed back to the OS
+        # before the column loop's copies are made beside them
+        if Hinv.device.type == "cpu":
+            trim_host_memory()
         yield Factor(Hinv, dead, perm, frac, retries)
 
 
