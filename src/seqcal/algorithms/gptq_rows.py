@@ -17,6 +17,7 @@ from torch import Tensor
 from seqcal.algorithms.columns import quantize_columns
 from seqcal.algorithms.hessian import OutputError, error_rows
 from seqcal.algorithms.observe import weight_qparams
+from seqcal.backend.host import trim_host_memory
 
 
 def _weight_and_qparams(
@@ -171,6 +172,10 @@ def solve_row_chunks(
         loop = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT)
         chunk_codes, loss = loop[1], loop[2]
         del WT, loop
+        if (
+            W.device.type == "cpu"
+        ):  # the chunk's smaller temporaries (its codes, strips, qparams) came from the
+            trim_host_memory()  # heap: its freed pages handed back before the next chunk's (see trim_host_memory)
         if codes is None:
             codes = torch.empty(W.shape, dtype=chunk_codes.dtype, device=W.device)
         codes[rows] = chunk_codes
