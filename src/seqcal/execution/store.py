@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 import os
 import struct
 import sys
@@ -104,7 +105,7 @@ def read_tensor(path: str, key: str) -> torch.Tensor:
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(key).clone()
     begin, end = info["data_offsets"]
-    out = torch.empty(end - begin, dtype=torch.uint8)
+    out = _own_memory(end - begin)
     view, done = memoryview(out.numpy()), 0
     with open(path, "rb", buffering=0) as f:
         f.seek(start + begin)
@@ -114,6 +115,26 @@ def read_tensor(path: str, key: str) -> torch.Tensor:
                 raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
             done += count
     return out.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+# Reads of this many bytes or more get a mapping of their own (``_own_memory``)
+OWN_MAPPING_BYTES = 256 << 10
+
+
+def _own_memory(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of writable host memory as a uint8 tensor, returned to the OS when the tensor is freed.
+
+    Why not ``torch.empty``: a run holds one subgraph's weights at a time, but a MoE layer's are hundreds of 1 MB
+    expert tensors, below glibc's mmap threshold (16 MB in a run, ``backend.host``), so they came from the heap;
+    read and freed module by module while a model is traced, they left 2.1 GB of free heap resident (a 1.35B MoE,
+    benchmarks/RESULTS.md). An anonymous mapping per weight is unmapped with it.
+    """
+    if nbytes < OWN_MAPPING_BYTES or not hasattr(
+        mmap, "MAP_PRIVATE"
+    ):  # Windows' mmap has no private mappings
+        return torch.empty(nbytes, dtype=torch.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: not backed by any file
+    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
 @functools.lru_cache(maxsize=16)
