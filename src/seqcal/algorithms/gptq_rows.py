@@ -161,8 +161,9 @@ def solve_row_chunks(
     column, ``g_idx`` (or None), the codes ``[out, in]`` in processing order and the objective per row.
     """
     codes, parts = None, []
-    for r in range(0, W.shape[0], chunk_rows(W.shape[1])):
-        rows = slice(r, r + chunk_rows(W.shape[1]))
+    step = chunk_rows(W.shape[1])
+    for r in range(0, W.shape[0], step):
+        rows = slice(r, r + step)
         WT, scale, zero_point, col_group, g_idx = _weight_and_qparams(
             W[rows], dead, perm, order, group_size, qkw
         )
@@ -172,10 +173,10 @@ def solve_row_chunks(
         loop = quantize_columns(WT, Hinv, scale32, zero32, col_group, block_size, qrange, prunedT)
         chunk_codes, loss = loop[1], loop[2]
         del WT, loop
-        if (
-            W.device.type == "cpu"
-        ):  # the chunk's smaller temporaries (its codes, strips, qparams) came from the
-            trim_host_memory()  # heap: its freed pages handed back before the next chunk's (see trim_host_memory)
+        # the chunk's smaller temporaries (its codes, strips, qparams) came from the heap: its freed pages are
+        # handed back before the next chunk's (see trim_host_memory)
+        if W.device.type == "cpu":
+            trim_host_memory()
         if codes is None:
             codes = torch.empty(W.shape, dtype=chunk_codes.dtype, device=W.device)
         codes[rows] = chunk_codes
