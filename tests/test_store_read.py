@@ -59,3 +59,17 @@ def test_a_truncated_file_is_one_sentence(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(OSError, match="ends early; the file is truncated"):
         read_tensor(str(path), "w")
+
+
+def test_one_experts_slice_of_a_fused_tensor_is_read_into_memory_of_its_own(tmp_path: Path) -> None:
+    """A parameter stored as one expert's slice of a fused tensor (``WeightStore.views``): that slice's values, and
+    no mapping of the file left behind while it lives."""
+    path = tmp_path / "model.safetensors"
+    # 256 KiB an expert: each read gets an anonymous mapping (execution.store.OWN_MAPPING_BYTES)
+    fused = torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    save_file({"experts.gate_up_proj": fused}, str(path))
+    store = WeightStore.from_checkpoint(tmp_path)
+    store.views["experts.2.gate_up_proj.weight"] = ("experts.gate_up_proj", lambda s: s[2])
+    got = store.read("experts.2.gate_up_proj.weight")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, fused[2])
+    assert not _mapped(path)

@@ -244,9 +244,8 @@ def gptq_quantize(
                     W, dead, perm, order, group_size, qkw
                 )
                 scale, scale32, zero32 = _stored_qparams(scale, zero_point, scale_dtype)
-            prunedT = (
-                None if pruned is None else processing_mask(pruned, perm, WT.device)
-            )  # [in, out], like WT
+            # the sparsity mask [in, out] in processing order, like WT
+            prunedT = None if pruned is None else processing_mask(pruned, perm, WT.device)
             # the loop on one intra-op thread; the inverse factor above (LAPACK) keeps the caller's threads
             with one_thread:
                 QT, codes, row_loss = quantize_columns(

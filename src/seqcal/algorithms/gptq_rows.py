@@ -9,7 +9,7 @@ many weight-sized copies exist at once, which is what a tight host budget is mad
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -117,12 +117,24 @@ def _overwrite_in_order(W: Tensor, QT: Tensor, inv: Tensor | None, H: Tensor) ->
     """Q (``QT`` transposed, columns in the original order, in W's dtype) written over ``W`` in the row chunks of
     :func:`~seqcal.algorithms.hessian.relative_output_error`, each chunk's error taken first; returns that error
     (the same value: the same chunks, sums and order)."""
-    error, rows = OutputError(H), error_rows(W.shape[1])
-    for r in range(0, W.shape[0], rows):
-        columns = QT[:, r : r + rows]  # [in, rows] in processing order
-        q = (columns if inv is None else columns.index_select(0, inv)).T.to(W.dtype)
-        error.add(W[r : r + rows], q)
-        W[r : r + rows] = q
+
+    def q_rows(rows: slice) -> Tensor:
+        columns = QT[:, rows]  # [in, rows] in processing order
+        return (columns if inv is None else columns.index_select(0, inv)).T
+
+    return _overwrite_rows(W, H, q_rows)
+
+
+def _overwrite_rows(W: Tensor, H: Tensor, q_rows: Callable[[slice], Tensor]) -> float:
+    """Q written over ``W`` in the row chunks of :func:`~seqcal.algorithms.hessian.relative_output_error`: for each
+    chunk ``rows``, ``q_rows(rows)`` ([rows, in], original column order) in W's dtype, its output error taken before
+    it replaces them; returns the relative output error."""
+    error, step = OutputError(H), error_rows(W.shape[1])
+    for r in range(0, W.shape[0], step):
+        rows = slice(r, r + step)
+        q = q_rows(rows).to(W.dtype)
+        error.add(W[rows], q)
+        W[rows] = q
     return error.value()
 
 
@@ -202,14 +214,12 @@ def overwrite_from_codes(
     """:func:`_overwrite_in_order` for a row-chunked solve, which kept no ``Q^T``: each chunk of rows of Q is
     dequantized from the codes (processing order) as the loop dequantized it, ``(code - zero) * scale`` on the same
     float32 values (the same Q, up to the sign of a zero), its output error taken, then written over W."""
-    error, step = OutputError(H), error_rows(W.shape[1])
     groups = col_group.to(W.device)
-    for r in range(0, W.shape[0], step):
-        rows = slice(r, r + step)
+
+    def q_rows(rows: slice) -> Tensor:
         scale = scale32 if scale32.shape[0] == 1 else scale32[rows]  # [rows or 1, G]
         zero = zero32 if zero32.shape[0] == 1 else zero32[rows]
         q = (codes[rows].float() - zero[:, groups]).mul_(scale[:, groups])  # [rows, in] in processing order
-        q = (q if inv is None else q.index_select(1, inv)).to(W.dtype)
-        error.add(W[rows], q)
-        W[rows] = q
-    return error.value()
+        return q if inv is None else q.index_select(1, inv)
+
+    return _overwrite_rows(W, H, q_rows)

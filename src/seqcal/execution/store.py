@@ -2,9 +2,9 @@
 
 ``load_offloaded`` builds the model with parameters on the meta device (buffers computed at init, such as
 rotary tables, stay real) and a ``WeightStore`` that knows where each parameter lives in the checkpoint's
-safetensors files (each tensor read into memory of its own when asked for: ``read_tensor``). A model given in RAM is staged
-into a store the same way (``stage_in_memory``) and put back at the end (``restore_in_memory``). Weights a
-modifier changed are kept in the store's overrides until they are written to the output checkpoint.
+safetensors files (each tensor read into memory of its own when asked for: ``read_tensor``). A model given in
+RAM is staged into a store the same way (``stage_in_memory``) and put back at the end (``restore_in_memory``).
+Weights a modifier changed are kept in the store's overrides until they are written to the output checkpoint.
 
 Fused MoE experts become per-expert Linears on meta first (``seqcal.experts``): the store then reads each
 expert's tensors under its checkpoint name, or one expert's slice of a tensor the checkpoint stores fused.
@@ -71,7 +71,7 @@ class WeightStore:
         if name in self.views:
             stored, part = self.views[name]
             with safe_open(self.files[stored], framework="pt") as f:
-                tensor = part(f.get_slice(stored)).clone()  # memory of its own, not the file's (read_tensor)
+                tensor = _owned(part(f.get_slice(stored)))  # memory of its own, not the file's (read_tensor)
         elif stored not in self.files:
             raise KeyError(f"parameter {name!r} is not in the checkpoint (looked for {stored!r})")
         else:
@@ -103,7 +103,7 @@ def read_tensor(path: str, key: str) -> torch.Tensor:
     info = header.get(key)
     if info is None or info["dtype"] not in _DTYPES or sys.byteorder != "little":
         with safe_open(path, framework="pt") as f:
-            return f.get_tensor(key).clone()
+            return _owned(f.get_tensor(key))
     begin, end = info["data_offsets"]
     out = _own_memory(end - begin)
     view, done = memoryview(out.numpy()), 0
@@ -129,12 +129,17 @@ def _own_memory(nbytes: int) -> torch.Tensor:
     read and freed module by module while a model is traced, they left 2.1 GB of free heap resident (a 1.35B MoE,
     benchmarks/RESULTS.md). An anonymous mapping per weight is unmapped with it.
     """
-    if nbytes < OWN_MAPPING_BYTES or not hasattr(
-        mmap, "MAP_PRIVATE"
-    ):  # Windows' mmap has no private mappings
+    # (Windows' mmap has no private mappings: the heap there)
+    if nbytes < OWN_MAPPING_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
         return torch.empty(nbytes, dtype=torch.uint8)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: not backed by any file
     return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` (one safetensors read, a view of the file's mapping) in ``_own_memory``."""
+    out = _own_memory(tensor.numel() * tensor.element_size()).view(tensor.dtype).reshape(tensor.shape)
+    return out.copy_(tensor)
 
 
 @functools.lru_cache(maxsize=16)

@@ -158,10 +158,11 @@ def solve_bytes(
         # has its stacked copy and a new Q in W's dtype (gptq._original_order, a strip at a time), the error after.
         # A module solved a chunk of rows at a time has W^T of one chunk beside its codes.
         stacked = any(len(chunk) > 1 for chunk in chunks)
-        per_weight = 4 + 1 + (2 * dtype_bytes if stacked else 0)
         errors = 0 if stacked else 6 * error_rows(n_in) * n_in * 4
-        columns = kept + n_out * n_in * per_weight + errors
-        if row_chunks and in_place and not stacked:
-            columns = kept + n_out * n_in + min(n_out, chunk_rows(n_in)) * n_in * 4 + errors
+        if row_chunks and in_place and not stacked:  # the codes, and W^T of one chunk of rows
+            held = n_out * n_in + min(n_out, chunk_rows(n_in)) * n_in * 4
+        else:  # W^T and the codes, and a stack's copy and its Q
+            held = n_out * n_in * (4 + 1 + (2 * dtype_bytes if stacked else 0))
+        columns = kept + held + errors
         peak = max(peak, inverse, columns)
     return peak, most
