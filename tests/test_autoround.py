@@ -61,13 +61,24 @@ def layer_errors(model: torch.nn.Module, reference: torch.nn.Module, ids: torch.
     return errors
 
 
+def full_range_rtn(W: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Symmetric round to nearest over the whole code range (auto-round's): the group's wider side is the lowest code."""
+    Wg = W.unflatten(-1, (-1, group))
+    lo, hi = Wg.amin(-1, keepdim=True).clamp(max=0), Wg.amax(-1, keepdim=True).clamp(min=0)
+    s = torch.where(-lo > hi, -lo, -hi) / 2 ** (bits - 1)
+    return ((Wg / s).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) * s).flatten(-2)
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_the_start_is_round_to_nearest_and_the_codes_match_the_fake_quantized_weight(symmetric: bool) -> None:
     W = torch.randn(8, 64) * torch.rand(8, 1) * 3
     p = RoundingParams.start(W, GROUP)
     kw = {"num_bits": 4, "symmetric": symmetric, "group_size": GROUP}
-    s, z = weight_qparams(W, num_bits=4, symmetric=symmetric, strategy="group", group_size=GROUP)
-    rtn = fake_quantize(W, s, None if symmetric else z, num_bits=4, group_size=GROUP)
+    if symmetric:  # the whole code range, as auto-round
+        rtn = full_range_rtn(W, 4, GROUP)
+    else:  # compressed-tensors' round to nearest
+        s, z = weight_qparams(W, num_bits=4, symmetric=False, strategy="group", group_size=GROUP)
+        rtn = fake_quantize(W, s, z, num_bits=4, group_size=GROUP)
     torch.testing.assert_close(learned_fake_quantize(W, p, **kw).detach(), rtn, rtol=0, atol=1e-6)
     with torch.no_grad():  # elsewhere in their ranges: the checkpoint's codes give the weights the search saw
         p.V.uniform_(-0.5, 0.5), p.alpha.uniform_(0.5, 1), p.beta.uniform_(0.5, 1)
@@ -246,13 +257,33 @@ def test_the_same_run_twice_gives_the_same_weights() -> None:
         assert torch.equal(a, b), name
 
 
+def test_symmetric_codes_use_the_whole_range_with_signed_scales() -> None:
+    W = torch.randn(16, 64)
+    W[:, :GROUP] = W[:, :GROUP].abs()  # a group with its maximum the wider side: its scale is negative
+    q, scale, zp = learned_codes(W, RoundingParams.start(W, GROUP), num_bits=4, symmetric=True, group_size=GROUP)
+    assert zp is None and bool((scale[:, 0] < 0).all()) and bool((scale > 0).any())
+    assert bool((q.unflatten(-1, (-1, GROUP)).amin(-1) == -8).all())  # every group's wider side: the lowest code
+    torch.testing.assert_close(dequantize(q, scale, None, group_size=GROUP), full_range_rtn(W, 4, GROUP))
+
+
+ASYM = {"group_0": {**SYM["group_0"], "weights": {**SYM["group_0"]["weights"], "symmetric": False}}}
+
+
 def test_zero_steps_is_round_to_nearest() -> None:
-    learned, rtn = tiny_llama(1), tiny_llama(1)
-    oneshot(
-        model=learned,
-        dataset=data(2),
-        recipe=AutoRoundModifier(config_groups=SYM, ignore=["lm_head"], iters=0),
-    )
-    oneshot(model=rtn, dataset=data(2), recipe=QuantizationModifier(config_groups=SYM, ignore=["lm_head"]))
-    for (name, a), b in zip(learned.named_parameters(), rtn.parameters(), strict=True):
-        assert torch.equal(a, b), name
+    for groups in (SYM, ASYM):
+        learned, rtn = tiny_llama(1), tiny_llama(1)
+        oneshot(
+            model=learned,
+            dataset=data(2),
+            recipe=AutoRoundModifier(config_groups=groups, ignore=["lm_head"], iters=0),
+        )
+        if groups is ASYM:  # compressed-tensors' round to nearest
+            recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
+            oneshot(model=rtn, dataset=data(2), recipe=recipe)
+        else:  # symmetric: auto-round's, over the whole code range
+            with torch.no_grad():
+                for name, module in rtn.named_modules():
+                    if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                        module.weight.copy_(full_range_rtn(module.weight, 4, GROUP))
+        for (name, a), b in zip(learned.named_parameters(), rtn.parameters(), strict=True):
+            assert torch.equal(a, b), name

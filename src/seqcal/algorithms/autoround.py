@@ -8,8 +8,13 @@ For a weight ``W [out, in]`` quantized in groups of ``g`` columns (``g = in``: p
 
 by signed gradient descent (``p -= lr_t sign(dL/dp)``, ``lr_t`` decayed linearly to 0) on the error of a block's
 output against its full-precision output. ``V = 0, alpha = beta = 1`` is round to nearest with min-max ranges;
-rounding has a straight-through gradient. Scales follow the compressed-tensors convention
-(``seqcal.algorithms.quant.compute_qparams``), so the codes and scales go into a checkpoint as they are.
+rounding has a straight-through gradient. Asymmetric scales follow the compressed-tensors convention
+(``seqcal.algorithms.quant.compute_qparams``). Symmetric ones use the whole code range, as auto-round (and
+llama.cpp) do: the group's wider side maps exactly onto the lowest code, ``s = m / 2^(bits-1)`` with ``m`` the
+signed extreme (``|min'|`` when it is the wider side, else ``-max'``, so the scale is negative then), and all
+``2^bits`` codes are in use (compressed-tensors' round to nearest, ``max|w| / 7.5`` at 4 bits, clamps its top
+code away). The codes and signed scales go into a checkpoint as they are: ``(q - z) s`` reads them, and
+llm-compressor's AutoRoundModifier writes the same signed scales.
 
 The block runs under :class:`TrainingKernels` during the search: float32 products on the CPU take
 oneDNN's kernels in the backward pass too (``seqcal.backend.onednn``: MKL's AVX2 path on AMD CPUs is about
@@ -110,8 +115,8 @@ def learned_qparams(
     Wg = _groups(W, group_size)  # [out, G, g]
     w_min = Wg.amin(-1).clamp(max=0) * alpha.clamp(0, 1).to(W.dtype)  # 0 stays representable
     w_max = Wg.amax(-1).clamp(min=0) * beta.clamp(0, 1).to(W.dtype)
-    if symmetric:
-        scale = torch.maximum(w_min.abs(), w_max) / ((qmax - qmin) / 2)
+    if symmetric:  # the whole range: the wider side onto qmin, the scale signed
+        scale = torch.where(-w_min > w_max, -w_min, -w_max) / -qmin
     else:
         scale = (w_max - w_min) / (qmax - qmin)
     scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)  # an all-zero group
@@ -174,8 +179,8 @@ class LearnedQuantizer:
         zero point before its clamp (``z``, None when symmetric), all ``[out, G]``, as :func:`learned_qparams`."""
         qmin, qmax = quant_range(self.num_bits)
         lo, hi = self.w_min * alpha.clamp(0, 1), self.w_max * beta.clamp(0, 1)
-        if self.symmetric:
-            raw = torch.maximum(lo.abs(), hi) / ((qmax - qmin) / 2)
+        if self.symmetric:  # the whole range: the wider side onto qmin, the scale signed
+            raw = torch.where(-lo > hi, -lo, -hi) / -qmin
         else:
             raw = (hi - lo) / (qmax - qmin)
         s = torch.where(raw == 0, torch.finfo(raw.dtype).eps, raw)
@@ -213,12 +218,10 @@ class _LearnedFakeQuantize(torch.autograd.Function):
         gV = go * s.unsqueeze(-1) * inside  # d/dV = s (straight-through rounding)
         # d/ds of (q - z) s with the codes' argument W / s + V: (q - z) - inside W / s
         gs = torch.linalg.vecdot(go, q.to(go.dtype)) - torch.linalg.vecdot(gV, fq.Wg) / s**2  # [out, G]
-        if fq.symmetric:
-            g_raw = gs * (v["raw"] != 0) / ((qmax - qmin) / 2)  # through max(|lo|, hi)
-            a, h = lo.abs(), v["hi"]
-            share = torch.where(a == h, 0.5, 1.0)  # torch.maximum splits a tie
-            g_lo = -(g_raw * share * (a >= h)) * (lo < 0)  # d|lo|/dlo = sign(lo)
-            g_hi = g_raw * share * (h >= a)
+        if fq.symmetric:  # raw = lo / qmin where |lo| is the wider side, else hi / qmin (a tie: hi's)
+            g_raw = gs * (v["raw"] != 0) / qmin
+            wider_lo = -lo > v["hi"]
+            g_lo, g_hi = g_raw * wider_lo, g_raw * ~wider_lo
         else:  # d/dz = s (inside - 1); z = clamp(round(qmin - lo / s)): straight-through, then the clamp's mask
             gz = (gV.sum(-1) - s * go.sum(-1)) * ((v["z"] >= qmin) & (v["z"] <= qmax))
             g_raw = (gs + gz * lo / s**2) * (v["raw"] != 0) / (qmax - qmin)
@@ -346,7 +349,18 @@ def _takes_onednn(x: Any, w: Any = None, b: Any = None) -> bool:
 
 
 def batches_of(rows: int, size: int, steps: int, seed: int) -> Iterator[Tensor]:
-    """``steps`` random batches of ``min(size, rows)`` row indices (a fresh permutation per step), reproducible."""
-    gen = torch.Generator().manual_seed(seed)
+    """``steps`` batches of ``min(size, rows)`` row indices, reproducible: consecutive slices of a shuffled order of
+    the rows, shuffled again when fewer than a batch remain (auto-round's sampler), so that every row is learned
+    from as often as the others.
+
+    Example:
+        >>> [b.tolist() for b in batches_of(4, 2, 3, seed=0)]
+        [[0, 1], [2, 3], [0, 2]]
+    """
+    gen, size = torch.Generator().manual_seed(seed), min(size, rows)
+    order, start = torch.randperm(rows, generator=gen), 0
     for _ in range(steps):
-        yield torch.randperm(rows, generator=gen)[: min(size, rows)].sort().values
+        if start + size > rows:
+            order, start = torch.randperm(rows, generator=gen), 0
+        yield order[start : start + size].sort().values
+        start += size
