@@ -260,9 +260,11 @@ def test_the_same_run_twice_gives_the_same_weights() -> None:
 def test_symmetric_codes_use_the_whole_range_with_signed_scales() -> None:
     W = torch.randn(16, 64)
     W[:, :GROUP] = W[:, :GROUP].abs()  # a group with its maximum the wider side: its scale is negative
-    q, scale, zp = learned_codes(W, RoundingParams.start(W, GROUP), num_bits=4, symmetric=True, group_size=GROUP)
+    p = RoundingParams.start(W, GROUP)
+    q, scale, zp = learned_codes(W, p, num_bits=4, symmetric=True, group_size=GROUP)
     assert zp is None and bool((scale[:, 0] < 0).all()) and bool((scale > 0).any())
-    assert bool((q.unflatten(-1, (-1, GROUP)).amin(-1) == -8).all())  # every group's wider side: the lowest code
+    lowest = q.unflatten(-1, (-1, GROUP)).amin(-1)
+    assert bool((lowest == -8).all())  # each group's wider side is the lowest code
     torch.testing.assert_close(dequantize(q, scale, None, group_size=GROUP), full_range_rtn(W, 4, GROUP))
 
 
