@@ -50,7 +50,8 @@ class AutoRoundModifier(QuantizationModifier):
     """AutoRound (Cheng et al., 2024) with llm-compressor's arguments: learned rounding per decoder layer.
 
     Args (besides QuantizationModifier's targets, scheme, config_groups, ignore):
-        iters: signed gradient steps per layer (0: round to nearest).
+        iters: signed gradient steps per layer (0: round to nearest). Symmetric int weights use the whole code
+            range with signed scales, as auto-round does (``seqcal.algorithms.autoround``), also at 0 steps.
         lr: learning rate of the rounding offsets and range factors, decayed linearly to 0; None: 1 / iters.
         batch_size: calibration rows per step.
         enable_torch_compile, device_ids, disable_opt_rtn: llm-compressor's; accepted, no effect here (the layer
