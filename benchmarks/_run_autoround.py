@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=42, help="auto-round's seed (its default: 42)")
     args = parser.parse_args()
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,7 +38,8 @@ def main() -> None:
     data = [w.unsqueeze(0) for w in windows]
     ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", bits=args.bits, group_size=args.group_size,
                    sym=True, iters=args.iters, lr=args.lr or None, batch_size=args.batch_size, nsamples=len(data),
-                   seqlen=windows.shape[1], dataset=data, device_map="cpu", enable_torch_compile=False)  # fmt: skip
+                   seqlen=windows.shape[1], dataset=data, device_map="cpu", enable_torch_compile=False,
+                   seed=args.seed)  # fmt: skip
     model, _ = ar.quantize()
     tuned = time.perf_counter() - start
     w = model.model.layers[0].mlp.down_proj.weight.detach()

@@ -12,7 +12,7 @@ auto-round lives in its own venv (it pins other versions of transformers and fri
 
 Usage (from the repo root):
     .venv/bin/python benchmarks/autoround_smollm2.py [--runs seqcal,auto-round] [--iters 50] [--lr 5e-3]
-        [--samples 32] [--eval-windows 8] [--bits 4] [--peer-python /tmp/ar/bin/python]
+        [--samples 32] [--eval-windows 8] [--bits 4] [--seed 42] [--peer-python /tmp/ar/bin/python]
     Runs made one at a time (--runs seqcal, then --runs auto-round) are kept in .work/autoround_results_<tag>.json
     and compared once both are there.
 """
@@ -34,6 +34,7 @@ RECIPE = """quant_stage:
       iters: {iters}
       lr: {lr}
       batch_size: {batch}
+      seed: {seed}
       ignore: ["lm_head"]
       config_groups:
         group_0:
@@ -63,6 +64,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, help="weight bits (symmetric int, group 64)")
     parser.add_argument("--eval-windows", type=int, default=8)
     parser.add_argument(
+        "--seed", type=int, default=42, help="of both tools' row batches (both default to 42)"
+    )
+    parser.add_argument(
         "--peer-python", default=os.environ.get("SEQCAL_BENCH_AUTOROUND_PYTHON", "/tmp/ar/bin/python")
     )
     args = parser.parse_args()
@@ -75,10 +79,14 @@ def main() -> None:
         subprocess.run([f"{VENV}/bin/python", "benchmarks/_calib_tokens.py", "--model", str(model), "--text",
                         str(gptq_smollm2.WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", "512",
                         "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
-    tag = f"{model.name}-w{args.bits}-{args.iters}it-lr{args.lr:g}"
+    tag = f"{model.name}-w{args.bits}-{args.iters}it-lr{args.lr:g}" + (
+        f"-seed{args.seed}" if args.seed != 42 else ""
+    )
     recipe = WORK / f"autoround_{tag}.yaml"
     recipe.write_text(
-        RECIPE.format(iters=args.iters, lr=args.lr or "null", batch=args.batch_size, bits=args.bits)
+        RECIPE.format(
+            iters=args.iters, lr=args.lr or "null", batch=args.batch_size, bits=args.bits, seed=args.seed
+        )
     )
     commands = {
         "seqcal": [f"{VENV}/bin/python", "benchmarks/_run_seqcal.py", "--recipe", str(recipe)],
@@ -95,6 +103,8 @@ def main() -> None:
             str(args.samples),
             "--bits",
             str(args.bits),
+            "--seed",
+            str(args.seed),
         ],  # fmt: skip
     }
     saved = WORK / f"autoround_results_{tag}.json"  # runs made one at a time are compared too

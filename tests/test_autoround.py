@@ -233,14 +233,21 @@ def test_bad_arguments_are_refused_when_the_recipe_is_read(recipe: str, fragment
 
 @pytest.mark.parametrize(
     ("scheme", "fragment"),
-    [("FP8", "quantizes activations too"), ("NVFP4A16", "NVFP4"), ("W8A8", "activations")],
+    [("FP8_BLOCK", "block 8-bit float weights"), ("W4A4_MSE", "weight observer 'mse'")],
 )
 def test_schemes_it_cannot_learn_are_refused_before_calibrating(scheme: str, fragment: str) -> None:
+    """Block fp8 (learned per group, channel or tensor only) and ranges not from min-max are refused."""
     seen = []
     model = tiny_llama(1)
     model.model.layers[0].register_forward_hook(lambda *a: seen.append(1))
+    weights = {
+        "FP8_BLOCK": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [16, 16]},
+        "W4A4_MSE": {**SYM["group_0"]["weights"], "observer": "mse"},
+    }[scheme]
+    groups = {"g": {"targets": ["Linear"], "weights": weights}}
+    recipe = AutoRoundModifier(config_groups=groups, ignore=["lm_head"])
     with pytest.raises(ValueError, match=f"AutoRoundModifier: model.layers.0.self_attn.q_proj .*{fragment}"):
-        oneshot(model=model, dataset=data(2), recipe=AutoRoundModifier(scheme=scheme, ignore=["lm_head"]))
+        oneshot(model=model, dataset=data(2), recipe=recipe)
     assert not seen
 
 

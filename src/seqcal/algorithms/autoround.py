@@ -170,6 +170,10 @@ class LearnedQuantizer:
         Wg = _groups(W.detach().float(), group_size)
         return cls(Wg, Wg.amin(-1).clamp(max=0), Wg.amax(-1).clamp(min=0), num_bits, symmetric)
 
+    def start(self) -> RoundingParams:
+        """Round to nearest with min-max ranges, with gradients on (:meth:`RoundingParams.start`)."""
+        return RoundingParams.start(self.Wg.flatten(1), self.Wg.shape[-1])
+
     def __call__(self, p: RoundingParams, dtype: torch.dtype | None = None) -> Tensor:
         """``W`` fake-quantized with ``p``, ``[out, in]`` in ``dtype`` (default float32), differentiable in ``p``."""
         return _LearnedFakeQuantize.apply(self, p.V, p.alpha, p.beta, dtype or torch.float32)

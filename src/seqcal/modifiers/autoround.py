@@ -24,10 +24,9 @@ from typing import Any, ClassVar
 import torch
 from torch.func import functional_call
 
-from seqcal.algorithms import dequantize
+from seqcal.algorithms import dequantize, formats
 from seqcal.algorithms.autoround import (
     LearnedQuantizer,
-    RoundingParams,
     TrainingKernels,
     batches_of,
     learned_codes,
@@ -35,6 +34,8 @@ from seqcal.algorithms.autoround import (
     masked_mse,
     sign_step_,
 )
+from seqcal.algorithms.autoround_formats import FormatQuantizer
+from seqcal.algorithms.formats import WeightFormat
 from seqcal.backend import linears_on_onednn
 from seqcal.modifiers.base import BatchCursor, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
@@ -204,10 +205,10 @@ class AutoRoundModifier(QuantizationModifier):
                model: torch.nn.Module, state: RunState) -> None:  # fmt: skip
         """Learn, then quantize, the Linears ``names`` of ``layer`` against ``reference``."""
         block = model.get_submodule(layer)
-        kw = {n: _format(self.modules[n]) for n in names}
+        self.prepare_global_scales(model, names)  # NVFP4: one per fused group, from the unquantized weights
         W = {n: model.get_submodule(n).weight.detach() for n in names}
-        quantizers = {n: LearnedQuantizer.of(W[n], **kw[n]) for n in names}
-        params = {n: RoundingParams.start(W[n], kw[n]["group_size"]) for n in names}
+        quantizers = {n: self._quantizer(n, W[n]) for n in names}
+        params = {n: q.start() for n, q in quantizers.items()}
         # under amp the fake-quantized weights are made in bfloat16, the dtype autocast would cast them to
         dtype = torch.bfloat16 if self.amp else None
         frozen = {k: v.detach() for k, v in block.named_parameters()}
@@ -232,39 +233,69 @@ class AutoRoundModifier(QuantizationModifier):
             best = first
         self.losses[layer] = (first, best)
         for n in names:
-            module, kwn = model.get_submodule(n), kw[n]
-            q, scale, zp = learned_codes(W[n], kept[n], **kwn)
-            gs = W[n].shape[-1] if kwn["group_size"] is None else kwn["group_size"]
-            module.weight.data = dequantize(q, scale, zp, group_size=gs, dtype=W[n].dtype)
-            state.results.quantized[n] = QuantizedWeight(q, scale, zp, None, self.modules[n])
+            module, quantizer = model.get_submodule(n), quantizers[n]
+            if isinstance(quantizer, FormatQuantizer):
+                q, scale = quantizer.codes(kept[n])
+                zp, fmt, g = None, quantizer.fmt, quantizer.global_scale
+                module.weight.data = formats.dequantize(q, scale, None, fmt, g, dtype=W[n].dtype)
+                g = g if fmt.needs_global_scale else None
+            else:
+                kw = _int_format(self.modules[n])
+                q, scale, zp = learned_codes(W[n], kept[n], **kw)
+                gs = W[n].shape[-1] if kw["group_size"] is None else kw["group_size"]
+                module.weight.data = dequantize(q, scale, zp, group_size=gs, dtype=W[n].dtype)
+                g = None
+            state.results.quantized[n] = QuantizedWeight(q, scale, zp, None, self.modules[n], global_scale=g)
             if self.iters:
                 state.results.module_errors.setdefault(n, {}).update(
                     autoround_initial_loss=first, autoround_loss=best
                 )
+        self.inputs.finish(names, model, state)  # static input scales, observed in the calibration pass
+
+    def _quantizer(self, name: str, W: torch.Tensor) -> LearnedQuantizer | FormatQuantizer:
+        """The learned fake quantization of ``name``'s weight: int codes, or a float / scaled format."""
+        fmt = _float_format(self.modules[name])
+        if fmt is None:
+            kw = _int_format(self.modules[name])
+            return LearnedQuantizer.of(W, **kw)
+        return FormatQuantizer.of(W, fmt, self._global_scales.get(name))
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 
-def _format(scheme: Any) -> dict[str, Any]:
+def _int_format(scheme: Any) -> dict[str, Any]:
     kw = quant_kwargs(scheme)
     return {"num_bits": kw["num_bits"], "symmetric": kw["symmetric"], "group_size": kw["group_size"]}
 
 
+def _float_format(scheme: Any) -> WeightFormat | None:
+    """The format of ``scheme``'s float weights (fp8 with plain scales, NVFP4, MX), None for int weights."""
+    fmt = weight_format(scheme)
+    kw = quant_kwargs(scheme)
+    if fmt is None and kw["type"] == "float":
+        fmt = WeightFormat(num_bits=kw["num_bits"], type="float", strategy=kw["strategy"],
+                           group_size=kw["group_size"])  # fmt: skip
+    return fmt
+
+
 def _refusal(scheme: Any) -> str | None:
     """Why AutoRound cannot learn ``scheme``'s weights (None: it can)."""
-    if scheme.input_activations is not None or scheme.output_activations is not None:
-        return "quantizes activations too"
-    if weight_format(scheme) is not None:
-        return f"has a {weight_format(scheme).strategy} format (block fp8, NVFP4, MX)"
     kw = quant_kwargs(scheme)
-    if kw["type"] != "int" or not 2 <= kw["num_bits"] <= 8:
-        return f"has {kw['num_bits']}-bit {kw['type']} weights"
-    if kw["strategy"] not in ("group", "channel"):
-        return f"has {kw['strategy']!r} weight scales"
+    if scheme.output_activations is not None:
+        return "quantizes its outputs"
     if kw["observer"] != "minmax":
         return f"has the weight observer {kw['observer']!r} (AutoRound learns its ranges from min-max)"
+    fmt = _float_format(scheme)
+    if fmt is not None:
+        if fmt.strategy == "block" or fmt.type != "float":
+            return f"has {fmt.strategy} {fmt.num_bits}-bit {fmt.type} weights (learned per group, channel or tensor)"
+        return None
+    if not 2 <= kw["num_bits"] <= 8:
+        return f"has {kw['num_bits']}-bit int weights"
+    if kw["strategy"] not in ("group", "channel"):
+        return f"has {kw['strategy']!r} weight scales"
     return None
 
 
