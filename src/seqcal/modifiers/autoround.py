@@ -1,5 +1,6 @@
 """AutoRoundModifier: learned rounding and ranges per decoder layer (signed gradient descent), llm-compressor's
-arguments. Math in ``seqcal.algorithms.autoround``.
+arguments. Math in ``seqcal.algorithms.autoround`` (int weights) and ``seqcal.algorithms.autoround_formats`` (fp8,
+NVFP4, MX).
 
 The modifier is not ``input_only``, so the pipeline cuts after each layer. The layer's calibration pass records
 its calls (``SpanCache``); ``compress`` computes the layer's full-precision output on its *reference inputs*,
