@@ -24,7 +24,7 @@ from seqcal.algorithms.quant import dequantize
 from seqcal.entrypoint import oneshot
 from seqcal.errors import SeqcalError
 from seqcal.modifiers import AutoRoundModifier, QuantizationModifier
-from seqcal.modifiers.autoround import Calls
+from seqcal.modifiers.layer_calls import Calls
 from seqcal.recipe.parse import parse_recipe
 
 VOCAB, GROUP = 128, 16

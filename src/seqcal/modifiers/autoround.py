@@ -40,8 +40,9 @@ from seqcal.algorithms.formats import WeightFormat
 from seqcal.backend import linears_on_onednn
 from seqcal.modifiers.base import BatchCursor, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
+from seqcal.modifiers.layer_calls import Calls, with_hidden
 from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs
-from seqcal.modifiers.spans import SpanCache, moved
+from seqcal.modifiers.spans import SpanCache
 from seqcal.tracing.partition import Subgraph
 
 REFERENCES = ("full_precision", "quantized")
@@ -59,8 +60,10 @@ class AutoRoundModifier(QuantizationModifier):
         enable_torch_compile, device_ids, disable_opt_rtn: llm-compressor's; accepted, no effect here (the layer
             runs eagerly on the run's execution device; iters 0 is plain round to nearest).
         amp: the search's forward and backward passes run under bfloat16 autocast (auto-round's ``amp``, on by
-            default there too: much faster on CPUs with bf16 instructions and on GPUs); the reference outputs, the
-            codes and the propagation keep the run's dtype. False: the search in the run's dtype.
+            default there too: much faster on CPUs with bf16 instructions and on GPUs), and so do the reference
+            outputs they are compared with, so that the loss is the quantization's error and not bfloat16's
+            rounding (auto-round runs its whole model in bfloat16); the codes and the propagation keep the run's
+            dtype. False: the search and the reference in the run's dtype.
         reference: the inputs of the full-precision output each layer learns to match: "full_precision"
             (auto-round's) or "quantized" (llm-compressor's wrapper). See the module docstring.
         max_chunk_memory: bytes of recorded layer calls kept for the search (later batches are left out).
@@ -159,11 +162,7 @@ class AutoRoundModifier(QuantizationModifier):
                 continue
             calls = Calls.of(span.calls)
             span.calls.clear()
-            with (
-                torch.no_grad(),
-                linears_on_onednn(state.config.device),
-                _autocast(state.config.device, state.config.compute_dtype),
-            ):
+            with torch.no_grad(), self._reference_precision(state):
                 reference = self._reference_outputs(model.get_submodule(layer), calls, state.config.device)
             self._reference = reference if self.reference == "full_precision" else None
             if names:
@@ -188,11 +187,20 @@ class AutoRoundModifier(QuantizationModifier):
             for rows in torch.arange(unit.rows).split(self.batch_size):
                 args, kwargs = unit.select(rows, device)
                 if carried is not None:
-                    args, kwargs = _with_hidden(args, kwargs, carried[u][rows].to(device))
+                    args, kwargs = with_hidden(args, kwargs, carried[u][rows].to(device))
                 y = layer(*args, **kwargs)
                 parts.append((y[0] if isinstance(y, (tuple, list)) else y).detach())
             out.append(torch.cat(parts))  # [rows, seq, hidden]
         return out
+
+    def _reference_precision(self, state: RunState) -> contextlib.AbstractContextManager:
+        """The reference outputs' precision: the search's under ``amp`` (bfloat16 autocast), else the run's."""
+        if self.amp:
+            return self._training_precision(state)
+        stack = contextlib.ExitStack()
+        stack.enter_context(linears_on_onednn(state.config.device))
+        stack.enter_context(_autocast(state.config.device, state.config.compute_dtype))
+        return stack
 
     def _training_precision(self, state: RunState) -> contextlib.AbstractContextManager:
         """bfloat16 autocast (``amp``), else the run's compute dtype, else float32 Linears on oneDNN's kernels."""
@@ -303,122 +311,3 @@ def _refusal(scheme: Any) -> str | None:
 def _check_int(owner: str, name: str, value: Any, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{owner}: {name} must be an integer >= {least}, got {value!r}")
-
-
-@dataclass
-class _Unit:
-    """Recorded calls made one: ``args``, ``kwargs`` whose batch-major tensors hold ``rows`` rows, and the mask."""
-
-    args: tuple
-    kwargs: dict
-    mask: torch.Tensor | None
-    rows: int
-
-    def select(self, rows: torch.Tensor, device: torch.device) -> tuple[tuple, dict]:
-        """The call restricted to ``rows`` (tensors of two or more dimensions whose first is ``self.rows``)."""
-        take = lambda t: t[rows.to(t.device)] if t.dim() >= 2 and t.shape[0] == self.rows else t  # noqa: E731
-        return moved(_map(self.args, take), device), moved(_map(self.kwargs, take), device)
-
-
-@dataclass
-class Calls:
-    """A layer's recorded calls as units of rows: one unit when every call has the same shapes (tensors equal
-    in every call kept once, batch-major ones concatenated), else one unit per call."""
-
-    units: list[_Unit]
-
-    @classmethod
-    def of(cls, calls: list[tuple[tuple, dict, torch.Tensor | None]]) -> Calls:
-        units = [_Unit(a, k, m, _hidden(a, k).shape[0]) for a, k, m in calls]
-        if len(units) > 1 and (stacked := _stacked(units)) is not None:
-            return cls([stacked])
-        return cls(units)
-
-    @property
-    def rows(self) -> int:
-        return sum(u.rows for u in self.units)
-
-    def accepts(self, carried: list[torch.Tensor]) -> bool:
-        """Whether ``carried`` (one tensor per unit) can stand for the units' hidden states."""
-        return len(carried) == len(self.units) and all(
-            c.shape == _hidden(u.args, u.kwargs).shape for c, u in zip(carried, self.units, strict=True)
-        )
-
-    def batch(
-        self, rows: torch.Tensor, reference: list[torch.Tensor], device: torch.device
-    ) -> Iterator[tuple]:
-        """The global ``rows`` as ``(share of the rows, args, kwargs, mask, target)`` per unit they fall in."""
-        start = 0
-        for u, unit in enumerate(self.units):
-            mine = rows[(rows >= start) & (rows < start + unit.rows)] - start
-            start += unit.rows
-            if len(mine):
-                args, kwargs = unit.select(mine, device)
-                mask = None if unit.mask is None else unit.mask[mine.to(unit.mask.device)]
-                yield len(mine) / len(rows), args, kwargs, mask, reference[u][mine.to(reference[u].device)]
-
-
-def _stacked(units: list[_Unit]) -> _Unit | None:
-    """``units`` as one, or None when a value differs between them and is not batch-major."""
-
-    def merge(values: list[Any]) -> Any:
-        v0 = values[0]
-        if isinstance(v0, torch.Tensor):
-            if all(
-                isinstance(v, torch.Tensor) and v.shape == v0.shape and torch.equal(v, v0) for v in values
-            ):
-                return v0  # the same in every call (positions, masks of unpadded batches)
-            if all(isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == u.rows
-                   and v.shape[1:] == v0.shape[1:] for v, u in zip(values, units, strict=True)):  # fmt: skip
-                return torch.cat(values)
-            raise _Unstackable
-        if isinstance(v0, (tuple, list)) and all(type(v) is type(v0) and len(v) == len(v0) for v in values):
-            return type(v0)(merge([v[i] for v in values]) for i in range(len(v0)))
-        if isinstance(v0, dict) and all(isinstance(v, dict) and v.keys() == v0.keys() for v in values):
-            return {k: merge([v[k] for v in values]) for k in v0}
-        if all(v is v0 or (type(v) in (int, float, bool, str, type(None)) and v == v0) for v in values):
-            return v0
-        raise _Unstackable
-
-    try:
-        args, kwargs = merge([u.args for u in units]), merge([u.kwargs for u in units])
-        masks = [torch.ones(u.rows, _hidden(u.args, u.kwargs).shape[1], dtype=torch.bool) if u.mask is None
-                 else u.mask.bool() for u in units]  # fmt: skip
-        if any(m.shape[1:] != masks[0].shape[1:] for m in masks):
-            return None
-    except _Unstackable:
-        return None
-    mask = torch.cat([m.cpu() for m in masks])
-    rows = sum(u.rows for u in units)
-    mask = None if bool(mask.all()) else mask
-    return _Unit(args, kwargs, mask, rows) if _hidden(args, kwargs).shape[0] == rows else None
-
-
-class _Unstackable(Exception):
-    """A recorded value differs between calls in a way that rows cannot be concatenated."""
-
-
-def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
-    """The hidden states a decoder layer is called with: its first positional argument, else ``hidden_states``."""
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
-        raise ValueError("AutoRoundModifier: a sequential target was called without hidden states as its first "
-                         "argument or `hidden_states`; set sequential_targets to the model's decoder layers")  # fmt: skip
-    return hidden
-
-
-def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple, dict]:
-    if args:
-        return (hidden, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": hidden}
-
-
-def _map(value: Any, fn: Any) -> Any:
-    """``value`` with ``fn`` applied to each tensor in it (tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
