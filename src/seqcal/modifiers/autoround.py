@@ -113,9 +113,9 @@ class AutoRoundModifier(QuantizationModifier):
         super().validate(model)
         for name, scheme in self.modules.items():
             if why := _refusal(scheme):
-                raise ValueError(f"{self.name}: {name} {why}; AutoRound learns int weights (2 to 8 bits, per channel "
-                                 "or group) of weight-only schemes such as W4A16: use GPTQModifier or "
-                                 "QuantizationModifier for it, or add it to ignore")  # fmt: skip
+                raise ValueError(f"{self.name}: {name} {why}; AutoRound learns min-max int weights (2 to 8 bits, per "
+                                 "channel or group) and fp8, NVFP4 or MX weights (per tensor, channel or group): use "
+                                 "GPTQModifier or QuantizationModifier for it, or add it to ignore")  # fmt: skip
 
     def shares_statistics(self) -> bool:
         """False: the rounding learned on a layer depends on every recorded call, which stay in their process;
