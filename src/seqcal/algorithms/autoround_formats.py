@@ -33,8 +33,7 @@ from torch import Tensor
 from seqcal.algorithms import formats
 from seqcal.algorithms.autoround import RoundingParams
 from seqcal.algorithms.formats import WeightFormat
-from seqcal.algorithms.fp4 import FP8_MAX, MINIFLOAT_MAX, group_absmax, mx_scales, nvfp4_group_scales
-from seqcal.algorithms.quant import compute_qparams
+from seqcal.algorithms.fp4 import group_absmax
 
 __all__ = ["FormatQuantizer"]
 
@@ -83,25 +82,14 @@ class FormatQuantizer:
         ones = torch.ones(self.amax.shape, dtype=torch.float32, device=self.W.device)
         return RoundingParams(V.requires_grad_(), ones.clone(), ones.requires_grad_())
 
-    def _exact_scale(self, amax: Tensor) -> Tensor:
-        """The format's stored scale from group maxima ``amax`` (W's dtype), as ``formats.qparams`` computes it."""
-        fmt = self.fmt
-        if fmt.needs_global_scale:
-            return nvfp4_group_scales(amax, self.global_scale).to(self.W.dtype)
-        if fmt.scale == "e8m0":
-            return mx_scales(amax, fmt.num_bits)
-        if fmt.grid in ("fp4", "fp6"):
-            scale = amax / MINIFLOAT_MAX[fmt.num_bits]
-            return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
-        return compute_qparams(-amax, amax, num_bits=fmt.num_bits, symmetric=True, type="float")[0]
-
     def _scale(self, beta: Tensor) -> Tensor:
-        """``[rows, G]`` float32: the stored scale of the shrunk maxima, differentiable in ``beta`` through the
-        scale before its rounding (straight-through)."""
+        """``[rows, G]`` float32: the stored scale of the shrunk maxima (``formats.amax_scale``, exact in W's
+        dtype), differentiable in ``beta`` through the scale before its rounding (straight-through)."""
         a = self.amax.float() * beta.clamp(0, 1)
-        exact = self._exact_scale(a.detach().to(self.W.dtype)).float()
-        top = {"fp4": MINIFLOAT_MAX[4], "fp6": MINIFLOAT_MAX[6], "fp8": FP8_MAX}[self.fmt.grid]
-        smooth = a / top * (self.global_scale if self.fmt.needs_global_scale else 1.0)
+        exact = formats.amax_scale(a.detach().to(self.W.dtype), self.fmt, self.global_scale).float()
+        smooth = (
+            a / formats.grid_range(self.fmt)[1] * (self.global_scale if self.fmt.needs_global_scale else 1.0)
+        )
         return smooth + (exact - smooth).detach()
 
     def _divisor(self, scale: Tensor) -> Tensor:
@@ -129,7 +117,8 @@ class FormatQuantizer:
         """``(codes [out, in], scale)`` with the learned values, as ``formats.quantize`` / ``formats.qparams``
         store them: ``formats.dequantize`` of them equals this quantizer's output."""
         with torch.no_grad():
-            scale = self._exact_scale((self.amax.float() * p.beta.clamp(0, 1)).to(self.W.dtype))
-            x, _ = self._grid_values(p, scale.float())
+            scale = self._scale(p.beta)
+            x, _ = self._grid_values(p, scale)
             q = formats.to_codes(formats.round_grid(x, self.fmt.grid), self.fmt.grid).reshape(self.W.shape)
+        scale = scale.to(self.W.dtype)  # exact: the format's scale in W's dtype
         return q, scale.reshape(1) if self.fmt.strategy == "tensor" else scale

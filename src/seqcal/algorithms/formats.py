@@ -176,9 +176,9 @@ def qparams(W: Tensor, fmt: WeightFormat, global_scale: Tensor | None = None) ->
     if fmt.strategy == "tensor_group":
         if global_scale is None:
             raise ValueError("qparams: tensor_group (NVFP4) needs the global scale; see global_scale_of")
-        return nvfp4_group_scales(_grouped_amax(W, fmt.group_size), global_scale).to(W.dtype), None
+        return amax_scale(_grouped_amax(W, fmt.group_size), fmt, global_scale), None
     if fmt.scale == "e8m0":
-        return mx_scales(_grouped_amax(W, fmt.group_size), fmt.num_bits), None
+        return amax_scale(_grouped_amax(W, fmt.group_size), fmt), None
     if fmt.strategy == "block":
         lo, hi = block_minmax(W, fmt.block)
     elif fmt.strategy == "group":
@@ -187,12 +187,32 @@ def qparams(W: Tensor, fmt: WeightFormat, global_scale: Tensor | None = None) ->
         lo, hi = W.amin(dim=-1, keepdim=True), W.amax(dim=-1, keepdim=True)
     else:
         lo, hi = W.amin(), W.amax()
-    if fmt.grid in ("fp4", "fp6"):  # plain float scales for a minifloat grid: amax / max of the type
+    if fmt.grid in ("fp4", "fp6"):
         amax = torch.maximum(lo.abs(), hi.abs())
-        scale = amax / MINIFLOAT_MAX[fmt.num_bits]
-        return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale).reshape(amax.shape or (1,)), None
+        return amax_scale(amax, fmt).reshape(amax.shape or (1,)), None
     scale, zero = compute_qparams(lo, hi, num_bits=fmt.num_bits, symmetric=fmt.symmetric, type=fmt.type)  # type: ignore[arg-type]
     return scale, None if fmt.symmetric else zero
+
+
+def amax_scale(amax: Tensor, fmt: WeightFormat, global_scale: Tensor | None = None) -> Tensor:
+    """The scale a float format stores for groups whose largest magnitude is ``amax`` (in amax's dtype), as
+    :func:`qparams` computes it: NVFP4's fp8 group scale under ``global_scale``, MX's power of two, a minifloat
+    grid's ``amax / max`` (a zero scale becomes eps), fp8's ``amax / 448``.
+
+    AutoRound's float formats (``seqcal.algorithms.autoround_formats``) compute the scale of shrunk maxima with it.
+
+    Example:
+        >>> amax_scale(torch.tensor([6.0, 0.0]), WeightFormat(4, "float", "group", group_size=32)).tolist()
+        [1.0, 1.1920928955078125e-07]
+    """
+    if fmt.needs_global_scale:
+        return nvfp4_group_scales(amax, global_scale).to(amax.dtype)
+    if fmt.scale == "e8m0":
+        return mx_scales(amax, fmt.num_bits)
+    if fmt.grid in ("fp4", "fp6"):  # plain float scales for a minifloat grid: amax / max of the type
+        scale = amax / MINIFLOAT_MAX[fmt.num_bits]
+        return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+    return compute_qparams(-amax, amax, num_bits=fmt.num_bits, symmetric=True, type=fmt.type)[0]  # type: ignore[arg-type]
 
 
 def element_scale(
@@ -285,6 +305,7 @@ __all__ = [
     "FP8_MAX",
     "SCALES",
     "WeightFormat",
+    "amax_scale",
     "code_values",
     "column_qparams",
     "dequantize",
