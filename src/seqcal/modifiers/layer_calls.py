@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from seqcal.modifiers.spans import moved
+from seqcal.modifiers.spans import map_tensors, moved
 
 __all__ = ["Calls", "hidden_of", "with_hidden"]
 
@@ -30,7 +30,7 @@ class _Unit:
     def select(self, rows: torch.Tensor, device: torch.device) -> tuple[tuple, dict]:
         """The call restricted to ``rows`` (tensors of two or more dimensions whose first is ``self.rows``)."""
         take = lambda t: t[rows.to(t.device)] if t.dim() >= 2 and t.shape[0] == self.rows else t  # noqa: E731
-        return moved(_map(self.args, take), device), moved(_map(self.kwargs, take), device)
+        return moved(map_tensors(self.args, take), device), moved(map_tensors(self.kwargs, take), device)
 
 
 @dataclass
@@ -125,14 +125,3 @@ def with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor) -> tuple[tuple,
     if args:
         return (hidden, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": hidden}
-
-
-def _map(value: Any, fn: Any) -> Any:
-    """``value`` with ``fn`` applied to each tensor in it (tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value

@@ -137,15 +137,20 @@ class SpanCache:
         return [mask for _, _, mask in self.calls]
 
 
+def map_tensors(value: Any, fn: Any) -> Any:
+    """``value`` with ``fn`` applied to each tensor in it (tuples, lists, dicts); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
 def moved(value: Any, device: str | torch.device | None) -> Any:
     """``value`` (tensors in tuples, lists, dicts) with its tensors detached, on ``device`` (None: in place)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach() if device is None else value.detach().to(device)
-    if isinstance(value, (tuple, list)):
-        return type(value)(moved(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: moved(v, device) for k, v in value.items()}
-    return value
+    return map_tensors(value, lambda t: t.detach() if device is None else t.detach().to(device))
 
 
 def nbytes(value: Any) -> int:
