@@ -14,7 +14,8 @@ Usage (from the repo root):
     .venv/bin/python benchmarks/autoround_smollm2.py [--runs seqcal,auto-round] [--iters 50] [--lr 5e-3]
         [--samples 32] [--eval-windows 8] [--bits 4] [--seed 42] [--peer-python /tmp/ar/bin/python]
     Runs made one at a time (--runs seqcal, then --runs auto-round) are kept in .work/autoround_results_<tag>.json
-    and compared once both are there.
+    and compared once both are there; each tool's whole output (auto-round's per-block losses) is kept in
+    .work/autoround-<tool>-<tag>.log.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main() -> None:
         out = WORK / f"autoround-{name}-{tag}"
         cmd = [*commands[name], "--model", str(model), "--tokens", str(tokens), "--out", str(out)]
         print("$", " ".join(cmd), flush=True)
-        wall, cpu, rss, _ = measure(cmd)
+        wall, cpu, rss, _ = measure(cmd, log=WORK / f"autoround-{name}-{tag}.log")
         ppl = seqcal_ppl(out, args.eval_windows)
         results[name] = {
             "wall_s": round(wall, 1),

@@ -42,11 +42,17 @@ RUNS = {
 }
 
 
-def measure(cmd: list[str]) -> tuple[float, float, float, str]:
-    """Run ``cmd`` under GNU time; returns (wall s, cpu s, peak RSS in GB, the tool's last output line)."""
+def measure(cmd: list[str], log: Path | None = None) -> tuple[float, float, float, str]:
+    """Run ``cmd`` under GNU time; returns (wall s, cpu s, peak RSS in GB, the tool's last output line).
+
+    Args:
+        log: a file for the tool's whole output (its per-layer losses, warnings), stdout then stderr.
+    """
     start = time.perf_counter()
     proc = subprocess.run(["/usr/bin/time", "-v", *cmd], cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"{' '.join(cmd)} failed with {proc.returncode}")
