@@ -82,15 +82,20 @@ class FormatQuantizer:
         ones = torch.ones(self.amax.shape, dtype=torch.float32, device=self.W.device)
         return RoundingParams(V.requires_grad_(), ones.clone(), ones.requires_grad_())
 
-    def _scale(self, beta: Tensor) -> Tensor:
-        """``[rows, G]`` float32: the stored scale of the shrunk maxima (``formats.amax_scale``, exact in W's
-        dtype), differentiable in ``beta`` through the scale before its rounding (straight-through)."""
+    def _shrunk(self, beta: Tensor) -> tuple[Tensor, Tensor]:
+        """``(a, scale)``: the groups' maxima shrunk by ``beta`` (float32, differentiable) and the scale the format
+        stores for them (``formats.amax_scale``, W's dtype)."""
         a = self.amax.float() * beta.clamp(0, 1)
-        exact = formats.amax_scale(a.detach().to(self.W.dtype), self.fmt, self.global_scale).float()
+        return a, formats.amax_scale(a.detach().to(self.W.dtype), self.fmt, self.global_scale)
+
+    def _scale(self, beta: Tensor) -> Tensor:
+        """``[rows, G]`` float32: the stored scale of the shrunk maxima, differentiable in ``beta`` through the
+        scale before its rounding (straight-through)."""
+        a, exact = self._shrunk(beta)
         smooth = (
             a / formats.grid_range(self.fmt)[1] * (self.global_scale if self.fmt.needs_global_scale else 1.0)
         )
-        return smooth + (exact - smooth).detach()
+        return smooth + (exact.float() - smooth).detach()
 
     def _divisor(self, scale: Tensor) -> Tensor:
         """What ``formats.quantize`` divides W by, per group ``[rows, G, 1]``: NVFP4's effective scale in float32,
@@ -117,8 +122,8 @@ class FormatQuantizer:
         """``(codes [out, in], scale)`` with the learned values, as ``formats.quantize`` / ``formats.qparams``
         store them: ``formats.dequantize`` of them equals this quantizer's output."""
         with torch.no_grad():
-            scale = self._scale(p.beta)
-            x, _ = self._grid_values(p, scale)
+            # the format's own scale (W's dtype), not the search's float32 straight-through sum that equals it
+            _, scale = self._shrunk(p.beta)
+            x, _ = self._grid_values(p, scale.float())
             q = formats.to_codes(formats.round_grid(x, self.fmt.grid), self.fmt.grid).reshape(self.W.shape)
-        scale = scale.to(self.W.dtype)  # exact: the format's scale in W's dtype
         return q, scale.reshape(1) if self.fmt.strategy == "tensor" else scale
