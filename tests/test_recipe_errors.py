@@ -221,6 +221,11 @@ BAD = {
         "GPTQModifier: {block_size: 64}\n",
         ["<string>:1:", "give exactly one of `scheme`", "config_groups"],
     ),
+    "unsupported num_bits": (
+        "quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      config_groups:\n        group_0:\n"
+        "          targets: [Linear]\n          weights: {num_bits: 16, type: int, strategy: channel}\n",
+        ["<string>:7:", "weights num_bits 16 is not supported for int codes", "1 to 8 bits", "ignore"],
+    ),
     "repeated argument": (
         "GPTQModifier:\n  scheme: W4A16\n  scheme: W8A16\n",
         ["<string>:3:", "key 'scheme' is given twice", "lines 2 and 3"],
@@ -256,6 +261,34 @@ def test_errors_in_files_name_the_file_and_line(tmp_path: Path) -> None:
     bad_yaml.write_text("quant_stage:\n  quant_modifiers:\n    GPTQModifier: {scheme: W4A16\n")
     with pytest.raises(RecipeError, match=rf"^{bad_yaml}:\d+: invalid YAML"):
         parse_recipe(bad_yaml)
+
+
+@pytest.mark.parametrize(
+    ("modifier", "part", "line"),
+    [
+        ("QuantizationModifier", "weights", 9),
+        ("GPTQModifier", "weights", 9),
+        ("AWQModifier", "weights", 9),
+        ("GPTQModifier", "input_activations", 11),
+    ],  # fmt: skip
+)
+def test_unsupported_num_bits_is_refused_with_the_recipe_line(
+    tmp_path: Path, modifier: str, part: str, line: int
+) -> None:
+    bits = {"weights": 4, "input_activations": 8, part: 16}
+    path = tmp_path / "w16.yaml"
+    path.write_text(
+        f"quant_stage:\n  quant_modifiers:\n    {modifier}:\n      ignore: [lm_head]\n      config_groups:\n"
+        f"        group_0:\n          targets: [Linear]\n          weights:\n            num_bits: {bits['weights']}\n"
+        f"          input_activations:\n            num_bits: {bits['input_activations']}\n"
+        "            dynamic: true\n            strategy: token\n"
+    )
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(path)
+    assert str(info.value).startswith(f"{path}:{line}: {modifier} group 'group_0': {part} num_bits 16 ")
+    assert "1 to 8 bits" in str(info.value)
+    with pytest.raises(ValueError, match="weights num_bits 12 is not supported"):  # from Python too
+        GPTQModifier(config_groups={"g": {"targets": ["Linear"], "weights": {"num_bits": 12}}})
 
 
 def test_wrong_python_inputs() -> None:

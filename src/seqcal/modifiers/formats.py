@@ -3,8 +3,9 @@
 ``weight_format`` turns a compressed-tensors scheme into a ``seqcal.algorithms.formats.WeightFormat`` for the
 formats beyond plain int / fp8 scales (FP8_BLOCK, NVFP4A16, MX). ``fused_groups`` finds the sibling Linears
 vLLM loads as one merged weight (q/k/v, gate/up, per-expert gate/up): their NVFP4 global scales must be one
-value, and block-FP8 blocks must not straddle two of them. ``check_widths`` refuses, before calibration,
-modules whose widths the format cannot hold.
+value, and block-FP8 blocks must not straddle two of them. ``check_bits`` refuses code widths the quantizers
+cannot produce when the modifier is built (so a recipe names its line); ``check_widths`` refuses, before
+calibration, modules whose widths the format cannot hold.
 
 Example:
     >>> weight_format(preset_name_to_scheme("NVFP4A16", ["Linear"])).strategy  # doctest: +SKIP
@@ -119,6 +120,46 @@ def shared_global_scales(
             )
         scale = torch.stack([global_scale_of(w.detach()) for w in weights]).amin().reshape(1)
         done.update({m: scale.clone() for m in members})  # own tensors: safetensors refuses shared memory
+
+
+# Code widths the quantizers produce (``seqcal.algorithms.quant.quant_range`` for int codes; fp4 / fp6 / fp8 grids
+# in ``seqcal.algorithms.formats``), by the scheme part and its type.
+CODE_BITS: dict[str, range | tuple[int, ...]] = {"int": range(1, 9), "float": (4, 6, 8)}
+_ACTIVATION_FLOAT_BITS = (4, 8)  # fp8 inputs, NVFP4 inputs
+
+
+def check_bits(scheme: QuantizationScheme, where: str) -> None:
+    """Refuse a ``num_bits`` the quantizers cannot produce, when the modifier is built (before any model is read).
+
+    Args:
+        scheme: a modifier's config group.
+        where: the modifier and group, for the message.
+
+    Raises:
+        ValueError: one sentence naming the part (weights, input_activations), its ``num_bits`` and the widths
+            that work.
+
+    Example:
+        >>> check_bits(QuantizationScheme(targets=["Linear"], weights={"num_bits": 16}), "m")  # doctest: +SKIP
+        ValueError: m: weights num_bits 16 is not supported for int codes; ...
+    """
+    for part in ("weights", "input_activations"):
+        args = getattr(scheme, part)
+        if args is None:
+            continue
+        kind = str(_value(args.type))
+        allowed = _ACTIVATION_FLOAT_BITS if part != "weights" and kind == "float" else CODE_BITS.get(kind, ())
+        if args.num_bits not in allowed:
+            widths = (
+                f"{allowed[0]} to {allowed[-1]}"
+                if isinstance(allowed, range)
+                else "/".join(map(str, allowed))
+            )
+            raise ValueError(
+                f"{where}: {part} num_bits {args.num_bits} is not supported for {kind} codes (seqcal quantizes "
+                f"{kind} {part} to {widths} bits); use one of those widths, or leave the modules in full "
+                "precision by adding them to ignore"
+            )
 
 
 def check_widths(model: torch.nn.Module, modules: dict[str, QuantizationScheme], where: str) -> None:

@@ -16,7 +16,13 @@ from compressed_tensors.quantization import QuantizationScheme
 from seqcal.algorithms import dequantize, fake_quantize, formats, quantize, weight_qparams
 from seqcal.modifiers.activations import InputCalibration, calibrated_inputs
 from seqcal.modifiers.base import Batch, BatchCursor, Modifier, QuantizedWeight, RunState, Statistic
-from seqcal.modifiers.formats import check_widths, fused_groups, shared_global_scales, weight_format
+from seqcal.modifiers.formats import (
+    check_bits,
+    check_widths,
+    fused_groups,
+    shared_global_scales,
+    weight_format,
+)
 from seqcal.modifiers.importance import IMPORTANCE_GATHERS, mean_square, usable_importance, uses_importance
 from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
 from seqcal.modifiers.observers import apply_observer_overrides
@@ -82,6 +88,8 @@ class QuantizationModifier(Modifier):
             # ``kv_update_sites``); where it cannot, the pipeline cuts after each layer.
             self.needs_calibration = True
         self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
+        for name, group in self.groups.items():  # here, not at calibration: a recipe's error names its line
+            check_bits(group, f"{self.name} group {name!r}")
         self._override_observers()
         self.modules: dict[str, QuantizationScheme] = {}
         # modules vLLM merges into one weight (shared NVFP4 global scale); module -> NVFP4 global scale

@@ -1,28 +1,19 @@
 """Recipes: YAML <-> modifiers. llm-compressor's recipe files are accepted as they are.
 
-Accepted layouts, executed in file order:
-
-    quant_stage:                 # any key ending in _stage; several stages run one after the other
-      quant_modifiers:           # any key ending in _modifiers (or `modifiers`); several groups allowed
-        GPTQModifier: {scheme: W4A16, ignore: [lm_head]}
-    quant_modifiers: {...}       # a group without a stage
-    GPTQModifier: {...}          # a modifier at top level
-
-and the older forms that llm-compressor's examples and tests still use: `run_type: oneshot` and `args:` in a
-stage, a modifier directly inside a stage, a group written as a list (`- GPTQModifier: {...}`), a `group:`
-key among a modifier's arguments, the renamed or deprecated arguments of LEGACY_ARGUMENTS, and a
+A recipe is read in three steps: the text is loaded with line numbers (``seqcal.recipe.llmc_format``), the
+modifiers are found in its stages and groups (``seqcal.recipe.layouts``, which lists the layouts accepted), and
+each is built here from its class and arguments, an error pointing at the line it is about. Beyond the current
+layout, llm-compressor's older forms are accepted: the renamed or deprecated arguments of LEGACY_ARGUMENTS, a
 `GPTQModifier` without a scheme right after a `QuantizationModifier` of the same stage (GPTQ then uses that
 scheme, and its `targets` name the layers to calibrate one by one, as in llm-compressor < 0.2), and an
 `AWQModifier` without a scheme right before a `QuantizationModifier` (llm-compressor 0.14's AWQ form: one
 AWQModifier with that scheme).
-`version`, `metadata` and `args` at top level are ignored.
 
 Recipes are read with PyYAML's safe loader only (DESIGN invariant 8): tags such as `!GPTQModifier` or
 `!!python/...` are rejected, except the enum, tuple and device tags llm-compressor 0.14 writes into its
 recipe.yaml, which are read as plain values (``llmc_format.LLMC_TAGS``), and `eval(...)` strings are refused,
-never evaluated. llm-compressor's Modifier base fields (BASE_ARGUMENTS) are accepted and ignored. The loader, `RecipeError`
-and the message helpers live in `seqcal.recipe.llmc_format`; this module re-exports `RecipeError` and
-`UNSUPPORTED_MODIFIERS`.
+never evaluated. llm-compressor's Modifier base fields (BASE_ARGUMENTS) are accepted and ignored. This module
+re-exports `RecipeError` and `UNSUPPORTED_MODIFIERS`.
 """
 
 from __future__ import annotations
@@ -39,9 +30,9 @@ import yaml
 
 from seqcal.modifiers import MODIFIERS, Modifier, QuantizationModifier
 from seqcal.recipe.imports import entry_point_class, is_import_path, modifier_class, recipe_key
+from seqcal.recipe.layouts import EXAMPLE, Entry, collect_entries
 from seqcal.recipe.llmc_format import (
     BASE_ARGUMENTS,
-    IGNORED_TOP_LEVEL_KEYS,
     LEGACY_ARGUMENTS,
     UNSUPPORTED_MODIFIERS,
     RecipeError,
@@ -50,13 +41,11 @@ from seqcal.recipe.llmc_format import (
     _kind,
     _load,
     _Locator,
-    _looks_like_modifier,
     _plain,
     bind_awq,
     is_bare_gptq,
 )
 
-_EXAMPLE = "'quant_stage: {quant_modifiers: {GPTQModifier: {scheme: W4A16, ignore: [lm_head]}}}'"
 _RECIPE_SUFFIXES = (".yaml", ".yml", ".json")
 
 RecipeInput = Union[str, os.PathLike, Modifier, "Recipe", dict, Sequence[Any]]
@@ -189,7 +178,7 @@ def parse_recipe(recipe: RecipeInput) -> Recipe:
     if isinstance(recipe, Sequence) and not isinstance(recipe, bytes):
         if not recipe:
             raise RecipeError(
-                f"the recipe list is empty; give at least one modifier or recipe, e.g. {_EXAMPLE}"
+                f"the recipe list is empty; give at least one modifier or recipe, e.g. {EXAMPLE}"
             )
         parts = [parse_recipe(item) for item in recipe]
         sources = list(dict.fromkeys(p.source for p in parts if p.source))
@@ -221,19 +210,9 @@ def _from_text_or_path(recipe: str | os.PathLike) -> Recipe:
 # --- from loaded data to modifiers ----------------------------------------------------------------------
 
 
-@dataclass
-class _Entry:
-    """One modifier as written: its name, its argument mapping, where it is and which stage holds it."""
-
-    name: Any
-    args: Any
-    where: str
-    stage: str
-
-
 def _from_data(data: Any, loc: _Locator) -> Recipe:
-    built: list[tuple[Modifier, _Entry]] = []
-    for entry in _collect(data, loc):
+    built: list[tuple[Modifier, Entry]] = []
+    for entry in collect_entries(data, loc):
         inherited = None
         if is_bare_gptq(entry) and built and type(built[-1][0]) is QuantizationModifier:
             if built[-1][1].stage == entry.stage:  # legacy pair: GPTQ takes the scheme of the modifier before
@@ -242,79 +221,7 @@ def _from_data(data: Any, loc: _Locator) -> Recipe:
     return Recipe([m for m, _ in built], loc.source)
 
 
-def _collect(data: Any, loc: _Locator) -> list[_Entry]:
-    if data is None or data == {}:
-        raise RecipeError(f"{loc.source}: the recipe is empty; expected e.g. {_EXAMPLE}")
-    if not isinstance(data, dict):
-        hint = "; if it was meant as a file path, no such file exists" if isinstance(data, str) else ""
-        raise RecipeError(
-            f"{loc.source}: a recipe must be a mapping such as {_EXAMPLE}, got {_kind(data)}{hint}"
-        )
-    entries = _collect_level(data, loc, stage=None)
-    if not entries:
-        raise RecipeError(f"{loc.source}: the recipe has no modifiers; expected e.g. {_EXAMPLE}")
-    return entries
-
-
-def _collect_level(mapping: dict, loc: _Locator, stage: str | None) -> list[_Entry]:
-    """The modifiers of the top level (stage None) or of one stage, in file order."""
-    entries: list[_Entry] = []
-    for key, value in mapping.items():
-        at = loc.at(mapping, key)
-        if key in (IGNORED_TOP_LEVEL_KEYS if stage is None else ("args",)):
-            continue  # stage args only feed eval(...) expressions, which seqcal refuses anyway
-        if stage is not None and key == "run_type":
-            if value != "oneshot":
-                raise RecipeError(
-                    f"{at}: run_type {value!r} is not supported: seqcal runs oneshot (post-training) "
-                    "calibration only; use 'run_type: oneshot' or remove the stage"
-                )
-        elif stage is None and isinstance(key, str) and key.endswith("_stage"):
-            if not isinstance(value, dict):
-                raise RecipeError(
-                    f"{at}: stage {key!r} must map '<name>_modifiers' groups, got {_kind(value)}"
-                )
-            entries += _collect_level(value, loc, stage=key)
-        elif _is_group_key(key):
-            entries += _collect_group(value, key, at, loc, stage or "")
-        elif _looks_like_modifier(key) or is_import_path(key):
-            entries.append(_Entry(key, value, at, stage or ""))
-        else:
-            expected = (
-                "a '<name>_stage' mapping (e.g. quant_stage), a '<name>_modifiers' mapping, a modifier "
-                f"({', '.join(MODIFIERS)}) or one of {', '.join(IGNORED_TOP_LEVEL_KEYS)} (ignored)"
-                if stage is None
-                else f"'<name>_modifiers' groups, a modifier ({', '.join(MODIFIERS)}), run_type or args"
-            )
-            place = f"top-level key {key!r}" if stage is None else f"key {key!r} in stage {stage!r}"
-            raise RecipeError(f"{at}: unknown {place}; expected {expected}")
-    return entries
-
-
-def _collect_group(group: Any, name: str, where: str, loc: _Locator, stage: str) -> list[_Entry]:
-    if isinstance(group, dict):
-        return [_Entry(key, value, loc.at(group, key), stage) for key, value in group.items()]
-    if isinstance(group, list):
-        return [_list_entry(item, where, loc, stage) for item in group]
-    raise RecipeError(
-        f"{where}: group {name!r} must map modifier names to their arguments, e.g. "
-        f"'{name}: {{GPTQModifier: {{scheme: W4A16}}}}', got {_kind(group)}"
-    )
-
-
-def _list_entry(item: Any, where: str, loc: _Locator, stage: str) -> _Entry:
-    """One item of a group written as a list: `- GPTQModifier: {args}`, optionally with `group: name`."""
-    names = [key for key in item if key != "group"] if isinstance(item, dict) else []
-    if len(names) != 1:
-        where = loc.at(item, names[1]) if len(names) > 1 else where
-        raise RecipeError(
-            f"{where}: each item of a modifier list holds exactly one modifier, like '- GPTQModifier: "
-            f"{{scheme: W4A16}}'; got {names if names else _kind(item)}"
-        )
-    return _Entry(names[0], item[names[0]], loc.at(item, names[0]), stage)
-
-
-def _build(entry: _Entry, loc: _Locator, inherited: Modifier | None = None) -> Modifier:
+def _build(entry: Entry, loc: _Locator, inherited: Modifier | None = None) -> Modifier:
     cls = _modifier_class(entry)
     args = _arguments(entry, cls, loc)
     if inherited is not None:
@@ -325,13 +232,37 @@ def _build(entry: _Entry, loc: _Locator, inherited: Modifier | None = None) -> M
         return cls(**args)
     except (ValueError, TypeError) as exc:
         message = str(exc) if str(exc).startswith(cls.name) else f"{cls.name}: {exc}"
-        # Point at the argument line when the message names exactly one of the arguments written.
-        named = [k for k in args if k in (entry.args or {}) and re.search(rf"\b{re.escape(k)}\b", str(exc))]
-        where = loc.at(entry.args, named[0]) if len(named) == 1 else entry.where
-        raise RecipeError(f"{where}: {message}") from exc
+        raise RecipeError(f"{_line_of(exc, args, entry, loc)}: {message}") from exc
 
 
-def _modifier_class(entry: _Entry) -> type[Modifier]:
+def _line_of(exc: Exception, args: dict[str, Any], entry: Entry, loc: _Locator) -> str:
+    """The line a constructor's error is about: the nested setting it quotes as ``key value`` (a config group's
+    ``num_bits 16``), else the one argument written that it names, else the modifier's line."""
+    quoted = _quoted_setting(entry.args, str(exc), loc)
+    if quoted is not None:
+        return quoted
+    named = [k for k in args if k in (entry.args or {}) and re.search(rf"\b{re.escape(k)}\b", str(exc))]
+    return loc.at(entry.args, named[0]) if len(named) == 1 else entry.where
+
+
+def _quoted_setting(value: Any, message: str, loc: _Locator) -> str | None:
+    """``file:line`` of the first key, in file order, whose ``key value`` the message quotes (nested mappings
+    and lists searched); None when there is none or the recipe has no lines."""
+    if isinstance(value, list):
+        return next((w for item in value if (w := _quoted_setting(item, message, loc)) is not None), None)
+    if not isinstance(value, dict):
+        return None
+    for key, item in value.items():
+        if isinstance(item, (dict, list)):
+            if (found := _quoted_setting(item, message, loc)) is not None:
+                return found
+        elif isinstance(key, str) and re.search(rf"\b{re.escape(f'{key} {item}')}\b", message):
+            where = loc.at(value, key)
+            return where if where != loc.source else None
+    return None
+
+
+def _modifier_class(entry: Entry) -> type[Modifier]:
     name = entry.name
     if isinstance(name, str) and name in MODIFIERS:
         return MODIFIERS[name]
@@ -352,7 +283,7 @@ def _modifier_class(entry: _Entry) -> type[Modifier]:
     )
 
 
-def _arguments(entry: _Entry, cls: type[Modifier], loc: _Locator) -> dict[str, Any]:
+def _arguments(entry: Entry, cls: type[Modifier], loc: _Locator) -> dict[str, Any]:
     if entry.args is None:
         return {}
     if not isinstance(entry.args, dict):
@@ -386,10 +317,3 @@ def _arguments(entry: _Entry, cls: type[Modifier], loc: _Locator) -> dict[str, A
             )
         out[key] = value
     return out
-
-
-# --- small helpers --------------------------------------------------------------------------------------
-
-
-def _is_group_key(key: Any) -> bool:
-    return isinstance(key, str) and (key == "modifiers" or key.endswith("_modifiers"))
