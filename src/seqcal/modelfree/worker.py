@@ -1,0 +1,148 @@
+"""One job: a source file's tensors read one module at a time, the targeted weights quantized with round to
+nearest, everything written to the output file of the same name.
+
+The quantization is ``QuantizationModifier``'s (``rtn_quantize_module``), the NVFP4 global scale of a fused group
+``QuantizationModifier``'s (``shared_global_scales``), the stored tensors the checkpoint writer's (``_compressed``
+and ``_ShardFile``): the same functions ``oneshot`` runs, so the bytes agree by construction. The file is written
+as ``<name>.partial`` and renamed when complete, so a killed run leaves no file that looks finished.
+
+Example:
+    >>> run_job(plan.jobs[0], "llama", "llama-w4a16")  # doctest: +SKIP
+    JobResult(file='model.safetensors', ...)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor, nn
+
+from seqcal.checkpoint.shard_file import HEADER_RESERVE, _ShardFile
+from seqcal.checkpoint.tensors import _compressed
+from seqcal.execution.store import read_tensor
+from seqcal.modelfree.plan import Job, Quantize
+from seqcal.modifiers.formats import shared_global_scales
+from seqcal.modifiers.quantization import rtn_quantize_module
+
+PARTIAL = ".partial"  # suffix of an output file being written
+# per header entry: the key, its JSON punctuation, dtype, shape and offsets (``_ShardFile.fits``' bound)
+_ENTRY_BYTES = 32 + 48 + 8 * 4
+_COMPRESSED_ENTRIES = 5  # at most: packed/weight, scale, zero point, shape, global scale
+_SUFFIX = len("weight_global_scale")
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a finished job wrote.
+
+    Attributes:
+        file: the output file's name.
+        keys: its tensor keys.
+        nbytes: its tensors' bytes.
+        peak_rss: the peak resident memory of the process that ran it, in bytes.
+    """
+
+    file: str
+    keys: tuple[str, ...]
+    nbytes: int
+    peak_rss: int
+
+
+def run_job(job: Job, source_dir: str, output_dir: str, device: str = "cpu") -> JobResult:
+    """Write ``job``'s output file in ``output_dir`` from the source file in ``source_dir``.
+
+    Args:
+        job: from ``plan_jobs``.
+        source_dir: the source checkpoint directory.
+        output_dir: the output directory (exists).
+        device: where the weights are quantized ("cpu", "cuda:0", ...).
+
+    Returns:
+        The file's keys and size.
+    """
+    source, out = Path(source_dir), Path(output_dir)
+    partial = out / (job.file + PARTIAL)
+    shard = _ShardFile(partial, reserve=_reserve(job))
+    scales: dict[str, Tensor] = {}  # NVFP4 global scales of this file's fused groups, each computed once
+    keys: list[str] = []
+    try:
+        for unit in job.units:
+            tensors = {key: read_tensor(str(source / job.file), key) for key in unit.keys}
+            if unit.quantize is not None:
+                q = unit.quantize
+                tensors.update(_quantized(q, tensors.pop(q.key), source, scales, torch.device(device)))
+            for key in sorted(tensors):
+                shard.add(key, tensors[key])
+                keys.append(key)
+            del tensors
+        shard.finish({"format": "pt"})
+    except BaseException:
+        shard.discard()
+        raise
+    os.replace(partial, out / job.file)  # complete: from now on a resumed run keeps it
+    return JobResult(job.file, tuple(keys), shard.size, peak_rss())
+
+
+def _quantized(q: Quantize, weight: Tensor, source: Path, scales: dict[str, Tensor],
+               device: torch.device) -> dict[str, Tensor]:  # fmt: skip
+    """The tensors compressed-tensors stores for ``q``'s weight, under its checkpoint keys."""
+    module = _Held(weight.to(device))
+    global_scale = None
+    if q.fused:  # NVFP4: one global scale over the fused group, from the weights before any is quantized
+        files = {m: (key, file) for m, key, file in q.fused}
+
+        def read(name: str) -> Tensor:
+            key, file = files[name]
+            return module.weight if name == q.module else read_tensor(str(source / file), key).to(device)
+
+        shared_global_scales(_Members(read), [q.module], [tuple(files)], scales)
+        global_scale = scales[q.module]
+    qw = rtn_quantize_module(module, q.scheme, global_scale)
+    prefix = q.key.removesuffix("weight")
+    return {prefix + k: v.to("cpu") for k, v in _compressed(q.module, qw, tuple(weight.shape)).items()}
+
+
+class _Held(nn.Module):
+    """One weight as the Linear-like module ``rtn_quantize_module`` quantizes (it reads and sets ``.weight``)."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+
+class _Members:
+    """The fused group's weights as ``shared_global_scales`` reads them (``model.get_submodule(name).weight``),
+    each read from its file when asked."""
+
+    def __init__(self, read: Callable[[str], Tensor]) -> None:
+        self.read = read
+
+    def get_submodule(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(weight=self.read(name))
+
+
+def _reserve(job: Job) -> int:
+    """Header room of the output file: the checkpoint writer's, or more for a file of very many tensors."""
+    need = 64
+    for unit in job.units:
+        for key in unit.keys:
+            if unit.quantize is not None and key == unit.quantize.key:
+                need += _COMPRESSED_ENTRIES * (len(key) + _SUFFIX + _ENTRY_BYTES)
+            else:
+                need += len(json.dumps(key)) + _ENTRY_BYTES
+    mib = 1024**2
+    return HEADER_RESERVE if need <= HEADER_RESERVE else -(-need // mib) * mib
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
