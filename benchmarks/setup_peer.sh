@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create the peer venv used by benchmarks/trace_matrix.py: llm-compressor 0.14.0.1 beside seqcal.
+# Create the peer venv used by benchmarks/tracing/trace_matrix.py: llm-compressor 0.14.0.1 beside seqcal.
 #
 # Idempotent: an existing venv that already imports llmcompressor 0.14.0.1 is left as it is.
 # torch is installed first and pinned, so that llmcompressor's own torch requirement is already

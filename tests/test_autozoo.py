@@ -3,7 +3,7 @@
 ``make test`` checks a fixed, deterministic subset of the model types (``SUBSET``); ``SEQCAL_FULL_ZOO=1``
 checks every one (see CONTRIBUTING.md, "The full architecture zoo"). A model type in ``KNOWN`` fails
 today: its test is ``xfail(strict=True)`` with the failure class and error, so a fix makes it pass,
-which fails the run until its entry is removed. ``benchmarks/full_zoo.py --known`` prints ``KNOWN``
+which fails the run until its entry is removed. ``benchmarks/tracing/full_zoo.py --known`` prints ``KNOWN``
 from a full run.
 """
 
@@ -153,7 +153,7 @@ def test_partitioned_equals_eager(model_type: str) -> None:
     assert result.status == "ok", f"{model_type}: {result.status}: {result.error}{where}"
 
 
-# ------------------------------------------------------------------------ benchmarks/full_zoo.py
+# ------------------------------------------------------------------------ benchmarks/tracing/full_zoo.py
 
 
 def _full_zoo() -> object:
@@ -161,7 +161,7 @@ def _full_zoo() -> object:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tracing"))
     return importlib.import_module("full_zoo")
 
 

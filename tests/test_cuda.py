@@ -1,6 +1,6 @@
 """The CUDA paths: offloaded weights run on the GPU one subgraph at a time and give the CPU's checkpoint.
 
-Skipped without a CUDA device (CI has none); ``benchmarks/gpu_check.sh`` runs them on a GPU machine.
+Skipped without a CUDA device (CI has none); ``benchmarks/gpu/gpu_check.sh`` runs them on a GPU machine.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The MoE checkpoint layout vLLM's compressed-tensors loader reads (llm-compressor 0.14 writes the same), and
 bad MoE recipes refused before calibration, through ``oneshot`` and the ``seqcal oneshot`` command.
 
-``benchmarks/moe_peer_layout.py`` compares seqcal's checkpoints with llm-compressor's tensor by tensor; these
+``benchmarks/peers/moe_peer_layout.py`` compares seqcal's checkpoints with llm-compressor's tensor by tensor; these
 tests pin the layout it found equal without needing llm-compressor.
 """
 

@@ -50,7 +50,7 @@ IN_PLACE_BLOCKS = 16
 # CPU Hessians this wide or wider are factored in their own memory whatever the run asks (``in_place``): no second
 # [in, in] matrix beside the Hessian (268 MB at a 8192-wide down_proj), and no slower than LAPACK's there (2-core x86,
 # 2 threads, best of two: 4096 inputs 0.42 s against 0.76 s, 5632 0.91 s against 1.58 s, 8192 2.51 s against 4.35 s;
-# benchmarks/JOURNAL.md). Narrower ones keep LAPACK's factor: SmolLM2's checkpoints were recorded with its bits.
+# docs/notes/journal.md). Narrower ones keep LAPACK's factor: SmolLM2's checkpoints were recorded with its bits.
 IN_PLACE_FROM = 4096
 
 
