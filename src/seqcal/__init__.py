@@ -2,6 +2,7 @@
 
 from seqcal.entrypoint import oneshot
 from seqcal.execution.subgraphs import SubgraphList, trace_subgraphs
+from seqcal.modelfree import model_free_ptq
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.recipe.parse import Recipe, parse_recipe
 from seqcal.tracing import TracingError
@@ -12,6 +13,7 @@ __all__ = [
     "Recipe",
     "SubgraphList",
     "TracingError",
+    "model_free_ptq",
     "oneshot",
     "parse_recipe",
     "trace_subgraphs",
