@@ -18,6 +18,7 @@ import torch
 from seqcal.backend.host import limit_onednn_cache, map_large_allocations
 from seqcal.backend.threads import choose_threads
 from seqcal.cli.evaluate import EVAL_DEFAULT, cmd_eval_ppl, eval_text, ppl_of
+from seqcal.cli.model_free import add_model_free
 from seqcal.cli.trace import cmd_trace, export_path, format_of, levels, load_model_and_tokenizer
 from seqcal.console import EXIT_INTERRUPTED, SeqcalParser, console_logging, report_error
 from seqcal.data.autobatch import parse_batch_size
@@ -319,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.set_defaults(func=cmd_trace)
     _add_oneshot(sub)
     _add_plan(sub)
+    add_model_free(sub)
     return parser
 
 
