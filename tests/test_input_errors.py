@@ -1,7 +1,7 @@
 """Careless input gets a precise, one-sentence answer before anything is calibrated or written.
 
 Each test passes what a new user might: two modifiers claiming one Linear, a typo in a target, chat rows
-whose 'messages' is a string, a malformed JSON lines row, an already quantized checkpoint, a folder
+whose 'messages' is a string, a malformed JSON lines row, a checkpoint quantized in an unknown format, a folder
 without config.json or tokenizer, a max_seq_length past the model's positions. The last part checks that
 target inference uses the layer classes a model declares (``_no_split_modules``).
 """
@@ -173,23 +173,23 @@ def test_a_byte_order_mark_does_not_spoil_the_first_row(tmp_path: Path) -> None:
 # ---- 4, 5. model directories ---------------------------------------------------------------------------
 
 
-def test_an_already_quantized_checkpoint_is_refused_before_loading(tmp_path: Path) -> None:
-    model_dir = tmp_path / "llama-w4a16"
+def test_a_checkpoint_quantized_in_an_unknown_format_is_refused_before_loading(tmp_path: Path) -> None:
+    model_dir = tmp_path / "llama-hqq"
     model_dir.mkdir()
-    config = tiny_llama().config.to_dict() | {"quantization_config": {"quant_method": "compressed-tensors"}}
+    config = tiny_llama().config.to_dict() | {"quantization_config": {"quant_method": "hqq"}}
     (model_dir / "config.json").write_text(json.dumps(config))  # no weights at all: loading would fail
     with pytest.raises(ValueError) as err:
         oneshot(model=str(model_dir), dataset=token_data(), recipe=GPTQModifier(scheme="W4A16"))
     message = str(err.value)
-    assert f"{model_dir / 'config.json'} has a quantization_config (compressed-tensors)" in message
-    assert "already quantized" in message and "original (unquantized) model" in message
+    assert f"{model_dir / 'config.json'}: quantization_config has quant_method 'hqq'" in message
+    assert "cannot dequantize" in message and "'fp8'" in message
 
 
-def test_a_seqcal_output_directory_is_refused_as_input(tmp_path: Path) -> None:
+def test_a_seqcal_output_directory_is_requantized_only_when_asked(tmp_path: Path) -> None:
     out = tmp_path / "w8"
     recipe = QuantizationModifier(scheme="W8A16", ignore=["lm_head"])
     oneshot(model=tiny_llama(), dataset=token_data(), recipe=recipe, output_dir=str(out))
-    with pytest.raises(ValueError, match=r"config\.json has a quantization_config \(compressed-tensors\)"):
+    with pytest.raises(ValueError, match=r"stored as int8-pack-quantized \(8-bit int\), at or below .* requantize=True"):
         oneshot(model=str(out), dataset=token_data(), recipe=recipe, output_dir=str(tmp_path / "again"))
     assert not (tmp_path / "again").exists()
 

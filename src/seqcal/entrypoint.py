@@ -14,23 +14,20 @@ from seqcal.checkpoint.identity import run_identity
 from seqcal.checkpoint.preflight import check_environment, check_output_dir
 from seqcal.data.autobatch import default_batch_size, with_auto_limits
 from seqcal.data.batches import DataArgs, load_calibration_batches
-from seqcal.data.checks import TOKENIZER_FILES, check_data_for_model, check_model_dir
+from seqcal.data.checks import check_data_for_model
 from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_path
 from seqcal.distributed.group import merge_rank_profiles
-from seqcal.errors import ModelLoadError
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
-from seqcal.execution.store import WeightStore, load_offloaded
 from seqcal.experts import linearize_experts
+from seqcal.models.load import load_model
 from seqcal.modifiers.state import RunState
 from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
 from seqcal.multimodal.run import finish_media, prepare_media
 from seqcal.plan import make_plan
 from seqcal.plan.host import (
-    HostBudgetError,
     HostFit,
     check_budget,
-    check_whole_load,
     fit_host,
     host_report,
     keep_recorded_choices,
@@ -38,51 +35,12 @@ from seqcal.plan.host import (
 )
 from seqcal.recipe.parse import parse_recipe
 from seqcal.report.profile import Profiler
-from seqcal.run_args import DTYPES, ModelArgs, OneshotArgs, parse_bytes
+from seqcal.run_args import ModelArgs, OneshotArgs, parse_bytes
+from seqcal.sources.policy import check_source
+
+__all__ = ["load_model", "oneshot", "run_oneshot"]  # load_model lives in seqcal.models.load
 
 logger = logging.getLogger("seqcal")
-
-
-def load_model(
-    args: ModelArgs, offload_weights: bool = False, host_budget: int | None = None
-) -> tuple[torch.nn.Module, Any, WeightStore | None]:
-    """The model (eval mode), its tokenizer and, with ``offload_weights``, the store of its weights.
-
-    With ``offload_weights`` (the default of the sequential pipeline for a directory) no weight is read
-    here: parameters stay on meta and each subgraph reads its own from the safetensors files. Without it,
-    a ``host_budget`` (bytes) smaller than the weights on disk is refused before they are read.
-    """
-    from transformers import AutoTokenizer
-
-    from seqcal.models import detach_from_files, resolve_model
-    from seqcal.multimodal.classes import from_pretrained
-
-    store = None
-    if isinstance(args.model, torch.nn.Module):
-        model, source = args.model, getattr(args.model, "name_or_path", None)
-    else:
-        source = str(resolve_model(args.model, args.revision, args.trust_remote_code))
-        check_model_dir(source)
-        dtype = DTYPES[args.dtype]
-        try:
-            if offload_weights:
-                model, store = load_offloaded(
-                    source, None if dtype == "auto" else dtype, args.trust_remote_code
-                )
-            else:
-                check_whole_load(source, host_budget)
-                model = from_pretrained(source, dtype, args.trust_remote_code)
-                detach_from_files(model)  # else the checkpoint's pages stay beside each replaced weight
-        except HostBudgetError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the checkpoint is the cause
-            raise ModelLoadError.wrap(source, exc) from exc
-    tokenizer = args.tokenizer
-    if isinstance(tokenizer, (str, Path)):  # a directory or Hub id, resolved by transformers itself
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=args.trust_remote_code)
-    if tokenizer is None and source and any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-    return model.eval(), tokenizer, store
 
 
 # oneDNN's caches capped before the run's first bf16 matmul, os.environ as it was on return (backend.host)
@@ -126,6 +84,7 @@ def oneshot(
     num_shards: int = DEFAULT_SHARDS,
     data_collator: Any = None,
     preprocessing_func: Any = None,
+    requantize: bool = False,
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -198,6 +157,8 @@ def oneshot(
         data_collator / preprocessing_func: rows mapped through a processor (images, audio): a function of a
             list of rows giving one batch, and one applied to each row first (llm-compressor's route;
             ``seqcal.multimodal.inputs``). Every input a batch holds reaches the model's forward.
+        requantize: quantize a quantized checkpoint (``seqcal.sources``: FP8, MXFP4, compressed-tensors, AWQ,
+            GPTQ) to as many bits as it has or more; refused without it, since the two roundings' errors compound.
         num_shards: virtual shards of the calibration batches. Statistics are accumulated per shard and
             folded in shard order, so the checkpoint is the same for one process and for any number of
             processes (``torchrun``, or a ``torch.distributed`` group the caller started; seqcal.distributed).
@@ -228,6 +189,7 @@ def run_oneshot(args: OneshotArgs) -> Any:
         if group.writes else None,
     )  # fmt: skip
     model_args = args.model_args()
+    source = check_source(model_args, parsed.modifiers, args.requantize)  # a quantized checkpoint's format
     offload = _offload_weights(model_args, pipe_args, args.output_dir, args.dry_run)
     loaded, tok, store = load_model(model_args, offload_weights=offload, host_budget=host_budget)
     tok, processor = split_processor(tok)  # a processor given as tokenizer: its tokenizer batches text
@@ -258,6 +220,7 @@ def run_oneshot(args: OneshotArgs) -> Any:
         if out_args.output_dir is not None and group.writes:
             tok = _reload_tokenizer(reload_from, args.trust_remote_code) if reload_from else tok
             state.results.report["host_memory"] = host_report(host_budget, plan, fit)
+            state.results.report.update(source)  # the source's format, also in the quantization_config
             _save(loaded, state, output, tok, recipe_yaml, profiler)
             finish_media(media, out_args.output_dir)
     merge_rank_profiles(args.profile, group)  # one trace, a process per rank

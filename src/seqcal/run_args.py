@@ -102,6 +102,7 @@ class OneshotArgs:
     num_shards: int = DEFAULT_SHARDS
     data_collator: Any = None
     preprocessing_func: Any = None
+    requantize: bool = False
 
     @classmethod
     def from_call(cls, bound: dict[str, Any], unknown: dict[str, Any]) -> OneshotArgs:

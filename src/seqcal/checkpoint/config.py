@@ -342,6 +342,8 @@ def checkpoint_config(model: torch.nn.Module, state: RunState, layout: ModelLayo
     if state.results.sparsity:  # pruned modules (seqcal.checkpoint.sparse)
         names = {n: layout.checkpoint_names(n) for n in state.results.sparsity}
         data["quantization_config"]["sparsity_config"] = sparsity_block(model, state, names)
+    if "source_format" in state.results.report:  # read from a quantized checkpoint (seqcal.sources)
+        data["quantization_config"]["source_format"] = state.results.report["source_format"]
     return data
 
 

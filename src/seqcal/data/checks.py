@@ -4,8 +4,8 @@ Each check raises a one-sentence error (what is wrong, where, the fix) or logs a
 them between its stages so that nothing is calibrated or written for input that cannot give a valid model.
 
 Example:
-    >>> check_model_dir(Path("out/llama-w4a16"))  # doctest: +SKIP
-    ValueError: out/llama-w4a16/config.json has a quantization_config (compressed-tensors): ...
+    >>> check_model_dir(Path("out/llama-hqq"))  # doctest: +SKIP
+    SourceFormatError: out/llama-hqq/config.json: quantization_config has quant_method 'hqq', which ...
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from seqcal.data.args import DataArgs
 from seqcal.data.batches import needs_tokenizer
+from seqcal.sources.detect import detect_source
 
 logger = logging.getLogger("seqcal")
 
@@ -26,13 +27,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_model_dir(path: str | Path) -> None:
-    """Refuse a model directory without config.json, or one that holds an already quantized checkpoint.
+    """Refuse a model directory without config.json, or one quantized in a format seqcal cannot dequantize.
 
     Args:
         path: the local model directory (after aliases are resolved).
 
     Raises:
-        ValueError: no readable config.json, or its ``quantization_config`` says the weights are quantized.
+        ValueError: no readable config.json, or a ``quantization_config`` of an unknown ``quant_method``.
 
     Example:
         >>> check_model_dir(default_model_dir())  # doctest: +SKIP
@@ -52,12 +53,8 @@ def check_model_dir(path: str | Path) -> None:
         raise ValueError(
             f"{config_file}: cannot read it as JSON ({err}); restore the model's config.json"
         ) from err
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if quant:
-        method = quant.get("quant_method", "unknown method") if isinstance(quant, dict) else "unknown method"
-        raise ValueError(f"{config_file} has a quantization_config ({method}): the model in {str(path)!r} is "
-                         "already quantized, and quantizing it again would compound the errors; pass the "
-                         "original (unquantized) model directory instead")  # fmt: skip
+    # a quantized checkpoint is read dequantized (seqcal.sources); one in a format seqcal cannot read is refused
+    detect_source(config.get("quantization_config") if isinstance(config, dict) else None, str(config_file))
 
 
 def check_tokenizer(tokenizer: Any, data_args: DataArgs | None, model: Any) -> None:

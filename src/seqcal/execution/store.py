@@ -29,6 +29,7 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 
 from seqcal.errors import ModelLoadError
+from seqcal.sources.checkpoint import QuantizedCheckpoint, quantized_source
 
 
 @dataclass
@@ -41,10 +42,16 @@ class WeightStore:
     dtype: torch.dtype | None = None
     # parameter -> (stored key, reader of its part): one expert of a tensor the checkpoint stores fused
     views: dict[str, tuple[str, Callable[[Any], torch.Tensor]]] = field(default_factory=dict)
+    # a quantized checkpoint (FP8, MXFP4, compressed-tensors, ...): its weights are dequantized as they are read
+    source: QuantizedCheckpoint | None = None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype | None = None) -> WeightStore:
         path = Path(path)
+        source = quantized_source(path)
+        if source is not None:  # stored names -> the full-precision names, each read dequantized
+            files = {name: source.file_of(name) for name in source.names()}
+            return cls(files=files, dtype=dtype, source=source)
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -68,12 +75,17 @@ class WeightStore:
         for key in (name, stored):
             if key in self.overrides:
                 return self.overrides[key]
+        dtype = self.dtype or torch.float32
         if name in self.views:
             stored, part = self.views[name]
+            if self.source is not None and self.source.is_quantized(stored):  # one expert dequantized
+                return _owned(part(self.source.experts(stored, dtype)))
             with safe_open(self.files[stored], framework="pt") as f:
                 tensor = _owned(part(f.get_slice(stored)))  # memory of its own, not the file's (read_tensor)
         elif stored not in self.files:
             raise KeyError(f"parameter {name!r} is not in the checkpoint (looked for {stored!r})")
+        elif self.source is not None and self.source.is_quantized(stored):
+            return _owned(self.source.read(stored, dtype))
         else:
             tensor = read_tensor(self.files[stored], stored)
         return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
@@ -169,6 +181,8 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     from seqcal.multimodal.classes import build
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):  # a quantized source: the store dequantizes (seqcal.sources)
+        del config.quantization_config
     # `dtype` since transformers 4.56; reading `torch_dtype` there logs a deprecation warning on every run
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
