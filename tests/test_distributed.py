@@ -319,7 +319,7 @@ def _split_run(world: int, rank: int, together: tuple = ()) -> ShardedRun:
 
     shapes = {"l.q": (64, 32), "l.k": (16, 32), "l.v": (16, 32), "l.o": (32, 64), "l.up": (128, 32),
               "l.gate": (128, 32), "l.down": (32, 128)}  # fmt: skip
-    return ShardedRun(ShardPlan(4, 4, world), ProcessGroup(rank, world), [1.0], {}, shapes, together)
+    return ShardedRun(ShardPlan(4, 4, world), ProcessGroup(rank, world), [1.0], shapes, together)
 
 
 def test_module_groups_of_a_subgraph_are_spread_by_solve_cost() -> None:

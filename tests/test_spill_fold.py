@@ -46,7 +46,7 @@ def _partial(shard: int) -> dict:
 
 def test_the_sharded_fold_with_spilled_sums_equals_the_fold_in_ram(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reduce, "SPILL_BYTES", 1024)  # the 64 x 64 Hessian (16 KiB) spills, the rest stays
-    run = ShardedRun(ShardPlan(8, 8, 1), ProcessGroup(), [1.0], {})
+    run = ShardedRun(ShardPlan(8, 8, 1), ProcessGroup(), [1.0])
     run._start(0)
     want = None
     for shard in range(8):
@@ -64,7 +64,7 @@ def test_the_sharded_fold_with_spilled_sums_equals_the_fold_in_ram(monkeypatch: 
 
 def test_a_sum_the_last_shards_lack_is_read_back_for_the_solve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reduce, "SPILL_BYTES", 1024)
-    run = ShardedRun(ShardPlan(8, 8, 1), ProcessGroup(), [1.0], {})
+    run = ShardedRun(ShardPlan(8, 8, 1), ProcessGroup(), [1.0])
     run._start(0)
     first = _partial(0)
     H = first["0/hessian:a"]["H"].tensor.clone()

@@ -2,6 +2,8 @@
 
 Levels: the default shows warnings and one INFO line per decision the run makes (how the graph is cut,
 fallbacks, finer targets); ``-q`` shows errors only; ``-v`` shows debug lines and, on an error, the traceback.
+The same levels hold for the loggers of modifiers written outside seqcal (named in a recipe by import path or
+entry point): ``logging.getLogger(__name__)`` in their package prints beside seqcal's own lines.
 """
 
 from __future__ import annotations
@@ -44,10 +46,14 @@ class ConsoleFormatter(logging.Formatter):
 
 @contextlib.contextmanager
 def console_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None = None) -> Iterator[None]:
-    """Within the block, the ``seqcal`` loggers write to stderr at the level the flags ask for.
+    """Within the block, the ``seqcal`` loggers, and those of the packages that define modifiers outside seqcal,
+    write to stderr at the level the flags ask for.
 
-    The logger's handlers, level and propagation are restored on the way out, so ``main()`` called from
-    Python (tests, notebooks) leaves the host's logging as it found it.
+    A user modifier's logger (``logging.getLogger(__name__)`` in a module named by import path) is reached through
+    the root logger, whose level is set to the same; records of other libraries are not shown (their warnings
+    are, as Python shows them without any handler, when the host configured none). The loggers' handlers, levels
+    and propagation are restored on the way out, so ``main()`` called from Python (tests, notebooks) leaves the
+    host's logging as it found it.
 
     Args:
         verbose: ``-v`` count: 1 or more shows DEBUG lines.
@@ -58,19 +64,49 @@ def console_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None
         >>> with console_logging(verbose=1):  # doctest: +SKIP
         ...     oneshot(...)
     """
-    logger = logging.getLogger("seqcal")
-    saved = logger.level, logger.propagate
+    logger, root = logging.getLogger("seqcal"), logging.getLogger()
+    level = logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO
+    saved = logger.level, logger.propagate, root.level
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(ConsoleFormatter(verbose > 0))
-    logger.addHandler(handler)
-    logger.setLevel(logging.ERROR if quiet else logging.DEBUG if verbose else logging.INFO)
+    # user modifiers' loggers (any name) reach the root logger: shown at the same level, others' records not
+    users = logging.StreamHandler(stream or sys.stderr)
+    users.setFormatter(ConsoleFormatter(verbose > 0))
+    users.addFilter(lambda record: _from_user_modifier(record.name))
+    # Python prints the warnings of a process without any handler by itself (logging.lastResort); with ours on
+    # the root logger it would not, so the others' warnings keep a handler of their own, as plain as lastResort's
+    others = None if root.handlers else logging.StreamHandler(stream or sys.stderr)
+    handlers = [(logger, handler), (root, users)] + ([(root, others)] if others else [])
+    if others is not None:
+        others.setLevel(logging.WARNING)
+        others.addFilter(lambda record: not _from_user_modifier(record.name))
+    for owner, h in handlers:
+        owner.addHandler(h)
+    logger.setLevel(level)
+    root.setLevel(level)
     logger.propagate = False  # a root handler configured by the host would print every line twice
     try:
         with _quiet_transformers() if quiet else contextlib.nullcontext():
             yield
     finally:
-        logger.removeHandler(handler)
-        logger.level, logger.propagate = saved
+        for owner, h in handlers:
+            owner.removeHandler(h)
+        logger.level, logger.propagate, root.level = saved
+
+
+def _from_user_modifier(name: str) -> bool:
+    """Whether logger ``name`` belongs to a package that defines a modifier outside seqcal (a recipe's import path
+    or entry point): the package of a loaded Modifier subclass, its modules and their loggers' children."""
+    # imported by the run already, and not before: the console is set up before any heavy import
+    from seqcal.modifiers.base import Modifier
+
+    top = name.partition(".")[0]
+    pending, packages = list(Modifier.__subclasses__()), set()
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        packages.add(cls.__module__.partition(".")[0])
+    return top != "seqcal" and top in packages
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
 """The data that crosses stages: what modifiers produce and what checkpoint/ and distributed/ read.
 
 Plain dataclasses with no behaviour beyond their own checks, at the bottom of the package's layers (they
-import only torch), so that the checkpoint writer, the shard reduction and the modifiers share them without
-importing one another:
+import only torch and compressed-tensors), so that the checkpoint writer, the shard reduction and the modifiers
+share them without importing one another:
 
-    QuantizedWeight   one Linear's compressed weight (codes, scales, the scheme it follows)
+    QuantizedWeight   one Linear's compressed weight (codes, scales, the scheme it follows); its scheme
+                      travels with it (``scheme_record`` / ``scheme_from_record``: between processes, into
+                      resume files), so nothing rebuilds a result from the recipe
     Statistic         one partial statistic of a virtual shard and how partials combine (sum, max, min);
                       ``fold`` combines them in shard order, ``tensors_of`` unwraps the result
     Mapping, Fold     a producer -> consumers pair, and smoothing scales folded into one
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from compressed_tensors.quantization import QuantizationScheme
 
 
 @dataclass
@@ -31,7 +34,10 @@ class QuantizedWeight:
         scale: per tensor [1], channel [out, 1] or group [out, in // group_size].
         zero_point: same shape as scale (None for symmetric schemes).
         g_idx: group index of each input column ([in], int32) for activation ordering "group", else None.
-        scheme: the compressed-tensors QuantizationScheme the weight follows (weights and activations).
+        scheme: the compressed-tensors QuantizationScheme the codes follow (weights and activations). It is the
+            module's own: a modifier may give each module another one (3, 4 or 8 bits by the module's error), and
+            the other processes, a resumed run and ``config.json``'s config groups take it from here, never
+            from the recipe.
         loss: the solver's objective (GPTQ loss), None for round-to-nearest.
         global_scale: float32 [1] NVFP4 global scale (``tensor_group`` schemes; scale is then fp8-valued and
             the effective scale is ``scale / global_scale``), else None.
@@ -52,6 +58,39 @@ class QuantizedWeight:
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
     input_global_scale: torch.Tensor | None = None
+
+
+def scheme_record(scheme: Any, name: str = "a quantized module") -> dict[str, Any]:
+    """``scheme`` as JSON-ready data (compressed-tensors' own field names), to send or save beside the codes.
+
+    Args:
+        scheme: a QuantizedWeight's scheme.
+        name: the module it belongs to (for the error).
+
+    Raises:
+        TypeError: ``scheme`` is no QuantizationScheme.
+
+    Example:
+        >>> scheme_record(QuantizationScheme(targets=["Linear"]))["targets"]
+        ['Linear']
+    """
+    if not isinstance(scheme, QuantizationScheme):
+        raise TypeError(
+            f"{name}: QuantizedWeight.scheme is a {type(scheme).__name__}, not a compressed-tensors "
+            "QuantizationScheme; build it with QuantizationScheme(targets=..., weights=QuantizationArgs(...)) or "
+            "take the module's from the modifier (self.modules[name])"
+        )
+    return scheme.model_dump(mode="json")
+
+
+def scheme_from_record(record: dict[str, Any]) -> QuantizationScheme:
+    """The QuantizationScheme ``scheme_record`` wrote (equal to the one it was written from)."""
+    # a GGUF type's scheme (seqcal.gguf.scheme), which builds on compressed-tensors'
+    if "gguf_type" in record:
+        from seqcal.gguf.scheme import GGUFScheme
+
+        return GGUFScheme.model_validate(record)
+    return QuantizationScheme.model_validate(record)
 
 
 # How partial statistics of virtual shards combine (``fold``): elementwise, in shard order.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -140,24 +140,37 @@ def _tensor_or_none(model: torch.nn.Module, key: str) -> Tensor | None:
     return module._parameters.get(attr, module._buffers.get(attr))
 
 
-def _groups(state: RunState) -> tuple[list[QuantizationScheme], dict[str, int]]:
-    """Distinct schemes in order of first use, and module name -> index of its scheme."""
+def _groups(state: RunState, order: Sequence[str] = ()) -> tuple[list[QuantizationScheme], dict[str, int]]:
+    """The distinct schemes the quantized modules hold (``QuantizedWeight.scheme``, a modifier's choice per module),
+    in order of first use, and module name -> index of its scheme.
+
+    The modules are taken in ``order`` (the model's), not in the order their results arrived: another process's
+    modules and a resumed run's replayed ones arrive in another order, and the group numbers must not change.
+    """
+    position = {name: i for i, name in enumerate(order)}
+    names = sorted(state.results.quantized, key=lambda n: position.get(n, len(position)))
     schemes: list[QuantizationScheme] = []
     index: dict[str, int] = {}
-    for name, qw in state.results.quantized.items():
-        if qw.scheme not in schemes:
-            schemes.append(qw.scheme)
-        index[name] = schemes.index(qw.scheme)
+    for name in names:
+        scheme = state.results.quantized[name].scheme
+        if scheme not in schemes:
+            schemes.append(scheme)
+        index[name] = schemes.index(scheme)
     return schemes, index
 
 
-def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bool = False) -> dict:
+def quantization_config(
+    state: RunState, ignore: list[str], *, exact_targets: bool = False, order: Sequence[str] = ()
+) -> dict:
     """The ``quantization_config`` block of ``config.json``, as compressed-tensors' ModelCompressor writes it.
 
     Args:
-        state: the run's state; one config group per distinct scheme in ``state.results.quantized``.
+        state: the run's state; one config group per distinct scheme its quantized modules hold
+            (``state.results.quantized[name].scheme``), whatever the recipe said.
         ignore: names of the modules the group targets match but that stay unquantized (e.g. ``lm_head``).
         exact_targets: target the quantized modules by exact name instead of the schemes' own targets.
+        order: module names in the model's order (``named_modules``); the groups are numbered by their first
+            module in it (modules it does not name come last, in their order of arrival).
 
     Returns:
         A JSON-ready dict: config_groups (each with its format), format (one format or "mixed-precision"),
@@ -171,7 +184,7 @@ def quantization_config(state: RunState, ignore: list[str], *, exact_targets: bo
         raise ValueError(
             "quantization_config: state.results.quantized is empty; save an unquantized model with save_pretrained"
         )
-    schemes, index = _groups(state)
+    schemes, index = _groups(state, order)
     groups = {}
     for i, scheme in enumerate(schemes):
         group = scheme.model_copy(deep=True)
@@ -296,10 +309,10 @@ def _checked_block(model: torch.nn.Module, state: RunState, layout: ModelLayout)
         )
     ]
     ignore = [alias for name in unquantized for alias in layout.checkpoint_names(name)]
-    block = quantization_config(state, ignore)
-    expected = {name: f"group_{i}" for name, i in _groups(state)[1].items()}
+    block = quantization_config(state, ignore, order=list(modules))
+    expected = {name: f"group_{i}" for name, i in _groups(state, list(modules))[1].items()}
     if _assignment(model, block) != expected:  # overlapping targets resolve differently in compressed-tensors
-        block = quantization_config(state, ignore, exact_targets=True)
+        block = quantization_config(state, ignore, exact_targets=True, order=list(modules))
         for group in block["config_groups"].values():
             group["targets"] = [a for n in group["targets"] for a in layout.checkpoint_names(n)]
     return block

@@ -1,5 +1,6 @@
-"""Reading back what a resumable run saved: the quantized weights of a finished subgraph, the producers whose
-folds a replay divides again, and a save interrupted while it was closing (``StreamingCheckpoint``'s resume).
+"""What a resumable run saves of a finished subgraph and reads back: its quantized weights with the scheme each
+follows, the producers whose folds a replay divides again, and a save interrupted while it was closing
+(``StreamingCheckpoint``'s resume).
 """
 
 from __future__ import annotations
@@ -11,18 +12,43 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms import dequantize, formats
 from seqcal.checkpoint.writer import CONFIG_NAME, INDEX_NAME, PROGRESS_NAME
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.schemes import strategy_of
 from seqcal.modifiers.state import RunState
-from seqcal.records import QuantizedWeight
+from seqcal.records import QuantizedWeight, scheme_from_record, scheme_record
+
+# The tensors of a QuantizedWeight a resume file holds (``name:<field>``) besides its codes and scale; static
+# activations' among them, since a replay fake-quantizes the module's inputs with them.
+_OPTIONAL = ("zero_point", "global_scale", "input_scale", "input_zero_point", "input_global_scale")
+
+
+def resume_tensors(
+    quantized: Mapping[str, QuantizedWeight],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What a subgraph's resume file keeps of its quantized modules: their tensors (``name:q``, ``name:scale``,
+    ...) and, as metadata, the scheme each was quantized with (``schemes``), so that a replay rebuilds the module
+    the interrupted run had, whichever scheme its modifier chose for it."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, qw in quantized.items():
+        tensors.update({f"{name}:q": qw.q, f"{name}:scale": qw.scale})
+        tensors.update({f"{name}:{k}": getattr(qw, k) for k in _OPTIONAL if getattr(qw, k) is not None})
+    schemes = {name: scheme_record(qw.scheme, name) for name, qw in quantized.items()}
+    return tensors, {"schemes": json.dumps(schemes, sort_keys=True)}
+
+
+def saved_schemes(metadata: Mapping[str, str]) -> dict[str, QuantizationScheme]:
+    """Module name -> the scheme its saved codes follow, from a resume file's metadata (``resume_tensors``);
+    {} for a file written before files recorded them."""
+    return {name: scheme_from_record(r) for name, r in json.loads(metadata.get("schemes", "{}")).items()}
 
 
 def saved_weight(tensors: Mapping[str, torch.Tensor], name: str, scheme: Any) -> QuantizedWeight:
     """Module ``name``'s quantized weight from a subgraph's resume file (``tensors``: its ``name:q``,
-    ``name:scale``, ... entries), following ``scheme`` (a compressed-tensors QuantizationScheme)."""
+    ``name:scale``, ... entries), following ``scheme`` (its ``saved_schemes`` entry)."""
     return QuantizedWeight(q=tensors[f"{name}:q"], scale=tensors[f"{name}:scale"],
                            zero_point=tensors.get(f"{name}:zero_point"), g_idx=None, scheme=scheme,
                            global_scale=tensors.get(f"{name}:global_scale"),

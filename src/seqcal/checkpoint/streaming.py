@@ -44,6 +44,8 @@ from seqcal.checkpoint.resume_files import (
     _undo_close,
     dequantize_into,
     restore_records,
+    resume_tensors,
+    saved_schemes,
     saved_weight,
 )
 from seqcal.checkpoint.writer import (
@@ -188,19 +190,10 @@ class StreamingCheckpoint:
                 for name in names
             ]  # fmt: skip
         mine = {n: q for n, q in self.state.results.quantized.items() if sg.holds(n)}
-        tensors = {}
-        for name, qw in mine.items():
-            tensors.update({f"{name}:q": qw.q, f"{name}:scale": qw.scale})
-            if qw.zero_point is not None:
-                tensors[f"{name}:zero_point"] = qw.zero_point
-            if qw.global_scale is not None:
-                tensors[f"{name}:global_scale"] = qw.global_scale
-            # static activations: a replay fake-quantizes the module's inputs with them
-            for key in ("input_scale", "input_zero_point", "input_global_scale"):
-                if getattr(qw, key) is not None:
-                    tensors[f"{name}:{key}"] = getattr(qw, key)
+        tensors, schemes = resume_tensors(mine)  # the codes with the scheme each module was quantized with
         edited, metadata = self._edited(sg)
         tensors.update(edited)
+        metadata.update(schemes)
         # As they are now: a module a later subgraph still holds may be changed in place before the worker writes
         # (a fold dividing a producer's rows); the others' tensors are done changing.
         later = {k for k in tensors if self.owner.get(k.split(":")[0], -1) > sg.index}
@@ -342,7 +335,9 @@ class StreamingCheckpoint:
 
         Args:
             sg: a subgraph finished by the interrupted run.
-            schemes: module name -> QuantizationScheme (from the recipe's modifiers).
+            schemes: module name -> QuantizationScheme of the recipe's modifiers: the modules a finished subgraph
+                must have saved. The saved modules are rebuilt with the scheme their file records (a modifier's
+                own choice per module); the recipe's only for a file written before files recorded it.
 
         Returns:
             The folds whose scales divided ``sg``'s cached inputs in the interrupted run (its file records
@@ -370,8 +365,9 @@ class StreamingCheckpoint:
         records = metadata.get("divided", "[]")
         scales = [tensors.pop(f"{i}:fold:scales") for i in range(len(json.loads(records)))]
         folds = folds_from(records, scales)
+        saved = saved_schemes(metadata)
         for name in sorted({k.split(":")[0] for k in tensors}):
-            qw = saved_weight(tensors, name, schemes[name])
+            qw = saved_weight(tensors, name, saved[name] if name in saved else schemes[name])
             dequantize_into(self.model.get_submodule(name).weight, qw)
             self.state.results.quantized[name] = qw
         self._trim({k.split(":")[0] for k in tensors}, sg)

@@ -1,5 +1,9 @@
 """What the processes of a run exchange: the modifiers' partial statistics by recipe position, and a solved
-subgraph's weights and results packed into one message."""
+subgraph's weights and results packed into one message.
+
+A quantized module travels whole: its codes and scales with the scheme they follow (``QuantizedWeight.scheme``,
+which a modifier may choose per module), so the receiving processes hold what the solver holds and the checkpoint
+they write does not depend on which process solved a module."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 from seqcal.distributed.reduce import Partial, named_from_bytes, named_to_bytes, tensors_of
 from seqcal.modifiers import contract
 from seqcal.modifiers.state import RunState
-from seqcal.records import QuantizedWeight
+from seqcal.records import QuantizedWeight, scheme_from_record, scheme_record
 
 _FIELDS = (
     "q", "scale", "zero_point", "g_idx", "global_scale", "input_scale", "input_zero_point", "input_global_scale"
@@ -38,6 +42,8 @@ def load_statistics(modifiers: Sequence[Any], total: Partial | None) -> None:
 def pack(
     names: Sequence[str], model: torch.nn.Module, state: RunState, results: dict[int, dict[str, torch.Tensor]]
 ) -> bytes:
+    """The modules ``names`` of a solved subgraph as one message: each one's quantized weight (codes, scales and
+    scheme), its parameters and buffers and its records, with the modifiers' ``results`` by recipe position."""
     tensors: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] = {"log": [], "modules": {}}
     for name in names:  # quantized, pruned, folded into, or with calibrated buffers
@@ -53,6 +59,7 @@ def pack(
             if key != "weight" and tensor is not None:
                 tensors[f"{name}|.{key}"] = tensor.data
         meta["modules"][name] = {"quantized": qw is not None, "loss": qw.loss if qw is not None else None,
+                                 "scheme": scheme_record(qw.scheme, name) if qw is not None else None,
                                  "sparsity": state.results.sparsity.get(name), "errors": state.results.module_errors.get(name, {}),
                                  "edited": name in state.ledger.edited, "changed": name in state.ledger.changed}  # fmt: skip
     for i, named in results.items():  # a modifier's results: "@<its position>|<name>"
@@ -61,8 +68,10 @@ def pack(
     return named_to_bytes(tensors, {"seqcal": json.dumps(meta)})
 
 
-def unpack(data: bytes, model: torch.nn.Module, state: RunState, schemes: dict, modifiers: Sequence[Any] = (),
-            subgraph: Any = None) -> list[str]:  # fmt: skip
+def unpack(data: bytes, model: torch.nn.Module, state: RunState, modifiers: Sequence[Any] = (),
+           subgraph: Any = None) -> list[str]:  # fmt: skip
+    """Put what ``pack`` sent into ``model`` and ``state`` (each quantized weight with the scheme its solver
+    quantized it with) and hand the ``modifiers`` their results; returns the names received."""
     tensors, raw = named_from_bytes(data)
     meta = json.loads(raw["seqcal"])
     for name, info in meta["modules"].items():
@@ -78,7 +87,8 @@ def unpack(data: bytes, model: torch.nn.Module, state: RunState, schemes: dict, 
             state.ledger.changed.add(name)
         if info["quantized"]:
             fields = {f: tensors.get(f"{name}|{f}") for f in _FIELDS}
-            state.results.quantized[name] = QuantizedWeight(**fields, scheme=schemes[name], loss=info["loss"])
+            scheme = scheme_from_record(info["scheme"])
+            state.results.quantized[name] = QuantizedWeight(**fields, scheme=scheme, loss=info["loss"])
         if info["sparsity"] is not None:
             state.results.sparsity[name] = info["sparsity"]
         state.results.module_errors.setdefault(name, {}).update(info["errors"])

@@ -55,20 +55,19 @@ class ShardedRun:
         plan: the split of the batches into shards and of the shards over the ranks.
         group: this rank's process group (a group of one for a single process).
         costs: estimated solve cost of each subgraph (``solve_costs``); owners are assigned from it.
-        schemes: module name -> scheme (to rebuild the QuantizedWeights other ranks receive).
         shapes: ``(out, in)`` of every module a modifier may solve (the cost of a group).
         together: groups of modules always solved by one process (fused groups sharing a global scale).
 
     Example:
-        >>> run = ShardedRun(ShardPlan(7, 8, 1), ProcessGroup(), [1.0], {})
+        >>> run = ShardedRun(ShardPlan(7, 8, 1), ProcessGroup(), [1.0])
         >>> [list(r) for r in run.local_shards()][:2]
         [[0], [1]]
     """
 
-    def __init__(self, plan: ShardPlan, group: ProcessGroup, costs: Sequence[float], schemes: dict,
+    def __init__(self, plan: ShardPlan, group: ProcessGroup, costs: Sequence[float],
                  shapes: dict[str, tuple[int, int]] | None = None,
                  together: Sequence[Sequence[str]] = ()) -> None:  # fmt: skip
-        self.plan, self.group, self.schemes = plan, group, schemes
+        self.plan, self.group = plan, group
         self.owners = assign_owners(costs, group.world_size)
         self.shapes = shapes or {}
         self._together = {n: tuple(g) for g in together for n in g}
@@ -311,9 +310,7 @@ class ShardedRun:
             payload = pack(names, model, state, results)
         data = self.group.broadcast(payload, src, f"sending the weights of subgraph {index}")
         # the source compressed: whether its weights changed is its own ``compress``' answer
-        got = (
-            unpack(data, model, state, self.schemes, modifiers, subgraph) if self.group.rank != src else names
-        )
+        got = unpack(data, model, state, modifiers, subgraph) if self.group.rank != src else names
         row = (
             self.traffic[-1]
             if self.traffic and self.traffic[-1]["subgraph"] == index
@@ -354,15 +351,14 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
             f"{unshared[0]} gathers statistics that do not yet reduce across processes (each would solve on its "
             f"own share of the data); run it in one process, without torchrun, or with --nproc-per-node 1"
         )
-    schemes = ModifierSet.of(modifiers).quantized()
     costs = solve_costs(subgraphs, modifiers, model)
     if group.world_size == 1:  # one process solves everything: no module groups to spread
-        return ShardedRun(plan, group, costs, schemes)
+        return ShardedRun(plan, group, costs)
     shapes = {name: (int(w.shape[0]), int(w.shape[1])) for name, module in model.named_modules()
               if isinstance(w := getattr(module, "weight", None), torch.Tensor) and w.ndim == 2}  # fmt: skip
-
-    together = fused_groups(model, [n for n in schemes if n in shapes])  # one global scale per fused group
-    return ShardedRun(plan, group, costs, schemes, shapes, together)
+    quantized = [n for n in ModifierSet.of(modifiers).quantized() if n in shapes]
+    together = fused_groups(model, quantized)  # one global scale per fused group
+    return ShardedRun(plan, group, costs, shapes, together)
 
 
 def resume_point(run: ShardedRun, stream: Any) -> int:

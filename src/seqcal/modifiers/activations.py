@@ -248,8 +248,9 @@ class InputCalibration:
 def quantized_inputs(
     model: torch.nn.Module, state: RunState, schemes: Mapping[str, QuantizationScheme]
 ) -> Iterator[None]:
-    """Fake-quantize the inputs of the modules in ``schemes`` that quantize activations, once each is in
-    ``state.results.quantized`` (before that, calibration sees their raw inputs). Hooks are removed on exit.
+    """Fake-quantize the inputs of the modules in ``schemes`` whose quantized weight's scheme quantizes activations,
+    once each is in ``state.results.quantized`` (before that, calibration sees their raw inputs): the scheme a
+    module holds decides, which a modifier may have chosen for it. Hooks are removed on exit.
 
     Args:
         model: the model being calibrated.
@@ -267,7 +268,9 @@ def quantized_inputs(
     def hook_for(name: str) -> Any:
         def hook(module: torch.nn.Module, args: tuple) -> tuple | None:
             qw = state.results.quantized.get(name)
-            if qw is None or not args or not isinstance(args[0], Tensor):
+            if qw is None or qw.scheme.input_activations is None:  # not quantized yet, or weights only
+                return None
+            if not args or not isinstance(args[0], Tensor):
                 return None
             x = args[0]
             if last[0] is not x or last[1] != x._version or not _same_input_quantizer(last[2], qw):
@@ -277,9 +280,8 @@ def quantized_inputs(
         return hook
 
     try:
-        for name, scheme in schemes.items():
-            if scheme.input_activations is not None:
-                handles.append(model.get_submodule(name).register_forward_pre_hook(hook_for(name)))
+        for name in schemes:  # a weight-only module's hook returns at once
+            handles.append(model.get_submodule(name).register_forward_pre_hook(hook_for(name)))
         yield
     finally:
         for handle in handles:
