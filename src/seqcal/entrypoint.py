@@ -19,6 +19,7 @@ from seqcal.distributed import DEFAULT_SHARDS, launched, process_group, rank_pat
 from seqcal.distributed.group import merge_rank_profiles
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.experts import linearize_experts
+from seqcal.gguf.preflight import check_gguf_output
 from seqcal.models.load import load_model
 from seqcal.modifiers.state import RunState
 from seqcal.multimodal.inputs import MediaArgs
@@ -85,6 +86,7 @@ def oneshot(
     data_collator: Any = None,
     preprocessing_func: Any = None,
     requantize: bool = False,
+    output_format: str = "compressed-tensors",
     **unknown: Any,
 ) -> torch.nn.Module:
     """Quantize ``model`` with ``recipe`` on ``dataset`` and save a compressed-tensors checkpoint.
@@ -159,6 +161,8 @@ def oneshot(
             ``seqcal.multimodal.inputs``). Every input a batch holds reaches the model's forward.
         requantize: quantize a quantized checkpoint (``seqcal.sources``: FP8, MXFP4, compressed-tensors, AWQ,
             GPTQ) to as many bits as it has or more; refused without it, since the two roundings' errors compound.
+        output_format: "compressed-tensors" (default) or "gguf": ``output_dir/model.gguf`` for llama.cpp, from GGUF
+            schemes (``scheme: Q4_K_M``, ``Q4_0``, ...; ``seqcal.gguf``), each tensor checked against seqcal's weights.
         num_shards: virtual shards of the calibration batches. Statistics are accumulated per shard and
             folded in shard order, so the checkpoint is the same for one process and for any number of
             processes (``torchrun``, or a ``torch.distributed`` group the caller started; seqcal.distributed).
@@ -197,6 +201,7 @@ def run_oneshot(args: OneshotArgs) -> Any:
     # the returned model has its fused experts back. After an error it keeps the Linears (same outputs).
     experts = linearize_experts(loaded, calibrate_all=args.moe_calibrate_all_experts)
     parsed.validate(loaded)
+    check_gguf_output(loaded, parsed.modifiers, out_args, tok)  # GGUF schemes <-> GGUF output, before calibrating
     plan, fit = _memory_plan(args, loaded, parsed, pipe_args, host_budget)
     if out_args.resume:
         keep_recorded_choices(out_args.output_dir, pipe_args, fit)
@@ -310,6 +315,8 @@ def _save(model: torch.nn.Module, state: RunState, output: OutputPlan, tok: Any,
 
     out = output.args
     with profiler.span("save", "checkpoint"):
+        if output.stream is None and out.output_format == "gguf":  # a pipeline that streamed nothing: all now
+            output.stream = out.stream_class()(model, state, out.output_dir, [])
         if output.stream is not None:
             output.stream.finish(tok, recipe_yaml)
         else:

@@ -17,6 +17,7 @@ import torch
 from seqcal.distributed import DEFAULT_SHARDS
 from seqcal.recipe.llmc_compat import needs_translation, translate
 
+OUTPUT_FORMATS = ("compressed-tensors", "gguf")
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,19 +46,35 @@ class ModelArgs:
 
 @dataclass
 class OutputArgs:
-    """Where the checkpoint goes."""
+    """Where the checkpoint goes, and in which format: "compressed-tensors" (safetensors) or "gguf" (llama.cpp)."""
 
     output_dir: str | None = None
     overwrite: bool = False
     resume: bool = False
+    output_format: str = "compressed-tensors"
 
     def __post_init__(self) -> None:
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format={self.output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+        if self.output_format == "gguf" and (self.output_dir is None or self.resume):
+            raise ValueError("output_format='gguf' writes output_dir/model.gguf in one run: give output_dir, and "
+                             "start an interrupted run again instead of resume=True")  # fmt: skip
         if self.resume and self.output_dir is None:
             raise ValueError("resume=True needs the output_dir of the interrupted run")
         if self.resume and self.overwrite:
             raise ValueError(
                 "resume=True continues the run in output_dir; it cannot be combined with overwrite"
             )
+
+    def stream_class(self) -> type:
+        """The writer of this format that streams modules as subgraphs finish (``StreamingCheckpoint``'s arguments)."""
+        if self.output_format == "gguf":
+            from seqcal.gguf.stream import GGUFStream
+
+            return GGUFStream
+        from seqcal.checkpoint.streaming import StreamingCheckpoint
+
+        return StreamingCheckpoint
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,7 @@ class OneshotArgs:
     data_collator: Any = None
     preprocessing_func: Any = None
     requantize: bool = False
+    output_format: str = "compressed-tensors"
 
     @classmethod
     def from_call(cls, bound: dict[str, Any], unknown: dict[str, Any]) -> OneshotArgs:
@@ -136,7 +154,7 @@ class OneshotArgs:
         )
 
     def output_args(self) -> OutputArgs:
-        return OutputArgs(self.output_dir, self.overwrite, self.resume)
+        return OutputArgs(self.output_dir, self.overwrite, self.resume, self.output_format)
 
 
 def parse_bytes(value: int | str | None, name: str = "max_device_memory") -> int | None:

@@ -42,7 +42,8 @@ from seqcal.algorithms.fp4 import (
 )
 from seqcal.algorithms.quant import compute_qparams, quant_range, round_fp8
 
-SCALES = ("float", "fp8", "e8m0")
+# gguf: a GGUF type's own scales; its format (seqcal.gguf.grids.GGUFFormat) brings the functions for them
+SCALES = ("float", "fp8", "e8m0", "gguf")
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class WeightFormat:
 
 def grid_range(fmt: WeightFormat) -> tuple[float, float]:
     """``(qmin, qmax)`` of the format's codes."""
+    if fmt.scale == "gguf":
+        return float(fmt.gtype.qmin), float(fmt.gtype.qmax)  # type: ignore[attr-defined]: a GGUFFormat
     if fmt.grid in ("fp4", "fp6"):
         return -MINIFLOAT_MAX[fmt.num_bits], MINIFLOAT_MAX[fmt.num_bits]
     return quant_range(fmt.num_bits, fmt.type)  # type: ignore[arg-type]
@@ -173,6 +176,8 @@ def qparams(W: Tensor, fmt: WeightFormat, global_scale: Tensor | None = None) ->
         >>> s.shape, z
         (torch.Size([4, 2]), None)
     """
+    if fmt.scale == "gguf":
+        return fmt.grid_qparams(W)  # type: ignore[attr-defined]: a seqcal.gguf.grids.GGUFFormat
     if fmt.strategy == "tensor_group":
         if global_scale is None:
             raise ValueError("qparams: tensor_group (NVFP4) needs the global scale; see global_scale_of")
@@ -242,6 +247,8 @@ def column_qparams(
     Column ``j`` of the weight uses ``scale[:, col_group[j]]`` (effective scales: NVFP4's divided by its global
     scale, blocks repeated over their rows).
     """
+    if fmt.scale == "gguf":
+        return fmt.grid_columns(scale, zero_point, shape)  # type: ignore[attr-defined]
     out, n_in = shape
     s = scale.to(torch.float32)
     if fmt.needs_global_scale:
@@ -267,6 +274,8 @@ def quantize(
     Returns:
         ``[out, in]`` in ``fmt.code_dtype``.
     """
+    if fmt.scale == "gguf":
+        return fmt.grid_quantize(W, scale, zero_point)  # type: ignore[attr-defined]
     s = element_scale(scale, fmt, W.shape, global_scale)
     x = W / s
     if zero_point is not None:
@@ -285,6 +294,8 @@ def dequantize(
     dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``(codes - zero_point) * scale`` in the (effective) scale's dtype, cast to ``dtype`` (default: scale's)."""
+    if fmt.scale == "gguf":  # s * c + b in float32, as llama.cpp computes it
+        return fmt.grid_dequantize(q, scale, zero_point, dtype)  # type: ignore[attr-defined]
     s = element_scale(scale, fmt, q.shape, global_scale)
     x = code_values(q, fmt, s.dtype)
     if zero_point is not None:

@@ -94,7 +94,7 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         one_pass=not args.layer_cut, trace_into=args.trace_into, verify=not args.no_verify, text_column=args.text_column, splits=args.splits,
         dataset_config_name=args.dataset_config_name, shuffle_calibration_samples=args.shuffle,
         moe_calibrate_all_experts=args.moe_calibrate_all_experts, num_shards=args.num_shards,
-        requantize=args.requantize,
+        requantize=args.requantize, output_format=args.output_format,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir and writer_rank():  # under torchrun the others neither wrote nor print the report
@@ -202,6 +202,8 @@ def _add_oneshot(sub: Any) -> None:
                      help="virtual shards of the calibration batches (statistics are folded per shard, so the "
                           "checkpoint is the same for any number of processes under torchrun)")  # fmt: skip
     one.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    one.add_argument("--output-format", default="compressed-tensors", choices=["compressed-tensors", "gguf"],
+                     help="gguf: --output-dir/model.gguf for llama.cpp, from GGUF schemes (Q4_K_M, Q4_0, ...)")  # fmt: skip
     one.add_argument("--requantize", action="store_true",
                      help="quantize an FP8/NVFP4/int4 checkpoint to as many bits as it has or more (the "
                           "roundings' errors compound)")  # fmt: skip

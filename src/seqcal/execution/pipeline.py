@@ -332,7 +332,7 @@ def _streaming(
 ) -> StreamingCheckpoint | None:  # fmt: skip
     if output is None or output.args.output_dir is None:
         return None
-    output.stream = StreamingCheckpoint(
+    output.stream = output.args.stream_class()(  # StreamingCheckpoint, or seqcal.gguf's GGUFStream
         model, state, output.args.output_dir, subgraphs, output.run_id, overwrite=output.args.overwrite,
         resume=output.args.resume, weights=weights, batches=batches, profiler=profiler,
         background=background,

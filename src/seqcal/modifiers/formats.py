@@ -21,6 +21,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from seqcal.algorithms.formats import WeightFormat, global_scale_of
 from seqcal.experts import LinearExperts
+from seqcal.gguf.grids import gguf_format
+from seqcal.gguf.scheme import GGUFScheme
 
 # Sibling Linears that vLLM loads as one merged weight (its models' ``packed_modules_mapping``), by leaf name:
 # matched under any parent module, so any architecture using these names is covered.
@@ -51,6 +53,8 @@ def weight_format(scheme: QuantizationScheme) -> WeightFormat | None:
     Returns:
         The format, or None.
     """
+    if isinstance(scheme, GGUFScheme):  # a GGUF type's own grid and scales (seqcal.gguf)
+        return gguf_format(scheme.gguf_type)
     w = scheme.weights
     strategy, kind = str(_value(w.strategy)), str(_value(w.type))
     scale = "e8m0" if w.scale_dtype == torch.uint8 else "fp8" if strategy == "tensor_group" else "float"

@@ -17,6 +17,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
 from seqcal.experts import fused_modules
+from seqcal.gguf.scheme import GGUF_SCHEMES, GGUFScheme, check_gguf, gguf_preset, is_gguf, per_module
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.activations import check_activations
 from seqcal.modifiers.formats import strategy_of as strategy_of  # re-exported: it lives beside the formats
@@ -108,8 +109,11 @@ def resolve_schemes(
 
 def _preset(name: str, targets: list[str], where: str) -> QuantizationScheme:
     key = name.upper()
+    if is_gguf(key):  # llama.cpp's types and mixes (seqcal.gguf), written with output_format="gguf"
+        return gguf_preset(key, targets)
     if key not in PRESET_SCHEMES:
-        raise ValueError(f"{where}: unknown scheme {name!r}; valid presets: {', '.join(SUPPORTED_PRESETS)}")
+        raise ValueError(f"{where}: unknown scheme {name!r}; valid presets: {', '.join(SUPPORTED_PRESETS)}; "
+                         f"GGUF: {', '.join(GGUF_SCHEMES)}")
     scheme = preset_name_to_scheme(key, targets)
     if key not in SUPPORTED_PRESETS:
         check_supported(
@@ -124,6 +128,8 @@ def _preset(name: str, targets: list[str], where: str) -> QuantizationScheme:
 
 def check_supported(scheme: QuantizationScheme, where: str) -> None:
     """Reject what the math in seqcal.algorithms does not implement, before any work starts."""
+    if isinstance(scheme, GGUFScheme):
+        return check_gguf(scheme, where)
     weights = scheme.weights
     if weights is None:
         raise ValueError(f"{where}: no weight quantization; seqcal quantizes weights (W*A16, W8A8, FP8)")
@@ -245,7 +251,7 @@ def resolve_modules(
                 found[name] = group
                 break
     _refuse_fused(model, [t for g in groups.values() for t in g.targets], ignore, where, aliases)
-    return found
+    return per_module(model, found, where)  # a GGUF mix's type per module, llama.cpp's width fallbacks
 
 
 def _refuse_fused(

@@ -1,0 +1,131 @@
+"""The model families the GGUF writer knows: llama.cpp's architecture, tensor names and hyperparameters.
+
+Tensor names come from gguf-py's own map (``gguf.get_tensor_name_map``), the one llama.cpp's converter uses.
+Llama-architecture models (llama, mistral) store ``q_proj`` / ``k_proj`` with the rows of each head reordered
+for llama.cpp's rotary embedding (pairs of adjacent rows instead of the two halves, ``permute``, as
+convert_hf_to_gguf.py does; transformers' GGUF loader undoes it); Qwen2 and Qwen3 keep them as they are (their
+llama.cpp rotary embedding takes the halves). Families outside ``FAMILIES`` are refused before calibration.
+
+Example:
+    >>> family_of(LlamaConfig()).arch
+    'llama'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one transformers ``model_type`` is written.
+
+    Attributes:
+        arch: llama.cpp's architecture name ("llama", "qwen2", "qwen3").
+        permute_qk: q/k rows reordered for llama.cpp's rotary embedding (llama architecture).
+    """
+
+    arch: str
+    permute_qk: bool
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", permute_qk=True),
+    "mistral": Family("llama", permute_qk=True),  # llama.cpp runs Mistral as the llama architecture
+    "qwen2": Family("qwen2", permute_qk=False),
+    "qwen3": Family("qwen3", permute_qk=False),
+}
+
+
+class GGUFFamilyError(ValueError):
+    """The model's family is one the GGUF writer does not write."""
+
+
+def text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def family_of(config: Any) -> Family:
+    """The family of a transformers config; refuses what the writer cannot write faithfully (one sentence).
+
+    Raises:
+        GGUFFamilyError: an unknown family, or rotary scaling llama.cpp would need extra tensors for.
+    """
+    config = text_config(config)
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        raise GGUFFamilyError(
+            f"output_format='gguf' writes the {', '.join(sorted(FAMILIES))} families, not {kind!r}; save this model "
+            "as a compressed-tensors checkpoint (the default output_format) instead"
+        )
+    rope = _rope(config)
+    if rope.get("rope_type", "default") not in ("default", None):
+        raise GGUFFamilyError(
+            f"output_format='gguf': {kind} with rotary scaling {rope.get('rope_type')!r} is not written yet (llama.cpp "
+            "needs its scaling keys and tensors); save a compressed-tensors checkpoint instead"
+        )
+    return FAMILIES[kind]
+
+
+def _rope(config: Any) -> dict:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return dict(rope)
+
+
+def head_dim(config: Any) -> int:
+    config = text_config(config)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def add_hparams(writer: gguf.GGUFWriter, config: Any, name: str) -> None:
+    """The hyperparameter keys llama.cpp reads for the family (``{arch}.block_count``, ...)."""
+    config = text_config(config)
+    heads, kv = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
+    theta = _rope(config).get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    writer.add_name(name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_rope_dimension_count(head_dim(config))
+    writer.add_key_length(head_dim(config))
+    writer.add_value_length(head_dim(config))
+    writer.add_vocab_size(config.vocab_size)
+
+
+def tensor_namer(family: Family, config: Any) -> Callable[[str], str | None]:
+    """HF parameter name -> GGUF tensor name (None: not stored, e.g. rotary buffers)."""
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == family.arch)
+    names = gguf.get_tensor_name_map(arch, text_config(config).num_hidden_layers)
+
+    def namer(hf_name: str) -> str | None:
+        return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+    return namer
+
+
+def permutation(family: Family, config: Any, gguf_name: str, rows: int) -> np.ndarray | None:
+    """The row order llama.cpp's rotary embedding needs for ``gguf_name`` (None: as it is).
+
+    Within each head the rows ``[0 .. d/2)`` and ``[d/2 .. d)`` (the halves transformers rotates together) are
+    interleaved: new row ``2 i`` is old row ``i`` and ``2 i + 1`` is ``d/2 + i``.
+    """
+    if not family.permute_qk or not gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+        return None
+    config = text_config(config)
+    heads = config.num_attention_heads if ".attn_q." in gguf_name else config.num_key_value_heads
+    d = rows // heads
+    order = np.arange(rows).reshape(heads, 2, d // 2).swapaxes(1, 2).reshape(rows)
+    return order

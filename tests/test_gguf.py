@@ -1,0 +1,143 @@
+"""GGUF grids: every type's values as gguf-py (llama.cpp's reader) computes them from seqcal's bytes, exactly;
+the codes chosen by round to nearest and by GPTQ on the type's own scales; schemes, mixes and width fallbacks."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from seqcal.algorithms import accumulate_hessian, gptq_quantize
+from seqcal.gguf.grids import dequantize, gguf_format, qparams, quantize
+from seqcal.gguf.pack import pack
+from seqcal.gguf.scheme import GGUFScheme, gguf_preset, mix_type
+from seqcal.gguf.types import GGUF_TYPES
+from seqcal.modifiers import QuantizationModifier
+from seqcal.modifiers.quantization import rtn_quantize_module
+from seqcal.modifiers.schemes import resolve_modules, resolve_schemes
+from seqcal.records import scheme_from_record, scheme_record
+
+TYPES = list(GGUF_TYPES)
+
+
+def _weight(rows: int = 8, cols: int = 512) -> torch.Tensor:
+    W = torch.randn(rows, cols) * 0.02
+    W[0, :32] = 0  # an all-zero block
+    W[1, 256:] *= 50  # blocks of very different ranges in one row
+    W[2, :16] = 0.01  # a flat sub-block
+    return W
+
+
+def _read(data: np.ndarray, name: str) -> torch.Tensor:
+    """What llama.cpp computes from the bytes (gguf-py's dequantization, the reference of ggml's)."""
+    return torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[name]))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_rtn_bytes_read_back_as_seqcal_computes(name: str) -> None:
+    fmt, W = gguf_format(name), _weight()
+    scale, zero = qparams(W, fmt)
+    q = quantize(W, scale, zero, fmt)
+    data = pack(q, scale, zero, fmt)
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    assert data.shape == (W.shape[0], W.shape[1] // block * size)
+    assert torch.equal(_read(data, name), dequantize(q, scale, zero, fmt))
+    assert int(q.min()) >= GGUF_TYPES[name].qmin and int(q.max()) <= GGUF_TYPES[name].qmax
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1"])
+def test_legacy_scales_are_llama_cpps(name: str) -> None:
+    """gguf-py carries llama.cpp's reference quantizer for the legacy types: same scales, hence the same error."""
+    fmt, W = gguf_format(name), _weight()
+    scale, zero = qparams(W, fmt)
+    ours = dequantize(quantize(W, scale, zero, fmt), scale, zero, fmt)
+    theirs = _read(gguf.quants.quantize(W.numpy(), gguf.GGMLQuantizationType[name]), name)
+    assert ((ours - W) ** 2).mean() <= ((theirs - W) ** 2).mean() * 1.001
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_gptq_codes_on_the_types_grid(name: str) -> None:
+    """GPTQ keeps the type's scales and chooses the codes: the weight it returns is what llama.cpp reads, and its
+    output error is below round to nearest's on the same scales."""
+    torch.manual_seed(0)
+    X = torch.randn(512, 256) * torch.linspace(0.1, 3, 256)
+    H, _ = accumulate_hessian(None, X, 0)
+    W = torch.randn(32, 256) * 0.05
+    fmt = gguf_format(name)
+    result = gptq_quantize(W, H.clone(), fmt=fmt, num_bits=fmt.num_bits, actorder="weight")
+    scale, zero = result.scale, None if fmt.symmetric else result.zero_point
+    assert torch.equal(result.scale, qparams(W, fmt)[0])
+    assert torch.equal(_read(pack(result.q, scale, zero, fmt), name), result.Q)
+    rtn = dequantize(quantize(W, scale, zero, fmt), scale, zero, fmt)
+    err = lambda Q: (((Q - W) @ X.T) ** 2).mean()  # noqa: E731
+    assert err(result.Q) < err(rtn)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
+def test_rtn_modifier_and_bf16_weights(name: str) -> None:
+    """A bf16 Linear: the stored scales stay float32 (fp16 values bf16 would round), the weight is llama.cpp's
+    values in bf16."""
+    linear = torch.nn.Linear(256, 16, bias=False).to(torch.bfloat16)
+    qw = rtn_quantize_module(linear, gguf_preset(name, ["Linear"]))
+    fmt = gguf_format(name)
+    assert qw.scale.dtype == torch.float32
+    expected = _read(pack(qw.q, qw.scale, qw.zero_point, fmt), name)
+    assert torch.equal(linear.weight.data, expected.to(torch.bfloat16))
+
+
+def _tiny(hidden: int, layers: int = 8) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_mix_types_follow_llama_cpp() -> None:
+    # Q4_K_M: v_proj and down_proj in Q6_K where use_more_bits picks the layer (first and last eighth, every third)
+    more = [i for i in range(32) if mix_type("Q4_K_M", "down_proj", i, 32, 4.0) == "Q6_K"]
+    assert more == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert (
+        mix_type("Q3_K_M", "v_proj", 1, 32, 1.0) == "Q5_K"
+        and mix_type("Q3_K_M", "o_proj", 5, 32, 1.0) == "Q4_K"
+    )
+    assert (
+        mix_type("Q2_K_MIX", "v_proj", 5, 32, 4.0) == "Q4_K"
+        and mix_type("Q2_K_MIX", "q_proj", 5, 32, 4.0) == "Q2_K"
+    )
+    model = _tiny(256)
+    modules = resolve_modules(model, resolve_schemes("Q4_K_M", None, "Linear", "m"), ["lm_head"], "m")
+    assert modules["model.layers.0.self_attn.v_proj"].gguf_type == "Q6_K"
+    assert modules["model.layers.2.self_attn.v_proj"].gguf_type == "Q4_K"
+    assert modules["model.layers.3.self_attn.q_proj"].gguf_mix == "Q4_K_M"
+
+
+def test_k_quant_on_ragged_width_takes_llama_cpps_fallback(caplog: pytest.LogCaptureFixture) -> None:
+    """576 inputs (SmolLM2's hidden size) are not a multiple of 256: Q4_K falls back to Q5_0 and Q6_K to Q8_0, as
+    llama-quantize does, and the log says so in one line per pair."""
+    model = _tiny(576, layers=2)
+    with caplog.at_level(logging.WARNING, logger="seqcal"):
+        modules = resolve_modules(model, resolve_schemes("Q4_K", None, "Linear", "m"), ["lm_head"], "m")
+    assert modules["model.layers.0.self_attn.q_proj"].gguf_type == "Q5_0"
+    assert modules["model.layers.0.mlp.down_proj"].gguf_type == "Q4_K"  # 512 inputs: a multiple of 256
+    lines = [r.getMessage() for r in caplog.records if "fallback" in r.getMessage()]
+    assert (
+        len(lines) == 1 and "Q4_K needs widths that are multiples of 256" in lines[0] and "Q5_0" in lines[0]
+    )
+
+
+def test_width_no_block_divides_is_refused() -> None:
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=40, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(ValueError, match="no GGUF block .* divides.*ignore"):
+        resolve_modules(model, resolve_schemes("Q4_0", None, "Linear", "m"), ["lm_head"], "m")
+
+
+def test_scheme_travels_and_refuses_observers() -> None:
+    scheme = gguf_preset("Q5_K", ["Linear"])
+    back = scheme_from_record(scheme_record(scheme))
+    assert isinstance(back, GGUFScheme) and back == scheme
+    with pytest.raises(ValueError, match="llama.cpp's rule"):
+        QuantizationModifier(scheme="Q4_K", weight_observer="mse")
