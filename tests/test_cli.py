@@ -83,6 +83,19 @@ def _oneshot(d: dict[str, Path], t: Path, recipe: str, *extra: str) -> list[str]
     return ["oneshot", "--model", str(d["tiny"]), "--recipe", recipe, "--output-dir", str(t / "out"), *extra]
 
 
+def test_seqcal_alone_prints_the_usage_and_its_commands(capsys: pytest.CaptureFixture) -> None:
+    from seqcal.cli import build_parser, main
+
+    assert main([]) == 2  # argparse's status for a missing command
+    out = capsys.readouterr()
+    assert out.err.startswith("usage: seqcal") and out.out == ""
+    commands = build_parser()._subparsers._group_actions[0].choices  # every command, whoever added it
+    for name in commands:
+        line = next((li for li in out.err.splitlines() if li.strip().startswith(f"{name} ")), "")
+        assert len(line.split()) > 2, f"{name} has no one-line description in:\n{out.err}"
+    assert "seqcal COMMAND --help" in out.err and "error" not in out.err.split("commands:")[1]
+
+
 # --- errors: one line, a traceback only with -v ------------------------------------------------------------
 CASES = {
     "trace: a checkpoint transformers cannot load": (

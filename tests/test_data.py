@@ -357,8 +357,34 @@ def test_concatenate_on_wikitext_drops_headings(tok):
 
 def test_fewer_samples_than_requested_warns(tok, caplog):
     with caplog.at_level(logging.WARNING, logger="seqcal.data.batches"):
-        assert len(load(PARAS[:2], tok, num_calibration_samples=512)) == 2
-    assert "2 calibration samples, fewer than the 512 requested" in caplog.text
+        assert len(load([*PARAS[:2], ""], tok, num_calibration_samples=512)) == 2
+    tokens = len(ids_of(tok, PARAS[0])) + len(ids_of(tok, PARAS[1]))
+    assert f"gives 2 calibration samples ({tokens} tokens), fewer than the 512 requested" in caplog.text
+    assert "(up to 2048 tokens each): it has 3 rows, 1 of them empty or headings" in caplog.text
+
+
+def test_a_one_line_file_is_used_and_its_size_explained(tmp_path, tok, caplog):
+    hello = tmp_path / "hello.txt"
+    hello.write_text("Hello world.\n")  # 13 bytes: one paragraph, shorter than MIN_PARAGRAPH_CHARS
+    with caplog.at_level(logging.WARNING, logger="seqcal.data"):
+        assert rows_of(load(str(hello), tok, num_calibration_samples=4, max_seq_length=64)) == [
+            ids_of(tok, "Hello world.")
+        ]
+    tokens = len(ids_of(tok, "Hello world."))
+    assert (
+        f"every paragraph is shorter than {MIN_PARAGRAPH_CHARS} characters (13 bytes in all)" in caplog.text
+    )
+    assert f"{hello} gives 1 calibration sample ({tokens} tokens), fewer than the 4 requested" in caplog.text
+    assert "(up to 64 tokens each): it has 1 row (one sample per row" in caplog.text
+    with pytest.raises(CalibrationDataError, match=rf"at least max_seq_length=64 tokens .* has {tokens}"):
+        load(str(hello), tok, max_seq_length=64, concatenate=True)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="seqcal.data"):
+        got = load([" ".join(PARAS)], tok, num_calibration_samples=50, max_seq_length=16, concatenate=True)
+    assert (
+        f"gives {len(rows_of(got))} calibration samples" in caplog.text
+        and "windows of 16 tokens" in caplog.text
+    )
 
 
 # ---- errors ------------------------------------------------------------------------------------------------------

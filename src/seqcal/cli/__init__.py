@@ -228,7 +228,8 @@ def _add_oneshot(sub: Any) -> None:
     one.add_argument("--eval-seq-length", type=int, default=2048)
     one.add_argument("--eval-windows", type=int, default=None, help="evaluate only the first N windows")
     one.set_defaults(func=cmd_oneshot)
-    ev = sub.add_parser("eval", help="evaluate a model").add_subparsers(dest="metric", required=True)
+    evaluate = sub.add_parser("eval", help="measure a model: eval ppl, perplexity on raw text")
+    ev = evaluate.add_subparsers(dest="metric", required=True)
     ppl = ev.add_parser("ppl", help="WikiText-2-style perplexity (non-overlapping windows)")
     ppl.add_argument("--model", required=True)
     ppl.add_argument(
@@ -290,12 +291,25 @@ def _add_plan(sub: Any) -> None:
     plan.set_defaults(func=cmd_plan)
 
 
+_DESCRIPTION = """Quantize a Hugging Face model after training, one subgraph at a time (llm-compressor's recipes).
+
+Every command takes -v (debug lines; a traceback on errors) and -q (errors only). A user error prints
+`seqcal: error: <what, where, fix>` and exits with 2; a bug says so in one line and exits with 3."""
+_EPILOG = """`seqcal COMMAND --help` lists a command's options. For example:
+  seqcal oneshot --model default --recipe recipes/gptq_w4a16.yaml --output-dir out
+  seqcal eval ppl --model out"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = SeqcalParser(
-        prog="seqcal", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="seqcal",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(verbose=0, quiet=False)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # not required: `seqcal` alone prints this help (main), not argparse's "arguments are required: command"
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     trace = sub.add_parser("trace", help="trace a model and print its subgraphs")
     trace.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
     trace.add_argument("--targets", nargs="+", default=None, help="sequential target classes or re: patterns")
@@ -336,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     map_large_allocations()  # before the run allocates: the threshold applies to blocks allocated after it
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # `seqcal` alone: what it can do, on stderr, with argparse's usage-error status
+        parser.print_help(sys.stderr)
+        return 2
     if args.command == "trace" and (args.format or args.output):
         if not args.output:
             parser.error("trace: --format needs --output FILE")

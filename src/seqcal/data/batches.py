@@ -114,8 +114,7 @@ def load_calibration_batches(
             f"{MIN_PARAGRAPH_CHARS} characters (paragraphs of text files); check text_column={args.text_column!r}"
         )
     if len(seqs) < args.num_calibration_samples:
-        logger.warning("%s gives %d calibration samples, fewer than the %d requested; using those",
-                       where, len(seqs), args.num_calibration_samples)  # fmt: skip
+        logger.warning("%s", _shortfall(seqs, len(rows), where, args))
     if args.batch_size == AUTO:
         # Right padding keeps each real token's positions and context as it has alone (autobatch, rule 2);
         # nothing real reads a padded position, so with no pad token id 0 pads as well as any.
@@ -284,6 +283,19 @@ def _windows(samples: Iterable[_Sample], args: DataArgs, tokenizer: Any, where: 
 
 def _cut(ids: list[int], T: int, N: int) -> list[list[int]]:
     return [ids[i : i + T] for i in range(0, len(ids) - T + 1, T)][:N]
+
+
+def _shortfall(seqs: list[list[int]], rows: int, where: str, args: DataArgs) -> str:
+    """Why the dataset gives fewer samples than asked for: what it gave, in samples and tokens, and what it has."""
+    T, tokens = args.max_seq_length, sum(len(s) for s in seqs)
+    gave = f"{where} gives {len(seqs)} calibration sample{'s' * (len(seqs) != 1)} ({tokens} tokens)"
+    asked = f"fewer than the {args.num_calibration_samples} requested"
+    if args.concatenate:
+        return f"{gave}, {asked} (windows of {T} tokens): the joined text holds {len(seqs)} whole windows; using those"
+    skipped = rows - len(seqs)
+    why = f", {skipped} of them empty or headings" if skipped else ""
+    return (f"{gave}, {asked} (up to {T} tokens each): it has {rows} row{'s' * (rows != 1)}{why} "
+            "(one sample per row; a text file's rows are its paragraphs); using those")  # fmt: skip
 
 
 # ---- batches -------------------------------------------------------------------------------------------

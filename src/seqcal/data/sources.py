@@ -62,12 +62,12 @@ def default_calibration_text() -> str:
 # ---- rows from each kind of dataset --------------------------------------------------------------------
 
 
-def _paragraphs(text: str) -> list[str]:
-    """Blank-line separated paragraphs without heading lines, fragments under MIN_PARAGRAPH_CHARS dropped."""
+def _paragraphs(text: str, min_chars: int = MIN_PARAGRAPH_CHARS) -> list[str]:
+    """Blank-line separated paragraphs without heading lines, fragments under ``min_chars`` dropped."""
     out = []
     for block in re.split(r"\n[ \t\r\f\v]*\n", text):
         para = "\n".join(line.rstrip() for line in block.split("\n") if not _HEADING.match(line)).strip()
-        if len(para) >= MIN_PARAGRAPH_CHARS:
+        if para and len(para) >= min_chars:
             out.append(para)
     return out
 
@@ -148,7 +148,16 @@ def _read_parquet(path: Path) -> list[Any]:
 
 
 def _read_text(path: Path) -> list[Any]:
-    return _paragraphs(path.read_text(encoding="utf-8"))
+    text = path.read_text(encoding="utf-8")
+    paragraphs = _paragraphs(text)
+    if paragraphs:
+        return paragraphs
+    # Only fragments (a one-line file): dropping them would leave nothing, so they are what there is to use.
+    fragments = _paragraphs(text, min_chars=1)
+    if fragments:
+        logger.warning("%s: every paragraph is shorter than %d characters (%d bytes in all); calibrating on "
+                       "them as they are", path, MIN_PARAGRAPH_CHARS, len(text.encode()))  # fmt: skip
+    return fragments
 
 
 _FILE_READERS: dict[str, Callable[[Path], list[Any]]] = {
