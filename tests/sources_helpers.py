@@ -46,10 +46,13 @@ def save_deepseek(path: Path, rope: int = 128) -> Path:
 
 def fp8_targets(key: str, tensor: torch.Tensor) -> bool:
     """The tensors DeepSeek stores in FP8: every Linear weight but the router, the embeddings and lm_head."""
-    return (tensor.dim() == 2 and key.endswith("_proj.weight") and ".mlp.gate." not in key)
+    layer = ".self_attn." in key or ".mlp." in key
+    return tensor.dim() == 2 and layer and not key.endswith(".mlp.gate.weight")
 
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int], ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block(
+    w: torch.Tensor, block: tuple[int, int], ue8m0: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 weight, float32 scale per block) with DeepSeek's rule: scale = amax / 448 per block."""
     rows, cols = w.shape
     grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
@@ -103,3 +106,83 @@ def write_shards(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> No
 
 def copy_config(src: Path, out: Path) -> None:
     shutil.copy(src / "config.json", out / "config.json")
+
+
+FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def save_gpt_oss(path: Path) -> Path:
+    """A tiny gpt-oss (sliding and full attention, 4 experts of 64 -> 2 x 64 with biases) saved in bf16."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, sliding_window=8, max_position_embeddings=128)  # fmt: skip
+    GptOssForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[experts, rows, cols]`` -> (blocks ``[experts, rows, cols / 32, 16]`` uint8, scales ``[..., cols / 32]``
+    uint8): per group of 32 an e8m0 exponent putting its largest value in [4, 8), values rounded to e2m1."""
+    groups = w.float().reshape(*w.shape[:-1], -1, 32)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-100)
+    exp = torch.floor(torch.log2(amax)) - 2
+    x = groups / torch.exp2(exp)[..., None]
+    index = (x.abs()[..., None] - FP4_GRID).abs().argmin(-1)  # nearest e2m1 magnitude
+    nibbles = (index + 8 * (x < 0)).to(torch.uint8)
+    blocks = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # the first value in the low nibble
+    return blocks.contiguous(), (exp + 127).to(torch.uint8)
+
+
+def write_mxfp4(src: Path, out: Path) -> Path:
+    """``src`` (a gpt-oss) stored as OpenAI ships it: experts in MXFP4, everything else in bf16."""
+    out.mkdir(parents=True)
+    stored = {}
+    for key, tensor in load_file(str(src / "model.safetensors")).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))  # stored [experts, out, in]
+            stored[key + "_blocks"], stored[key + "_scales"] = blocks, scales
+        else:
+            stored[key] = tensor
+    write_shards(out, stored, 1)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def write_dequantized_copy(quantized: Path, out: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The full-precision checkpoint ``quantized`` stands for: every tensor as seqcal reads it, no
+    quantization_config (the reference a run from the quantized source must equal byte for byte)."""
+    from seqcal.sources import QuantizedCheckpoint
+
+    ckpt = QuantizedCheckpoint.open(quantized)
+    out.mkdir(parents=True)
+    save_file({n: ckpt.read(n, dtype).contiguous() for n in ckpt.names()}, str(out / "model.safetensors"))
+    config = json.loads((quantized / "config.json").read_text())
+    del config["quantization_config"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def save_llama(path: Path) -> Path:
+    """A tiny Llama in bf16 (128 wide: whole groups of 128 for W4A16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def checkpoint_bytes(path: Path) -> dict[str, bytes]:
+    """Every tensor of a checkpoint directory's safetensors files, by name, as bytes."""
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        for key, tensor in load_file(str(file)).items():
+            out[key] = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return out
