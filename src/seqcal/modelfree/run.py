@@ -1,9 +1,11 @@
 """The jobs run in worker processes (or in this one, for one worker), one source file each.
 
-Workers are spawned, not forked: a fork copies the main process's torch thread pools and the skeleton, and the
-peak memory budget counts every worker. Each worker computes with ``threads // workers`` torch threads. Round to
-nearest does not depend on the thread count or on which process quantizes a weight, so 1 or N workers write the
-same bytes; the results come back in the jobs' order.
+Workers are forked from a fork server that imported the worker's code once: not from this process, whose
+OpenMP thread pool a fork would copy in a state the child deadlocks on at its first parallel operation (GNU
+libgomp), and not spawned one by one, which imports torch and seqcal again in each (seconds of CPU each). Each
+worker computes with ``threads // workers`` torch threads. Round to nearest does not depend on the thread count or
+on which process quantizes a weight, so 1 or N workers write the same bytes; the results come back in the jobs'
+order.
 
 Example:
     >>> results = run_jobs(plan.jobs, "llama", "out", workers=4)  # doctest: +SKIP
@@ -44,7 +46,8 @@ def run_jobs(jobs: Sequence[Job], source_dir: str, output_dir: str, *, workers: 
             _log(i + 1, len(jobs), job.file, start)
         return results
     threads = max(1, torch.get_num_threads() // workers)
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([run_job.__module__])  # (once started, the server keeps its first preload)
     with ProcessPoolExecutor(
         workers, mp_context=context, initializer=_init_worker, initargs=(threads,)
     ) as pool:
