@@ -104,10 +104,18 @@ def oneshot(
             its weights read from disk per subgraph (memory bound) and the returned model's parameters stay
             on meta: the result is the checkpoint. None: the model is loaded whole into RAM (logged) and
             the returned model holds the quantized weights; nothing is written.
-        num_calibration_samples / max_seq_length / batch_size / shuffle_calibration_samples / text_column /
-            splits / dataset_config_name / seed: how calibration batches are drawn (seqcal.data.DataArgs).
-            ``batch_size`` None (the default) is ``"auto"`` when CUDA is present and 1 on the CPU
+        num_calibration_samples: samples (with ``concatenate``: windows) to use, taken after shuffling.
+        max_seq_length: tokens per sample at most (with ``concatenate``: exactly).
+        batch_size: samples per batch, each batch padded to its longest sample; ``"auto"`` groups samples of
+            about equal length, as many per batch as the memory budget allows (``seqcal.data.autobatch``).
+            None (the default) is ``"auto"`` when CUDA is present and 1 on the CPU
             (``seqcal.data.autobatch.default_batch_size``).
+        shuffle_calibration_samples: shuffle the rows with ``seed`` before selecting them.
+        text_column: the column holding the text in row-shaped data (JSON, CSV, Parquet, datasets).
+        splits: the dataset split to use: ``"train"``, ``"train[:512]"``, ``"validation[:10%]"`` or
+            ``{"calibration": "train"}``; None picks "calibration", then "train", then the only split.
+        dataset_config_name: the dataset's configuration, e.g. ``"wikitext-2-raw-v1"``.
+        seed: the shuffling seed.
         concatenate: join the texts and cut full windows of ``max_seq_length`` tokens (short texts such as
             paragraphs then fill whole samples) instead of one sample per text.
         sequential_targets: layer classes calibrated one at a time (default: inferred).
@@ -156,9 +164,10 @@ def oneshot(
             every token of its layer (its Hessian is not starved by the router), while the layer's output
             keeps the real routing. False: each expert sees only the tokens routed to it; one that gets none
             is quantized round-to-nearest (the log and report list it).
-        data_collator / preprocessing_func: rows mapped through a processor (images, audio): a function of a
-            list of rows giving one batch, and one applied to each row first (llm-compressor's route;
-            ``seqcal.multimodal.inputs``). Every input a batch holds reaches the model's forward.
+        data_collator: for rows mapped through a processor (images, audio): a function of a list of rows
+            giving one batch (llm-compressor's route; ``seqcal.multimodal.inputs``). Every input a batch holds
+            reaches the model's forward.
+        preprocessing_func: a function applied to each row first (llm-compressor's route).
         requantize: quantize a quantized checkpoint (``seqcal.sources``: FP8, MXFP4, compressed-tensors, AWQ,
             GPTQ) to as many bits as it has or more; refused without it, since the two roundings' errors compound.
         output_format: "compressed-tensors" (default) or "gguf": ``output_dir/model.gguf`` for llama.cpp, from GGUF

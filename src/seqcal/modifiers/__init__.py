@@ -32,6 +32,7 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "QuIPModifier": QuIPModifier,
     "SpinQuantModifier": SpinQuantModifier,
 }
+"""Every modifier a recipe names without an import path: recipe name -> class (a miss lists these names)."""
 
 __all__ = [
     "MODIFIERS",
