@@ -1,4 +1,4 @@
-"""Profiling overhead on the SmolLM2 GPTQ benchmark (issue 5), measured two ways.
+"""Profiling overhead on the SmolLM2 GPTQ benchmark, measured two ways.
 
 ``--pairs N``: N runs with profiling off and on, alternating, each in its own process (wall seconds).
 ``--self-time``: one profiled run in this process with the profiler's bookkeeping (``Profiler._open``,
