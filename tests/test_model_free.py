@@ -26,6 +26,7 @@ from seqcal.checkpoint.streaming import ResumeError
 from seqcal.cli import main as cli_main
 from seqcal.modelfree.memory import WORKER_BASE, HostMemoryError, workers_for
 from seqcal.modelfree.source import SourceError
+from seqcal.sources import SourceFormatError
 
 SCHEMES = ["W4A16", "W8A16", "FP8_DYNAMIC", "FP8_BLOCK", "NVFP4A16", "MXFP4A16"]
 KILL = """
@@ -211,6 +212,38 @@ def test_resume_after_a_kill_gives_the_same_bytes(sharded: Path, tmp_path: Path)
     assert not list(killed.glob("*.partial")) and not (killed / "seqcal_progress.json").exists()
 
 
+@pytest.fixture(scope="module")
+def fp8_block(tmp_path_factory: pytest.TempPathFactory, llama: Path) -> Path:
+    """The Llama stored as DeepSeek ships its weights: FP8 in 128 x 128 blocks with float32 scales."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sources_helpers import write_fp8_block
+
+    return write_fp8_block(llama, tmp_path_factory.mktemp("fp8") / "model", shards=1)
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "W4A16"])
+def test_fp8_block_source_bytes_equal_oneshot(fp8_block: Path, tmp_path: Path, scheme: str) -> None:
+    ref = _oneshot(fp8_block, tmp_path / "oneshot", scheme)
+    out = model_free_ptq(fp8_block, tmp_path / "mf", scheme=scheme, ignore=["lm_head"])
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    assert not any(k.endswith("weight_scale_inv") for k in _tensors(out))
+    assert (
+        json.loads((out / "config.json").read_text())["quantization_config"]["source_format"]["format"]
+        == "fp8-block"
+    )
+
+
+def test_fp8_source_to_8_bits_needs_requantize(fp8_block: Path, tmp_path: Path) -> None:
+    with pytest.raises(SourceFormatError, match="requantize=True"):
+        model_free_ptq(fp8_block, tmp_path / "mf", scheme="W8A16", ignore=["lm_head"])
+    assert not (tmp_path / "mf").exists()
+    out = model_free_ptq(fp8_block, tmp_path / "mf", scheme="W8A16", ignore=["lm_head"], requantize=True)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["source_format"][
+        "requantized"
+    ]
+
+
 def test_bad_input_is_refused_before_anything_is_written(llama: Path, sharded: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     with pytest.raises(ValueError, match="unknown scheme 'W5A3'"):
@@ -250,6 +283,6 @@ def test_cli_errors_are_one_line(llama: Path, tmp_path: Path, capsys: pytest.Cap
 def test_host_budget_sets_the_workers_or_refuses() -> None:
     peak = WORKER_BASE + (1 << 30)
     assert workers_for(None, 4, [peak], 1 << 30) == 4
-    assert workers_for((1 << 30) + 3 * peak, 8, [peak], 1 << 30) == 3
+    assert workers_for((1 << 30) + WORKER_BASE + 3 * peak, 8, [peak], 1 << 30) == 3
     with pytest.raises(HostMemoryError, match=r"largest weight needs \(2.00 GiB with one process\)"):
         workers_for(1 << 30, 2, [peak], 1 << 30)

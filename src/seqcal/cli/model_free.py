@@ -38,6 +38,8 @@ def add_model_free(sub: Any) -> None:
     mf.add_argument("--device", default=None, help="where weights are quantized: cpu (default) or cuda:N")
     mf.add_argument("--resume", action="store_true", help="continue a killed run in --output-dir")
     mf.add_argument("--overwrite", action="store_true", help="replace what --output-dir holds")
+    mf.add_argument("--requantize", action="store_true",
+                    help="quantize an FP8 source to 8 bits again (the roundings' errors compound)")  # fmt: skip
     mf.add_argument("--trust-remote-code", action="store_true",
                     help="let transformers build the checkpoint's own class (only to read its modules)")  # fmt: skip
     mf.set_defaults(func=cmd_model_free)
@@ -54,7 +56,7 @@ def cmd_model_free(args: argparse.Namespace) -> int:
         args.model, args.output_dir, scheme=args.scheme, config=_read_config(args.config), ignore=args.ignore,
         max_workers=args.max_workers, device=args.device, targets=args.targets,
         max_host_memory=args.max_host_memory, resume=args.resume, overwrite=args.overwrite,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, requantize=args.requantize,
     )  # fmt: skip
     print(f"model-free took {time.perf_counter() - start:.1f} s; checkpoint: {out}")
     return 0

@@ -6,7 +6,8 @@ weights quantized one at a time (round to nearest: W4A16, W8A16, FP8_DYNAMIC, FP
 ``model_free_ptq`` reads as the stages:
 
     ModelFreeArgs(...)                the keywords, checked; .modifier(): the recipe's QuantizationModifier
-    SourceCheckpoint.open(model)      index and headers: missing shards refused before anything is written
+    SourceCheckpoint.open(model)      index and headers: missing shards refused before anything is written; an
+                                      FP8 source seen as the full-precision checkpoint its weights make
     build_skeleton(source)            the modules on meta (transformers' model, else from the tensor names)
     plan_jobs(source, skeleton, mod)  targets / ignore resolved as a recipe's; one job per source file
     checkpoint_json(...)              config.json's content, computed before any weight is read
@@ -36,6 +37,8 @@ from seqcal.modelfree.run import run_jobs
 from seqcal.modelfree.skeleton import build_skeleton
 from seqcal.modelfree.source import SourceCheckpoint
 from seqcal.modelfree.worker import peak_rss
+from seqcal.run_args import ModelArgs
+from seqcal.sources.policy import check_source
 
 logger = logging.getLogger("seqcal")
 
@@ -57,6 +60,7 @@ def model_free_ptq(
     resume: bool = False,
     overwrite: bool = False,
     trust_remote_code: bool = False,
+    requantize: bool = False,
 ) -> Path:
     """Quantize a safetensors checkpoint without loading the model (llm-compressor 0.14's keywords).
 
@@ -75,6 +79,8 @@ def model_free_ptq(
         resume: continue a killed run in ``save_directory``.
         overwrite: replace what ``save_directory`` holds.
         trust_remote_code: let transformers build the checkpoint's own class (only to read its modules).
+        requantize: quantize an FP8 source (DeepSeek's blocks) to 8 bits again; lower widths (NVFP4, W4A16)
+            need no flag.
 
     Returns:
         ``save_directory``.
@@ -89,13 +95,15 @@ def model_free_ptq(
         )
     args = ModelFreeArgs(
         model_stub, save_directory, scheme, config, targets, ignore, max_workers, max_host_memory, device,
-        resume, overwrite, trust_remote_code,
+        resume, overwrite, trust_remote_code, requantize,
     )  # fmt: skip
     modifier = args.modifier()
     source = SourceCheckpoint.open(_local(args.model_stub))
+    # a quantized source: refused at or below the scheme's bits without requantize, and recorded in config.json
+    report = check_source(ModelArgs(str(source.path)), [modifier], args.requantize)
     skeleton = build_skeleton(source, args.trust_remote_code)
     plan = plan_jobs(source, skeleton, modifier)
-    config_json = checkpoint_json(skeleton, source, plan.modules)
+    config_json = checkpoint_json(skeleton, source, plan.modules, report)
     workers = workers_for(args.host_budget, args.max_workers, _peaks(plan, source), peak_rss())
     done = prepare_output(args.save_directory, run_identity(source, config_json["quantization_config"]),
                           overwrite=args.overwrite, resume=args.resume)  # fmt: skip

@@ -41,6 +41,7 @@ class ModelFreeArgs:
         resume: continue a killed run in ``save_directory`` (its finished files are kept).
         overwrite: replace what ``save_directory`` holds.
         trust_remote_code: let transformers build a class the checkpoint's code defines (only to read its modules).
+        requantize: quantize an FP8 source to 8 bits again (refused by default: the two roundings compound).
     """
 
     model_stub: str | os.PathLike
@@ -55,6 +56,7 @@ class ModelFreeArgs:
     resume: bool = False
     overwrite: bool = False
     trust_remote_code: bool = False
+    requantize: bool = False
 
     def __post_init__(self) -> None:
         if (self.scheme is None) == (self.config is None):

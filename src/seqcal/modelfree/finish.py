@@ -35,10 +35,15 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".m
 
 
 def checkpoint_json(
-    skeleton: Skeleton, source: SourceCheckpoint, modules: dict[str, QuantizationScheme]
+    skeleton: Skeleton,
+    source: SourceCheckpoint,
+    modules: dict[str, QuantizationScheme],
+    report: dict[str, Any],
 ) -> dict:
-    """``config.json``'s content for the quantized ``modules`` (name -> scheme, in the model's order)."""
+    """``config.json``'s content for the quantized ``modules`` (name -> scheme, in the model's order); ``report``:
+    what ``seqcal.sources.policy.check_source`` says of a quantized source (its ``source_format``), or {}."""
     state = RunState()
+    state.results.report.update(report)
     for name, scheme in modules.items():  # only the schemes are read: the records hold no codes
         state.results.quantized[name] = QuantizedWeight(
             q=torch.empty(0, device="meta"), scale=torch.empty(0, device="meta"), zero_point=None, g_idx=None,
@@ -48,6 +53,8 @@ def checkpoint_json(
         return checkpoint_config(skeleton.model, state, skeleton.layout)
     data = dict(source.config)
     data["quantization_config"] = _checked_block(skeleton.model, state, skeleton.layout)
+    if "source_format" in report:  # as checkpoint_config records it
+        data["quantization_config"]["source_format"] = report["source_format"]
     return data
 
 

@@ -6,8 +6,8 @@ bfloat16 weight (peak resident memory above the weight, per float32 byte of it; 
 int codes 0.56 (W4A16, W8A16), fp8 2.0 (FP8_DYNAMIC), fp8 blocks 3.0, MX 3.6, NVFP4 5.1.
 
 Example:
-    >>> workers_for(budget=16 << 30, wanted=8, largest=[(64 << 20, 4.0)], main=600 << 20)  # doctest: +SKIP
-    8
+    >>> workers_for(budget=16 << 30, wanted=8, peaks=[job_peak([(128 << 20, 64 << 20, 5.5)])], main=600 << 20)
+    7
 """
 
 from __future__ import annotations
@@ -79,4 +79,5 @@ def workers_for(budget: int | None, wanted: int, peaks: Sequence[int], main: int
         )
     if wanted <= 1:
         return 1
-    return max(1, min(wanted, (budget - main) // worst))
+    # several: the main process waits, the fork server the workers come from holds its imports
+    return max(1, min(wanted, (budget - main - WORKER_BASE) // worst))

@@ -20,6 +20,7 @@ from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.modelfree.skeleton import Skeleton, natural_key
 from seqcal.modelfree.source import SourceCheckpoint, SourceError
+from seqcal.modelfree.stored import Stored
 from seqcal.modifiers.formats import fused_groups
 from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.schemes import strategy_of
@@ -63,12 +64,12 @@ class Job:
     Attributes:
         file: the file name.
         units: its modules, in the checkpoint's order.
-        largest: bytes of its largest weight to quantize (what a worker's memory grows with).
+        stored: how the worker reads the tensors (a quantized source's weights dequantized).
     """
 
     file: str
     units: tuple[Unit, ...]
-    largest: int = 0
+    stored: Stored = field(default_factory=Stored)
 
 
 @dataclass
@@ -107,8 +108,10 @@ def plan_jobs(source: SourceCheckpoint, skeleton: Skeleton, modifier: Quantizati
             units.setdefault(rank[key], []).append(key)
         ordered = [tuple(units[r]) for r in sorted(units)]
         job_units = tuple(Unit(ks, next((quantize[k] for k in ks if k in quantize), None)) for ks in ordered)
-        largest = max((source.info[u.quantize.key].nbytes for u in job_units if u.quantize), default=0)
-        jobs.append(Job(file, job_units, largest))
+        read = {k for u in job_units for k in u.keys} | {
+            m[1] for u in job_units if u.quantize for m in u.quantize.fused
+        }
+        jobs.append(Job(file, job_units, source.stored.subset(read)))
     return Plan(jobs, modules)
 
 

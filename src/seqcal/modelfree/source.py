@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from seqcal.modelfree.stored import Stored, dequantized_view
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -59,14 +61,17 @@ class SourceCheckpoint:
     Attributes:
         path: the directory.
         files: its weight files, in the index's order of first appearance (or the one ``model.safetensors``).
-        info: tensor key -> TensorInfo, every tensor of every file.
+        info: tensor key -> TensorInfo, every tensor of every file; for a quantized source (FP8), the tensors its
+            full-precision form has (``seqcal.modelfree.stored``).
         config: ``config.json``'s content.
+        stored: how its quantized weights are read dequantized (nothing for a full-precision source).
     """
 
     path: Path
     files: tuple[str, ...]
     info: dict[str, TensorInfo]
     config: dict
+    stored: Stored = field(default_factory=Stored)
 
     @classmethod
     def open(cls, path: str | Path) -> SourceCheckpoint:
@@ -100,7 +105,8 @@ class SourceCheckpoint:
                 f"in {weight_map[missing[0]]}; the download is incomplete, fetch the checkpoint again"
             )
         config = json.loads((root / "config.json").read_text(encoding="utf-8"))
-        return cls(root, files, info, config)
+        info, stored = dequantized_view(root, info, config)
+        return cls(root, files, info, config, stored)
 
     def keys_of(self, file: str) -> list[str]:
         """The tensor keys stored in ``file``."""

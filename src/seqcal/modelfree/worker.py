@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from seqcal.checkpoint.shard_file import HEADER_RESERVE, _ShardFile
 from seqcal.checkpoint.tensors import _compressed
-from seqcal.execution.store import read_tensor
 from seqcal.modelfree.plan import Job, Quantize
+from seqcal.modelfree.stored import Stored
 from seqcal.modifiers.formats import shared_global_scales
 from seqcal.modifiers.quantization import rtn_quantize_module
 
@@ -75,10 +75,11 @@ def run_job(job: Job, source_dir: str, output_dir: str, device: str = "cpu") -> 
     keys: list[str] = []
     try:
         for unit in job.units:
-            tensors = {key: read_tensor(str(source / job.file), key) for key in unit.keys}
+            tensors = {key: job.stored.read(source, key, job.file) for key in unit.keys}
             if unit.quantize is not None:
                 q = unit.quantize
-                tensors.update(_quantized(q, tensors.pop(q.key), source, scales, torch.device(device)))
+                weight = tensors.pop(q.key)
+                tensors.update(_quantized(q, weight, job.stored, source, scales, torch.device(device)))
             for key in sorted(tensors):
                 shard.add(key, tensors[key])
                 keys.append(key)
@@ -91,7 +92,7 @@ def run_job(job: Job, source_dir: str, output_dir: str, device: str = "cpu") -> 
     return JobResult(job.file, tuple(keys), shard.size, peak_rss())
 
 
-def _quantized(q: Quantize, weight: Tensor, source: Path, scales: dict[str, Tensor],
+def _quantized(q: Quantize, weight: Tensor, stored: Stored, source: Path, scales: dict[str, Tensor],
                device: torch.device) -> dict[str, Tensor]:  # fmt: skip
     """The tensors compressed-tensors stores for ``q``'s weight, under its checkpoint keys."""
     module = _Held(weight.to(device))
@@ -101,7 +102,7 @@ def _quantized(q: Quantize, weight: Tensor, source: Path, scales: dict[str, Tens
 
         def read(name: str) -> Tensor:
             key, file = files[name]
-            return module.weight if name == q.module else read_tensor(str(source / file), key).to(device)
+            return module.weight if name == q.module else stored.read(source, key, file).to(device)
 
         shared_global_scales(_Members(read), [q.module], [tuple(files)], scales)
         global_scale = scales[q.module]
