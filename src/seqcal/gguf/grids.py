@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from seqcal.algorithms.columns import one_intra_op_thread
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.gguf import search
 from seqcal.gguf.types import GGUFType, gguf_type
@@ -128,7 +129,10 @@ def qparams(W: Tensor, fmt: GGUFFormat) -> tuple[Tensor, Tensor | None]:
     blocks = n // t.block
     if not t.sub_bits:
         return _legacy(W.reshape(out, blocks, t.block), t)
-    scales, mins = _sub_scales(W.reshape(-1, t.sub), t)
+    # the searches are dozens of small elementwise passes: on one intra-op thread, as GPTQ's column loop, since a
+    # thread hand-off per pass dominates on a busy machine (15x slower with two threads on two loaded cores)
+    with one_intra_op_thread():
+        scales, mins = _sub_scales(W.reshape(-1, t.sub), t)
     scale = _quantized_scales(scales.reshape(out, blocks, t.subs), t)
     zero = None if mins is None else _quantized_scales(mins.reshape(out, blocks, t.subs), t)
     return scale, zero
