@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from seqcal import model_free_ptq, oneshot
@@ -161,6 +162,24 @@ def test_unknown_architecture_reads_modules_from_names(moe: Path, tmp_path: Path
     assert sorted(block.pop("ignore")) == sorted(expected.pop("ignore"))
     assert block == expected
     assert json.loads((out / "config.json").read_text())["model_type"] == "mystery_moe"
+
+
+def test_stacked_experts_of_an_unknown_architecture_are_refused(tmp_path: Path) -> None:
+    source = tmp_path / "stacked"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"model_type": "mystery_moe", "architectures": ["X"]}))
+    tensors = {"model.layers.0.self_attn.q_proj.weight": torch.randn(128, 128, dtype=torch.bfloat16),
+               "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 256, 128, dtype=torch.bfloat16),
+               "model.layers.0.mlp.experts.down_proj": torch.randn(4, 128, 128, dtype=torch.bfloat16)}  # fmt: skip
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(SourceError, match=r"4 experts' weights stacked .* add 're:model\\.layers\\.0"):
+        model_free_ptq(source, tmp_path / "refused", scheme="W4A16")
+    out = model_free_ptq(source, tmp_path / "mf", scheme="W4A16", ignore=["re:.*experts$"])
+    keys = _tensors(out)
+    assert (
+        "model.layers.0.self_attn.q_proj.weight_packed" in keys
+        and "model.layers.0.mlp.experts.down_proj" in keys
+    )
 
 
 def test_workers_and_shards_give_the_same_bytes(llama: Path, sharded: Path, tmp_path: Path) -> None:

@@ -14,9 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from compressed_tensors.quantization import QuantizationScheme
+from compressed_tensors.utils.match import match_name
 
 from seqcal.modelfree.skeleton import Skeleton, natural_key
 from seqcal.modelfree.source import SourceCheckpoint, SourceError
@@ -88,6 +90,8 @@ def plan_jobs(source: SourceCheckpoint, skeleton: Skeleton, modifier: Quantizati
             checks), or a quantized module's weight is not a 2-D tensor of the source.
     """
     modifier.validate(skeleton.model)
+    if not skeleton.known:
+        _refuse_stacked(source, modifier)
     modules = dict(modifier.modules)
     keys = {name: skeleton.weight_key(name) for name in modules}
     for name, key in keys.items():
@@ -113,6 +117,22 @@ def plan_jobs(source: SourceCheckpoint, skeleton: Skeleton, modifier: Quantizati
         }
         jobs.append(Job(file, job_units, source.stored.subset(read)))
     return Plan(jobs, modules)
+
+
+def _refuse_stacked(source: SourceCheckpoint, modifier: QuantizationModifier) -> None:
+    """A 3-D weight the targets reach (experts stacked in one tensor) would stay in full precision unnoticed: in
+    a tree built from names it is no Linear. Refused, with the ignore pattern that keeps it as it is."""
+    targets = [t for group in modifier.groups.values() for t in group.targets]
+    for key, info in source.info.items():
+        module = key.rpartition(".")[0]
+        if len(info.shape) != 3 or any(match_name(module, i) or match_name(key, i) for i in modifier.ignore):
+            continue
+        if any(not t.startswith("re:") and "." not in t or match_name(module, t) for t in targets):
+            raise SourceError(
+                f"model-free: {key} holds {info.shape[0]} experts' weights stacked in one {list(info.shape)} tensor, "
+                f"which model-free does not take apart; add 're:{re.escape(module)}' to ignore to keep it in full "
+                "precision, or quantize with oneshot (transformers' class takes the experts apart)"
+            )
 
 
 def _ranks(source: SourceCheckpoint, skeleton: Skeleton) -> dict[str, tuple]:
