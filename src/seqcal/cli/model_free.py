@@ -35,6 +35,8 @@ def add_model_free(sub: Any) -> None:
     )
     mf.add_argument("--max-host-memory", default=None,
                     help="e.g. 64GB: resident memory of all processes to stay under (fewer workers, or refused)")  # fmt: skip
+    mf.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="torch threads, shared by the workers (default: the cores the load average leaves free)")  # fmt: skip
     mf.add_argument("--device", default=None, help="where weights are quantized: cpu (default) or cuda:N")
     mf.add_argument("--resume", action="store_true", help="continue a killed run in --output-dir")
     mf.add_argument("--overwrite", action="store_true", help="replace what --output-dir holds")
