@@ -17,7 +17,7 @@ import hashlib
 import logging
 import shutil
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +161,23 @@ def _owners(model: torch.nn.Module, subgraphs: Sequence[Any]) -> dict[str, int]:
             if sg.holds(name):
                 owner[name] = sg.index
     return owner
+
+
+def export_gguf(model: torch.nn.Module, tokenizer: Any, output_dir: str | Path) -> Path:
+    """``model`` as it is (its float weights, the token embedding included) in ``output_dir/model.gguf``: the
+    input llama.cpp's own ``llama-quantize`` takes.
+
+    Example:
+        >>> export_gguf(AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path), "f32")  # doctest: +SKIP
+    """
+    family_of(model.config)
+
+    @dataclass
+    class _Results:
+        quantized: dict = field(default_factory=dict)
+
+    @dataclass
+    class _State:
+        results: _Results = field(default_factory=_Results)
+
+    return GGUFStream(model, _State(), output_dir, []).finish(tokenizer)
