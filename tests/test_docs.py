@@ -219,7 +219,8 @@ def test_cli_reference_lists_every_subcommand_and_argument(site: Path) -> None:
 
 def test_site_has_the_pages_a_newcomer_needs(site: Path) -> None:
     pages = ["install", "quantize", "recipes", "schemes", "algorithms", "multimodal", "moe", "distributed",
-             "memory", "tracing", "report", "evaluate", "modifiers", "design", "reference/recipes"]  # fmt: skip
+             "memory", "tracing", "report", "evaluate", "modifiers", "design", "reference/recipes", "gguf",
+             "sources", "model-free", "reference/contract"]  # fmt: skip
     assert [p for p in pages if not (site / p / "index.html").is_file()] == []
     # the repository files the pages link are in the site, with RESULTS.md as a page
     assert (site / "repo/benchmarks/RESULTS/index.html").is_file()
