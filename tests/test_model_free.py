@@ -143,6 +143,22 @@ def test_targets_and_ignore_resolve_as_in_recipes(llama: Path, tmp_path: Path) -
     assert "model.layers.1.self_attn.q_proj.weight" in keys  # not targeted: as it was
 
 
+def test_config_with_several_groups_as_in_recipes(llama: Path, tmp_path: Path) -> None:
+    """llm-compressor's ``config`` (a QuantizationConfig's dict): each group as a recipe's config group."""
+    groups = {
+        "group_0": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                                            "strategy": "channel"}},
+        "group_1": {"targets": ["re:.*self_attn.*"], "weights": {"num_bits": 4, "type": "int", "symmetric": False,
+                                                                  "strategy": "group", "group_size": 64}},
+    }  # fmt: skip
+    ref = tmp_path / "oneshot"
+    recipe = "QuantizationModifier: " + json.dumps({"config_groups": groups, "ignore": ["lm_head"]})
+    oneshot(model=str(llama), recipe=recipe, pipeline="datafree", output_dir=str(ref))
+    out = model_free_ptq(llama, tmp_path / "mf", config={"config_groups": groups, "ignore": ["lm_head"]})
+    _same_files(out, ref)
+    assert len(json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]) == 2
+
+
 def test_unknown_architecture_reads_modules_from_names(moe: Path, tmp_path: Path) -> None:
     """An architecture transformers does not have: the same tensors and quantization_config as oneshot's."""
     source = tmp_path / "mystery"

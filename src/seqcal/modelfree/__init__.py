@@ -110,7 +110,12 @@ def model_free_ptq(
     todo = [job for job in plan.jobs if job.file not in done]
     logger.info("seqcal: model-free: %d of %d files to write, %d module(s) quantized, %d worker(s)%s", len(todo),
                 len(plan.jobs), len(plan.modules), workers, "" if skeleton.known else " (modules from tensor names)")  # fmt: skip
-    run_jobs(todo, str(source.path), str(args.save_directory), workers=workers, device=args.device or "cpu")
+    results = run_jobs(
+        todo, str(source.path), str(args.save_directory), workers=workers, device=args.device or "cpu"
+    )
+    if results:
+        logger.info("seqcal: model-free: peak resident memory: %.2f GiB here, %.2f GiB in the largest worker",
+                    peak_rss() / 2**30, max(r.peak_rss for r in results) / 2**30)  # fmt: skip
     return finish(args.save_directory, source, [job.file for job in plan.jobs], config_json)
 
 

@@ -80,21 +80,24 @@ class ModelFreeArgs:
         """
         targets = [self.targets] if isinstance(self.targets, str) else list(self.targets)
         ignore = [self.ignore] if isinstance(self.ignore, str) else list(self.ignore)
-        if isinstance(self.scheme, str):
-            modifier = QuantizationModifier(scheme=self.scheme, targets=targets, ignore=ignore)
-        elif self.scheme is not None:
-            group = _as_dict(self.scheme)
-            group["targets"] = group.get("targets") or targets
-            modifier = QuantizationModifier(config_groups={"group_0": group}, ignore=ignore)
-        else:
-            config = _as_dict(self.config)
-            if config.get("kv_cache_scheme") is not None:
-                raise ValueError("model_free_ptq: config.kv_cache_scheme needs calibration data, which model-free "
-                                 "runs without; use oneshot with a dataset, or drop kv_cache_scheme")  # fmt: skip
-            groups = {name: _as_dict(g) for name, g in (config.get("config_groups") or {}).items()}
-            modifier = QuantizationModifier(
-                config_groups=groups, ignore=[*(config.get("ignore") or []), *ignore]
-            )
+        try:  # the recipe's checks, named as this call's
+            if isinstance(self.scheme, str):
+                modifier = QuantizationModifier(scheme=self.scheme, targets=targets, ignore=ignore)
+            elif self.scheme is not None:
+                group = _as_dict(self.scheme)
+                group["targets"] = group.get("targets") or targets
+                modifier = QuantizationModifier(config_groups={"group_0": group}, ignore=ignore)
+            else:
+                config = _as_dict(self.config)
+                if config.get("kv_cache_scheme") is not None:
+                    raise ValueError("model_free_ptq: config.kv_cache_scheme needs calibration data, which model-free "
+                                     "runs without; use oneshot with a dataset, or drop kv_cache_scheme")  # fmt: skip
+                groups = {name: _as_dict(g) for name, g in (config.get("config_groups") or {}).items()}
+                modifier = QuantizationModifier(
+                    config_groups=groups, ignore=[*(config.get("ignore") or []), *ignore]
+                )
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("QuantizationModifier", "model_free_ptq", 1)) from None
         if modifier.needs_calibration:
             raise ValueError(
                 "model_free_ptq: the scheme quantizes activations with static scales, which need calibration data "
