@@ -332,6 +332,8 @@ def _save(model: torch.nn.Module, state: RunState, output: OutputPlan, tok: Any,
             save_checkpoint(model, state, out.output_dir, tokenizer=tok, recipe_yaml=recipe_yaml,
                             overwrite=out.overwrite)  # fmt: skip
     write_error_report(state.results.report, out.output_dir)
+    for name, text in state.results.files.items():  # e.g. a mixed-precision allocation's replay recipe
+        (Path(out.output_dir) / name).write_text(text, encoding="utf-8")
 
 
 def _offload_weights(

@@ -6,6 +6,7 @@ from seqcal.modifiers.base import Batch, BatchCursor, Modifier, QuantizedWeight,
 from seqcal.modifiers.gptaq import GPTAQModifier
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.magnitude import ConstantPruningModifier, MagnitudePruningModifier
+from seqcal.modifiers.mixed_precision import MixedPrecisionModifier
 from seqcal.modifiers.needs import Gather, Needs
 from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.quip import QuIPModifier
@@ -31,6 +32,7 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "REAPPruningModifier": REAPPruningModifier,
     "QuIPModifier": QuIPModifier,
     "SpinQuantModifier": SpinQuantModifier,
+    "MixedPrecisionModifier": MixedPrecisionModifier,
 }
 """Every modifier a recipe names without an import path: recipe name -> class (a miss lists these names)."""
 
@@ -46,6 +48,7 @@ __all__ = [
     "Gather",
     "LogarithmicEqualizationModifier",
     "MagnitudePruningModifier",
+    "MixedPrecisionModifier",
     "Modifier",
     "Needs",
     "QuantizationModifier",

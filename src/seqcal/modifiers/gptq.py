@@ -25,7 +25,12 @@ from seqcal.modifiers.base import Batch, BatchCursor, Fold, QuantizedWeight, Run
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.hessians import SharedInputs, add_hessian
 from seqcal.modifiers.importance import usable_importance, uses_importance
-from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs, rtn_quantize_module
+from seqcal.modifiers.quantization import (
+    QuantizationModifier,
+    fake_quantized,
+    quant_kwargs,
+    rtn_quantize_module,
+)
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
 
@@ -159,6 +164,10 @@ class GPTQModifier(QuantizationModifier):
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
+        if self.mixed is not None:  # each unit's scheme from its errors under every candidate, with H
+            self.mixed.assign(
+                names, model, self.modules, state, lambda n: (self._hessian(n), None), fake_quantized
+            )
         solved: dict[tuple[int, str], list[str]] = {}  # (accumulator, scheme) -> modules solved together
         for name in names:
             acc = self._inputs.acc.pop(name, None)
@@ -180,10 +189,7 @@ class GPTQModifier(QuantizationModifier):
             key = (id(acc), repr(self.modules[name])) if per_row else (id(acc), name)
             solved.setdefault(key, []).append(name)
             state.results.module_errors.setdefault(name, {})["tokens"] = acc.n
-            if not acc.symmetric:  # shared by q/k/v: the first of them makes it whole
-                acc.symmetric, acc.upper = True, False
-                symmetrize_upper(acc.H)
-            self._hessians[key] = acc.H
+            self._hessians[key] = _whole(acc)
         limit = self._chunk_limit(subgraph, model, state)
         self.prepare_global_scales(model, [n for group in solved.values() for n in group])
         for key, group in solved.items():
@@ -201,6 +207,11 @@ class GPTQModifier(QuantizationModifier):
                     errors["gptq_seconds"], errors["solve_chunks"] = seconds, len(chunks)
         self.inputs.finish(names, model, state)
         return self.kv_finish(subgraph, model, state) or bool(names)
+
+    def _hessian(self, name: str) -> torch.Tensor | None:
+        """The whole (symmetric) Hessian of ``name``'s inputs, or None when it was never called."""
+        acc = self._inputs.acc.get(name)
+        return None if acc is None or acc.H is None else _whole(acc)
 
     def _chunk_limit(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> int:
         """Bytes one stacked solve of ``subgraph`` may take: from the device budget when the run has one,
@@ -266,6 +277,14 @@ class GPTQModifier(QuantizationModifier):
                 zero_point=None if kw["symmetric"] else zp.contiguous(),
                 g_idx=result.g_idx, scheme=scheme, loss=loss.sum().item(), global_scale=self._global_scales.get(name),
             )  # fmt: skip
+
+
+def _whole(acc: Any) -> torch.Tensor:
+    """The accumulator's Hessian made whole from its upper triangle, once (it is shared by q/k/v)."""
+    if not acc.symmetric:
+        acc.symmetric, acc.upper = True, False
+        symmetrize_upper(acc.H)
+    return acc.H
 
 
 def _chunks(names: list[str], model: torch.nn.Module, max_bytes: int) -> list[list[str]]:

@@ -25,6 +25,7 @@ from seqcal.modifiers.formats import (
 )
 from seqcal.modifiers.importance import IMPORTANCE_GATHERS, mean_square, usable_importance, uses_importance
 from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
+from seqcal.modifiers.mixed_allocator import MixedPrecision
 from seqcal.modifiers.observers import apply_observer_overrides
 from seqcal.modifiers.schemes import check_supported, resolve_modules, resolve_schemes, strategy_of
 from seqcal.tracing.partition import Subgraph
@@ -73,6 +74,7 @@ class QuantizationModifier(Modifier):
     output_observer: str | None = None
     observer: dict[str, str] | None = None
     bypass_divisibility_checks: bool = False
+    mixed_precision: dict[str, Any] | None = None  # seqcal: each module's scheme chosen under a budget
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore, str):
@@ -87,7 +89,11 @@ class QuantizationModifier(Modifier):
             # data-free weight scheme. The one-pass cut reaches them through a stand-in cache (``kv_tap``,
             # ``kv_update_sites``); where it cannot, the pipeline cuts after each layer.
             self.needs_calibration = True
-        self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
+        self.mixed = MixedPrecision.of(self.mixed_arguments(), self.targets, self.name)
+        if self.mixed is None:
+            self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
+        else:
+            self._mix()
         for name, group in self.groups.items():  # here, not at calibration: a recipe's error names its line
             check_bits(group, f"{self.name} group {name!r}")
         self._override_observers()
@@ -104,6 +110,24 @@ class QuantizationModifier(Modifier):
                 True  # static input scales and imatrix_mse weights are calibrated on data
             )
 
+    def mixed_arguments(self) -> dict[str, Any] | None:
+        """The mixed-precision arguments (``seqcal.modifiers.mixed_precision``), or None: one scheme per group."""
+        return self.mixed_precision
+
+    def _mix(self) -> None:
+        """Schemes chosen per module in the pass: groups from the candidates and pins; one process, no resume
+        (the choice depends on the curves measured before it); round to nearest measures with E[x^2]."""
+        if self.name not in ("QuantizationModifier", "GPTQModifier", "MixedPrecisionModifier"):
+            raise ValueError(f"{self.name}: mixed_precision is not supported here; use it with GPTQModifier or "
+                             "QuantizationModifier, or use MixedPrecisionModifier")  # fmt: skip
+        if self.scheme is not None or self.config_groups is not None:
+            raise ValueError(f"{self.name}: mixed_precision chooses each module's scheme from its candidates; give "
+                             "no scheme or config_groups beside it (its pin fixes the scheme of some modules)")  # fmt: skip
+        self.groups = self.mixed.groups()  # type: ignore[union-attr]
+        self.resumable, self.needs_calibration = False, True
+        if self.importance_from_inputs:
+            self.gathers = (*type(self).gathers, *IMPORTANCE_GATHERS)
+
     def _override_observers(self) -> None:
         """Apply weight_observer / input_observer / output_observer / observer to the groups, then check them."""
         given = (self.weight_observer, self.input_observer, self.output_observer, self.observer)
@@ -115,6 +139,8 @@ class QuantizationModifier(Modifier):
 
     def validate(self, model: torch.nn.Module) -> None:
         self.warnings: list[str] = []  # ignore entries that match nothing, for the run's report
+        if self.mixed is not None:
+            self.mixed.check_pins(model)
         self.modules = resolve_modules(model, self.groups, self.ignore, self.name, self.warnings)
         self.inputs = InputCalibration(self.modules)
         if not self.modules:
@@ -125,13 +151,16 @@ class QuantizationModifier(Modifier):
         # Before any calibration: a width the format cannot hold would stop the run later, at that module's
         # solve, after every subgraph before it was calibrated.
         try:
-            check_widths(model, self.modules, self.name)
+            if self.mixed is None:  # else each candidate is checked per module by the allocation
+                check_widths(model, self.modules, self.name)
         except ValueError as exc:
             if not self.bypass_divisibility_checks:
                 raise
             raise ValueError(f"{exc} (bypass_divisibility_checks skips only llm-compressor's early check: seqcal "
                              "quantizes whole groups, it has no ragged last group)") from None  # fmt: skip
         self._fused = fused_groups(model, self.modules)
+        if self.mixed is not None:
+            self.mixed.validate(model, self.modules)
         if self.kv is not None:
             self.kv.validate(model)
 
@@ -169,8 +198,9 @@ class QuantizationModifier(Modifier):
             yield
 
     def shares_statistics(self) -> bool:
-        """Static input ranges, imatrix_mse's sums of ``x^2`` and the KV cache's ranges reduce across processes."""
-        return True
+        """Static input ranges, imatrix_mse's sums of ``x^2`` and the KV cache's ranges reduce across processes; a
+        mixed-precision choice depends on every unit's curve before it, which one process alone has."""
+        return self.mixed is None
 
     def kv_hooks(
         self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
@@ -231,16 +261,33 @@ class QuantizationModifier(Modifier):
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
         names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
+        if self.mixed is not None:  # each unit's scheme from its errors under every candidate (E[x^2])
+            self.mixed.assign(
+                names, model, self.modules, state, lambda n: (None, self._mean_square(n)), fake_quantized
+            )
         self.prepare_global_scales(model, names)
         for name in names:
             module, scheme = model.get_submodule(name), self.modules[name]
             seen = mean_square(self._gathered_or_none(name)) if uses_importance(scheme) else None
             importance = usable_importance(name, scheme, seen, module.weight.shape[-1], state)
+            before = module.weight.data.clone() if self.mixed is not None else None
             state.results.quantized[name] = rtn_quantize_module(
                 module, scheme, self._global_scales.get(name), importance=importance
             )
+            if self.mixed is not None:  # the error the allocation predicted, measured
+                self.mixed.measured(name, before, module.weight.data, self._mean_square(name), state)
         self.inputs.finish(names, model, state)
         return self.kv_finish(subgraph, model, state) or bool(names)
+
+    def _mean_square(self, name: str) -> torch.Tensor | None:
+        return mean_square(self._gathered_or_none(name))
+
+    def finalize(self, model: torch.nn.Module, state: RunState) -> None:
+        if self.mixed is not None:  # the allocation reached, and a recipe that replays it
+            solver = "QuantizationModifier" if self.name == "QuantizationModifier" else "GPTQModifier"
+            mixed = {"mixed_precision", "average_bits", "max_size", "candidates", "pin", "targets"}
+            arguments = {k: v for k, v in self.to_dict().items() if k not in mixed}
+            self.mixed.finish(solver, arguments, self.modules, model, state)
 
     def _gathered_or_none(self, name: str) -> dict[str, torch.Tensor] | None:
         """The declared statistics of ``name`` (imatrix_mse's sums among them), or None: none declared or seen."""

@@ -79,6 +79,8 @@ class RunResults:
         transform_config: online rotations (QuIP, SpinQuant R4) as compressed-tensors' ``transform_config``
             block, written to config.json's quantization_config; transform_tensors: their matrices,
             checkpoint key -> tensor.
+        files: further text files of the output directory, name -> content (a mixed-precision allocation's
+            replay recipe).
     """
 
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
@@ -88,6 +90,7 @@ class RunResults:
     report: dict[str, Any] = field(default_factory=dict)
     transform_config: dict[str, Any] = field(default_factory=dict)
     transform_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

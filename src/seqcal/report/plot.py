@@ -1,4 +1,5 @@
-"""A PNG of the run report: relative output error per subgraph and GPTQ loss per module, on log scales.
+"""A PNG of the run report: relative output error per subgraph and GPTQ loss per module, on log scales, and
+the bits per weight of each module when a mixed-precision allocation chose them.
 
 matplotlib is used through its object API with the Agg canvas (no pyplot), so nothing global changes.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 _LAYER = re.compile(r"\.(\d+)\.")  # "model.layers.3.mlp.up_proj" -> layer 3, for the x-axis ticks
+_PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#9d755d"]
 
 
 def _finite(value: Any) -> float | None:
@@ -57,12 +59,21 @@ def _loss_panel(ax: Any, modules: Mapping[str, Any]) -> None:
         ax.text(0.5, 0.5, "no GPTQ losses in this report", ha="center", va="center", transform=ax.transAxes)
         return
     kinds = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, _ in rows))  # q_proj, k_proj, ...
-    palette = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#eeca3b", "#b279a2", "#9d755d"]
     for k, kind in enumerate(kinds):
         xs = [i for i, (name, _) in enumerate(rows) if name.rsplit(".", 1)[-1] == kind]
-        ax.bar(xs, [rows[i][1] for i in xs], color=palette[k % len(palette)], label=kind, width=0.9)
+        ax.bar(xs, [rows[i][1] for i in xs], color=_PALETTE[k % len(_PALETTE)], label=kind, width=0.9)
+    _layer_ticks(ax, [name for name, _ in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("GPTQ loss")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    if len(kinds) <= 12:
+        ax.legend(fontsize=7, ncol=min(len(kinds), 8), loc="upper left")
+
+
+def _layer_ticks(ax: Any, names: list[str]) -> None:
+    """Label the x-axis (one bar per module) with the layer index where each layer starts."""
     ticks: dict[str, int] = {}
-    for i, (name, _) in enumerate(rows):
+    for i, name in enumerate(names):
         match = _LAYER.search(name)
         if match:
             ticks.setdefault(match.group(1), i)
@@ -71,11 +82,6 @@ def _loss_panel(ax: Any, modules: Mapping[str, Any]) -> None:
         shown = list(ticks.items())[::step]
         ax.set_xticks([i for _, i in shown], [layer for layer, _ in shown])
         ax.set_xlabel("layer")
-    ax.set_yscale("log")
-    ax.set_ylabel("GPTQ loss")
-    ax.grid(True, axis="y", which="both", alpha=0.3)
-    if len(kinds) <= 12:
-        ax.legend(fontsize=7, ncol=min(len(kinds), 8), loc="upper left")
 
 
 def plot_errors(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -99,11 +105,39 @@ def plot_errors(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     """
     if not isinstance(report, Mapping):
         raise TypeError(f"plot_errors: report must be a dict (the run report), got {type(report).__name__}")
-    fig = agg_figure("plot_errors", (11, 7))
-    top, bottom = fig.subplots(2, 1)
-    _errors_panel(top, [s for s in report.get("subgraphs") or [] if isinstance(s, Mapping)])
-    _loss_panel(bottom, report.get("modules") or {})
+    modules = report.get("modules") or {}
+    mixed = isinstance(modules, Mapping) and any(
+        isinstance(m, Mapping) and "bits" in m for m in modules.values()
+    )
+    fig = agg_figure("plot_errors", (11, 10 if mixed else 7))
+    axes = fig.subplots(3 if mixed else 2, 1)
+    _errors_panel(axes[0], [s for s in report.get("subgraphs") or [] if isinstance(s, Mapping)])
+    _loss_panel(axes[1], modules)
+    if mixed:
+        _bits_panel(axes[2], modules)
     return save_png(fig, path)
+
+
+def _bits_panel(ax: Any, modules: Mapping[str, Any]) -> None:
+    """Stored bits per weight of each module (execution order), coloured by projection."""
+    rows = [
+        (n, v)
+        for n, m in modules.items()
+        if isinstance(m, Mapping) and (v := _finite(m.get("bits"))) is not None
+    ]
+    mean = sum(v for _, v in rows) / max(len(rows), 1)
+    ax.set_title(
+        f"bits per weight per module, mixed precision (scales counted; mean over modules {mean:.2f})"
+    )
+    kinds = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, _ in rows))
+    for k, kind in enumerate(kinds):
+        xs = [i for i, (name, _) in enumerate(rows) if name.rsplit(".", 1)[-1] == kind]
+        ax.bar(xs, [rows[i][1] for i in xs], color=_PALETTE[k % len(_PALETTE)], label=kind, width=0.9)
+    _layer_ticks(ax, [name for name, _ in rows])
+    ax.set_ylabel("bits per weight")
+    ax.grid(True, axis="y", alpha=0.3)
+    if len(kinds) <= 12:
+        ax.legend(fontsize=7, ncol=min(len(kinds), 8), loc="upper left")
 
 
 def agg_figure(caller: str, size: tuple[float, float]) -> Any:

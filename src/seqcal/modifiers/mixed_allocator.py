@@ -1,0 +1,289 @@
+"""The mixed-precision choice as a quantizer uses it: arguments, checks before calibration, the choice per unit.
+
+``MixedPrecision`` is the ``mixed_precision`` argument of ``QuantizationModifier`` and ``GPTQModifier`` (and
+``MixedPrecisionModifier``'s own arguments): it checks the arguments when the recipe is read, checks the
+model before any weight is calibrated (``validate``: pins that match nothing, units no candidate holds, a
+budget below the cheapest allocation), and during the pass sets each module's scheme from its error curve
+(``assign``). How and what it guarantees: ``seqcal.modifiers.mixed_precision``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import yaml
+from compressed_tensors.quantization import QuantizationScheme
+
+from seqcal.algorithms.allocation import OnlineAllocation, Unit, role_of
+from seqcal.algorithms.hessian import OutputError
+from seqcal.mappings.names import checkpoint_names
+from seqcal.modifiers.formats import check_widths
+from seqcal.modifiers.mixed_schemes import allocation_units, candidate_scheme, holds, stored_bits, unit_key
+from seqcal.modifiers.schemes import matches_target
+from seqcal.modifiers.state import RunState
+
+logger = logging.getLogger("seqcal")
+
+RECIPE_FILENAME = "mixed_precision_recipe.yaml"
+# module name -> (its inputs' Hessian [in, in], or None; their E[x^2] [in], or None)
+InputsOf = Callable[[str], tuple[torch.Tensor | None, torch.Tensor | None]]
+# a weight rounded to nearest under a scheme (``quantization.fake_quantized``: its min-max qparams, no codes kept)
+Rounding = Callable[[torch.Tensor, QuantizationScheme], torch.Tensor]
+
+
+@dataclass
+class MixedPrecision:
+    """Each module's scheme chosen from ``candidates`` under a budget (``seqcal.modifiers.mixed_precision``).
+
+    Attributes:
+        average_bits: stored bits per weight over the quantized modules; or max_size: checkpoint bytes.
+        candidates: presets, ``PRESET:g<N>`` / ``PRESET:channel``, or scheme dicts.
+        pin: ``{pattern: candidate}``: modules that keep that scheme (counted in the budget).
+        targets: the modifier's targets; where: the modifier's name, for errors.
+    """
+
+    DEFAULT_CANDIDATES: ClassVar[tuple[str, ...]] = ("W2A16:g64", "W3A16:g64", "W4A16", "W8A16")
+    average_bits: float | None = None
+    max_size: int | str | None = None
+    candidates: list[Any] = field(default_factory=lambda: list(MixedPrecision.DEFAULT_CANDIDATES))
+    pin: dict[str, Any] = field(default_factory=dict)
+    targets: list[str] = field(default_factory=lambda: ["Linear"])
+    where: str = "mixed_precision"
+
+    @classmethod
+    def of(cls, args: dict[str, Any] | None, targets: str | list[str], where: str) -> MixedPrecision | None:
+        """The choice a modifier's ``mixed_precision`` argument describes, or None when it is None."""
+        if args is None:
+            return None
+        if not isinstance(args, dict) or set(args) - {"average_bits", "max_size", "candidates", "pin"}:
+            raise ValueError(f"{where}: mixed_precision must be a mapping of average_bits or max_size, candidates "
+                             f"and pin, got {args!r}")  # fmt: skip
+        given = {k: v for k, v in args.items() if v is not None}
+        return cls(**given, targets=[targets] if isinstance(targets, str) else list(targets), where=where)
+
+    def __post_init__(self) -> None:
+        w = self.where
+        if (self.average_bits is None) == (self.max_size is None):
+            raise ValueError(
+                f"{w}: give exactly one budget, average_bits (e.g. 4.25) or max_size (e.g. '70MB')"
+            )
+        if self.average_bits is not None and (isinstance(self.average_bits, bool) or not isinstance(
+                self.average_bits, (int, float)) or not self.average_bits > 0):  # fmt: skip
+            raise ValueError(
+                f"{w}: average_bits must be a positive number of bits per weight, got {self.average_bits!r}"
+            )
+        self.size = _size(self.max_size, w) if self.max_size is not None else None
+        if not isinstance(self.candidates, (list, tuple)) or not self.candidates:
+            raise ValueError(
+                f"{w}: candidates must be a non-empty list of schemes, e.g. ['W3A16:g64', 'W4A16']"
+            )
+        self.schemes = [candidate_scheme(c, self.targets, w) for c in self.candidates]
+        self.labels = [c if isinstance(c, str) else f"candidate_{i}" for i, c in enumerate(self.candidates)]
+        if not isinstance(self.pin, dict):
+            raise ValueError(
+                f"{w}: pin must map module patterns to schemes, e.g. {{'re:.*down_proj': 'W8A16'}}"
+            )
+        self.pinned = {p: candidate_scheme(s, [p], w) for p, s in self.pin.items()}
+        self.allocation: OnlineAllocation | None = None
+        self.chosen: dict[str, int] = {}  # unit key -> candidate index
+
+    def groups(self) -> dict[str, QuantizationScheme]:
+        """Config groups for ``resolve_modules``: the pins first (the first match wins), then every other
+        target with the first candidate until ``assign`` sets its own."""
+        return {**{f"pin_{i}": s for i, s in enumerate(self.pinned.values())}, "mixed": self.schemes[0]}
+
+    def check_pins(self, model: torch.nn.Module) -> None:
+        """Refuse a pin that matches no Linear (before the modules are resolved, whose message is about targets)."""
+        linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        aliases = checkpoint_names(model)
+        for pattern in self.pinned:
+            if not any(matches_target(m, n, [pattern], aliases.get(n)) for n, m in linears):
+                raise ValueError(f"{self.where}: pin {pattern!r} matches no Linear of {type(model).__name__}; give a "
+                                 "module name, a class name or an 're:' pattern (matched from the start of the name)")  # fmt: skip
+
+    def validate(self, model: torch.nn.Module, modules: dict[str, QuantizationScheme]) -> None:
+        """Check the model before calibration and set up the allocation over ``modules`` (name -> scheme).
+
+        Raises:
+            ValueError: a pin matching no Linear, a fused unit pinned in part, a unit no candidate holds, or a
+                budget below the cheapest allocation: one sentence each, with the fix.
+        """
+        w = self.where
+        pinned = {n for n, s in modules.items() if s is not self.schemes[0]}
+        check_widths(model, {n: modules[n] for n in pinned}, w)
+        self.units: dict[str, tuple[str, ...]] = {}
+        units, fixed_bits, params = [], 0.0, 0
+        for members in allocation_units(model, list(modules)):
+            weights = [model.get_submodule(m).weight for m in members]
+            params += sum(p.numel() for p in weights)
+            if any(m in pinned for m in members):
+                _check_pinned(members, modules, pinned, w)
+                fixed_bits += sum(_bits(modules[m], p) for m, p in zip(members, weights))
+                continue
+            key = unit_key(members)
+            bits = [sum(_bits(s, p) for p in weights) if all(holds(model, m, s) for m in members) else math.inf
+                    for s in self.schemes]  # fmt: skip
+            if all(math.isinf(b) for b in bits):
+                raise ValueError(f"{w}: no candidate can quantize {key} ({weights[0].shape[-1]} inputs: group sizes "
+                                 "must divide them); add a candidate that does, or add it to ignore")  # fmt: skip
+            self.units[key] = members
+            units.append(Unit(key, role_of(key), sum(p.numel() for p in weights), bits))
+        budget, total = self._budget(model, modules, params)
+        try:
+            self.allocation = OnlineAllocation(units, budget - fixed_bits)
+        except ValueError:
+            least = (fixed_bits + sum(min(u.bits) for u in units)) / max(params, 1)
+            asked = f"average_bits={self.average_bits}" if self.size is None else f"max_size={self.max_size}"
+            raise ValueError(f"{w}: {asked} is below the smallest allocation the candidates give "
+                             f"{type(model).__name__}, {least:.3f} bits per quantized weight ({total}); raise the "
+                             "budget or add a smaller candidate") from None  # fmt: skip
+        self.params = params
+
+    def _budget(self, model: torch.nn.Module, modules: dict[str, Any], params: int) -> tuple[float, str]:
+        """Bits the quantized modules may take, and a note on the checkpoint for the error message."""
+        if self.size is None:
+            return float(self.average_bits) * params, "scales and zero points counted"  # type: ignore[arg-type]
+        quantized = {id(model.get_submodule(n).weight) for n in modules}
+        rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in quantized)
+        return (self.size - rest) * 8.0, f"beside {rest / 1e6:.1f} MB of unquantized tensors"
+
+    def assign(self, names: list[str], model: torch.nn.Module, modules: dict[str, QuantizationScheme],
+               state: RunState, inputs_of: InputsOf, rounded: Rounding) -> None:  # fmt: skip
+        """Set the scheme of each unit among ``names`` not chosen yet, from its errors under every candidate.
+
+        Args:
+            names: the modules about to be quantized (weights loaded, statistics gathered).
+            modules: the modifier's module -> scheme, updated in place.
+            inputs_of: a module's input statistics (Hessian, or E[x^2]) to measure its errors with.
+            rounded: the weight rounded to nearest under a candidate, whose error predicts the solver's.
+        """
+        assert self.allocation is not None, "validate() first"
+        for key, members in self.units.items():
+            if key in self.chosen or not any(m in names for m in members):
+                continue
+            present = [m for m in members if m in names]
+            curves = {
+                m: self._curve(model.get_submodule(m).weight.data, *inputs_of(m), rounded) for m in present
+            }
+            unit = self.allocation.units[key]
+            share = unit.params / sum(model.get_submodule(m).weight.numel() for m in present)
+            errors = [share * sum(model.get_submodule(m).weight.numel() * curves[m][c] for m in present)
+                      for c in range(len(self.schemes))]  # fmt: skip
+            errors = [e if math.isfinite(b) else math.inf for e, b in zip(errors, unit.bits)]
+            index = self.chosen[key] = self.allocation.choose(key, errors)
+            for m in members:
+                modules[m] = self.schemes[index]
+                report = state.results.module_errors.setdefault(m, {})
+                weight = model.get_submodule(m).weight
+                report.update(
+                    scheme=self.labels[index], bits=_bits(self.schemes[index], weight) / weight.numel()
+                )
+                if m in curves:
+                    report["predicted_rel_error"] = math.sqrt(max(curves[m][index], 0.0))
+            logger.info("seqcal: %s -> %s (%.3f bits per weight, lambda %.3g)", key, self.labels[index],
+                        unit.bits[index] / unit.params, self.allocation.choices[key].lam)  # fmt: skip
+
+    def _curve(
+        self, W: torch.Tensor, H: torch.Tensor | None, diag: torch.Tensor | None, rounded: Rounding
+    ) -> list[float]:
+        """Squared relative output error of ``W`` rounded to nearest under each candidate (0: no inputs seen)."""
+        out = []
+        for scheme in self.schemes:
+            if H is None and diag is None:
+                out.append(0.0)
+                continue
+            try:
+                Q = rounded(W, scheme)
+            except (ValueError, RuntimeError):  # a width this candidate cannot hold: its bits are inf already
+                out.append(math.inf)
+                continue
+            out.append(squared_relative_error(W, Q, H, diag))
+        return out
+
+    def measured(self, name: str, before: torch.Tensor, after: torch.Tensor, diag: torch.Tensor | None,
+                 state: RunState) -> None:  # fmt: skip
+        """Round to nearest: the module's relative output error as quantized, beside the predicted one."""
+        if diag is not None:
+            error = squared_relative_error(before, after, None, diag)
+            state.results.module_errors.setdefault(name, {})["rel_error"] = math.sqrt(max(error, 0.0))
+
+    def finish(self, solver: str, arguments: dict[str, Any], modules: dict[str, QuantizationScheme],
+               model: torch.nn.Module, state: RunState) -> None:  # fmt: skip
+        """After the pass: the allocation reached (logged) and the recipe that replays it (an output file)."""
+        line = self.summary(modules, model)
+        logger.info("seqcal: %s", line)
+        quantized = {n: q for n, q in state.results.quantized.items() if n in modules}
+        if quantized:
+            state.results.files[RECIPE_FILENAME] = self.replay_recipe(solver, arguments, quantized, line)
+
+    def summary(self, modules: dict[str, QuantizationScheme], model: torch.nn.Module) -> str:
+        """One line: the bits per weight the allocation reached against the budget."""
+        weights = [model.get_submodule(n).weight for n in modules]
+        spent = sum(_bits(modules[n], p) for n, p in zip(modules, weights))
+        asked = f"average_bits {self.average_bits}" if self.size is None else f"max_size {self.max_size}"
+        return (f"mixed precision: {spent / max(self.params, 1):.4f} bits per weight over {len(modules)} modules "
+                f"({spent / 8e6:.3f} MB of quantized weights; budget {asked})")  # fmt: skip
+
+    def replay_recipe(
+        self, modifier: str, arguments: dict[str, Any], quantized: dict[str, Any], head: str
+    ) -> str:
+        """A recipe that quantizes every module with the scheme chosen for it (``modifier`` with ``arguments``
+        and one config group per scheme, targeting the modules by name)."""
+        groups: dict[str, dict[str, Any]] = {}
+        for name, qw in quantized.items():
+            spec = json.loads(qw.scheme.model_dump_json(exclude_none=True, exclude={"targets"}))
+            key = json.dumps(spec, sort_keys=True)
+            groups.setdefault(key, {"targets": [], **spec})["targets"].append(name)
+        config_groups = {f"group_{i}": g for i, g in enumerate(groups.values())}
+        body = {
+            "DEFAULT_stage": {"DEFAULT_modifiers": {modifier: {**arguments, "config_groups": config_groups}}}
+        }
+        return f"# {head}\n" + yaml.safe_dump(body, sort_keys=False, default_flow_style=None)
+
+
+def squared_relative_error(
+    W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor | None, diag: torch.Tensor | None
+) -> float:
+    """``||(Q - W) X^T||^2 / ||W X^T||^2`` from the inputs' Hessian ``H`` (``OutputError``) or, without it, their
+    ``E[x^2]`` ``diag`` (the Hessian's diagonal)."""
+    if H is not None:
+        error = OutputError(H)
+        for r in range(0, W.shape[0], 256):
+            error.add(W[r : r + 256], Q[r : r + 256])
+        return error.value() ** 2
+    d = diag.to(device=W.device, dtype=torch.float32)  # type: ignore[union-attr]
+    num = ((Q.float() - W.float()).pow(2) * d).sum()
+    den = (W.float().pow(2) * d).sum().clamp_min(torch.finfo(torch.float32).tiny)
+    return (num / den).item()
+
+
+def _size(value: int | str, where: str) -> int:
+    """``max_size`` in bytes: an int, or ``'70MB'`` / ``'1.5GiB'`` as ``run_args.parse_bytes`` reads memory sizes
+    (not imported: run_args reads recipes, which import the modifiers)."""
+    units = {"KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "B": 1}
+    text = str(value).strip().upper().replace(" ", "")
+    unit = next((u for u in units if text.endswith(u)), "")
+    try:
+        size = int(float(text[: len(text) - len(unit)]) * units.get(unit, 1))
+    except ValueError:
+        size = 0
+    if isinstance(value, bool) or size <= 0:
+        raise ValueError(f"{where}: max_size={value!r} is not a size; give bytes or a size such as '70MB'")
+    return size
+
+
+def _bits(scheme: QuantizationScheme, weight: torch.Tensor) -> float:
+    return stored_bits(scheme, (weight.shape[0], weight.shape[-1]), weight.element_size() * 8)
+
+
+def _check_pinned(members: tuple[str, ...], modules: dict[str, Any], pinned: set[str], where: str) -> None:
+    """A unit the engine loads as one weight is pinned whole, to one scheme."""
+    if not pinned.issuperset(members) or len({id(modules[m]) for m in members}) > 1:
+        raise ValueError(f"{where}: pin gives {', '.join(members)} different schemes (or pins only some), but a "
+                         "serving engine loads them as one weight; pin all of them to one scheme")  # fmt: skip

@@ -1,0 +1,217 @@
+"""Mixed precision: each module's scheme chosen in the pass under a budget (seqcal.modifiers.mixed_precision)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from save_helpers import checkpoint_tensors
+from seqcal.algorithms.allocation import OnlineAllocation, Unit
+from seqcal.entrypoint import oneshot
+from seqcal.execution.pipeline import PipelineArgs, run_pipeline
+from seqcal.experts import linearize_experts
+from seqcal.modifiers import MODIFIERS, MixedPrecisionModifier, QuantizationModifier
+from seqcal.modifiers.mixed_allocator import RECIPE_FILENAME
+from seqcal.modifiers.mixed_schemes import candidate_scheme, stored_bits
+from zoo import ARCHS
+
+CANDIDATES = ["W2A16:g64", "W3A16:g64", "W4A16:g64", "W8A16:channel"]
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    """3 layers whose modules differ in how hard they are to quantize: a few input columns of some weights are
+    outliers (their groups' scales grow), as in trained models."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name in ("layers.0.mlp.down_proj", "layers.1.self_attn.o_proj", "layers.2.mlp.gate_proj"):
+            model.model.get_submodule(name).weight[:, ::16] *= 12.0
+    return model
+
+
+def data(n: int = 8, length: int = 48, seed: int = 3) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, 256, (length,), generator=g).tolist()} for _ in range(n)]
+
+
+def report(out: Path) -> dict:
+    return json.loads((out / "quantization_report.json").read_text())["modules"]
+
+
+def stored_module_bits(out: Path, names: list[str]) -> float:
+    """Bits the checkpoint's files hold for the weights of ``names`` (codes, scales, zero points, shapes)."""
+    tensors = checkpoint_tensors(out)
+    keys = [k for k in tensors if any(k.startswith(f"{n}.weight") for n in names)]
+    return sum(tensors[k].numel() * tensors[k].element_size() * 8 for k in keys)
+
+
+def test_allocation_never_exceeds_its_budget_whatever_the_errors() -> None:
+    """The guarantee: any error curves, in any order, even ones that make the predictions wrong."""
+    rng = random.Random(0)
+    for _ in range(12):
+        units = [Unit(f"l{i}.m{j}", f"m{j}", p := rng.choice([64, 256, 1024]), [p * b for b in (2.5, 3.5, 4.5, 8.2)])
+                 for i in range(6) for j in range(3)]  # fmt: skip
+        floor = sum(u.bits[0] for u in units)
+        budget = floor * rng.uniform(1.0, 2.5)
+        allocation = OnlineAllocation(units, budget)
+        spent = 0.0
+        for unit in units:
+            scale = 10 ** rng.uniform(-4, 4)  # later errors unlike earlier ones
+            errors = sorted((scale * rng.random() for _ in range(4)), reverse=True)
+            spent += unit.bits[allocation.choose(unit.key, errors)]
+        assert spent <= budget * (1 + 1e-9)
+    with pytest.raises(ValueError, match="below the cheapest"):
+        OnlineAllocation(units, floor * 0.99)
+
+
+def test_gptq_mixed_meets_budget_reloads_at_each_width_and_replays(tmp_path: Path) -> None:
+    """GPTQ's allocation: within average_bits as stored in the files, several widths, q/k/v and gate/up at
+    one width; transformers reloads every module at its width with the same outputs; the replay recipe
+    gives the same tensors."""
+    model, out = tiny_llama(), tmp_path / "mixed"
+    recipe = MixedPrecisionModifier(average_bits=3.6, candidates=CANDIDATES, ignore=["lm_head"])
+    quantized = oneshot(model=model, dataset=data(), recipe=recipe, output_dir=str(out), verify=False)
+    modules = report(out)
+    names = [n for n in modules if "scheme" in n or modules[n].get("scheme")]
+    params = sum(quantized.get_submodule(n).weight.numel() for n in names)
+    assert stored_module_bits(out, names) / params <= 3.6
+    assert len({modules[n]["scheme"] for n in names}) >= 2  # the budget is spent where it helps
+    for layer in range(3):
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            parent = "self_attn" if "q_proj" in group else "mlp"
+            assert len({modules[f"model.layers.{layer}.{parent}.{g}"]["scheme"] for g in group}) == 1
+    for n in names:
+        assert modules[n]["predicted_rel_error"] > 0 and modules[n]["rel_error"] > 0
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    for n in names:
+        expected = candidate_scheme(modules[n]["scheme"], ["Linear"], "test").weights
+        got = reloaded.get_submodule(n).quantization_scheme.weights
+        assert (got.num_bits, got.group_size, got.strategy) == (
+            expected.num_bits,
+            expected.group_size,
+            expected.strategy,
+        )
+    ids = torch.tensor([data(1, 16, seed=9)[0]["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, quantized(ids).logits, atol=1e-4, rtol=1e-4)
+    replay = tmp_path / "replay"
+    oneshot(
+        model=tiny_llama(),
+        dataset=data(),
+        recipe=str(out / RECIPE_FILENAME),
+        output_dir=str(replay),
+        verify=False,
+    )
+    first, second = checkpoint_tensors(out), checkpoint_tensors(replay)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def _logits_error(model: torch.nn.Module, reference: torch.Tensor, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(ids).logits - reference).pow(2).mean().item()
+
+
+def test_mixed_has_lower_error_than_uniform_at_the_same_size() -> None:
+    """At the bits uniform W3A16:g64 GPTQ stores, the allocation's output error on held-out tokens is lower."""
+    float_model, ids = tiny_llama(), torch.tensor([row["input_ids"] for row in data(4, 32, seed=11)])
+    with torch.no_grad():
+        reference = float_model(ids).logits
+    linears = [
+        m.weight for n, m in float_model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
+    ]
+    uniform_scheme = candidate_scheme("W3A16:g64", ["Linear"], "test")
+    bits = sum(stored_bits(uniform_scheme, tuple(w.shape), 32) for w in linears) / sum(
+        w.numel() for w in linears
+    )
+    uniform = oneshot(model=tiny_llama(), dataset=data(), verify=False,
+                      recipe=MODIFIERS["GPTQModifier"](config_groups={"g": {"targets": ["Linear"], "weights": {
+                          "num_bits": 3, "group_size": 64, "strategy": "group", "symmetric": True}}}, ignore=["lm_head"]))  # fmt: skip
+    mixed = oneshot(model=tiny_llama(), dataset=data(), verify=False,
+                    recipe=MixedPrecisionModifier(average_bits=bits, candidates=CANDIDATES, ignore=["lm_head"]))  # fmt: skip
+    assert _logits_error(mixed, reference, ids) < 0.8 * _logits_error(uniform, reference, ids)
+
+
+def test_round_to_nearest_meets_a_checkpoint_size(tmp_path: Path) -> None:
+    """max_size bounds the whole checkpoint's tensors; round to nearest measures errors with E[x^2]."""
+    out = tmp_path / "rtn"
+    size = 400_000
+    recipe = QuantizationModifier(
+        mixed_precision={"max_size": size, "candidates": CANDIDATES}, ignore=["lm_head"]
+    )
+    oneshot(model=tiny_llama(), dataset=data(), recipe=recipe, output_dir=str(out), verify=False)
+    tensors = checkpoint_tensors(out)
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) <= size
+    modules = report(out)
+    assert all(
+        modules[n]["rel_error"] > 0 and "predicted_rel_error" in modules[n]
+        for n in modules
+        if "bits" in modules[n]
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_moe_experts_and_fused_projections_share_one_scheme(arch: str) -> None:
+    """Every expert of an MoE layer (one tensor in the engine) and q/k/v take one scheme; the budget holds."""
+    model = ARCHS[arch].build()
+    linearize_experts(model)
+    modifier = QuantizationModifier(mixed_precision={"average_bits": 4.0, "candidates": ["W2A16:g16", "W4A16:g16",
+                                                      "W8A16:channel"]}, ignore=["lm_head", "re:.*router", "re:.*gate$"])  # fmt: skip
+    modifier.validate(model)
+    batches = [{"input_ids": torch.tensor([row["input_ids"]])} for row in data(4, 16)]
+    state = run_pipeline(model, None, [modifier], None, PipelineArgs(), batches=batches)
+    schemes = {n: e["scheme"] for n, e in state.results.module_errors.items() if "scheme" in e}
+    assert set(schemes) == set(modifier.modules)
+    layers: dict[str, set[str]] = {}
+    for name, scheme in schemes.items():
+        prefix = name.split(".experts.")[0] if ".experts." in name else name.rsplit(".", 1)[0]
+        kind = "experts" if ".experts." in name else name.rsplit(".", 1)[-1][0] in "qkv" and "qkv"
+        layers.setdefault(f"{prefix}/{kind}", set()).add(scheme)
+    assert any("experts" in k for k in layers) and all(len(v) == 1 for k, v in layers.items() if k.endswith(
+        ("experts", "qkv")))  # fmt: skip
+    weights = {n: model.get_submodule(n).weight for n in schemes}
+    spent = sum(
+        stored_bits(candidate_scheme(schemes[n], ["Linear"], "t"), tuple(w.shape), 32)
+        for n, w in weights.items()
+    )
+    assert spent / sum(w.numel() for w in weights.values()) <= 4.0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"average_bits": 1.5}, "below the smallest allocation"),
+        ({"average_bits": 4, "candidates": ["W4A17"]}, "candidate 'W4A17' is not a scheme"),
+        ({"average_bits": 4, "candidates": ["W4A16:g"]}, "not 'g<N>' or 'channel'"),
+        ({"average_bits": 4, "pin": {"re:.*qq_proj": "W8A16"}}, "pin 're:.*qq_proj' matches no Linear"),
+        ({"average_bits": 4, "pin": {"re:.*q_proj": "W8A16"}}, "pin all of them to one scheme"),
+        ({"average_bits": 4, "max_size": "1MB"}, "exactly one budget"),
+    ],
+)
+def test_bad_input_is_one_sentence_before_calibration(arguments: dict, message: str) -> None:
+    """Each refused when the recipe is read or the model checked, before any weight is calibrated."""
+    with pytest.raises(ValueError, match=message) as caught:
+        MixedPrecisionModifier(**{"candidates": CANDIDATES, **arguments}, ignore=["lm_head"]).validate(
+            tiny_llama()
+        )
+    assert "\n" not in str(caught.value)
+
+
+def test_a_pinned_module_keeps_its_scheme_and_counts() -> None:
+    model = tiny_llama()
+    modifier = MixedPrecisionModifier(average_bits=4.0, candidates=CANDIDATES, pin={"re:.*down_proj": "W8A16"},
+                                      ignore=["lm_head"])  # fmt: skip
+    modifier.validate(model)
+    pinned = [n for n, s in modifier.modules.items() if n.endswith("down_proj")]
+    assert pinned and all(modifier.modules[n].weights.num_bits == 8 for n in pinned)
+    assert not any(n.endswith("down_proj") for n in modifier.mixed.units)
+    assert math.isclose(
+        modifier.mixed.params, sum(model.get_submodule(n).weight.numel() for n in modifier.modules)
+    )
