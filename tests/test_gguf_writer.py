@@ -11,6 +11,8 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GemmaConfig,
+    GemmaForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Phi3Config,
@@ -42,13 +44,14 @@ def _model(kind: str, vocab: int, tied: bool = False) -> torch.nn.Module:
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, bos_token_id=2,
                  eos_token_id=1, pad_token_id=0)  # fmt: skip
     config, cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                   "phi3": (Phi3Config, Phi3ForCausalLM)}[kind]  # fmt: skip
+                   "phi3": (Phi3Config, Phi3ForCausalLM), "gemma": (GemmaConfig, GemmaForCausalLM)}[kind]  # fmt: skip
     return cls(config(**shape)).eval()
 
 
 @pytest.mark.parametrize(("kind", "recipe"), [
     ("llama", QuantizationModifier(scheme="Q4_K_M", ignore=["lm_head"])),
     ("qwen2", GPTQModifier(scheme="Q4_0", ignore=["lm_head"])),
+    ("phi3", QuantizationModifier(scheme="Q8_0", ignore=["lm_head"])),  # fused qkv_proj / gate_up_proj
 ])  # fmt: skip
 def test_gguf_reloads_in_transformers_with_seqcals_weights(
     tmp_path: Path, tokenizer, kind: str, recipe
@@ -92,10 +95,10 @@ def _refused(tmp_path: Path, monkeypatch, tokenizer, model, recipe, match: str, 
 
 
 def test_family_the_writer_does_not_know_is_refused(tmp_path, monkeypatch, tokenizer) -> None:
-    model = _model("phi3", len(tokenizer))
+    model = _model("gemma", len(tokenizer))
     recipe = QuantizationModifier(scheme="Q4_0", ignore=["lm_head"])
-    _refused(tmp_path, monkeypatch, tokenizer, model, recipe, "writes the llama, mistral, qwen2, qwen3 families, not "
-             "'phi3'", output_format="gguf")  # fmt: skip
+    _refused(tmp_path, monkeypatch, tokenizer, model, recipe, "writes the llama, mistral, phi3, qwen2, qwen3 "
+             "families, not 'gemma'", output_format="gguf")  # fmt: skip
 
 
 def test_output_dir_with_a_safetensors_checkpoint_is_refused(tmp_path, monkeypatch, tokenizer) -> None:

@@ -3,8 +3,9 @@
 Tensor names come from gguf-py's own map (``gguf.get_tensor_name_map``), the one llama.cpp's converter uses.
 Llama-architecture models (llama, mistral) store ``q_proj`` / ``k_proj`` with the rows of each head reordered
 for llama.cpp's rotary embedding (pairs of adjacent rows instead of the two halves, ``permute``, as
-convert_hf_to_gguf.py does; transformers' GGUF loader undoes it); Qwen2 and Qwen3 keep them as they are (their
-llama.cpp rotary embedding takes the halves). Families outside ``FAMILIES`` are refused before calibration.
+convert_hf_to_gguf.py does; transformers' GGUF loader undoes it); Qwen2, Qwen3 and Phi-3 keep them as they are
+(their llama.cpp rotary embedding takes the halves; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` are llama.cpp's
+``attn_qkv`` and ``ffn_up``). Families outside ``FAMILIES`` are refused before calibration.
 
 Example:
     >>> family_of(LlamaConfig()).arch
@@ -39,6 +40,9 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("llama", permute_qk=True),  # llama.cpp runs Mistral as the llama architecture
     "qwen2": Family("qwen2", permute_qk=False),
     "qwen3": Family("qwen3", permute_qk=False),
+    "phi3": Family(
+        "phi3", permute_qk=False
+    ),  # fused qkv_proj and gate_up_proj: llama.cpp's attn_qkv and ffn_up
 }
 
 

@@ -27,7 +27,7 @@ from seqcal.gguf import grids
 from seqcal.gguf.families import Family, permutation
 from seqcal.gguf.pack import pack
 from seqcal.gguf.scheme import MIXES, GGUFScheme
-from seqcal.gguf.types import GGUF_TYPES
+from seqcal.gguf.types import type_for_width
 
 _FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -87,7 +87,7 @@ def _edge_type(plan: FilePlan, output: bool, width: int) -> str | None:
         if width % 256 or plan.base == "Q8_0":
             return "Q8_0"
         return "Q6_K"
-    return plan.base if width % GGUF_TYPES[plan.base].block == 0 else "Q8_0"
+    return type_for_width(plan.base, width)  # llama.cpp's fallback; None: F16 there, the model's dtype here
 
 
 def _quantized_entry(name: str, weight: torch.Tensor, qw: Any, plan: FilePlan) -> Entry:
