@@ -283,6 +283,8 @@ def restore_in_memory(model: torch.nn.Module, store: WeightStore) -> None:
         stored = store.aliases.get(name, name)
         if stored not in made:
             value = param.detach() if param.device.type != "meta" else store.read(stored)
+            if param.device.type == "meta" and value.is_floating_point():  # as onload: the model's dtype
+                value = value.to(param.dtype)  # (transformers keeps some in float32: DeepSeek's router)
             made[stored] = torch.nn.Parameter(value.to("cpu"), requires_grad=param.requires_grad)
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._parameters[leaf] = made[stored]
