@@ -11,6 +11,7 @@ and its reference pages list every public name of ``seqcal``, ``seqcal.modifiers
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -154,8 +155,6 @@ def test_documents_speak_to_outside_readers(name: str) -> None:
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The site built as `make docs` builds it (strict: any warning fails), into a temporary folder."""
-    import logging
-
     from mkdocs.commands.build import build
     from mkdocs.config import load_config
     from mkdocs.exceptions import Abort
@@ -240,3 +239,34 @@ def test_repository_links_point_at_the_site_copy() -> None:
     assert links.site_uri(ROOT / "recipes") == "repo/recipes/index.md"
     assert links.site_uri(ROOT / "docs" / "memory.md") == "memory.md"
     assert links.site_uri(ROOT.parent / "elsewhere.md") is None
+
+
+def test_strict_build_fails_on_a_missing_repository_file(tmp_path: Path) -> None:
+    # The site's own validation, on a two-page project with the same hook: a link to a repository file that
+    # does not exist, or to a heading a page lacks, aborts the strict build and names the link.
+    from mkdocs.commands.build import build
+    from mkdocs.config import load_config
+    from mkdocs.exceptions import Abort
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "there.py").write_text("x = 1\n")
+    (tmp_path / "docs" / "index.md").write_text(
+        "# Home\n\n[ok](../there.py) [gone](../missing.py) [p](p.md#nope)\n"
+    )
+    (tmp_path / "docs" / "p.md").write_text("# Page\n")
+    (tmp_path / "mkdocs.yml").write_text(
+        f"site_name: t\nhooks: [{ROOT / 'docs' / 'hooks' / 'repo_links.py'}]\n"
+        "validation: {omitted_files: warn, absolute_links: warn, unrecognized_links: warn, anchors: warn}\n"
+    )
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("mkdocs").addHandler(handler)
+    try:
+        with pytest.raises(Abort):
+            build(load_config(str(tmp_path / "mkdocs.yml"), site_dir=str(tmp_path / "site"), strict=True))
+    finally:
+        logging.getLogger("mkdocs").removeHandler(handler)
+    text = "\n".join(messages)
+    assert "repo/missing.py" in text and "#nope" in text and "there.py" not in text
+    assert (tmp_path / "site" / "repo" / "there.py").is_file()
