@@ -186,3 +186,22 @@ def checkpoint_bytes(path: Path) -> dict[str, bytes]:
         for key, tensor in load_file(str(file)).items():
             out[key] = tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
     return out
+
+
+def write_fp8_per_tensor(src: Path, out: Path) -> Path:
+    """``src`` with each Linear weight in FP8 and one float32 ``weight_scale_inv`` per tensor (no block size)."""
+    out.mkdir(parents=True)
+    stored = {}
+    for key, tensor in load_file(str(src / "model.safetensors")).items():
+        if fp8_targets(key, tensor):
+            scale = tensor.float().abs().amax().reshape(1) / FP8_MAX
+            stored[key] = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            stored[key.removesuffix(".weight") + ".weight_scale_inv"] = scale
+        else:
+            stored[key] = tensor
+    write_shards(out, stored, 1)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": None}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

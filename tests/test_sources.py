@@ -29,6 +29,7 @@ from sources_helpers import (
     save_llama,
     token_data,
     write_fp8_block,
+    write_fp8_per_tensor,
     write_mxfp4,
 )
 
@@ -171,3 +172,12 @@ def test_an_fp8_weight_read_alone(tmp_path: Path, deepseek: Path) -> None:
     assert torch.equal(dequantize_weight(fp8, name), expected)
     norm = "model.layers.1.input_layernorm.weight"
     assert dequantize_weight(fp8, norm, torch.float32).dtype == torch.float32  # stored bf16, cast
+
+
+def test_fp8_per_tensor_equals_transformers_dequantized_load(tmp_path: Path) -> None:
+    fp8 = write_fp8_per_tensor(save_llama(tmp_path / "bf16"), tmp_path / "fp8")
+    ckpt = QuantizedCheckpoint.open(fp8)
+    assert ckpt.source.name == "fp8-tensor" and len(ckpt.parts) == 14
+    reference = transformers_weights(fp8, FineGrainedFP8Config(dequantize=True))
+    for name in ckpt.parts:
+        assert torch.equal(ckpt.read(name, torch.bfloat16), reference[name]), name

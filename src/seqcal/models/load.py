@@ -17,6 +17,7 @@ from seqcal.data.checks import TOKENIZER_FILES, check_model_dir
 from seqcal.errors import ModelLoadError
 from seqcal.execution.store import WeightStore, load_offloaded, restore_in_memory
 from seqcal.plan.host import HostBudgetError, check_whole_load
+from seqcal.plan.values import PROCESS_BASELINE
 from seqcal.run_args import DTYPES, ModelArgs
 from seqcal.sources.checkpoint import source_format
 
@@ -51,7 +52,7 @@ def load_model(
                     source, None if dtype == "auto" else dtype, args.trust_remote_code
                 )
                 if not offload_weights:  # a quantized source in RAM: its weights dequantized by the store
-                    check_whole_load(source, host_budget)
+                    check_dequantized_load(model, source, host_budget)
                     restore_in_memory(model, store)
                     store = None
             else:
@@ -68,3 +69,18 @@ def load_model(
     if tokenizer is None and source and any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
     return model.eval(), tokenizer, store
+
+
+def check_dequantized_load(model: torch.nn.Module, source: str, budget: int | None) -> None:
+    """Refuse a quantized checkpoint loaded whole into RAM whose dequantized weights exceed ``budget``.
+
+    Why not ``check_whole_load``: it counts the files on disk, which hold an FP8 weight in half (a 4-bit one in a
+    quarter) of what its dequantized form takes in RAM; the model's parameters (on meta) give the right count.
+    """
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if budget is not None and size + PROCESS_BASELINE > budget:
+        raise HostBudgetError(
+            f"max_host_memory={budget / 1e9:.2f} GB cannot be kept: the quantized model in {source} is loaded "
+            f"whole into RAM (no output_dir) and its dequantized weights alone take {size / 1e9:.2f} GB; pass "
+            "output_dir to read them per subgraph, or raise max_host_memory"
+        )
