@@ -2,7 +2,7 @@
 
 128 x 512-token windows of WikiText-2 valid (the embedded text when ../shared is absent), 8 virtual shards.
 Prints wall time of each, whether the checkpoints are equal per tensor (only expected with equal threads
-per process: see README, "Several processes"), and from rank 0's quantization_report.json the bytes each rank
+per process: see docs/distributed.md), and from rank 0's quantization_report.json the bytes each rank
 sent to reduce statistics and broadcast weights, per subgraph, and its seconds in communication.
 
 Usage (repo root): .venv/bin/python benchmarks/distributed/dist_smollm2.py [--samples 128] [--seq 512] [--json out.json]

@@ -1,7 +1,7 @@
 """A PNG of a profile trace: one row of bars per stage track, host and device memory below.
 
 The picture a person would take a screenshot of in ui.perfetto.dev, drawn offline from the trace file
-``Profiler`` writes (README "See inside"). matplotlib's object API with the Agg canvas, no pyplot state.
+``Profiler`` writes (docs/tracing.md, "See inside"). matplotlib's object API with the Agg canvas, no pyplot state.
 """
 
 from __future__ import annotations
