@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrai
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import QuantizationModifier
 from seqcal.sources import QuantizedCheckpoint, dequantize_weight, detect_source
+from seqcal.sources import fp8 as fp8_source
 from seqcal.sources.detect import SourceFormat
 from seqcal.sources.int_packed import IntPackedFamily
 from sources_helpers import (
@@ -56,8 +57,11 @@ def fused_experts(ckpt: QuantizedCheckpoint, prefix: str, experts: int) -> tuple
 @pytest.mark.parametrize("ue8m0, scale_dtype", [(False, torch.float32), (True, torch.float32),
                                                 (True, torch.float8_e8m0fnu)])  # fmt: skip
 def test_fp8_blocks_equal_transformers_dequantized_load(
-    tmp_path: Path, deepseek: Path, ue8m0: bool, scale_dtype: torch.dtype
+    tmp_path: Path, deepseek: Path, ue8m0: bool, scale_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(
+        fp8_source, "CHUNK_ELEMENTS", 1
+    )  # a row of blocks at a time: the chunks change no bit
     fp8 = write_fp8_block(deepseek, tmp_path / "fp8", ue8m0=ue8m0, scale_dtype=scale_dtype)
     ckpt = QuantizedCheckpoint.open(fp8)
     assert ckpt.source.name == ("fp8-block-ue8m0" if ue8m0 else "fp8-block")
@@ -74,9 +78,13 @@ def test_fp8_blocks_equal_transformers_dequantized_load(
             assert torch.equal(ckpt.read(name, torch.bfloat16), reference[name]), name
 
 
-def test_fp8_partial_blocks_take_their_own_scale(tmp_path: Path) -> None:
+@pytest.mark.parametrize("chunk", [1, fp8_source.CHUNK_ELEMENTS])
+def test_fp8_partial_blocks_take_their_own_scale(
+    tmp_path: Path, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kv_a_proj_with_mqa of 192 rows (DeepSeek-V3's is 576): the last row block is partial, and its rows take
-    the scale of block 1, not a grid divided evenly over the rows."""
+    the scale of block 1, not a grid divided evenly over the rows (whole, or a row of blocks at a time)."""
+    monkeypatch.setattr(fp8_source, "CHUNK_ELEMENTS", chunk)
     src = save_deepseek(tmp_path / "bf16", rope=64)
     fp8 = write_fp8_block(src, tmp_path / "fp8", shards=1)
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
