@@ -1,7 +1,8 @@
 """One job: a source file's tensors read one module at a time, the targeted weights quantized with round to
 nearest, everything written to the output file of the same name.
 
-The quantization is ``QuantizationModifier``'s (``rtn_quantize_module``), the NVFP4 global scale of a fused group
+The quantization is ``QuantizationModifier``'s (``rtn_quantize_weight``, its codes without the fake-quantized
+weight), the NVFP4 global scale of a fused group
 ``QuantizationModifier``'s (``shared_global_scales``), the stored tensors the checkpoint writer's (``_compressed``
 and ``_ShardFile``): the same functions ``oneshot`` runs, so the bytes agree by construction. The file is written
 as ``<name>.partial`` and renamed when complete, so a killed run leaves no file that looks finished.
@@ -23,14 +24,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from seqcal.checkpoint.shard_file import HEADER_RESERVE, _ShardFile
 from seqcal.checkpoint.tensors import _compressed
 from seqcal.modelfree.plan import Job, Quantize
 from seqcal.modelfree.stored import Stored
 from seqcal.modifiers.formats import shared_global_scales
-from seqcal.modifiers.quantization import rtn_quantize_module
+from seqcal.modifiers.quantization import rtn_quantize_weight
 
 PARTIAL = ".partial"  # suffix of an output file being written
 # per header entry: the key, its JSON punctuation, dtype, shape and offsets (``_ShardFile.fits``' bound)
@@ -95,28 +96,20 @@ def run_job(job: Job, source_dir: str, output_dir: str, device: str = "cpu") -> 
 def _quantized(q: Quantize, weight: Tensor, stored: Stored, source: Path, scales: dict[str, Tensor],
                device: torch.device) -> dict[str, Tensor]:  # fmt: skip
     """The tensors compressed-tensors stores for ``q``'s weight, under its checkpoint keys."""
-    module = _Held(weight.to(device))
+    W = weight.to(device)  # [out, in]
     global_scale = None
     if q.fused:  # NVFP4: one global scale over the fused group, from the weights before any is quantized
         files = {m: (key, file) for m, key, file in q.fused}
 
         def read(name: str) -> Tensor:
             key, file = files[name]
-            return module.weight if name == q.module else stored.read(source, key, file).to(device)
+            return W if name == q.module else stored.read(source, key, file).to(device)
 
         shared_global_scales(_Members(read), [q.module], [tuple(files)], scales)
         global_scale = scales[q.module]
-    qw = rtn_quantize_module(module, q.scheme, global_scale)
+    qw = rtn_quantize_weight(W, q.scheme, global_scale)
     prefix = q.key.removesuffix("weight")
     return {prefix + k: v.to("cpu") for k, v in _compressed(q.module, qw, tuple(weight.shape)).items()}
-
-
-class _Held(nn.Module):
-    """One weight as the Linear-like module ``rtn_quantize_module`` quantizes (it reads and sets ``.weight``)."""
-
-    def __init__(self, weight: Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
 
 
 class _Members:

@@ -6,7 +6,7 @@ Data-free, unless static input activations or the imatrix_mse weight observer ne
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -334,24 +334,43 @@ def rtn_quantize_module(
             alone when None.
         importance: ``[in]`` mean squared input per column for the ``imatrix_mse`` observer (None: uniform).
     """
+    qw, dequantized = _round_to_nearest(module.weight.data, scheme, global_scale, importance)
+    module.weight.data = dequantized()
+    return qw
+
+
+def rtn_quantize_weight(
+    W: torch.Tensor, scheme: QuantizationScheme, global_scale: torch.Tensor | None = None
+) -> QuantizedWeight:
+    """``rtn_quantize_module``'s compressed form of ``W [out, in]``, without the fake-quantized weight (for
+    ``seqcal.modelfree``, which writes the codes only): the same codes, the dequantization skipped."""
+    return _round_to_nearest(W, scheme, global_scale, None)[0]
+
+
+def _round_to_nearest(
+    W: torch.Tensor,
+    scheme: QuantizationScheme,
+    global_scale: torch.Tensor | None,
+    importance: torch.Tensor | None,
+) -> tuple[QuantizedWeight, Callable[[], torch.Tensor]]:
+    """The compressed form of ``W`` and how to compute its fake-quantized values (``rtn_quantize_module``)."""
     fmt = weight_format(scheme)
-    W = module.weight.data  # [out, in]
     if fmt is not None:  # block fp8, NVFP4, MX: seqcal.algorithms.formats
         if fmt.needs_global_scale and global_scale is None:
             global_scale = formats.global_scale_of(W)
         scale, zero_point = formats.qparams(W, fmt, global_scale)
         q = formats.quantize(W, scale, zero_point, fmt, global_scale)
-        module.weight.data = formats.dequantize(q, scale, zero_point, fmt, global_scale, dtype=W.dtype)
-        return QuantizedWeight(q=q, scale=scale, zero_point=zero_point, g_idx=None, scheme=scheme,
-                               global_scale=global_scale if fmt.needs_global_scale else None)  # fmt: skip
+        qw = QuantizedWeight(q=q, scale=scale, zero_point=zero_point, g_idx=None, scheme=scheme,
+                             global_scale=global_scale if fmt.needs_global_scale else None)  # fmt: skip
+        return qw, lambda: formats.dequantize(q, scale, zero_point, fmt, global_scale, dtype=W.dtype)
     kw = quant_kwargs(scheme)
     scale, zero_point = weight_qparams(W, **kw, importance=importance)
     qargs = {"num_bits": kw["num_bits"], "type": kw["type"], "group_size": kw["group_size"]}
     q = quantize(W, scale, zero_point, **qargs)
-    module.weight.data = dequantize(q, scale, zero_point, group_size=kw["group_size"], dtype=W.dtype)
-    return QuantizedWeight(
+    qw = QuantizedWeight(
         q=q, scale=scale, zero_point=None if kw["symmetric"] else zero_point, g_idx=None, scheme=scheme
     )
+    return qw, lambda: dequantize(q, scale, zero_point, group_size=kw["group_size"], dtype=W.dtype)
 
 
 def fake_quantized(W: torch.Tensor, scheme: QuantizationScheme) -> torch.Tensor:
