@@ -112,3 +112,22 @@ def test_an_index_naming_a_missing_shard_is_refused(fp8: Path, tmp_path: Path) -
     (model / "model-00002-of-00002.safetensors").unlink()
     message = refused(model, tmp_path)
     assert "the index names shard 'model-00002-of-00002.safetensors', which is not in" in message
+
+
+def test_the_command_line_requantizes_only_with_the_flag(
+    fp8: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from seqcal.cli import main
+
+    recipe = tmp_path / "w8.yaml"
+    recipe.write_text("quant_stage:\n  quant_modifiers:\n    QuantizationModifier:\n      ignore: [lm_head, 're:.*mlp.gate$']\n"
+                      "      config_groups:\n        g:\n          targets: [Linear]\n"
+                      "          weights: {num_bits: 8, type: int, symmetric: true, strategy: channel}\n")  # fmt: skip
+    args = ["oneshot", "--model", str(fp8), "--recipe", str(recipe), "--pipeline", "datafree"]
+    assert main([*args, "--output-dir", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "stored as fp8-block (8-bit float), at or below" in err and "--requantize" in err
+    assert not (tmp_path / "refused").exists()
+    assert main([*args, "--output-dir", str(tmp_path / "out"), "--requantize", "--plot", "none"]) == 0
+    block = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert block["source_format"]["format"] == "fp8-block" and block["source_format"]["requantized"]

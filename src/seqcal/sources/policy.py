@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from seqcal.sources.detect import SourceFormat, SourceFormatError
@@ -72,16 +73,22 @@ def check_source(model_args: Any, modifiers: Iterable[Any], requantize: bool) ->
 
     Returns:
         ``{"source_format": {...}}`` for the report and the output's quantization_config (the format, its
-        bits, whether it was requantized), or ``{}`` for a full-precision model or one given in memory.
+        bits, whether it was requantized), or ``{}`` for a full-precision model, or one given in memory that
+        does not name a quantized checkpoint directory (``name_or_path``) as where it came from.
     """
     from seqcal.models import resolve_model
     from seqcal.sources.checkpoint import source_format
 
-    if not isinstance(model_args.model, (str, bytes)) and not hasattr(model_args.model, "__fspath__"):
-        return {}  # a model in memory: its weights are what they are
-    path = resolve_model(model_args.model, model_args.revision, model_args.trust_remote_code)
+    model = model_args.model
+    if isinstance(model, str) or hasattr(model, "__fspath__"):
+        path = resolve_model(model, model_args.revision, model_args.trust_remote_code)
+    else:  # a model in memory: the directory it was loaded from, if it says (the CLI's --eval loads it first)
+        path = getattr(model, "name_or_path", None)
+        if not path or not Path(path, "config.json").is_file():
+            return {}
+        model = path
     source = source_format(path)
-    lines = check_requantize(source, modifiers, requantize, model_args.model)
+    lines = check_requantize(source, modifiers, requantize, model)
     if source is None:
         return {}
     return {"source_format": source.record() | {"requantized": any("compound" in line for line in lines)}}
