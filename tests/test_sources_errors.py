@@ -88,7 +88,8 @@ def test_a_four_bit_source_is_requantized_to_four_bits_only_when_asked(tmp_path:
             recipe=QuantizationModifier(scheme="NVFP4", targets=["Linear"], ignore=["lm_head"]), output_dir=str(nvfp4))  # fmt: skip
     message = refused(nvfp4, tmp_path, GPTQModifier(scheme="W4A16", targets=["Linear"], ignore=["lm_head"]))
     assert (
-        "stored as nvfp4 (4-bit float), at or below the precision of the recipe's group_0 (4-bit" in message
+        "stored as nvfp4 (4-bit float), at or below the precision of the recipe's GPTQModifier group_0 (4-bit"
+        in message
     )
     assert "compounds the two rounding errors: pass requantize=True (--requantize)" in message
     fp8_to_w4 = QuantizationModifier(

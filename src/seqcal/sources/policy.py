@@ -22,13 +22,13 @@ logger = logging.getLogger("seqcal")
 
 
 def target_bits(modifiers: Iterable[Any]) -> dict[str, int]:
-    """Scheme name -> its weights' bits, over every quantizing modifier of the recipe."""
+    """Each "<Modifier> <group>" -> its weights' bits, over every quantizing modifier of the recipe."""
     out = {}
     for modifier in modifiers:
         groups = modifier.scheme_groups() if hasattr(modifier, "scheme_groups") else {}
         for name, scheme in groups.items():
             if getattr(scheme, "weights", None) is not None:
-                out[name] = int(scheme.weights.num_bits)
+                out[f"{type(modifier).__name__} {name}"] = int(scheme.weights.num_bits)
     return out
 
 
