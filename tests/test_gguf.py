@@ -141,3 +141,21 @@ def test_scheme_travels_and_refuses_observers() -> None:
     assert isinstance(back, GGUFScheme) and back == scheme
     with pytest.raises(ValueError, match="llama.cpp's rule"):
         QuantizationModifier(scheme="Q4_K", weight_observer="mse")
+
+
+def test_save_check_refuses_a_weight_llama_cpp_would_not_compute() -> None:
+    """The writer reads each packed tensor back with gguf-py before writing it: a module whose weight is not what
+    its codes give (changed after quantization) stops the save, naming the tensor."""
+    from seqcal.gguf.families import family_of, tensor_namer
+    from seqcal.gguf.tensors import FilePlan, GGUFCheckError, module_entries
+
+    model = _tiny(256, layers=1)
+    linear = model.model.layers[0].mlp.down_proj
+    qw = rtn_quantize_module(linear, gguf_preset("Q4_K", ["Linear"]))
+    family = family_of(model.config)
+    plan = FilePlan(family, model.config, tensor_namer(family, model.config), "Q4_K", 15, False)
+    (entry,) = module_entries("model.layers.0.mlp.down_proj", linear, qw, plan)
+    assert entry.name == "blk.0.ffn_down.weight" and entry.ggml_type == gguf.GGMLQuantizationType.Q4_K
+    linear.weight.data[3, 7] += 1e-3
+    with pytest.raises(GGUFCheckError, match="model.layers.0.mlp.down_proj.weight as llama.cpp reads it"):
+        module_entries("model.layers.0.mlp.down_proj", linear, qw, plan)
