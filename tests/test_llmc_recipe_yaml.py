@@ -9,6 +9,7 @@ says how): they hold Python tags for enums, tuples and devices, its Modifier bas
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from save_helpers import checkpoint_tensors
 from seqcal.entrypoint import oneshot
+from seqcal.evaluation.loading import load_causal_lm
 from seqcal.modifiers import (
     AWQModifier,
     GPTQModifier,
@@ -25,8 +27,10 @@ from seqcal.modifiers import (
     SmoothQuantModifier,
     SpinQuantModifier,
 )
+from seqcal.modifiers.activations import quantizes_activations
+from seqcal.recipe.llmc_format import _load
 from seqcal.recipe.parse import RecipeError, parse_recipe
-from test_oneshot import tiny_llama, token_data
+from test_oneshot import probe, tiny_llama, token_data
 
 DATA = Path(__file__).parent / "data" / "llmc_0_14"
 # file -> the seqcal modifiers it becomes (AWQ + QuantizationModifier bind into one AWQModifier)
@@ -41,7 +45,18 @@ EXPECTED = {
     "rtn_fp8_dynamic": [QuantizationModifier],
     "smoothquant_gptq_w8a8": [SmoothQuantModifier, GPTQModifier],
     "quip_spinquant": [QuIPModifier, SpinQuantModifier, QuantizationModifier],
+    "gptq_w4a16_g64_asym": [GPTQModifier],
+    "rtn_w8a8_int8": [QuantizationModifier],
+    "quip_gptq_w4a16": [QuIPModifier, GPTQModifier],
+    "quip_uv_b64_gptq_w4a16": [QuIPModifier, GPTQModifier],
+    "spinquant_gptq_w4a16": [SpinQuantModifier, GPTQModifier],
+    "spinquant_r1r2_rtn_w4a16": [SpinQuantModifier, QuantizationModifier],
 }
+# written by llm-compressor's oneshot (make_recipes.py's RUN): each replays in seqcal and its output reloads
+SAVED = ["awq_w4a16_asym", "awq_w4a16_mappings", "config_groups_w4a16", "gptq_w4a16_actorder_static",
+         "gptq_w4a16_actorder_weight", "gptq_w4a16_g64_asym", "quip_gptq_w4a16", "quip_uv_b64_gptq_w4a16",
+         "rtn_fp8_dynamic", "rtn_w8a8_int8", "smoothquant_gptq_w8a8", "spinquant_gptq_w4a16",
+         "spinquant_r1r2_rtn_w4a16"]  # fmt: skip
 TAG = "!!python/object/apply:compressed_tensors.quantization.quant_args."
 
 
@@ -168,3 +183,91 @@ def test_awq_mappings_as_llmc_writes_them() -> None:
                "activation_hook_target": "re:.*self_attn$"}  # fmt: skip
     with pytest.raises(ValueError, match=r"mappings\[0\].activation_hook_target is not supported"):
         AWQModifier(scheme="W4A16", mappings=[mapping]).validate(tiny_llama())
+
+
+def test_every_recipe_llmc_ran_is_kept() -> None:
+    text = (DATA / "make_recipes.py").read_text()
+    run = text[text.index("RUN = {") : text.index("WRITE = {")]
+    assert sorted(SAVED) == sorted(name for name in EXPECTED if f'"{name}":' in run)
+    assert all(
+        "transform_config:" in (DATA / f"{n}.yaml").read_text() for n in SAVED if "quip" in n or "spin" in n
+    )
+
+
+@pytest.mark.parametrize("name", SAVED)
+def test_every_saved_recipe_replays_and_its_output_reloads(name: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    model = oneshot(model=tiny_llama(), dataset=token_data(2, 8), recipe=str(DATA / f"{name}.yaml"),
+                    output_dir=str(out), max_seq_length=8)  # fmt: skip
+    recipe = parse_recipe(str(out))  # seqcal's recipe.yaml reads back to the same modifiers
+    assert [type(m) for m in recipe.modifiers] == EXPECTED[name]
+    block = json.loads((out / "config.json").read_text())["quantization_config"]
+    given = _load((DATA / f"{name}.yaml").read_text(), name)[0]["default_stage"]["default_modifiers"]
+    rotated = [m["transform_config"]["config_groups"] for m in given.values() if "transform_config" in m]
+    assert set(block.get("transform_config", {}).get("config_groups", {})) == {g for c in rotated for g in c}
+    loaded = load_causal_lm(out, torch.float32)
+    with torch.no_grad():
+        got, want = loaded(**probe()).logits, model(**probe()).logits
+    assert torch.isfinite(got).all()
+    if not quantizes_activations(recipe.modifiers):  # the returned model does not quantize its inputs
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def _quip(**changes: object) -> dict:
+    """QuIP's arguments with the transform_config llm-compressor saves for them, changed by ``changes``."""
+    given = _load((DATA / "quip_gptq_w4a16.yaml").read_text(), "q")[0]["default_stage"]["default_modifiers"]
+    args = given["QuIPModifier"]
+    for path, value in changes.items():
+        *parents, last = path.split(".")
+        node = args["transform_config"]["config_groups"]
+        for key in parents:
+            node = node[int(key)] if key.isdigit() else node[key]
+        node[last] = value
+    return {k: v for k, v in args.items() if k != "requires_calibration_data"}
+
+
+def test_a_transform_config_equal_to_the_arguments_is_accepted() -> None:
+    plain, given = QuIPModifier(rotations=["v"], transform_type="random-hadamard"), QuIPModifier(**_quip())
+    assert plain.transform_groups(None) == given.transform_groups(None)
+
+
+def test_a_transform_config_seqcal_can_honour_overrides_the_arguments(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    quip = QuIPModifier(**_quip(**{"v.head_dim": 64, "v.type": "hadamard"}))
+    assert quip.transform_block_size == 64 and quip.transform_type == "hadamard"
+    assert "transform_config gives transform_block_size=64 where the arguments give None" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"v.apply.0.location": "output"}, "config_groups.v.apply[0].location"),
+        ({"v.apply.1.targets": ["re:.*q_proj$"]}, "config_groups.v.apply[1].targets"),
+        ({"v.randomize": True}, "config_groups.v.randomize is true"),
+    ],  # fmt: skip
+)
+def test_a_transform_config_seqcal_cannot_honour_is_refused_naming_the_field(
+    changes: dict, field: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"QuIPModifier: transform_config\.{re.escape(field)}"):
+        QuIPModifier(**_quip(**changes))
+
+
+def test_spinquant_transform_config_is_checked_against_the_model_before_any_weight_is_read(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "recipe.yaml"
+    text = (DATA / "spinquant_gptq_w4a16.yaml").read_text()
+    path.write_text(text.replace("head_dim: 32", "head_dim: 16"))
+    with pytest.raises(ValueError, match=r"transform_config\.config_groups\.R2\.head_dim is 16 where seqcal's "
+                                         r"SpinQuantModifier builds 32"):  # fmt: skip
+        parse_recipe(str(path)).validate(tiny_llama())
+    moved = text.replace(
+        "'re:.*o_proj$'", "'re:.*dense$'"
+    )  # R1's and R2's targets: a model whose o_proj is dense
+    path.write_text(moved)
+    spin = parse_recipe(str(path)).modifiers[0]  # the mappings are read back from the targets
+    assert spin.mappings == {"attn_o": "re:.*dense$"}
+    with pytest.raises(ValueError, match=r"mapping attn_o='re:\.\*dense\$' matches no module"):
+        spin.validate(tiny_llama())

@@ -245,7 +245,9 @@ def test_rotating_after_the_quantizer_is_refused() -> None:
     (QuIPModifier, {"randomize": True}, "randomize=True is not implemented"),
     (QuIPModifier, {"transform_type": "random-matrix"}, "'random-matrix' is not implemented"),
     (QuIPModifier, {"rotations": ["w"]}, "rotations must be"),
-    (QuIPModifier, {"transform_config": {"config_groups": {}}}, "transform_config override"),
+    (QuIPModifier, {"transform_config": {"config_groups": {}}}, "transform_config.config_groups is empty"),
+    (SpinQuantModifier, {"transform_config": {"config_groups": {"R3": {"type": "hadamard", "apply": []}}}},
+     "transform_config.config_groups.R3 is not a rotation seqcal builds"),
     (SpinQuantModifier, {"rotations": ["R1", "R3"]}, "R3 .* is not implemented"),
     (SpinQuantModifier, {"mappings": {"attn_x": "q"}}, "unknown mappings keys"),
 ])  # fmt: skip

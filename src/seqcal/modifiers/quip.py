@@ -20,6 +20,7 @@ import torch
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.rotations import Edit, RotationModifier
 from seqcal.modifiers.schemes import matches_target
+from seqcal.modifiers.transform_config import check_same
 
 ROTATIONS = ("v", "u")
 
@@ -52,6 +53,18 @@ class QuIPModifier(RotationModifier):
             )
         self.targets = [self.targets] if isinstance(self.targets, str) else list(self.targets)
         self.ignore = [self.ignore] if isinstance(self.ignore, str) else list(self.ignore or [])
+        if self._given is not None:  # QuIP's groups need no model: checked with the recipe's line
+            check_same(self._given, self.transform_groups(None), self.name)
+
+    def arguments_from(self, groups: dict[str, Any]) -> dict[str, Any]:
+        if unknown := [g for g in groups if g not in ROTATIONS]:
+            raise ValueError(f"{self.name}: transform_config.config_groups.{unknown[0]} is not a QuIP rotation; "
+                             "seqcal's QuIPModifier builds groups v (inputs) and u (outputs) only: remove it")  # fmt: skip
+        first = next(iter(groups.values()), {})
+        side = (first.get("apply") or [{}])[0]  # the two halves of a rotation name the same modules
+        found = {"targets": side.get("targets"), "ignore": side.get("ignore")}
+        return {"rotations": list(groups), **{k: v for k, v in found.items() if v is not None},
+                "transform_block_size": first.get("head_dim")}  # fmt: skip
 
     def plan(self, model: torch.nn.Module) -> list[Edit]:
         aliases = checkpoint_names(model)
@@ -80,7 +93,7 @@ class QuIPModifier(RotationModifier):
                              f"{type(model).__name__}; check the patterns")  # fmt: skip
         return edits
 
-    def transform_groups(self, model: torch.nn.Module) -> dict[str, Any]:
+    def transform_groups(self, model: torch.nn.Module | None) -> dict[str, Any]:
         groups = {}
         common = {"targets": self.targets, "ignore": self.ignore}
         if "v" in self.rotations:

@@ -30,6 +30,7 @@ from seqcal.algorithms.rotations import (
     supported,
 )
 from seqcal.modifiers.base import BatchCursor, Modifier, RunState
+from seqcal.modifiers.transform_config import apply_arguments, check_same, common_arguments, normalized_groups
 from seqcal.tracing.partition import Subgraph
 
 ONLINE = ("input", "output")  # locations applied to activations at run time
@@ -62,7 +63,8 @@ class RotationModifier(Modifier):
         randomize, learnable: llm-compressor's arguments; only False is implemented.
         precision: dtype of the online rotations ("float64" as llm-compressor on a CPU, or float32, ...).
         transform_block_size: rotate in blocks of this order (block-diagonal); None: the whole width.
-        transform_config: llm-compressor's override of the whole scheme; only null is accepted.
+        transform_config: llm-compressor's override of the whole scheme, as its recipe.yaml saves it: read back
+            into the arguments it stands for; one seqcal cannot build from arguments is refused, naming the field.
     """
 
     name: ClassVar[str] = "RotationModifier"
@@ -76,6 +78,15 @@ class RotationModifier(Modifier):
     transform_config: Any = None
 
     def __post_init__(self) -> None:
+        self._given: dict[str, Any] | None = None  # the transform_config's groups, normalized
+        if self.transform_config is not None:  # llm-compressor's saved recipe: the arguments it stands for
+            self._given = normalized_groups(self.transform_config, self.name)
+            if not self._given:
+                raise ValueError(f"{self.name}: transform_config.config_groups is empty, so it applies no rotation; "
+                                 "remove transform_config (the modifier's arguments then say which) or the modifier")  # fmt: skip
+            apply_arguments(
+                self, {**common_arguments(self._given, self.name), **self.arguments_from(self._given)}
+            )
         if self.transform_type == "random-matrix":
             raise ValueError(f"{self.name}: transform_type 'random-matrix' is not implemented in seqcal; use "
                              "'hadamard' or 'random-hadamard'")  # fmt: skip
@@ -85,9 +96,6 @@ class RotationModifier(Modifier):
         for flag in ("randomize", "learnable"):
             if getattr(self, flag):
                 raise ValueError(f"{self.name}: {flag}=True is not implemented in seqcal; remove it (False)")
-        if self.transform_config is not None:
-            raise ValueError(f"{self.name}: a transform_config override is not implemented in seqcal; give the "
-                             "modifier's own arguments instead")  # fmt: skip
         name = str(self.precision).removeprefix("torch.")
         if name not in PRECISIONS:
             raise ValueError(
@@ -115,6 +123,10 @@ class RotationModifier(Modifier):
     def prepare_model(self, model: torch.nn.Module) -> None:
         """Before the first subgraph (subclasses: untie embeddings)."""
 
+    def arguments_from(self, groups: dict[str, Any]) -> dict[str, Any]:
+        """The arguments a transform_config's groups stand for (subclasses; ``modifiers/transform_config.py``)."""
+        return {}
+
     # --- the lifecycle --------------------------------------------------------------------------------------
     def validate(self, model: torch.nn.Module) -> None:
         self._norms = []
@@ -127,6 +139,8 @@ class RotationModifier(Modifier):
                     ", which does not exist; set transform_block_size to a power of two dividing it"
                     + ("" if online else ", or use transform_type 'random-hadamard'")
                 )
+        if self._given is not None:  # before any weight is read: what the run applies is what the config says
+            check_same(self._given, self.transform_groups(model), self.name)
 
     def initialize(self, model: torch.nn.Module, state: RunState) -> None:
         if not self._edits:

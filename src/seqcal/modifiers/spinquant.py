@@ -53,6 +53,29 @@ def _listed(value: Any) -> list[str]:
     return [value] if isinstance(value, str) else list(value or [])
 
 
+def _mappings_from(groups: dict[str, Any]) -> dict[str, Any]:
+    """The SpinQuantMapping fields a transform_config's targets name, laid out as ``transform_groups`` writes them
+    (R1: [embedding, attn_o, *mlp_out] -> [attn_q, attn_k, attn_v, *mlp_in, lm_head]; R2: attn_v -> attn_o; R4:
+    mlp_out). A layout that does not fit gives nothing here; the comparison after the plan then names the field."""
+
+    def targets(group: str, i: int) -> list[str]:
+        apply = groups.get(group, {}).get("apply") or []
+        return list(apply[i].get("targets") or []) if len(apply) > i else []
+
+    found: dict[str, Any] = {}
+    if len(outputs := targets("R1", 0)) >= 3:
+        found.update(embedding=outputs[0], attn_o=outputs[1], mlp_out=outputs[2:])
+    if len(inputs := targets("R1", 1)) >= 5:
+        found.update(
+            attn_q=inputs[0], attn_k=inputs[1], attn_v=inputs[2], mlp_in=inputs[3:-1], lm_head=inputs[-1]
+        )
+    if len(v := targets("R2", 0)) == 1 and len(o := targets("R2", 1)) == 1:
+        found.update(attn_v=v[0], attn_o=o[0])
+    if mlp_out := targets("R4", 0):
+        found["mlp_out"] = mlp_out
+    return found
+
+
 def _layer(name: str) -> str | None:
     """The layer index in a module name (``model.layers.3.input_layernorm`` -> "3"), None outside the layers."""
     found = re.search(r"\.(\d+)\.", f".{name}.")
@@ -131,6 +154,21 @@ class SpinQuantModifier(RotationModifier):
             None  # lm_head's weight tied to the embeddings on meta: copied in subgraph 0
         )
         self._embedding: torch.Tensor | None = None  # E R, until lm_head is rotated
+
+    def arguments_from(self, groups: dict[str, Any]) -> dict[str, Any]:
+        if unknown := [g for g in groups if g not in ("R1", "R2", "R4")]:
+            raise ValueError(f"{self.name}: transform_config.config_groups.{unknown[0]} is not a rotation seqcal "
+                             "builds (R1, R2, R4; R3 is not implemented): remove it")  # fmt: skip
+        found = _mappings_from(groups)
+        current = {**MAPPINGS, **(self.mappings if isinstance(self.mappings, dict) else {})}
+        block = (groups.get("R1") or groups.get("R4") or {}).get("head_dim")
+        args: dict[str, Any] = {"rotations": list(groups), "transform_block_size": block}
+        if changed := {k: v for k, v in found.items() if v != current[k]}:
+            args["mappings"] = {
+                **(self.mappings or {}),
+                **changed,
+            }  # llm-compressor saves no mappings beside it
+        return args
 
     # --- the plan -------------------------------------------------------------------------------------------
     def _match(self, model: torch.nn.Module, patterns: Any, role: str, required: bool = True) -> list[str]:

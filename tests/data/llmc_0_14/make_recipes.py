@@ -5,8 +5,9 @@
     /tmp/llmc/bin/python tests/data/llmc_0_14/make_recipes.py TOKENIZER_DIR
 
 Recipes with RUN are applied by llm-compressor's oneshot to a tiny random Llama and the recipe.yaml it saves is
-copied here; the others are written by the same serializer (``Recipe.from_modifiers(...).yaml()``) without a
-run (QuIP and SpinQuant, which seqcal refuses, and modifiers given enum objects rather than strings).
+copied here (QuIP and SpinQuant with the transform_config they build from their arguments among them); the others
+are written by the same serializer (``Recipe.from_modifiers(...).yaml()``) without a run (modifiers given enum
+objects rather than strings, and rotations without the transform_config a run adds).
 """
 
 import shutil
@@ -65,6 +66,32 @@ RUN = {
     ],
     "rtn_fp8_dynamic": [QuantizationModifier(scheme="FP8_DYNAMIC", ignore=["lm_head"])],
     "config_groups_w4a16": [GPTQModifier(ignore=["lm_head"], config_groups={"group_0": W4_G32})],
+    # rotations: the recipe.yaml holds the transform_config each modifier built from its own arguments
+    "quip_gptq_w4a16": [QuIPModifier(rotations=["v"]), GPTQModifier(scheme="W4A16", ignore=["lm_head"])],
+    "quip_uv_b64_gptq_w4a16": [
+        QuIPModifier(rotations=["v", "u"], transform_type="hadamard", transform_block_size=64),
+        GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
+    ],
+    "spinquant_gptq_w4a16": [
+        SpinQuantModifier(rotations=["R1", "R2", "R4"]),
+        GPTQModifier(scheme="W4A16", ignore=["lm_head"]),
+    ],
+    "spinquant_r1r2_rtn_w4a16": [
+        SpinQuantModifier(rotations=["R1", "R2"], transform_block_size=64),
+        QuantizationModifier(scheme="W4A16", ignore=["lm_head"]),
+    ],
+    "rtn_w8a8_int8": [QuantizationModifier(scheme="W8A8", ignore=["lm_head"])],
+    "gptq_w4a16_g64_asym": [
+        GPTQModifier(
+            ignore=["lm_head"],
+            config_groups={
+                "group_0": {
+                    **W4_G32,
+                    "weights": {**W4_G32["weights"], "group_size": 64, "symmetric": False, "actorder": None},
+                }
+            },
+        )
+    ],
 }
 WRITE = {
     "gptq_kv_nvfp4_groups": [
