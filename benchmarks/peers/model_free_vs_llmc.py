@@ -4,7 +4,8 @@ The checkpoint is a random Llama (transformers' LlamaConfig: hidden 2048, interm
 32000, bfloat16, about 0.67 GB) saved in files of 200 MB, written once to benchmarks/.work/model_free/source.
 Each tool quantizes it with W4A16 (lm_head ignored) on the CPU, as a separate command, N workers each
 (seqcal: processes; llm-compressor: threads), with OMP_NUM_THREADS threads per command. Wall seconds are the
-command's; peak RSS is the largest sum of the resident memory of the command's whole process tree, sampled every
+command's, CPU seconds those of the processes it waited for (user + system; a worker's are counted when its
+parent waits for it); peak RSS is the largest sum of the resident memory of the command's whole process tree, sampled every
 50 ms (GNU time reports one process's, which undercounts seqcal's worker processes). The script then counts the
 quantized tensors whose bytes are equal in both outputs (weight_packed, weight_scale).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import time
 from pathlib import Path
@@ -49,11 +51,11 @@ def make_source(layers: int) -> Path:
     return path
 
 
-def run(cmd: list[str], threads: int) -> tuple[float, float]:
-    """(wall seconds, peak RSS of the process tree in GB) of ``cmd``."""
+def run(cmd: list[str], threads: int) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds of the processes it waited for, peak RSS of the process tree in GB) of ``cmd``."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT / "src")}  # fmt: skip
-    start = time.perf_counter()
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
@@ -65,10 +67,11 @@ def run(cmd: list[str], threads: int) -> tuple[float, float]:
         except psutil.Error:  # a process ended while being read
             pass
         time.sleep(0.05)
-    wall = time.perf_counter() - start
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.read()[-2000:]}")
-    return wall, peak / 1e9
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return wall, cpu, peak / 1e9
 
 
 def same_tensors(a: Path, b: Path) -> tuple[int, int]:
@@ -102,7 +105,7 @@ def main() -> None:
     source = make_source(args.layers)
     size = sum(p.stat().st_size for p in source.glob("*.safetensors")) / 1e9
     print(f"source: {source} ({size:.2f} GB bfloat16, {len(list(source.glob('*.safetensors')))} files)")
-    print("| tool | workers | wall s | peak RSS GB (process tree) |\n|---|---|---|---|")
+    print("| tool | workers | wall s | CPU s | peak RSS GB (process tree) |\n|---|---|---|---|---|")
     outs = {}
     for workers in args.workers:
         for tool in ("seqcal", "llm-compressor"):
@@ -114,9 +117,9 @@ def main() -> None:
                        str(workers), "--threads", str(args.threads)]  # fmt: skip
             else:
                 cmd = [str(PEER), "-c", LLMC, str(source), str(out), str(workers)]
-            wall, rss = run(cmd, args.threads)
+            wall, cpu, rss = run(cmd, args.threads)
             outs[(tool, workers)] = out
-            print(f"| {tool} | {workers} | {wall:.1f} | {rss:.2f} |", flush=True)
+            print(f"| {tool} | {workers} | {wall:.1f} | {cpu:.1f} | {rss:.2f} |", flush=True)
     if args.budget:
         out = WORK / "seqcal-budget"
         subprocess.run(["rm", "-rf", str(out)], check=True)
