@@ -48,7 +48,7 @@ class WeightStore:
     @classmethod
     def from_checkpoint(cls, path: str | Path, dtype: torch.dtype | None = None) -> WeightStore:
         path = Path(path)
-        source = quantized_source(path)
+        source = quantized_source(path, read=read_tensor)
         if source is not None:  # stored names -> the full-precision names, each read dequantized
             files = {name: source.file_of(name) for name in source.names()}
             return cls(files=files, dtype=dtype, source=source)

@@ -5,7 +5,8 @@ gpt-oss with MXFP4 experts, NVFP4 and FP8 compressed-tensors releases). seqcal r
 each weight is dequantized to the run's dtype when its subgraph onloads it, never the whole model, with the
 values transformers' own dequantizing load gives.
 
-    detect.py      the format named by config.json's quantization_config (SourceFormat); unknown ones refused
+    format.py      SourceFormat, SourceFormatError, and how a family stores a weight (Part, Family)
+    detect.py      the format named by config.json's quantization_config; unknown ones refused
     checkpoint.py  QuantizedCheckpoint: which stored tensors make each weight (checked from the headers),
                    one weight read and dequantized at a time; dequantize_weight() for a single weight
     fp8.py         weight + weight_scale_inv (FP8 blocks, ue8m0 scales, per tensor)
@@ -20,6 +21,7 @@ Example:
 """
 
 from seqcal.sources.checkpoint import QuantizedCheckpoint, dequantize_weight
-from seqcal.sources.detect import SourceFormat, SourceFormatError, detect_source
+from seqcal.sources.detect import detect_source
+from seqcal.sources.format import SourceFormat, SourceFormatError
 
 __all__ = ["QuantizedCheckpoint", "SourceFormat", "SourceFormatError", "dequantize_weight", "detect_source"]

@@ -17,44 +17,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from safetensors import safe_open
 
-from seqcal.sources.detect import SourceFormat, SourceFormatError, detect_source
+from seqcal.sources.detect import detect_source
+from seqcal.sources.format import Family, Infos, Part, SourceFormat, SourceFormatError
 
-# stored key -> (safetensors dtype name, shape), from the files' headers
-Infos = dict[str, tuple[str, tuple[int, ...]]]
-
-
-@dataclass(frozen=True)
-class Part:
-    """The stored tensors one weight is made of.
-
-    Attributes:
-        keys: the stored keys the family's ``dequantize`` reads (the data first, then scales, zero points, ...).
-        stacked: the data's first dimension is the experts' index (read one expert's slice at a time).
-    """
-
-    keys: tuple[str, ...]
-    stacked: bool = False
-
-
-class Family(Protocol):
-    """How one family of formats stores a weight: which tensors (``parts``) and how they combine."""
-
-    def parts(self, infos: Infos) -> dict[str, Part]:
-        """Weight name -> its Part, for every quantized weight; raises SourceFormatError for a tensor missing
-        or of the wrong shape (one sentence, naming the tensor and what was expected)."""
-        ...
-
-    def dequantize(self, name: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Weight ``name`` from its stored tensors (by key; for a stacked part, one expert's slice with the
-        experts' dimension kept, of size 1), in ``dtype``."""
-        ...
+# reads one stored tensor: (safetensors file, key) -> tensor
+Reader = Callable[[str, str], torch.Tensor]
 
 
 def family_for(source: SourceFormat) -> Family:
@@ -126,10 +98,13 @@ class QuantizedCheckpoint:
         path: the checkpoint directory (config.json and safetensors files).
         source: its format (``detect_source`` of its quantization_config).
         files: stored key -> safetensors file (default: ``checkpoint_files(path)``).
+        read: reads one stored tensor (default: safetensors' read, copied out of the file's mapping;
+            ``WeightStore`` passes ``read_tensor``, which reads into memory of the tensor's own).
     """
 
-    def __init__(self, path: str | Path, source: SourceFormat, files: dict[str, str] | None = None) -> None:
-        self.path, self.source = Path(path), source
+    def __init__(self, path: str | Path, source: SourceFormat, files: dict[str, str] | None = None,
+                 read: Reader | None = None) -> None:  # fmt: skip
+        self.path, self.source, self._read = Path(path), source, read or _read_copy
         self.files = files if files is not None else checkpoint_files(path)
         self.infos = read_infos(self.files)
         self.family = family_for(source)
@@ -163,15 +138,13 @@ class QuantizedCheckpoint:
     def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Tensor ``name``: a quantized weight dequantized to ``dtype``, any other tensor as stored (floating
         point ones cast to ``dtype``)."""
-        from seqcal.execution.store import read_tensor
-
         part = self.parts.get(name)
         if part is None:
             if name not in self.files:
                 raise KeyError(f"{self.path}: no tensor {name!r} in the checkpoint")
-            tensor = read_tensor(self.files[name], name)
+            tensor = self._read(self.files[name], name)
             return tensor.to(dtype) if tensor.is_floating_point() else tensor
-        tensors = {key: read_tensor(self.files[key], key) for key in part.keys}
+        tensors = {key: self._read(self.files[key], key) for key in part.keys}
         return self.family.dequantize(name, tensors, dtype)
 
     def experts(self, name: str, dtype: torch.dtype) -> ExpertSlices:
@@ -196,10 +169,16 @@ def source_format(path: str | Path) -> SourceFormat | None:
     return detect_source(data.get("quantization_config") if isinstance(data, dict) else None, str(config))
 
 
-def quantized_source(path: str | Path) -> QuantizedCheckpoint | None:
+def quantized_source(path: str | Path, read: Reader | None = None) -> QuantizedCheckpoint | None:
     """The checkpoint in ``path`` opened for dequantized reads when it is quantized, else None."""
     source = source_format(path)
-    return QuantizedCheckpoint(path, source) if source is not None else None
+    return QuantizedCheckpoint(path, source, read=read) if source is not None else None
+
+
+def _read_copy(file: str, key: str) -> torch.Tensor:
+    """Tensor ``key`` of ``file``, copied out of safetensors' mapping of the file (which then goes)."""
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(key).clone()
 
 
 class ExpertSlices:

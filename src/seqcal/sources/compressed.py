@@ -21,8 +21,7 @@ from compressed_tensors.compressors.format import infer_module_format
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 from compressed_tensors.utils.match import match_quantizable_tensors
 
-from seqcal.sources.checkpoint import Infos, Part
-from seqcal.sources.detect import SourceFormat, SourceFormatError
+from seqcal.sources.format import Infos, Part, SourceFormat, SourceFormatError
 
 # compressed-tensors format -> the short name seqcal records (with the weights' type and bits)
 FORMAT_NAMES = {"nvfp4-pack-quantized": "nvfp4", "mxfp4-pack-quantized": "mxfp4", "mxfp8-quantized": "mxfp8"}

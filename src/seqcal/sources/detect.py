@@ -12,10 +12,10 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-from seqcal.errors import ModelLoadError
+from seqcal.sources.compressed import compressed_format
+from seqcal.sources.format import SourceFormat, SourceFormatError
 
 # quant_method -> what it stores (the error for any other names these)
 KNOWN_METHODS = {
@@ -25,37 +25,6 @@ KNOWN_METHODS = {
     "awq": "AutoAWQ GEMM int4 (qweight, qzeros, scales)",
     "gptq": "GPTQ int4/int8 (qweight, qzeros, scales, g_idx)",
 }
-
-
-class SourceFormatError(ModelLoadError, ValueError):
-    """A quantized checkpoint seqcal cannot read as it is: an unknown method, a missing or misshapen tensor
-    (a ModelLoadError, which the loader passes on with its message as it is; a ValueError, as the other checks
-    of the model directory raise)."""
-
-
-@dataclass(frozen=True)
-class SourceFormat:
-    """The stored form of a checkpoint's quantized weights.
-
-    Attributes:
-        method: the config's ``quant_method`` ("fp8", "mxfp4", "compressed-tensors", "awq", "gptq").
-        name: the format, e.g. "fp8-block", "fp8-block-ue8m0", "fp8-tensor", "mxfp4", "nvfp4",
-            "int4-pack-quantized", "int8-int-quantized", "fp8-float-quantized", "awq-int4", "gptq-int4".
-        weight_bits: bits per stored weight value (the lowest over the checkpoint's groups).
-        weight_type: "float" or "int".
-        config: the ``quantization_config`` as read.
-    """
-
-    method: str
-    name: str
-    weight_bits: int
-    weight_type: str
-    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def record(self) -> dict[str, Any]:
-        """What the output's ``quantization_config`` and report say about the source (JSON-ready)."""
-        return {"quant_method": self.method, "format": self.name, "weight_bits": self.weight_bits,
-                "weight_type": self.weight_type}  # fmt: skip
 
 
 def detect_source(quant: Any, where: str = "config.json") -> SourceFormat | None:
@@ -86,8 +55,6 @@ def detect_source(quant: Any, where: str = "config.json") -> SourceFormat | None
     if method == "mxfp4":
         return SourceFormat("mxfp4", "mxfp4", 4, "float", quant)
     if method == "compressed-tensors":
-        from seqcal.sources.compressed import compressed_format
-
         return compressed_format(quant, where)
     if method in ("awq", "gptq"):
         return _int_packed(method, quant, where)

@@ -15,8 +15,7 @@ import math
 import torch
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
-from seqcal.sources.checkpoint import Infos, Part
-from seqcal.sources.detect import SourceFormat, SourceFormatError
+from seqcal.sources.format import Infos, Part, SourceFormat, SourceFormatError
 
 FP8_DTYPES = ("F8_E4M3",)
 # Elements dequantized at once (whole rows of blocks): the product is taken in float32, so DeepSeek-V3's dense MLP

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from seqcal.sources.checkpoint import Infos, Part
-from seqcal.sources.detect import SourceFormat, SourceFormatError
+from seqcal.sources.format import Infos, Part, SourceFormat, SourceFormatError
 
 WORD = 32
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from seqcal.sources.detect import SourceFormat, SourceFormatError
+from seqcal.sources.format import SourceFormat, SourceFormatError
 
 logger = logging.getLogger("seqcal")
 
