@@ -26,17 +26,10 @@ import torch
 from torch.func import functional_call
 
 from seqcal.algorithms import dequantize, formats
-from seqcal.algorithms.autoround import (
-    LearnedQuantizer,
-    TrainingKernels,
-    batches_of,
-    learned_codes,
-    linear_lr,
-    masked_mse,
-    sign_step_,
-)
+from seqcal.algorithms.autoround import LearnedQuantizer, learned_codes, sign_step_
 from seqcal.algorithms.autoround_formats import FormatQuantizer
 from seqcal.algorithms.formats import WeightFormat
+from seqcal.algorithms.search_steps import TrainingKernels, batches_of, linear_lr, masked_mse
 from seqcal.backend import linears_on_onednn
 from seqcal.modifiers.base import BatchCursor, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
