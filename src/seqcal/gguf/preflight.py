@@ -2,8 +2,9 @@
 
 A GGUF scheme without GGUF output (compressed-tensors has no k-quants), GGUF output of modules quantized by
 another scheme, a family, tensor or tokenizer the writer cannot describe to llama.cpp, a quantized ``lm_head``
-tied to the token embedding (llama.cpp stores one tensor for both), a resume, and an output directory that holds
-a safetensors checkpoint (a ``model.gguf`` beside it would leave two models in one directory).
+tied to the token embedding (llama.cpp stores one tensor for both), and an output directory that holds
+a safetensors checkpoint (a ``model.gguf`` beside it would leave two models in one directory). A resume is
+refused by ``OutputArgs``: the file is written in one run.
 """
 
 from __future__ import annotations

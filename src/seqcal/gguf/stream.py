@@ -7,7 +7,7 @@ memory as the safetensors writer does. At the end the header is written with ggu
 computes the same offsets from the same sizes and alignment) into ``model.gguf``, the data copied after it, and
 the file read back with ``gguf.GGUFReader``: every tensor's bytes must be the ones that were checked.
 
-Resume is not offered for GGUF output (refused before the run, ``seqcal.gguf.preflight``).
+Resume is not offered for GGUF output (``OutputArgs`` refuses it before the run).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class GGUFStream:
         output_dir: the directory of ``model.gguf``.
         subgraphs: the run's subgraphs (a module is written after the last one that uses it); empty: all at the end.
         run_id, overwrite, resume, batches, profiler, background: ``StreamingCheckpoint``'s; the file is written
-            synchronously, and a resume was refused before the run (``seqcal.gguf.preflight``).
+            synchronously, and a resume was refused before the run (``OutputArgs``).
         weights: the subgraph weights reader when parameters live off the model (offloaded), else None.
     """
 
