@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -63,22 +63,35 @@ class Skeleton:
 
     def module_keys(self) -> list[tuple[str, list[str]]]:
         """(module name, its own tensors' checkpoint keys, sorted) for every module in the model's order: the
-        order ``oneshot``'s writer adds them to its files."""
-        out = []
+        order ``oneshot``'s writer adds them to its files (``CheckpointWriter.module_tensors``)."""
+        own = []
         for name, module in self.model.named_modules():
             tensors = _module_tensors(name, module, None)
-            tensors = {k: v for k, v in tensors.items() if k not in self.layout.skip}
-            if tensors and self.layout.revert is not None:
-                tensors = self.layout.revert(tensors)
-            out.append((name, sorted(tensors)))
+            own.append((name, {k: v for k, v in tensors.items() if k not in self.layout.skip}))
+        renamed = self._renamed([k for _, tensors in own for k in tensors])
+        out = []
+        for name, tensors in own:
+            if all(k in renamed for k in tensors):
+                keys = [renamed[k] for k in tensors]
+            else:  # a conversion joins this module's tensors: reverted as the writer does, module by module
+                keys = list(self.layout.revert(tensors)) if self.layout.revert else list(tensors)  # type: ignore[arg-type]
+            out.append((name, sorted(keys)))
         return out
 
     def weight_key(self, name: str) -> str:
         """The checkpoint key of module ``name``'s weight."""
+        key = f"{name}.weight"
+        return self._renamed([key]).get(key, key)
+
+    def _renamed(self, keys: list[str]) -> dict[str, str]:
+        """In-memory key -> checkpoint key, for the keys that are renamed one to one, in one call of the
+        reversion (each call costs as much as one over every key): each key gets a tensor object of its own, and
+        the object a reverted key holds says where it came from."""
         if self.layout.revert is None:
-            return f"{name}.weight"
-        keys = list(self.layout.revert({f"{name}.weight": torch.empty(0, device="meta")}))
-        return keys[0] if len(keys) == 1 else f"{name}.weight"
+            return {k: k for k in keys}
+        tagged = {k: torch.empty(0, device="meta") for k in keys}
+        origin = {id(t): k for k, t in tagged.items()}
+        return {origin[id(t)]: new for new, t in self.layout.revert(tagged).items() if id(t) in origin}
 
 
 def build_skeleton(source: SourceCheckpoint, trust_remote_code: bool = False) -> Skeleton:
@@ -94,7 +107,28 @@ def build_skeleton(source: SourceCheckpoint, trust_remote_code: bool = False) ->
     model = _transformers_model(source, trust_remote_code)
     if model is None:
         return Skeleton(names_tree(source), ModelLayout(), known=False)
-    return Skeleton(model, ModelLayout.from_model(model), known=True)
+    layout = ModelLayout.from_model(model)
+    if layout.revert is not None and not _cache_conversions(model):
+        layout = replace(layout, revert=None)  # nothing to revert: every key is written as it is
+    return Skeleton(model, layout, known=True)
+
+
+def _cache_conversions(model: nn.Module) -> bool:
+    """Compute the model's weight conversions once; whether there are any.
+
+    ``revert_weight_conversion`` recomputes them (a walk over every module) at each call when the model has none
+    attached, as a model built from its config has not: a call per module is quadratic, hours for DeepSeek-V3's
+    60,000 modules. Attached, they are the ones it would compute (those of a model not loaded by
+    ``from_pretrained``: no prefix changes).
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = [
+        c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
+    ]
+    model._weight_conversions = conversions or None
+    return bool(conversions)
 
 
 def _transformers_model(source: SourceCheckpoint, trust_remote_code: bool) -> nn.Module | None:
