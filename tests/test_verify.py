@@ -15,7 +15,8 @@ import seqcal.execution.cuts
 import seqcal.execution.pipeline
 import seqcal.execution.subgraphs
 from seqcal import TracingError, oneshot, trace_subgraphs
-from seqcal.execution.verify import CHECK_TOKENS, EXTRA_PAD, _error, check_sample
+from seqcal.execution.check_sample import CHECK_TOKENS, EXTRA_PAD, check_sample
+from seqcal.execution.verify import _error
 from seqcal.tracing import trace
 from test_fallback import RECIPE, Chain, data
 

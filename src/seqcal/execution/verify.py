@@ -8,7 +8,8 @@ targets finds the first target whose inputs differ, and the error names the code
 target that still matched (its opaque statements, with file and line).
 
 The check costs one eager forward and one partitioned run of a short batch (the calibration batch is cut
-to its last ``CHECK_TOKENS`` tokens), and a second pair of runs only when it fails.
+to its last ``CHECK_TOKENS`` tokens: ``seqcal.execution.check_sample`` makes it), and a second pair of runs only
+when it fails.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from seqcal.execution.cache.store import ActivationCache
+from seqcal.execution.check_sample import check_sample, pad_id_of
 from seqcal.execution.executor import _put_inputs
 from seqcal.tracing.diagnostics import Problem, TracingError
 from seqcal.tracing.runner import GraphRunner
@@ -29,20 +31,10 @@ from seqcal.tracing.values import OpaqueCall
 
 logger = logging.getLogger("seqcal")
 
-# Tokens of the check sample per row (before its extra left padding): enough for masks, positions and
-# windows to differ from the trace sample's, short enough to cost little next to calibration.
-CHECK_TOKENS = 32
-# Extra left-padded positions in every row; the added row gets a third of the length more.
-EXTRA_PAD = 3
 # Relative error (Frobenius) above which a value differs from eager. Both runs compute the same operations
 # on the same inputs, so they agree to rounding; a specialised trace is off by far more (tens of percent).
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
 HALF_TOLERANCE = 2e-2  # float16 / bfloat16: fused kernels may round differently
-# Inputs laid out [batch, sequence, ...] whose sequence axis can be padded; the value padded positions take.
-SEQUENCE_INPUTS = (
-    "input_ids", "inputs_embeds", "token_type_ids", "mm_token_type_ids", "position_ids", "labels", "attention_mask"
-)  # fmt: skip
-PAD_LABEL = -100
 # Entries compared at a time (float64 copies of 8 MB each): an output's error never needs a copy of it whole.
 ERROR_CHUNK = 1 << 20
 
@@ -94,70 +86,6 @@ class Divergence:
         )
 
 
-def check_sample(
-    sample: Mapping[str, Any], pad_id: int | None = None, max_tokens: int = CHECK_TOKENS
-) -> tuple[dict[str, Any], str] | None:
-    """Another sample shaped unlike ``sample``: other length, left padding, one more row when only text is given.
-
-    Sequence inputs (``SEQUENCE_INPUTS``, also with a ``decoder_`` prefix) are cut to their last ``max_tokens``
-    positions (text-only samples) and get ``EXTRA_PAD`` masked positions in front: mask and token types 0,
-    labels -100, ids ``pad_id`` (None: each row's last id, an ordinary token where the first may be an image
-    placeholder), other values a copy of the first position. Other tensors (pixels, audio) are kept, and then
-    so is the batch size.
-
-    Returns:
-        (sample, description), or None when ``sample`` has no sequence input to reshape.
-
-    Example:
-        >>> other, what = check_sample({"input_ids": ids, "attention_mask": mask})  # doctest: +SKIP
-        >>> what  # doctest: +SKIP
-        'batch 2 x 15 tokens, left padding'
-    """
-    tensors = {k: v for k, v in sample.items() if isinstance(v, torch.Tensor)}
-    sequences = {k: v for k, v in tensors.items() if _is_sequence(k, v)}
-    if not sequences:
-        return None
-    batch = next(iter(sequences.values())).shape[0]
-    if any(v.shape[0] != batch for v in sequences.values()):
-        return None
-    text_only = len(sequences) == len(tensors)
-    out = dict(sample)
-    lengths = set()
-    for key, value in sequences.items():
-        if text_only:
-            value = value[:, -max_tokens:]
-        value = _left_pad(key, value, EXTRA_PAD, pad_id)
-        if text_only:  # one more row: the first one, with a third of its length more padding
-            extra = _left_pad(key, value[:1, value.shape[1] // 3 :], value.shape[1] // 3, pad_id)
-            value = torch.cat([value, extra])
-        out[key] = value
-        lengths.add(value.shape[1])
-    rows = batch + 1 if text_only else batch
-    masked = any(k.endswith("attention_mask") for k in sequences)
-    size = "/".join(str(n) for n in sorted(lengths))
-    return out, f"batch {rows} x {size} tokens" + (", left padding" if masked else "")
-
-
-def _is_sequence(key: str, value: torch.Tensor) -> bool:
-    return key.removeprefix("decoder_") in SEQUENCE_INPUTS and value.dim() >= 2
-
-
-def _left_pad(key: str, value: torch.Tensor, count: int, pad_id: int | None) -> torch.Tensor:
-    """``value`` with ``count`` positions in front (see ``check_sample`` for their values)."""
-    if count <= 0:
-        return value
-    first = value[:, :1]
-    if key.endswith(("attention_mask", "token_type_ids")):
-        front = torch.zeros_like(first)
-    elif key.endswith("labels"):
-        front = torch.full_like(first, PAD_LABEL)
-    elif key.endswith("input_ids"):
-        front = torch.full_like(first, pad_id) if pad_id is not None else value[:, -1:]
-    else:
-        front = first
-    return torch.cat([front.expand(-1, count, *value.shape[2:]), value], dim=1)
-
-
 def verify_partition(
     subgraphs: Any,
     sample: Mapping[str, Any],
@@ -177,7 +105,7 @@ def verify_partition(
     Returns:
         None when every output matches, else where the values first differ.
     """
-    made = check_sample(sample, _pad_id(subgraphs.model))
+    made = check_sample(sample, pad_id_of(subgraphs.model))
     check, what = made if made is not None else (dict(sample), "the trace sample itself")
     device = device or _device(subgraphs.model)
 
@@ -220,14 +148,6 @@ def verify_partition(
 def refuse(divergence: Divergence, model: torch.nn.Module) -> TracingError:
     """The TracingError for a partition that differs from eager."""
     return TracingError([divergence.problem()], type(model).__name__)
-
-
-def _pad_id(model: torch.nn.Module) -> int | None:
-    """The text model's pad token id when it names a token of its vocabulary."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
-    return pad if isinstance(pad, int) and isinstance(vocab, int) and 0 <= pad < vocab else None
 
 
 def _device(model: torch.nn.Module) -> torch.device:
