@@ -126,10 +126,11 @@ def main() -> None:
         cmd = [str(ROOT / ".venv/bin/python"), "-m", "seqcal.cli", "model-free", "--model", str(source), "--output-dir",
                str(out), "--scheme", "W4A16", "--ignore", "lm_head", "--max-workers", str(max(args.workers)),
                "--threads", str(args.threads), "--max-host-memory", args.budget]  # fmt: skip
-        wall, rss = run(cmd, args.threads)
-        print(
-            f"| seqcal, --max-host-memory {args.budget} | up to {max(args.workers)} | {wall:.1f} | {rss:.2f} |"
-        )
+        wall, cpu, rss = run(cmd, args.threads)
+        budget = f"seqcal, --max-host-memory {args.budget}"
+        print(f"| {budget} | up to {max(args.workers)} | {wall:.1f} | {cpu:.1f} | {rss:.2f} |", flush=True)
+    if len(outs) < 2:
+        return
     equal, total = same_tensors(outs[("seqcal", args.workers[0])], outs[("llm-compressor", args.workers[0])])
     print(f"\nweight_packed / weight_scale tensors with equal bytes in both outputs: {equal} of {total}")
 
