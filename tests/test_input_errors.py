@@ -189,7 +189,9 @@ def test_a_seqcal_output_directory_is_requantized_only_when_asked(tmp_path: Path
     out = tmp_path / "w8"
     recipe = QuantizationModifier(scheme="W8A16", ignore=["lm_head"])
     oneshot(model=tiny_llama(), dataset=token_data(), recipe=recipe, output_dir=str(out))
-    with pytest.raises(ValueError, match=r"stored as int8-pack-quantized \(8-bit int\), at or below .* requantize=True"):
+    with pytest.raises(
+        ValueError, match=r"stored as int8-pack-quantized \(8-bit int\), at or below .* requantize=True"
+    ):
         oneshot(model=str(out), dataset=token_data(), recipe=recipe, output_dir=str(tmp_path / "again"))
     assert not (tmp_path / "again").exists()
 
