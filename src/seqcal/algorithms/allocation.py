@@ -8,8 +8,8 @@ are the quantized model's). Minimise ``sum_i e[i, c_i]`` subject to ``sum_i b[i,
 Offline, the Lagrangian relaxation ``min_c e[i, c] + lam * b[i, c]`` with the smallest ``lam`` that fits the
 budget is the classic answer (Shoham and Gersho, 1988). Online, unit ``i`` is decided before the errors of the
 units after it are known, so :class:`OnlineAllocation` predicts each later unit's error curve from the last
-unit seen in the same role (the same projection in an earlier layer; a role not seen yet takes the current
-unit's curve), both per parameter and scaled to the later unit's size, solves the relaxation over the current
+units seen in the same role (the mean, per parameter, of the same projection in the earlier layers; a role not
+seen yet takes the current unit's curve), scaled to the later unit's size, solves the relaxation over the current
 unit's measured curve and the later units' predicted ones with the budget that remains, and takes the current
 unit's choice from it. What a choice leaves unspent (or overspends against the prediction) moves ``lam`` for
 the units after it, so the budget is tracked as the pass goes.
@@ -83,7 +83,7 @@ class OnlineAllocation:
         self.units = {u.key: u for u in units}
         self.pending = dict.fromkeys(self.units)
         self.remaining = float(budget)
-        self.curves: dict[str, list[float]] = {}  # role -> error per parameter of its last unit
+        self.curves: dict[str, list[list[float]]] = {}  # role -> error per parameter of each unit seen
         self.choices: dict[str, Choice] = {}
         if self.floor(self.units) > budget * (1 + 1e-12):
             raise ValueError(
@@ -108,7 +108,7 @@ class OnlineAllocation:
         unit = self.units[key]
         del self.pending[key]
         per_param = [e / max(unit.params, 1) for e in errors]
-        self.curves[unit.role] = per_param
+        self.curves.setdefault(unit.role, []).append(per_param)
         cap = self.remaining - self.floor(self.pending)
         bits = [b if b <= cap * (1 + 1e-12) else math.inf for b in unit.bits]
         if all(math.isinf(b) for b in bits):  # only when the budget was short from the start
@@ -123,8 +123,11 @@ class OnlineAllocation:
         return index
 
     def _predicted(self, key: str, fallback: list[float]) -> list[float]:
+        """A later unit's curve: the mean per parameter of the units of its role seen so far (the current unit's
+        when none), times its size."""
         unit = self.units[key]
-        return [e * unit.params for e in self.curves.get(unit.role, fallback)]
+        seen = self.curves.get(unit.role, [fallback])
+        return [sum(column) / len(seen) * unit.params for column in zip(*seen)]
 
 
 # Plain Python over lists: a few hundred units times a few candidates, where a tensor op's fixed cost (and its

@@ -45,6 +45,9 @@ class MixedPrecision:
         average_bits: stored bits per weight over the quantized modules; or max_size: checkpoint bytes.
         candidates: presets, ``PRESET:g<N>`` / ``PRESET:channel``, or scheme dicts.
         pin: ``{pattern: candidate}``: modules that keep that scheme (counted in the budget).
+        error: what the allocation minimises: "absolute", the sum of the modules' output errors
+            ``||(Q - W) X^T||^2`` per token (the error o_proj and down_proj add to the residual stream), or
+            "relative", the sum of their relative errors squared weighted by their sizes.
         targets: the modifier's targets; where: the modifier's name, for errors.
     """
 
@@ -53,6 +56,7 @@ class MixedPrecision:
     max_size: int | str | None = None
     candidates: list[Any] = field(default_factory=lambda: list(MixedPrecision.DEFAULT_CANDIDATES))
     pin: dict[str, Any] = field(default_factory=dict)
+    error: str = "relative"
     targets: list[str] = field(default_factory=lambda: ["Linear"])
     where: str = "mixed_precision"
 
@@ -61,7 +65,13 @@ class MixedPrecision:
         """The choice a modifier's ``mixed_precision`` argument describes, or None when it is None."""
         if args is None:
             return None
-        if not isinstance(args, dict) or set(args) - {"average_bits", "max_size", "candidates", "pin"}:
+        if not isinstance(args, dict) or set(args) - {
+            "average_bits",
+            "max_size",
+            "candidates",
+            "pin",
+            "error",
+        }:
             raise ValueError(f"{where}: mixed_precision must be a mapping of average_bits or max_size, candidates "
                              f"and pin, got {args!r}")  # fmt: skip
         given = {k: v for k, v in args.items() if v is not None}
@@ -79,6 +89,10 @@ class MixedPrecision:
                 f"{w}: average_bits must be a positive number of bits per weight, got {self.average_bits!r}"
             )
         self.size = _size(self.max_size, w) if self.max_size is not None else None
+        if self.error not in ("absolute", "relative"):
+            raise ValueError(
+                f"{w}: error={self.error!r} is not 'absolute' (output error) or 'relative' (per module)"
+            )
         if not isinstance(self.candidates, (list, tuple)) or not self.candidates:
             raise ValueError(
                 f"{w}: candidates must be a non-empty list of schemes, e.g. ['W3A16:g64', 'W4A16']"
@@ -173,7 +187,7 @@ class MixedPrecision:
             }
             unit = self.allocation.units[key]
             share = unit.params / sum(model.get_submodule(m).weight.numel() for m in present)
-            errors = [share * sum(model.get_submodule(m).weight.numel() * curves[m][c] for m in present)
+            errors = [share * sum(self._weighted(curves[m][c], model.get_submodule(m).weight) for m in present)
                       for c in range(len(self.schemes))]  # fmt: skip
             errors = [e if math.isfinite(b) else math.inf for e, b in zip(errors, unit.bits)]
             index = self.chosen[key] = self.allocation.choose(key, errors)
@@ -185,33 +199,42 @@ class MixedPrecision:
                     scheme=self.labels[index], bits=_bits(self.schemes[index], weight) / weight.numel()
                 )
                 if m in curves:
-                    report["predicted_rel_error"] = math.sqrt(max(curves[m][index], 0.0))
+                    report["predicted_rel_error"] = _relative(*curves[m][index])
             logger.info("seqcal: %s -> %s (%.3f bits per weight, lambda %.3g)", key, self.labels[index],
                         unit.bits[index] / unit.params, self.allocation.choices[key].lam)  # fmt: skip
 
+    def _weighted(self, errors: tuple[float, float], weight: torch.Tensor) -> float:
+        """What the allocation sums over modules: the output error itself (``error: absolute``), or the relative
+        error squared times the weight's size (``error: relative``)."""
+        num, den = errors
+        if self.error == "absolute" or not math.isfinite(num):
+            return num
+        return weight.numel() * num / den if den > 0 else 0.0
+
     def _curve(
         self, W: torch.Tensor, H: torch.Tensor | None, diag: torch.Tensor | None, rounded: Rounding
-    ) -> list[float]:
-        """Squared relative output error of ``W`` rounded to nearest under each candidate (0: no inputs seen)."""
+    ) -> list[tuple[float, float]]:
+        """The output error of ``W`` rounded to nearest under each candidate and the output's size (``output_errors``;
+        zeros when no input reached it)."""
         out = []
         for scheme in self.schemes:
             if H is None and diag is None:
-                out.append(0.0)
+                out.append((0.0, 0.0))
                 continue
             try:
                 Q = rounded(W, scheme)
             except (ValueError, RuntimeError):  # a width this candidate cannot hold: its bits are inf already
-                out.append(math.inf)
+                out.append((math.inf, 1.0))
                 continue
-            out.append(squared_relative_error(W, Q, H, diag))
+            out.append(output_errors(W, Q, H, diag))
         return out
 
     def measured(self, name: str, before: torch.Tensor, after: torch.Tensor, diag: torch.Tensor | None,
                  state: RunState) -> None:  # fmt: skip
         """Round to nearest: the module's relative output error as quantized, beside the predicted one."""
         if diag is not None:
-            error = squared_relative_error(before, after, None, diag)
-            state.results.module_errors.setdefault(name, {})["rel_error"] = math.sqrt(max(error, 0.0))
+            error = _relative(*output_errors(before, after, None, diag))
+            state.results.module_errors.setdefault(name, {})["rel_error"] = error
 
     def finish(self, solver: str, arguments: dict[str, Any], modules: dict[str, QuantizationScheme],
                model: torch.nn.Module, state: RunState) -> None:  # fmt: skip
@@ -247,20 +270,22 @@ class MixedPrecision:
         return f"# {head}\n" + yaml.safe_dump(body, sort_keys=False, default_flow_style=None)
 
 
-def squared_relative_error(
+def output_errors(
     W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor | None, diag: torch.Tensor | None
-) -> float:
-    """``||(Q - W) X^T||^2 / ||W X^T||^2`` from the inputs' Hessian ``H`` (``OutputError``) or, without it, their
-    ``E[x^2]`` ``diag`` (the Hessian's diagonal)."""
+) -> tuple[float, float]:
+    """``(||(Q - W) X^T||^2, ||W X^T||^2)`` per calibration token, from the inputs' Hessian ``H``
+    (``OutputError``: ``H`` is ``2/n X^T X``) or, without it, their ``E[x^2]`` ``diag`` (its diagonal, halved)."""
     if H is not None:
         error = OutputError(H)
         for r in range(0, W.shape[0], 256):
             error.add(W[r : r + 256], Q[r : r + 256])
-        return error.value() ** 2
+        return error.num.item() / 2, error.den.item() / 2
     d = diag.to(device=W.device, dtype=torch.float32)  # type: ignore[union-attr]
-    num = ((Q.float() - W.float()).pow(2) * d).sum()
-    den = (W.float().pow(2) * d).sum().clamp_min(torch.finfo(torch.float32).tiny)
-    return (num / den).item()
+    return ((Q.float() - W.float()).pow(2) * d).sum().item(), (W.float().pow(2) * d).sum().item()
+
+
+def _relative(num: float, den: float) -> float:
+    return math.sqrt(max(num, 0.0) / den) if den > 0 else 0.0
 
 
 def _size(value: int | str, where: str) -> int:

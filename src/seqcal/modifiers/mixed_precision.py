@@ -47,6 +47,7 @@ class MixedPrecisionModifier(GPTQModifier):
         max_size: bytes of the whole checkpoint's tensors (``"70MB"``, an int), instead of average_bits.
         candidates: the schemes to choose from: presets, ``PRESET:g<N>`` / ``PRESET:channel``, scheme dicts.
         pin: ``{pattern: scheme}``: modules matching a pattern (class name or ``re:``) keep that scheme.
+        error: "absolute" (default: the modules' output errors summed) or "relative" (their relative errors).
 
     Example:
         >>> MixedPrecisionModifier(average_bits=3.0, candidates=["W2A16:g64", "W3A16:g64", "W4A16", "W8A16"],
@@ -58,10 +59,11 @@ class MixedPrecisionModifier(GPTQModifier):
     max_size: int | str | None = None
     candidates: list[Any] = field(default_factory=lambda: list(MixedPrecision.DEFAULT_CANDIDATES))
     pin: dict[str, Any] = field(default_factory=dict)
+    error: str = "relative"
 
     def mixed_arguments(self) -> dict[str, Any] | None:
         if self.mixed_precision is not None:
             raise ValueError(f"{self.name}: give average_bits / max_size, candidates and pin as its own arguments, "
                              "not mixed_precision (that is GPTQModifier's and QuantizationModifier's form)")  # fmt: skip
         return {"average_bits": self.average_bits, "max_size": self.max_size, "candidates": self.candidates,
-                "pin": self.pin}  # fmt: skip
+                "pin": self.pin, "error": self.error}  # fmt: skip

@@ -285,7 +285,7 @@ class QuantizationModifier(Modifier):
     def finalize(self, model: torch.nn.Module, state: RunState) -> None:
         if self.mixed is not None:  # the allocation reached, and a recipe that replays it
             solver = "QuantizationModifier" if self.name == "QuantizationModifier" else "GPTQModifier"
-            mixed = {"mixed_precision", "average_bits", "max_size", "candidates", "pin", "targets"}
+            mixed = {"mixed_precision", "average_bits", "max_size", "candidates", "pin", "error", "targets"}
             arguments = {k: v for k, v in self.to_dict().items() if k not in mixed}
             self.mixed.finish(solver, arguments, self.modules, model, state)
 
