@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from seqcal.modelfree.stored import Stored, dequantized_view
+from seqcal.modelfree.stored import SAFETENSORS_NAMES, Stored, read_stored
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -105,7 +105,12 @@ class SourceCheckpoint:
                 f"in {weight_map[missing[0]]}; the download is incomplete, fetch the checkpoint again"
             )
         config = json.loads((root / "config.json").read_text(encoding="utf-8"))
-        info, stored = dequantized_view(root, info, config)
+        stored = read_stored(root, {k: t.file for k, t in info.items()}, config)
+        for name, part in stored.parts.items():  # a quantized weight: under its own key, in the model's dtype
+            data = info[part[0][0]]
+            for key, _ in part:
+                info.pop(key, None)
+            info[name] = TensorInfo(data.file, SAFETENSORS_NAMES[stored.dtype], data.shape)
         return cls(root, files, info, config, stored)
 
     def keys_of(self, file: str) -> list[str]:

@@ -2,14 +2,15 @@
 blocks, per-tensor FP8) whose weights a model-free run quantizes again, to NVFP4 or W4A16.
 
 ``seqcal.sources`` knows which stored tensors make each weight (``weight`` and ``weight_scale_inv``) and
-dequantizes one weight exactly as transformers' dequantizing load does; this module presents the source as the
-full-precision checkpoint those weights make (the weight's key, the model's dtype, the scales gone), so the plan,
-the skeleton and ``config.json`` see what ``oneshot`` sees, and the workers read each weight dequantized.
+dequantizes one weight exactly as transformers' dequantizing load does; ``read_stored`` gives the reader the
+workers use, and ``SourceCheckpoint.open`` shows the source as the full-precision checkpoint those weights make
+(the weight's key, the model's dtype, the scales gone), so the plan, the skeleton and ``config.json`` see what
+``oneshot`` sees.
 
 Example:
-    >>> info, stored = dequantized_view(Path("DeepSeek-V3"), info, config)  # doctest: +SKIP
-    >>> info["model.layers.3.mlp.experts.7.down_proj.weight"].dtype  # doctest: +SKIP
-    'BF16'
+    >>> stored = read_stored(Path("DeepSeek-V3"), files, config)  # doctest: +SKIP
+    >>> stored.parts["model.layers.3.mlp.experts.7.down_proj.weight"]  # doctest: +SKIP
+    (('model.layers.3.mlp.experts.7.down_proj.weight', 'model-00009-of-000163.safetensors'), ...)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import Tensor
 from seqcal.execution.store import read_tensor
 
 # torch dtype names -> safetensors', for the dequantized weights' headers
-_SAFETENSORS_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+SAFETENSORS_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 @dataclass(frozen=True)
@@ -56,46 +57,34 @@ class Stored:
         return Stored(self.source_format, self.dtype, {k: p for k, p in self.parts.items() if k in keys})
 
 
-def dequantized_view(
-    root: Path, info: dict[str, Any], config: dict[str, Any]
-) -> tuple[dict[str, Any], Stored]:
-    """The source's tensors as its full-precision form has them, and the reader of its quantized weights.
+def read_stored(root: Path, files: dict[str, str], config: dict[str, Any]) -> Stored:
+    """The reader of the source's quantized weights: which stored tensors make each (checked from the headers by
+    ``seqcal.sources``), and the dtype they are dequantized to; ``Stored()`` for a full-precision source.
 
     Args:
         root: the checkpoint directory.
-        info: stored key -> ``TensorInfo`` from the headers.
+        files: stored key -> its file's name.
         config: config.json's content.
 
-    Returns:
-        (key -> TensorInfo with each quantized weight under its own key in the model's dtype and its scales gone,
-        the reader); ``(info, Stored())`` for a full-precision source.
-
     Raises:
-        SourceError: a quantized format other than FP8 (``oneshot`` reads those), or scales missing or misshapen.
+        ValueError: a quantized format other than FP8 (``oneshot`` reads those), a dtype that is not a float one,
+            or scales missing or misshapen.
     """
-    from seqcal.modelfree.source import SourceError, TensorInfo
     from seqcal.sources.checkpoint import QuantizedCheckpoint
     from seqcal.sources.detect import detect_source
 
     fmt = detect_source(config.get("quantization_config"), str(root / "config.json"))
     if fmt is None:
-        return info, Stored()
+        return Stored()
     if fmt.method != "fp8":
-        raise SourceError(
+        raise ValueError(
             f"model-free: {root} is stored as {fmt.name}, and model-free reads FP8 sources only (DeepSeek's and "
             "Kimi's blocks); quantize it with oneshot, which reads it, or start from the unquantized model"
         )
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
-    if dtype not in _SAFETENSORS_NAMES:
-        raise SourceError(f"model-free: {root / 'config.json'} has dtype {dtype!r}; set it to bfloat16, float16 or "
-                          "float32, the dtype its FP8 weights are dequantized to")  # fmt: skip
-    checkpoint = QuantizedCheckpoint(root, fmt, files={k: str(root / t.file) for k, t in info.items()})
-    view = dict(info)
-    parts = {}
-    for name, part in checkpoint.parts.items():
-        data = info[part.keys[0]]
-        for key in part.keys:
-            view.pop(key, None)
-        view[name] = TensorInfo(data.file, _SAFETENSORS_NAMES[dtype], data.shape)
-        parts[name] = tuple((key, info[key].file) for key in part.keys)
-    return view, Stored(fmt, dtype, parts)
+    if dtype not in SAFETENSORS_NAMES:
+        raise ValueError(f"model-free: {root / 'config.json'} has dtype {dtype!r}; set it to bfloat16, float16 or "
+                         "float32, the dtype its FP8 weights are dequantized to")  # fmt: skip
+    checkpoint = QuantizedCheckpoint(root, fmt, files={k: str(root / f) for k, f in files.items()})
+    parts = {name: tuple((key, files[key]) for key in part.keys) for name, part in checkpoint.parts.items()}
+    return Stored(fmt, dtype, parts)
