@@ -81,6 +81,15 @@ def _rope(config: Any) -> dict:
     return dict(rope)
 
 
+def tied_output(model: Any) -> bool:
+    """Whether the output projection is the token embedding: the same parameter, or the config says so (a model
+    whose weights are read from disk per subgraph has its parameters on meta, untied)."""
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or emb is None:
+        return False
+    return out.weight is emb.weight or bool(getattr(text_config(model.config), "tie_word_embeddings", False))
+
+
 def head_dim(config: Any) -> int:
     config = text_config(config)
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

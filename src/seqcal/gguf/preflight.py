@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from seqcal.gguf.families import family_of, tensor_namer
+from seqcal.gguf.families import family_of, tensor_namer, tied_output
 from seqcal.gguf.scheme import GGUFScheme
 from seqcal.gguf.vocab import check_tokenizer
 
@@ -42,9 +42,9 @@ def check_gguf_output(model: torch.nn.Module, modifiers: Any, output: Any, token
         if namer(name) is None:
             raise ValueError(f"output_format='gguf': {name} has no llama.cpp tensor name in the {family.arch} "
                              "architecture; save a compressed-tensors checkpoint instead")  # fmt: skip
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    head = model.get_output_embeddings()
     lm_head = next((n for n, m in model.named_modules() if m is head), None)
-    if head is not None and embed is not None and head.weight is embed.weight and lm_head in schemes:
+    if tied_output(model) and lm_head in schemes:
         raise ValueError(f"output_format='gguf': {lm_head} is tied to the token embedding, which llama.cpp stores "
                          f"once; add {lm_head!r} to ignore (the file gives it llama.cpp's output type)")  # fmt: skip
     check_tokenizer(tokenizer)

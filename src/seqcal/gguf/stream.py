@@ -25,7 +25,7 @@ import gguf
 import numpy as np
 import torch
 
-from seqcal.gguf.families import add_hparams, family_of, tensor_namer, text_config
+from seqcal.gguf.families import add_hparams, family_of, tensor_namer, text_config, tied_output
 from seqcal.gguf.scheme import GGUFScheme
 from seqcal.gguf.tensors import Entry, FilePlan, GGUFCheckError, module_entries, plan_types
 from seqcal.gguf.vocab import add_tokenizer
@@ -40,8 +40,7 @@ def file_plan(model: torch.nn.Module, schemes: Sequence[Any]) -> FilePlan:
     """The file's family, mix and naming for ``model`` whose quantized modules follow ``schemes``."""
     family = family_of(model.config)
     base, file_type = plan_types([s for s in schemes if isinstance(s, GGUFScheme)])
-    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = out is not None and emb is not None and out.weight is emb.weight
+    tied = tied_output(model)
     return FilePlan(family, model.config, tensor_namer(family, model.config), base, file_type, tied)
 
 
