@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,6 +148,21 @@ def test_modules_outside_the_layers_keep_the_layer_cut() -> None:
     sample = _sample(torch.randint(0, 256, (1, 8)))
     assert one_pass_subgraphs(model, sample, [gptq], PipelineArgs()) is None
     assert one_pass_subgraphs(model, sample, [gptq], PipelineArgs(one_pass=False)) is None
+
+
+def test_a_target_whose_parent_runs_before_its_group_keeps_the_layer_cut(tmp_path: Path) -> None:
+    # o_proj and down_proj only: the first subgraph reads self_attn (q/k/v are not targets), so it holds o_proj;
+    # compressing it there would quantize o_proj round-to-nearest before any of its inputs were seen.
+    model = tiny_llama()
+    gptq = GPTQModifier(targets=["re:.*o_proj$", "re:.*down_proj$"], scheme="W4A16", ignore=["lm_head"])
+    gptq.validate(model)
+    sample = _sample(torch.randint(0, 256, (1, 8)))
+    assert one_pass_subgraphs(model, sample, [gptq], PipelineArgs()) is None
+    run = GPTQModifier(targets=["re:.*o_proj$", "re:.*down_proj$"], scheme="W4A16", ignore=["lm_head"])
+    oneshot(model=tiny_llama(), dataset=token_data(8), recipe=run, num_calibration_samples=8, max_seq_length=32,
+            output_dir=tmp_path)  # fmt: skip
+    report = json.loads((tmp_path / "quantization_report.json").read_text())
+    assert not [line for line in report["log"] if "never called" in line], report["log"]
 
 
 def test_no_cached_input_is_held_through_the_solve(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -55,7 +55,9 @@ class OutputArgs:
 
     def __post_init__(self) -> None:
         if self.output_format not in OUTPUT_FORMATS:
-            raise ValueError(f"output_format={self.output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}")
+            raise ValueError(
+                f"output_format={self.output_format!r} is not one of {', '.join(OUTPUT_FORMATS)}"
+            )
         if self.output_format == "gguf" and (self.output_dir is None or self.resume):
             raise ValueError("output_format='gguf' writes output_dir/model.gguf in one run: give output_dir, and "
                              "start an interrupted run again instead of resume=True")  # fmt: skip

@@ -82,6 +82,14 @@ def one_pass_subgraphs(
         log = logger.warning if args.trace_into else logger.info  # asked for a full graph: say it differs
         log("seqcal: cutting at layers, not before each module (%s)", reason)
         return None
+    # The first subgraph (before any group) has no cached group inputs: a module it holds through a parent its
+    # code reads (``self_attn`` before an ``o_proj`` target when q/k/v are not targets) would be compressed
+    # there, before any of its inputs were seen. The layer cut calibrates such a module with hooks instead.
+    early = [n for n in names for sg in subgraphs if not sg.target_inputs and sg.holds(n)]
+    if early:
+        logger.info("seqcal: cutting at layers, not before each module (%s is used before its group's cut)",
+                    early[0])  # fmt: skip
+        return None
     if tap is not None:
         sites = kv_update_sites(subgraphs, attention)
         if sites is None:

@@ -112,8 +112,10 @@ def _preset(name: str, targets: list[str], where: str) -> QuantizationScheme:
     if is_gguf(key):  # llama.cpp's types and mixes (seqcal.gguf), written with output_format="gguf"
         return gguf_preset(key, targets)
     if key not in PRESET_SCHEMES:
-        raise ValueError(f"{where}: unknown scheme {name!r}; valid presets: {', '.join(SUPPORTED_PRESETS)}; "
-                         f"GGUF: {', '.join(GGUF_SCHEMES)}")
+        raise ValueError(
+            f"{where}: unknown scheme {name!r}; valid presets: {', '.join(SUPPORTED_PRESETS)}; "
+            f"GGUF: {', '.join(GGUF_SCHEMES)}"
+        )
     scheme = preset_name_to_scheme(key, targets)
     if key not in SUPPORTED_PRESETS:
         check_supported(
