@@ -136,7 +136,8 @@ def test_rows_solved_a_chunk_at_a_time_give_the_same_codes(
         a, b = getattr(whole, field), getattr(rows, field)
         assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype), field
     assert rows.rel_error == whole.rel_error > 0
-    assert torch.allclose(rows.row_loss, whole.row_loss, rtol=1e-5, atol=0)
+    # summed in another order per chunk: a few float32 roundings apart over the 96 columns (oneDNN on AMD CPUs)
+    assert torch.allclose(rows.row_loss, whole.row_loss, rtol=1e-4, atol=0)
 
 
 def test_rows_solved_a_chunk_at_a_time_hold_no_weight_sized_float_copy(monkeypatch):

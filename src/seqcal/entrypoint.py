@@ -210,9 +210,8 @@ def run_oneshot(args: OneshotArgs) -> Any:
     # the returned model has its fused experts back. After an error it keeps the Linears (same outputs).
     experts = linearize_experts(loaded, calibrate_all=args.moe_calibrate_all_experts)
     parsed.validate(loaded)
-    check_gguf_output(
-        loaded, parsed.modifiers, out_args, tok
-    )  # GGUF schemes <-> GGUF output, before calibrating
+    # GGUF schemes <-> GGUF output, before calibrating
+    check_gguf_output(loaded, parsed.modifiers, out_args, tok)
     plan, fit = _memory_plan(args, loaded, parsed, pipe_args, host_budget)
     if out_args.resume:
         keep_recorded_choices(out_args.output_dir, pipe_args, fit)

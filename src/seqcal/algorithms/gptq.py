@@ -228,12 +228,10 @@ def gptq_quantize(
         one_thread = one_intra_op_thread() if W.device.type == "cpu" else contextlib.nullcontext()
         if fmt is not None:
             WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)
-            if (
-                fmt.scale != "gguf"
-            ):  # GGUF scales stay float32: fp16 values and small ints, which bf16 would round
-                scale = scale.to(
-                    scale_dtype
-                )  # exact: fp8 values, powers of two, or block scales rounded first
+            # exact: fp8 values, powers of two, or block scales rounded first. GGUF scales stay float32: fp16
+            # values and small ints, which bf16 would round.
+            if fmt.scale != "gguf":
+                scale = scale.to(scale_dtype)
             scale32, zero32, col_group = _format_columns(scale, zero_point, fmt, W.shape, global_scale, perm)
             qrange = (*formats.grid_range(fmt), fmt.grid)
         else:
@@ -268,10 +266,9 @@ def gptq_quantize(
         Q = _original_order(QT, inv, W.dtype)
     codes = _codes_in_order(codes, inv)
     del QT
-    if (
-        fmt is not None and fmt.scale == "gguf"
-    ):  # the loop's (c - z) * s is within a rounding of s * c + b: the
-        exact = formats.dequantize(codes, scale, zero_point, fmt, dtype=W.dtype)  # weight llama.cpp computes
+    if fmt is not None and fmt.scale == "gguf":
+        # the loop's (c - z) * s is within a rounding of s * c + b, the weight llama.cpp computes
+        exact = formats.dequantize(codes, scale, zero_point, fmt, dtype=W.dtype)
         Q = Q.copy_(exact) if Q is W else exact
     if fmt is not None and zero_point is None:
         zero_point = torch.zeros_like(scale, dtype=fmt.code_dtype)
