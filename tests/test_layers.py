@@ -24,9 +24,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mappings",),
     ("modifiers",),
     ("recipe", "checkpoint"),
-    ("evaluation", "distributed"),
+    ("evaluation", "distributed", "sources", "gguf"),  # sources: quantized checkpoints read per weight; gguf: GGUF grids and writer
     ("execution",),  # the pipeline: calls every stage below
     ("plan",),  # the memory plan and the host-memory budget's decisions
+    ("modelfree",),  # model-free quantization: shards to a checkpoint without the model class
     ("run_args",),  # oneshot's configuration
     ("entrypoint",),  # oneshot
     ("seqcal",),  # the package's public names
