@@ -18,17 +18,18 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "assets"),
     ("console", "backend"),  # kernels, process settings, the thread count from the free cores
     ("algorithms", "models"),  # pure tensor math; model names and Hub ids -> directories
-    ("records",),  # the data that crosses stages (QuantizedWeight, Statistic, Fold)
+    ("gguf",),  # GGUF's grids and types (schemes name them), its writer
+    ("records", "sources"),  # the data that crosses stages; quantized source checkpoints read per weight
     ("tracing", "execution.cache", "data"),  # trace, partition, run a graph; the activation cache; batches
     ("experts", "report", "multimodal"),  # multimodal: processors, media rows
     ("mappings",),
     ("modifiers",),
     ("recipe", "checkpoint"),
-    ("evaluation", "distributed", "sources", "gguf"),  # sources: quantized checkpoints read per weight; gguf: GGUF grids and writer
+    ("evaluation", "distributed"),
     ("execution",),  # the pipeline: calls every stage below
     ("plan",),  # the memory plan and the host-memory budget's decisions
-    ("modelfree",),  # model-free quantization: shards to a checkpoint without the model class
     ("run_args",),  # oneshot's configuration
+    ("loading", "modelfree"),  # the model as the user gave it; model-free quantization (no model class)
     ("entrypoint",),  # oneshot
     ("seqcal",),  # the package's public names
     ("cli",),  # the command

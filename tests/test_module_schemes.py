@@ -30,6 +30,7 @@ from seqcal.distributed.exchange import pack, unpack
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import Gather, QuantizationModifier, QuantizedWeight
 from seqcal.modifiers.base import RunState
+from seqcal.recipe.imports import user_modifier_logger
 
 logger = logging.getLogger(__name__)
 WIDTHS = (3, 4, 8)
@@ -232,7 +233,7 @@ def test_a_user_modules_logger_follows_the_flags(flags: dict) -> None:
     root = logging.getLogger()
     before = root.level, list(root.handlers)
     stream = io.StringIO()
-    with console_logging(**flags, stream=stream):
+    with console_logging(**flags, stream=stream, shown=user_modifier_logger):
         for level in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR):
             logger.log(level, "user %s", logging.getLevelName(level))
             logging.getLogger("seqcal.x").log(level, "own %s", logging.getLevelName(level))

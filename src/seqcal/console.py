@@ -14,7 +14,7 @@ import logging
 import re
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from seqcal.errors import is_user_error, one_line
@@ -45,12 +45,18 @@ class ConsoleFormatter(logging.Formatter):
 
 
 @contextlib.contextmanager
-def console_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None = None) -> Iterator[None]:
-    """Within the block, the ``seqcal`` loggers, and those of the packages that define modifiers outside seqcal,
-    write to stderr at the level the flags ask for.
+def console_logging(
+    verbose: int = 0,
+    quiet: bool = False,
+    stream: TextIO | None = None,
+    shown: Callable[[str], bool] | None = None,
+) -> Iterator[None]:
+    """Within the block, the ``seqcal`` loggers, and the other loggers ``shown`` accepts, write to stderr at the
+    level the flags ask for.
 
-    A user modifier's logger (``logging.getLogger(__name__)`` in a module named by import path) is reached through
-    the root logger, whose level is set to the same; records of other libraries are not shown (their warnings
+    A logger ``shown`` accepts (the command line passes ``recipe.imports.user_modifier_logger``: a user modifier's
+    ``logging.getLogger(__name__)``) is reached through the root logger, whose level is set to the same; records
+    of other libraries are not shown (their warnings
     are, as Python shows them without any handler, when the host configured none). The loggers' handlers, levels
     and propagation are restored on the way out, so ``main()`` called from Python (tests, notebooks) leaves the
     host's logging as it found it.
@@ -59,6 +65,8 @@ def console_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None
         verbose: ``-v`` count: 1 or more shows DEBUG lines.
         quiet: ``-q``: errors only.
         stream: where to write (default: sys.stderr at call time).
+        shown: which other loggers, by name, print as seqcal's own (None: none, and the root logger is left
+            alone).
 
     Example:
         >>> with console_logging(verbose=1):  # doctest: +SKIP
@@ -69,21 +77,14 @@ def console_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None
     saved = logger.level, logger.propagate, root.level
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(ConsoleFormatter(verbose > 0))
-    # user modifiers' loggers (any name) reach the root logger: shown at the same level, others' records not
-    users = logging.StreamHandler(stream or sys.stderr)
-    users.setFormatter(ConsoleFormatter(verbose > 0))
-    users.addFilter(lambda record: _from_user_modifier(record.name))
-    # Python prints the warnings of a process without any handler by itself (logging.lastResort); with ours on
-    # the root logger it would not, so the others' warnings keep a handler of their own, as plain as lastResort's
-    others = None if root.handlers else logging.StreamHandler(stream or sys.stderr)
-    handlers = [(logger, handler), (root, users)] + ([(root, others)] if others else [])
-    if others is not None:
-        others.setLevel(logging.WARNING)
-        others.addFilter(lambda record: not _from_user_modifier(record.name))
+    handlers = [(logger, handler)] + (
+        _root_handlers(root, shown, stream, verbose) if shown is not None else []
+    )
     for owner, h in handlers:
         owner.addHandler(h)
     logger.setLevel(level)
-    root.setLevel(level)
+    if shown is not None:
+        root.setLevel(level)
     logger.propagate = False  # a root handler configured by the host would print every line twice
     try:
         with _quiet_transformers() if quiet else contextlib.nullcontext():
@@ -94,19 +95,22 @@ def console_logging(verbose: int = 0, quiet: bool = False, stream: TextIO | None
         logger.level, logger.propagate, root.level = saved
 
 
-def _from_user_modifier(name: str) -> bool:
-    """Whether logger ``name`` belongs to a package that defines a modifier outside seqcal (a recipe's import path
-    or entry point): the package of a loaded Modifier subclass, its modules and their loggers' children."""
-    # imported by the run already, and not before: the console is set up before any heavy import
-    from seqcal.modifiers.base import Modifier
-
-    top = name.partition(".")[0]
-    pending, packages = list(Modifier.__subclasses__()), set()
-    while pending:
-        cls = pending.pop()
-        pending.extend(cls.__subclasses__())
-        packages.add(cls.__module__.partition(".")[0])
-    return top != "seqcal" and top in packages
+def _root_handlers(
+    root: logging.Logger, shown: Callable[[str], bool], stream: TextIO | None, verbose: int
+) -> list[tuple[logging.Logger, logging.Handler]]:
+    """The root logger's handlers for the loggers ``shown`` accepts (any name: they reach the root logger), at the
+    console's level, and for the others' warnings where the host configured no handler."""
+    users = logging.StreamHandler(stream or sys.stderr)
+    users.setFormatter(ConsoleFormatter(verbose > 0))
+    users.addFilter(lambda record: shown(record.name))
+    if root.handlers:
+        return [(root, users)]
+    # Python prints the warnings of a process without any handler by itself (logging.lastResort); with ours on
+    # the root logger it would not, so the others' warnings keep a handler of their own, as plain as lastResort's
+    others = logging.StreamHandler(stream or sys.stderr)
+    others.setLevel(logging.WARNING)
+    others.addFilter(lambda record: not shown(record.name))
+    return [(root, users), (root, others)]
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from seqcal.distributed.group import merge_rank_profiles
 from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.experts import linearize_experts
 from seqcal.gguf.preflight import check_gguf_output
-from seqcal.models.load import load_model
+from seqcal.loading import load_model
 from seqcal.modifiers.state import RunState
 from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
@@ -39,7 +39,7 @@ from seqcal.report.profile import Profiler
 from seqcal.run_args import ModelArgs, OneshotArgs, parse_bytes
 from seqcal.sources.policy import check_source
 
-__all__ = ["load_model", "oneshot", "run_oneshot"]  # load_model lives in seqcal.models.load
+__all__ = ["load_model", "oneshot", "run_oneshot"]  # load_model lives in seqcal.loading
 
 logger = logging.getLogger("seqcal")
 

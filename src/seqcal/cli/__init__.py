@@ -344,6 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_modifier_logger(name: str) -> bool:
+    """``recipe.imports.user_modifier_logger``, imported when the first record is logged, not at start-up (the
+    command's help and usage errors import no torch)."""
+    from seqcal.recipe.imports import user_modifier_logger
+
+    return user_modifier_logger(name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``seqcal`` command."""
     limit_onednn_cache()  # first: oneDNN reads the setting when it creates its first primitive
@@ -361,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"trace: give --format {{{','.join(sorted(FORMATS))}}} or an --output with that suffix"
             )
     try:
-        with console_logging(args.verbose, args.quiet):
+        with console_logging(args.verbose, args.quiet, shown=_user_modifier_logger):
             choose_threads(getattr(args, "threads", None))  # process-wide: the cores others leave free
             return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -72,6 +72,19 @@ def _checked(obj: object, path: str, where: str) -> type[Modifier]:
     return obj
 
 
+def user_modifier_logger(name: str) -> bool:
+    """Whether logger ``name`` belongs to a package that defines a modifier outside seqcal (a recipe's import path
+    or entry point): the package of a loaded Modifier subclass, its modules and their loggers' children. The
+    command line shows these loggers as seqcal's own (``console.console_logging(shown=...)``)."""
+    top = name.partition(".")[0]
+    pending, packages = list(Modifier.__subclasses__()), set()
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        packages.add(cls.__module__.partition(".")[0])
+    return top != "seqcal" and top in packages
+
+
 def recipe_key(modifier: Modifier) -> str:
     """How a recipe names ``modifier``: its registry name, else its class's import path (``pkg.module:Class``),
     so that the recipe.yaml written beside a checkpoint runs again (a class defined in ``__main__`` cannot be
