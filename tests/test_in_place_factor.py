@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seqcal.algorithms import gptq_factor
+from seqcal.algorithms import gptq_factor, products
 from seqcal.algorithms.gptq import gptq_quantize
 from seqcal.algorithms.gptq_factor import (
     FACTOR_BLOCK,
@@ -20,6 +20,7 @@ from seqcal.algorithms.gptq_factor import (
     processing_factor,
 )
 from seqcal.algorithms.hessian import KeptHessian, kept_in_ram, symmetrize_upper
+from seqcal.backend import onednn_applies
 from seqcal.plan import PROCESS_BASELINE, MemoryPlan, SubgraphPlan
 from seqcal.plan.host import HostBudgetError, fit_host
 from test_host_budget import room
@@ -120,7 +121,10 @@ def test_the_in_place_factor_allocates_a_few_blocks_where_lapacks_allocates_a_ma
             gptq_factor._inverse_hessian_factor(H, kept, None, dead, 0.01, 0, 10.0, in_place)
 
         peaks[in_place] = _allocated_peak(factor)
-    assert peaks[False] >= n * n * 4  # LAPACK's factor beside the Hessian
+    # LAPACK's factor beside the Hessian; on oneDNN (float32 CPU solves wider than FACTOR_LEAF) the blocked factor,
+    # three quarters of one matrix (_inverse_hessian_factor)
+    blocked = onednn_applies(H, H) and n > products.FACTOR_LEAF
+    assert peaks[False] >= (n * n * 4 * 3 // 4 if blocked else n * n * 4)
     assert peaks[True] <= 6 * FACTOR_BLOCK**2 * 4 < n * n * 4 // 2  # a few blocks, counted in factor_bytes
     assert factor_bytes(n, in_place=True) >= peaks[True]
 
