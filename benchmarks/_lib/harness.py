@@ -47,6 +47,18 @@ def measure(cmd: list[str], log: Path | None = None) -> tuple[float, float, floa
     return wall, cpu, rss_gb, last
 
 
+def calibration_tokens(model: Path, samples: int, seq: int) -> Path:
+    """The calibration windows every tool of a comparison gets: the first ``samples`` shuffled ``seq``-token windows
+    of WikiText-2 valid (``calib_tokens.py``), made once under ``WORK`` and reused by later runs."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    tokens = WORK / f"calib_{samples}x{seq}.safetensors"
+    if not tokens.exists():
+        subprocess.run([f"{VENV}/bin/python", "benchmarks/_lib/calib_tokens.py", "--model", str(model), "--text",
+                        str(WIKI / "wiki.valid.raw"), "--samples", str(samples), "--seq", str(seq),
+                        "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    return tokens
+
+
 def perplexity(checkpoint: Path, windows: int | None) -> float:
     code = (
         "import sys, torch; from transformers import AutoTokenizer;"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_lib"))  # the shared helpers: benchmarks/_lib
 import harness  # noqa: E402
-from harness import ROOT, VENV, WORK, measure  # noqa: E402
+from harness import ROOT, VENV, WORK, calibration_tokens, measure  # noqa: E402
 
 RECIPE = """quant_stage:
   quant_modifiers:
@@ -76,12 +76,7 @@ def main() -> None:
     from seqcal.models import default_model_dir
 
     model = Path(args.model) if args.model else default_model_dir()
-    WORK.mkdir(parents=True, exist_ok=True)
-    tokens = WORK / f"calib_{args.samples}x512.safetensors"
-    if not tokens.exists():
-        subprocess.run([f"{VENV}/bin/python", "benchmarks/_lib/calib_tokens.py", "--model", str(model), "--text",
-                        str(harness.WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", "512",
-                        "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    tokens = calibration_tokens(model, args.samples, 512)
     tag = f"{model.name}-w{args.bits}-{args.iters}it-lr{args.lr:g}" + (
         f"-seed{args.seed}" if args.seed != 42 else ""
     )

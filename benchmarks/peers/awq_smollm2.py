@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_lib"))  # the shared helpers: benchmarks/_lib
 import harness  # noqa: E402
-from harness import PEER, ROOT, SEQCAL, VENV, WORK, perplexity, run_and_evaluate  # noqa: E402
+from harness import PEER, SEQCAL, WORK, calibration_tokens, perplexity, run_and_evaluate  # noqa: E402
 
 RUNS = {
     "seqcal-rtn": [*SEQCAL, "--algo", "rtn"],
@@ -54,14 +53,9 @@ def main() -> None:
 
     os.environ["SEQCAL_BENCH_SYMMETRIC"] = "0"  # both runners read the scheme from scheme.py
     # WikiText-2 is at ../shared/data from the repository root; SEQCAL_WIKI_DIR points elsewhere (a worktree)
-    harness.WIKI = WIKI = Path(os.environ.get("SEQCAL_WIKI_DIR", harness.WIKI))
+    harness.WIKI = Path(os.environ.get("SEQCAL_WIKI_DIR", harness.WIKI))
     model = default_model_dir()
-    WORK.mkdir(parents=True, exist_ok=True)
-    tokens = WORK / "calib_128x512.safetensors"
-    if not tokens.exists():
-        subprocess.run([f"{VENV}/bin/python", "benchmarks/_lib/calib_tokens.py", "--model", str(model), "--text",
-                        str(WIKI / "wiki.valid.raw"), "--samples", "128", "--seq", "512", "--out", str(tokens)],
-                       cwd=ROOT, check=True)  # fmt: skip
+    tokens = calibration_tokens(model, 128, 512)
     results = {}
     if not args.no_baseline:
         results["fp32"] = {"ppl": round(perplexity(model, args.eval_windows), 2)}

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_lib"))  # the shared helpers: benchmarks/_lib
-from harness import PEER, ROOT, SEQCAL, VENV, WIKI, WORK, run_and_evaluate  # noqa: E402
+from harness import PEER, SEQCAL, WORK, calibration_tokens, run_and_evaluate  # noqa: E402
 
 # run name -> (command, weight observer); the observer None is the scheme's default (minmax)
 RUNS: dict[str, tuple[list[str], str | None]] = {
@@ -47,12 +46,7 @@ def main() -> None:
     from seqcal.models import default_model_dir
 
     model = default_model_dir()
-    WORK.mkdir(parents=True, exist_ok=True)
-    tokens = WORK / f"calib_{args.samples}x512.safetensors"
-    if not tokens.exists():
-        subprocess.run([f"{VENV}/bin/python", "benchmarks/_lib/calib_tokens.py", "--model", str(model), "--text",
-                        str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", "512", "--out", str(tokens)],
-                       cwd=ROOT, check=True)  # fmt: skip
+    tokens = calibration_tokens(model, args.samples, 512)
     path = WORK / "imatrix_results.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     for name in args.runs.split(","):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "_lib"))  # the shared helpers
-from harness import SEQCAL, VENV, WIKI, WORK, run_and_evaluate  # noqa: E402
+from harness import SEQCAL, VENV, WORK, calibration_tokens, run_and_evaluate  # noqa: E402
 
 # integer weight-only candidates, 2.5 to 8.06 stored bits per weight (SmolLM2's 576 inputs take no group of 128)
 CANDIDATES = ["W2A16:g64", "W2A16:g32", "W3A16:channel", "W3A16:g64", "W3A16:g32", "W4A16:channel", "W4A16:g64",
@@ -78,12 +78,7 @@ def main() -> None:
     from seqcal.models import default_model_dir
 
     model = default_model_dir()
-    WORK.mkdir(parents=True, exist_ok=True)
-    tokens = WORK / f"calib_{args.samples}x{args.seq}.safetensors"
-    if not tokens.exists():
-        subprocess.run([f"{VENV}/bin/python", "benchmarks/_lib/calib_tokens.py", "--model", str(model), "--text",
-                        str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
-                        "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    tokens = calibration_tokens(model, args.samples, args.seq)
     results = {}
     for name in args.runs.split(","):
         out, path = WORK / f"mixed-{name}", WORK / f"mixed-{name}.yaml"

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_lib"))  # the shared helpers: benchmarks/_lib
-from harness import PEER, ROOT, SEQCAL, VENV, WIKI, WORK, perplexity, run_and_evaluate  # noqa: E402
+from harness import PEER, ROOT, SEQCAL, WORK, calibration_tokens, perplexity, run_and_evaluate  # noqa: E402
 
 RECIPES = ROOT / "recipes"
 RUNS = {
@@ -42,12 +41,7 @@ def main() -> None:
     from seqcal.models import default_model_dir
 
     model = default_model_dir()
-    WORK.mkdir(parents=True, exist_ok=True)
-    tokens = WORK / f"calib_{args.samples}x{args.seq}.safetensors"
-    if not tokens.exists():
-        subprocess.run([f"{VENV}/bin/python", "benchmarks/_lib/calib_tokens.py", "--model", str(model), "--text",
-                        str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
-                        "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    tokens = calibration_tokens(model, args.samples, args.seq)
     results = {}
     if not args.no_baseline:
         results["fp32 (unquantized)"] = {"ppl": round(perplexity(model, args.eval_windows), 2)}

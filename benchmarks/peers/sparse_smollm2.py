@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_lib"))  # the shared helpers: benchmarks/_lib
 import harness  # noqa: E402
-from harness import PEER, ROOT, VENV, WORK, run_and_evaluate  # noqa: E402
+from harness import PEER, VENV, WORK, calibration_tokens, run_and_evaluate  # noqa: E402
 
 RECIPES = {
     "sgpt24": "recipes/sparsegpt_2of4.yaml",
@@ -39,16 +38,11 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--wiki", default=str(harness.WIKI), help="folder with wiki.{valid,test}.raw")
     args = parser.parse_args()
-    WIKI = harness.WIKI = Path(args.wiki)  # perplexity() reads the test text from there
+    harness.WIKI = Path(args.wiki)  # calibration_tokens() and perplexity() read the test text from there
     from seqcal.models import default_model_dir
 
     model = default_model_dir()
-    WORK.mkdir(parents=True, exist_ok=True)
-    tokens = WORK / f"calib_{args.samples}x{args.seq}.safetensors"
-    if not tokens.exists():
-        subprocess.run([f"{VENV}/bin/python", "benchmarks/_lib/calib_tokens.py", "--model", str(model), "--text",
-                        str(WIKI / "wiki.valid.raw"), "--samples", str(args.samples), "--seq", str(args.seq),
-                        "--out", str(tokens)], cwd=ROOT, check=True)  # fmt: skip
+    tokens = calibration_tokens(model, args.samples, args.seq)
     results = {}
     for name in args.runs.split(","):
         tool, recipe = RUNS[name]
