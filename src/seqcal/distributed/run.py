@@ -345,11 +345,11 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
         f"{identity}|{modifiers!r}|{shapes}|{num_shards}|{data_fingerprint(batches)}|{threads}"
     )
     plan = ShardPlan(len(batches), num_shards, group.world_size)
-    unshared = ModifierSet.of(modifiers).unshared()
+    unshared = [m for m in modifiers if m.name in ModifierSet.of(modifiers).unshared()]
     if group.world_size > 1 and unshared:
         raise DistributedError(
-            f"{unshared[0]} gathers statistics that do not yet reduce across processes (each would solve on its "
-            f"own share of the data); run it in one process, without torchrun, or with --nproc-per-node 1"
+            f"{unshared[0].name} {unshared[0].not_shared_because}; run it in one process, without torchrun, or "
+            "with --nproc-per-node 1"
         )
     costs = solve_costs(subgraphs, modifiers, model)
     if group.world_size == 1:  # one process solves everything: no module groups to spread

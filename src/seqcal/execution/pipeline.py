@@ -264,12 +264,11 @@ def _streaming(
         resume=output.args.resume, weights=weights, batches=batches, profiler=profiler,
         background=background,
     )  # fmt: skip
-    stuck = ModifierSet.of(modifiers).not_resumable()
+    stuck = [m for m in modifiers if m.name in ModifierSet.of(modifiers).not_resumable()]
     if output.stream.finished >= 0 and stuck:
         raise ResumeError(
-            f"output_dir {output.args.output_dir} holds an interrupted run of {stuck[0]}, which cannot be resumed "
-            "(replayed layers would lack the weights it changed besides the quantized ones); start it again with "
-            "overwrite=True (--overwrite)"
+            f"output_dir {output.args.output_dir} holds an interrupted run of {stuck[0].name}, which cannot be "
+            f"resumed ({stuck[0].not_resumable_because}); start it again with overwrite=True (--overwrite)"
         )
     if output.stream.finished >= 0:
         logger.warning("seqcal: resuming after subgraph %d of %d", output.stream.finished, len(subgraphs))

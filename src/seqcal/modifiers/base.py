@@ -68,6 +68,15 @@ class Modifier:
     # False: an interrupted run cannot be resumed, because this modifier changes weights that a replayed
     # subgraph cannot put back (neither quantized nor recorded in ``state.ledger.changed``).
     resumable: ClassVar[bool] = True
+    # Why a run refuses this modifier when it is not resumable ("X, which cannot be resumed (...)"), or in several
+    # processes when ``shares_statistics`` is False ("X <this>; run it in one process ..."): a modifier that
+    # refuses for another reason says its own.
+    not_resumable_because: ClassVar[str] = (
+        "replayed layers would lack the weights it changed besides the quantized ones"
+    )
+    not_shared_because: ClassVar[str] = (
+        "gathers statistics that do not yet reduce across processes (each would solve on its own share of the data)"
+    )
     # True: ``compress`` removes or renumbers modules (REAP's expert pruning); it runs last in each subgraph.
     restructures: ClassVar[bool] = False
 

@@ -125,6 +125,12 @@ class QuantizationModifier(Modifier):
                              "no scheme or config_groups beside it (its pin fixes the scheme of some modules)")  # fmt: skip
         self.groups = self.mixed.groups()  # type: ignore[union-attr]
         self.resumable, self.needs_calibration = False, True
+        # each unit's scheme depends on the error curves of the units solved before it
+        self.not_resumable_because = "a replay does not have the error curves its mixed precision chose from"
+        self.not_shared_because = (
+            "chooses each module's scheme from the error curves of the modules solved before it, which another "
+            "process does not have"
+        )
         if self.importance_from_inputs:
             self.gathers = (*type(self).gathers, *IMPORTANCE_GATHERS)
 
