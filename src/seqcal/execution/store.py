@@ -29,7 +29,7 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 
 from seqcal.errors import ModelLoadError
-from seqcal.sources.checkpoint import QuantizedCheckpoint, quantized_source
+from seqcal.sources.checkpoint import QuantizedCheckpoint, checkpoint_files, quantized_source
 
 
 @dataclass
@@ -52,18 +52,7 @@ class WeightStore:
         if source is not None:  # stored names -> the full-precision names, each read dequantized
             files = {name: source.file_of(name) for name in source.names()}
             return cls(files=files, dtype=dtype, source=source)
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = {name: str(path / file) for name, file in weight_map.items()}
-        elif (path / "model.safetensors").is_file():
-            with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-                files = dict.fromkeys(f.keys(), str(path / "model.safetensors"))
-        else:
-            raise FileNotFoundError(
-                f"{path} has no model.safetensors(.index.json); seqcal reads weights with safetensors only "
-                "(convert .bin checkpoints with transformers' save_pretrained first)"
-            )
+        files = checkpoint_files(path)  # every shard the index names checked first
         return cls(files=files, dtype=dtype)
 
     def has(self, name: str) -> bool:

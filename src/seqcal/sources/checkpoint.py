@@ -68,7 +68,8 @@ def checkpoint_files(path: str | Path) -> dict[str, str]:
     single = path / "model.safetensors"
     if not single.is_file():
         raise FileNotFoundError(f"{path} has no model.safetensors(.index.json); seqcal reads weights with "
-                                "safetensors only")  # fmt: skip
+                                "safetensors only (convert .bin checkpoints with transformers' save_pretrained "
+                                "first)")  # fmt: skip
     with safe_open(str(single), framework="pt") as f:
         return dict.fromkeys(f.keys(), str(single))
 
