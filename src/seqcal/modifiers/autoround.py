@@ -1,6 +1,6 @@
 """AutoRoundModifier: learned rounding and ranges per decoder layer (signed gradient descent), llm-compressor's
-arguments. Math in ``seqcal.algorithms.autoround`` (int weights) and ``seqcal.algorithms.autoround_formats`` (fp8,
-NVFP4, MX).
+arguments. Math in ``seqcal.algorithms.autoround`` (int weights), ``seqcal.algorithms.autoround_formats`` (fp8,
+NVFP4, MX) and ``seqcal.algorithms.autoround_grids`` (GGUF's types: llama.cpp's scales, the codes learned).
 
 The modifier is not ``input_only``, so the pipeline cuts after each layer. The layer's calibration pass records
 its calls (``SpanCache``); ``compress`` computes the layer's full-precision output on its *reference inputs*,
@@ -28,13 +28,15 @@ from torch.func import functional_call
 from seqcal.algorithms import dequantize, formats
 from seqcal.algorithms.autoround import LearnedQuantizer, learned_codes, sign_step_
 from seqcal.algorithms.autoround_formats import FormatQuantizer
+from seqcal.algorithms.autoround_grids import GridQuantizer
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.algorithms.search_steps import TrainingKernels, batches_of, linear_lr, masked_mse
 from seqcal.backend import linears_on_onednn
 from seqcal.modifiers.base import BatchCursor, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.layer_calls import Calls, with_hidden
-from seqcal.modifiers.quantization import QuantizationModifier, quant_kwargs
+from seqcal.modifiers.quantization import QuantizationModifier
+from seqcal.modifiers.round_to_nearest import quant_kwargs
 from seqcal.modifiers.spans import SpanCache
 from seqcal.tracing.partition import Subgraph
 
@@ -107,7 +109,7 @@ class AutoRoundModifier(QuantizationModifier):
         for name, scheme in self.modules.items():
             if why := _refusal(scheme):
                 raise ValueError(f"{self.name}: {name} {why}; AutoRound learns min-max int weights (2 to 8 bits, per "
-                                 "channel or group) and fp8, NVFP4 or MX weights (per tensor, channel or group): use "
+                                 "channel or group), fp8, NVFP4 or MX weights (per tensor, channel or group) and GGUF types: use "
                                  "GPTQModifier or QuantizationModifier for it, or add it to ignore")  # fmt: skip
 
     def shares_statistics(self) -> bool:
@@ -236,7 +238,11 @@ class AutoRoundModifier(QuantizationModifier):
         self.losses[layer] = (first, best)
         for n in names:
             module, quantizer = model.get_submodule(n), quantizers[n]
-            if isinstance(quantizer, FormatQuantizer):
+            if isinstance(quantizer, GridQuantizer):  # GGUF: llama.cpp's scales, the learned codes
+                q, scale, zp = quantizer.codes(kept[n])
+                module.weight.data = formats.dequantize(q, scale, zp, quantizer.fmt, dtype=W[n].dtype)
+                g = None
+            elif isinstance(quantizer, FormatQuantizer):
                 q, scale = quantizer.codes(kept[n])
                 zp, fmt, g = None, quantizer.fmt, quantizer.global_scale
                 module.weight.data = formats.dequantize(q, scale, None, fmt, g, dtype=W[n].dtype)
@@ -254,9 +260,11 @@ class AutoRoundModifier(QuantizationModifier):
                 )
         self.inputs.finish(names, model, state)  # static input scales, observed in the calibration pass
 
-    def _quantizer(self, name: str, W: torch.Tensor) -> LearnedQuantizer | FormatQuantizer:
-        """The learned fake quantization of ``name``'s weight: int codes, or a float / scaled format."""
+    def _quantizer(self, name: str, W: torch.Tensor) -> LearnedQuantizer | FormatQuantizer | GridQuantizer:
+        """The learned fake quantization of ``name``'s weight: int codes, a float / scaled format, or a GGUF type."""
         fmt = _float_format(self.modules[name])
+        if fmt is not None and fmt.scale == "gguf":
+            return GridQuantizer.of(W, fmt)
         if fmt is None:
             kw = _int_format(self.modules[name])
             return LearnedQuantizer.of(W, **kw)
@@ -290,6 +298,8 @@ def _refusal(scheme: Any) -> str | None:
     if kw["observer"] != "minmax":
         return f"has the weight observer {kw['observer']!r} (AutoRound learns its ranges from min-max)"
     fmt = _float_format(scheme)
+    if fmt is not None and fmt.scale == "gguf":  # a GGUF type: its scales fixed, the codes learned
+        return None
     if fmt is not None:
         if fmt.strategy == "block" or fmt.type != "float":
             return f"has {fmt.strategy} {fmt.num_bits}-bit {fmt.type} weights (learned per group, channel or tensor)"
