@@ -27,17 +27,29 @@ _OPTIONAL = ("zero_point", "global_scale", "input_scale", "input_zero_point", "i
 
 
 def resume_tensors(
-    quantized: Mapping[str, QuantizedWeight],
+    quantized: Mapping[str, QuantizedWeight], errors: Mapping[str, Mapping[str, Any]] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What a subgraph's resume file keeps of its quantized modules: their tensors (``name:q``, ``name:scale``,
     ...) and, as metadata, the scheme each was quantized with (``schemes``), so that a replay rebuilds the module
-    the interrupted run had, whichever scheme its modifier chose for it."""
+    the interrupted run had, whichever scheme its modifier chose for it, and each one's report entry (``errors``:
+    ``state.results.module_errors``), so that the resumed run reports it, and a modifier whose later choices
+    depend on it (mixed precision's error curves) finds it there."""
     tensors: dict[str, torch.Tensor] = {}
     for name, qw in quantized.items():
         tensors.update({f"{name}:q": qw.q, f"{name}:scale": qw.scale})
         tensors.update({f"{name}:{k}": getattr(qw, k) for k in _OPTIONAL if getattr(qw, k) is not None})
     schemes = {name: scheme_record(qw.scheme, name) for name, qw in quantized.items()}
-    return tensors, {"schemes": json.dumps(schemes, sort_keys=True)}
+    entries = {name: dict(errors[name]) for name in quantized if errors is not None and name in errors}
+    # json keeps a float's every bit (its shortest repr) and writes inf as Infinity, which it reads back
+    return tensors, {
+        "schemes": json.dumps(schemes, sort_keys=True),
+        "errors": json.dumps(entries, default=_plain),
+    }
+
+
+def _plain(value: Any) -> Any:
+    """A report value json has no type for (a tensor, a numpy number) as the report writes it: a number or list."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
 def saved_schemes(metadata: Mapping[str, str]) -> dict[str, QuantizationScheme]:
@@ -93,8 +105,11 @@ def _undo_close(path: Path, closing: Mapping[str, str]) -> None:
 
 def restore_records(state: RunState, metadata: Mapping[str, str]) -> None:
     """The run state's records of the modules a resumed run put back, from a resume file's ``metadata``: folded
-    producers, pruned modules and their sparsity (``config.json``'s sparsity_config lists them)."""
+    producers, pruned modules and their sparsity (``config.json``'s sparsity_config lists them), the quantized
+    modules' report entries."""
     state.ledger.edited.update(json.loads(metadata.get("edited", "[]")))
+    for name, entry in json.loads(metadata.get("errors", "{}")).items():
+        state.results.module_errors.setdefault(name, {}).update(entry)
     for name, (structure, sparsity) in json.loads(metadata.get("sparsity", "{}")).items():
         state.results.sparsity[name] = structure
         if sparsity is not None:

@@ -190,7 +190,7 @@ class StreamingCheckpoint:
                 for name in names
             ]  # fmt: skip
         mine = {n: q for n, q in self.state.results.quantized.items() if sg.holds(n)}
-        tensors, schemes = resume_tensors(mine)  # the codes with the scheme each module was quantized with
+        tensors, schemes = resume_tensors(mine, self.state.results.module_errors)  # codes, schemes, entries
         edited, metadata = self._edited(sg)
         tensors.update(edited)
         metadata.update(schemes)

@@ -356,8 +356,11 @@ def start_sharded_run(model: torch.nn.Module, modifiers: Sequence[Any], subgraph
         return ShardedRun(plan, group, costs)
     shapes = {name: (int(w.shape[0]), int(w.shape[1])) for name, module in model.named_modules()
               if isinstance(w := getattr(module, "weight", None), torch.Tensor) and w.ndim == 2}  # fmt: skip
-    quantized = [n for n in ModifierSet.of(modifiers).quantized() if n in shapes]
-    together = fused_groups(model, quantized)  # one global scale per fused group
+    mods = ModifierSet.of(modifiers)
+    quantized = [n for n in mods.quantized() if n in shapes]
+    together = list(fused_groups(model, quantized))  # one global scale per fused group
+    # a modifier whose choices depend on those before them (mixed precision): a subgraph's modules on one process
+    together += [m.modules_in(sg) for m in mods if mods.need(m).one_solver for sg in subgraphs]
     return ShardedRun(plan, group, costs, shapes, together)
 
 

@@ -31,6 +31,8 @@ from seqcal.modifiers.state import RunState
 logger = logging.getLogger("seqcal")
 
 RECIPE_FILENAME = "mixed_precision_recipe.yaml"
+# the report entry of a unit's first module that records its choice: {"unit", "step", "errors"} (``catch_up``)
+ALLOCATION_KEY = "allocation"
 # module name -> (its inputs' Hessian [in, in], or None; their E[x^2] [in], or None)
 InputsOf = Callable[[str], tuple[torch.Tensor | None, torch.Tensor | None]]
 # a weight rounded to nearest under a scheme (``quantization.fake_quantized``: its min-max qparams, no codes kept)
@@ -178,6 +180,7 @@ class MixedPrecision:
             rounded: the weight rounded to nearest under a candidate, whose error predicts the solver's.
         """
         assert self.allocation is not None, "validate() first"
+        self.catch_up(modules, state)
         for key, members in self.units.items():
             if key in self.chosen or not any(m in names for m in members):
                 continue
@@ -190,7 +193,11 @@ class MixedPrecision:
             errors = [share * sum(self._weighted(curves[m][c], model.get_submodule(m).weight) for m in present)
                       for c in range(len(self.schemes))]  # fmt: skip
             errors = [e if math.isfinite(b) else math.inf for e, b in zip(errors, unit.bits)]
+            step = len(self.chosen)
             index = self.chosen[key] = self.allocation.choose(key, errors)
+            # what the choices after this one depend on: the unit's curve, in the order the units were chosen
+            record = {"unit": key, "step": step, "errors": errors}
+            state.results.module_errors.setdefault(present[0], {})[ALLOCATION_KEY] = record
             for m in members:
                 modules[m] = self.schemes[index]
                 report = state.results.module_errors.setdefault(m, {})
@@ -202,6 +209,39 @@ class MixedPrecision:
                     report["predicted_rel_error"] = _relative(*curves[m][index])
             logger.info("seqcal: %s -> %s (%.3f bits per weight, lambda %.3g)", key, self.labels[index],
                         unit.bits[index] / unit.params, self.allocation.choices[key].lam)  # fmt: skip
+
+    def catch_up(self, modules: dict[str, QuantizationScheme], state: RunState) -> None:
+        """Take the choices made elsewhere: units another process solved, or a resumed run replayed.
+
+        Each choice left its unit's error curve and its step in the report entry of the unit's first module
+        (``allocation``), which travels with the module's codes to the other processes and into the resume files.
+        Choosing again from those curves, in the order they were first chosen, gives this allocation the state
+        (budget spent, curves per role) that the process which chose them had, so the choices after them are the
+        same whichever process makes them and whether the run was interrupted.
+
+        Raises:
+            RuntimeError: a recorded choice is not the one its curve gives here (the allocation would diverge).
+        """
+        assert self.allocation is not None, "validate() first"
+        records = []
+        for key, members in self.units.items():
+            entries = [state.results.module_errors.get(m, {}) for m in members]
+            record = next((e[ALLOCATION_KEY] for e in entries if ALLOCATION_KEY in e), None)
+            if key not in self.chosen and record is not None and record["unit"] == key:
+                records.append(record)
+        for record in sorted(records, key=lambda r: r["step"]):
+            key = record["unit"]
+            if record["step"] != len(self.chosen):
+                raise RuntimeError(f"{self.where}: the allocation of {key} was step {record['step']}, but only "
+                                   f"{len(self.chosen)} units were chosen before it here; the records of the units "
+                                   "before it are missing (start the run again with overwrite=True)")  # fmt: skip
+            index = self.chosen[key] = self.allocation.choose(key, [float(e) for e in record["errors"]])
+            label = state.results.module_errors.get(self.units[key][0], {}).get("scheme", self.labels[index])
+            if label != self.labels[index]:
+                raise RuntimeError(f"{self.where}: {key} was quantized as {label}, but its recorded curve chooses "
+                                   f"{self.labels[index]} here; the allocation cannot continue from it")  # fmt: skip
+            for m in self.units[key]:
+                modules[m] = self.schemes[index]
 
     def _weighted(self, errors: tuple[float, float], weight: torch.Tensor) -> float:
         """What the allocation sums over modules: the output error itself (``error: absolute``), or the relative
@@ -239,9 +279,11 @@ class MixedPrecision:
     def finish(self, solver: str, arguments: dict[str, Any], modules: dict[str, QuantizationScheme],
                model: torch.nn.Module, state: RunState) -> None:  # fmt: skip
         """After the pass: the allocation reached (logged) and the recipe that replays it (an output file)."""
+        self.catch_up(modules, state)  # the units other processes solved since this one's last choice
         line = self.summary(modules, model)
         logger.info("seqcal: %s", line)
-        quantized = {n: q for n, q in state.results.quantized.items() if n in modules}
+        # in the model's order: replayed and received modules reach state.results.quantized in another order
+        quantized = {n: state.results.quantized[n] for n in modules if n in state.results.quantized}
         if quantized:
             state.results.files[RECIPE_FILENAME] = self.replay_recipe(solver, arguments, quantized, line)
 

@@ -23,8 +23,12 @@ in full precision and does not count. Each module's report entry (quantization_r
 ``scheme``, ``bits`` (per weight, stored) and the ``predicted_rel_error`` beside the solver's measured
 ``rel_error``; ``mixed_precision_recipe.yaml`` in the output directory replays the allocation.
 
-Limits: the choice depends on the curves measured before it, which a resumed run or another process does not
-have: such runs are refused (one process, no resume).
+Resume and several processes: each choice depends on the curves and the budget spent before it, so the unit's
+first module records the unit's curve and the step it was chosen at in its report entry (``allocation``), which
+travels with its codes to the other processes and into the resume files. Before its next choice the allocation
+chooses again, in step order, from the curves it did not measure itself (``MixedPrecision.catch_up``): a run
+resumed after any subgraph, or run by any number of processes, makes the same choices. With several processes
+a subgraph's units are solved by one process, in module order (``Needs.one_solver``).
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ class Needs:
             in ``state.ledger.changed``); False refuses to resume an interrupted run.
         restructures: ``compress`` removes or renumbers modules (expert pruning): it runs after every other
             modifier's ``compress`` in a subgraph, so their records keep the names they were gathered under.
+        one_solver: its modules in one subgraph are solved by one process, in module order, never spread over
+            several (each choice depends on those made before it: mixed precision's allocation).
     """
 
     calibration: bool = False
@@ -43,6 +45,7 @@ class Needs:
     shared_statistics: bool = True
     resumable: bool = True
     restructures: bool = False
+    one_solver: bool = False
 
 
 @dataclass(frozen=True)

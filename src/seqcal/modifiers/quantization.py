@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
@@ -26,6 +26,7 @@ from seqcal.modifiers.formats import (
 from seqcal.modifiers.importance import IMPORTANCE_GATHERS, mean_square, usable_importance, uses_importance
 from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
 from seqcal.modifiers.mixed_allocator import MixedPrecision
+from seqcal.modifiers.needs import Needs
 from seqcal.modifiers.observers import apply_observer_overrides
 from seqcal.modifiers.schemes import check_supported, resolve_modules, resolve_schemes, strategy_of
 from seqcal.tracing.partition import Subgraph
@@ -115,8 +116,9 @@ class QuantizationModifier(Modifier):
         return self.mixed_precision
 
     def _mix(self) -> None:
-        """Schemes chosen per module in the pass: groups from the candidates and pins; one process, no resume
-        (the choice depends on the curves measured before it); round to nearest measures with E[x^2]."""
+        """Schemes chosen per module in the pass: groups from the candidates and pins; round to nearest measures
+        with E[x^2]. Each choice depends on the curves measured before it, which travel with the modules' report
+        entries to the other processes and into the resume files (``MixedPrecision.catch_up``)."""
         if self.name not in ("QuantizationModifier", "GPTQModifier", "MixedPrecisionModifier"):
             raise ValueError(f"{self.name}: mixed_precision is not supported here; use it with GPTQModifier or "
                              "QuantizationModifier, or use MixedPrecisionModifier")  # fmt: skip
@@ -124,13 +126,7 @@ class QuantizationModifier(Modifier):
             raise ValueError(f"{self.name}: mixed_precision chooses each module's scheme from its candidates; give "
                              "no scheme or config_groups beside it (its pin fixes the scheme of some modules)")  # fmt: skip
         self.groups = self.mixed.groups()  # type: ignore[union-attr]
-        self.resumable, self.needs_calibration = False, True
-        # each unit's scheme depends on the error curves of the units solved before it
-        self.not_resumable_because = "a replay does not have the error curves its mixed precision chose from"
-        self.not_shared_because = (
-            "chooses each module's scheme from the error curves of the modules solved before it, which another "
-            "process does not have"
-        )
+        self.needs_calibration = True
         if self.importance_from_inputs:
             self.gathers = (*type(self).gathers, *IMPORTANCE_GATHERS)
 
@@ -204,9 +200,14 @@ class QuantizationModifier(Modifier):
             yield
 
     def shares_statistics(self) -> bool:
-        """Static input ranges, imatrix_mse's sums of ``x^2`` and the KV cache's ranges reduce across processes; a
-        mixed-precision choice depends on every unit's curve before it, which one process alone has."""
-        return self.mixed is None
+        """Static input ranges, imatrix_mse's sums of ``x^2`` (mixed precision's E[x^2]) and the KV cache's ranges
+        reduce across processes."""
+        return True
+
+    def needs(self) -> Needs:
+        """With mixed precision, a subgraph's modules are solved by one process, in module order: each unit's
+        choice depends on the units chosen before it."""
+        return replace(super().needs(), one_solver=self.mixed is not None)
 
     def kv_hooks(
         self, subgraph: Subgraph, model: torch.nn.Module, state: RunState, batches: BatchCursor
