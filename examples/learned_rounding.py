@@ -22,7 +22,7 @@ from seqcal import oneshot
 from seqcal.algorithms import dequantize, quant_range, quantize, weight_qparams
 from seqcal.models import resolve_model
 from seqcal.modifiers import QuantizationModifier, QuantizedWeight
-from seqcal.modifiers.quantization import quant_kwargs
+from seqcal.modifiers.round_to_nearest import quant_kwargs
 from seqcal.modifiers.spans import SpanCache
 
 INT4 = {"group_0": {"targets": ["re:.*mlp\\.(gate|up|down)_proj$"],

@@ -19,7 +19,7 @@ from seqcal.algorithms.formats import WeightFormat
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import AutoRoundModifier, QuantizationModifier
 from seqcal.modifiers.autoround import _float_format
-from seqcal.modifiers.quantization import rtn_quantize_module
+from seqcal.modifiers.round_to_nearest import rtn_quantize_module
 from test_autoround import data, tiny_llama
 
 PRESETS = ["NVFP4A16", "MXFP4A16", "FP8", "FP8_DYNAMIC"]

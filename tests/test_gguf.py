@@ -17,7 +17,7 @@ from seqcal.gguf.pack import pack
 from seqcal.gguf.scheme import GGUFScheme, gguf_preset, mix_type
 from seqcal.gguf.types import GGUF_TYPES
 from seqcal.modifiers import QuantizationModifier
-from seqcal.modifiers.quantization import rtn_quantize_module
+from seqcal.modifiers.round_to_nearest import rtn_quantize_module
 from seqcal.modifiers.schemes import resolve_modules, resolve_schemes
 from seqcal.records import scheme_from_record, scheme_record
 

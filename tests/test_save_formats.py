@@ -29,7 +29,7 @@ from seqcal.checkpoint.writer import save_checkpoint
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers.base import RunState
 from seqcal.modifiers.formats import fused_groups, shared_global_scales
-from seqcal.modifiers.quantization import rtn_quantize_module
+from seqcal.modifiers.round_to_nearest import rtn_quantize_module
 
 PRESETS = [
     "FP8_BLOCK",

@@ -31,7 +31,7 @@ from seqcal.checkpoint.tensors import _compressed
 from seqcal.modelfree.plan import Job, Quantize
 from seqcal.modelfree.stored import Stored
 from seqcal.modifiers.formats import shared_global_scales
-from seqcal.modifiers.quantization import rtn_quantize_weight
+from seqcal.modifiers.round_to_nearest import rtn_quantize_weight
 
 PARTIAL = ".partial"  # suffix of an output file being written
 # per header entry: the key, its JSON punctuation, dtype, shape and offsets (``_ShardFile.fits``' bound)

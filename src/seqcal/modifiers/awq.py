@@ -28,7 +28,8 @@ from seqcal.mappings import resolve_mappings
 from seqcal.modifiers._awq_mappings import AWQMapping, from_mapping, resolve
 from seqcal.modifiers.activations import InputCalibration
 from seqcal.modifiers.base import BatchCursor, RunState, Statistic
-from seqcal.modifiers.quantization import QuantizationModifier, fake_quantized, quant_kwargs
+from seqcal.modifiers.quantization import QuantizationModifier
+from seqcal.modifiers.round_to_nearest import fake_quantized, quant_kwargs
 from seqcal.modifiers.spans import SpanCache
 from seqcal.modifiers.state import real_tokens
 from seqcal.tracing.partition import Subgraph

@@ -25,7 +25,7 @@ from seqcal.modifiers.base import Batch, BatchCursor, QuantizedWeight, RunState,
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.gptq import GPTQModifier
 from seqcal.modifiers.needs import Gather
-from seqcal.modifiers.quantization import quant_kwargs, rtn_quantize_module
+from seqcal.modifiers.round_to_nearest import quant_kwargs, rtn_quantize_module
 from seqcal.tracing.partition import Subgraph
 
 

@@ -25,12 +25,8 @@ from seqcal.modifiers.base import Batch, BatchCursor, Fold, QuantizedWeight, Run
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.hessians import SharedInputs, add_hessian
 from seqcal.modifiers.importance import usable_importance, uses_importance
-from seqcal.modifiers.quantization import (
-    QuantizationModifier,
-    fake_quantized,
-    quant_kwargs,
-    rtn_quantize_module,
-)
+from seqcal.modifiers.quantization import QuantizationModifier
+from seqcal.modifiers.round_to_nearest import fake_quantized, quant_kwargs, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
 
