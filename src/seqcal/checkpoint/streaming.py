@@ -60,6 +60,7 @@ from seqcal.errors import SeqcalError
 from seqcal.modifiers.base import RunState
 from seqcal.records import Fold, fold_records, folds_from
 from seqcal.report.profile import NullProfiler
+from seqcal.sources.extras import ignore_modules, write_extra_tensors
 from seqcal.tracing.partition import Subgraph
 
 logger = logging.getLogger("seqcal")
@@ -390,7 +391,8 @@ class StreamingCheckpoint:
                     name, self.model.get_submodule(name), self.state.results.quantized.get(name)
                 )
         self.writer.add_transforms(self.state.results.transform_tensors)
+        kept = write_extra_tensors(self.writer, self.model)  # the source's MTP layers, as it has them
         write_extras(self.path, self.model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)
-        out = self.writer.close(checkpoint_config(self.model, self.state, self.layout))
+        out = self.writer.close(ignore_modules(checkpoint_config(self.model, self.state, self.layout), kept))
         shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)
         return out
