@@ -97,8 +97,8 @@ def _refused(tmp_path: Path, monkeypatch, tokenizer, model, recipe, match: str, 
 def test_family_the_writer_does_not_know_is_refused(tmp_path, monkeypatch, tokenizer) -> None:
     model = _model("gemma", len(tokenizer))
     recipe = QuantizationModifier(scheme="Q4_0", ignore=["lm_head"])
-    _refused(tmp_path, monkeypatch, tokenizer, model, recipe, "writes the llama, mistral, phi3, qwen2, qwen3 "
-             "families, not 'gemma'", output_format="gguf")  # fmt: skip
+    _refused(tmp_path, monkeypatch, tokenizer, model, recipe, "writes the gemma2, gemma3_text, llama, "
+             "mistral, phi3, qwen2, qwen3 families, not 'gemma'", output_format="gguf")  # fmt: skip
 
 
 def test_output_dir_with_a_safetensors_checkpoint_is_refused(tmp_path, monkeypatch, tokenizer) -> None:

@@ -5,7 +5,8 @@ Llama-architecture models (llama, mistral) store ``q_proj`` / ``k_proj`` with th
 for llama.cpp's rotary embedding (pairs of adjacent rows instead of the two halves, ``permute``, as
 convert_hf_to_gguf.py does; transformers' GGUF loader undoes it); Qwen2, Qwen3 and Phi-3 keep them as they are
 (their llama.cpp rotary embedding takes the halves; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` are llama.cpp's
-``attn_qkv`` and ``ffn_up``). Families outside ``FAMILIES`` are refused before calibration.
+``attn_qkv`` and ``ffn_up``). Gemma 2 and Gemma 3 (text) store their norms plus one and have keys and checks of
+their own (``seqcal.gguf.gemma``). Families outside ``FAMILIES`` are refused before calibration.
 
 Example:
     >>> family_of(LlamaConfig()).arch
@@ -21,6 +22,8 @@ from typing import Any
 import gguf
 import numpy as np
 
+from seqcal.gguf.gemma import GEMMA_ARCHES, add_gemma_hparams, gemma_refusal
+
 
 @dataclass(frozen=True)
 class Family:
@@ -33,6 +36,7 @@ class Family:
 
     arch: str
     permute_qk: bool
+    norm_shift: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -43,6 +47,9 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(
         "phi3", permute_qk=False
     ),  # fused qkv_proj and gate_up_proj: llama.cpp's attn_qkv and ffn_up
+    # norms stored plus one, keys and checks of their own: seqcal.gguf.gemma
+    "gemma2": Family("gemma2", permute_qk=False, norm_shift=True),
+    "gemma3_text": Family("gemma3", permute_qk=False, norm_shift=True),
 }
 
 
@@ -67,6 +74,11 @@ def family_of(config: Any) -> Family:
             f"output_format='gguf' writes the {', '.join(sorted(FAMILIES))} families, not {kind!r}; save this model "
             "as a compressed-tensors checkpoint (the default output_format) instead"
         )
+    if FAMILIES[kind].arch in GEMMA_ARCHES:  # keys of their own, and what llama.cpp fixes in code checked
+        if why := gemma_refusal(config, FAMILIES[kind].arch):
+            raise GGUFFamilyError(f"output_format='gguf': {kind} with {why}; save a compressed-tensors checkpoint "
+                                  "instead")  # fmt: skip
+        return FAMILIES[kind]
     rope = _rope(config)
     if rope.get("rope_type", "default") not in ("default", None):
         raise GGUFFamilyError(
@@ -78,7 +90,7 @@ def family_of(config: Any) -> Family:
 
 def _rope(config: Any) -> dict:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return dict(rope)
+    return dict(rope.get("full_attention", rope))  # per layer type (Gemma 3): the full layers' own
 
 
 def tied_output(model: Any) -> bool:
@@ -116,6 +128,8 @@ def add_hparams(writer: gguf.GGUFWriter, config: Any, name: str) -> None:
     writer.add_key_length(head_dim(config))
     writer.add_value_length(head_dim(config))
     writer.add_vocab_size(config.vocab_size)
+    if writer.arch in GEMMA_ARCHES:
+        add_gemma_hparams(writer, config, writer.arch)
 
 
 def tensor_namer(family: Family, config: Any) -> Callable[[str], str | None]:
@@ -124,7 +138,11 @@ def tensor_namer(family: Family, config: Any) -> Callable[[str], str | None]:
     names = gguf.get_tensor_name_map(arch, text_config(config).num_hidden_layers)
 
     def namer(hf_name: str) -> str | None:
-        return names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        found = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        # gguf-py's Gemma 2 map has no output tensor (llama.cpp reads the tied token embedding): the tied lm_head
+        if found is None and hf_name == "lm_head.weight" and family.arch == "gemma2":
+            return "output.weight"
+        return found
 
     return namer
 

@@ -5,7 +5,8 @@ gguf-py's ``gguf.quants.dequantize`` before anything is written: those float32 v
 must equal the module's fake-quantized weight, element for element, else :class:`GGUFCheckError` stops the save.
 Weights no recipe module covers follow llama.cpp's rule for them (llama-quant.cpp): the token embedding and the
 output projection are rounded to nearest on the type llama.cpp gives them in the file's mix (the output type
-for a token embedding tied to the output), norms and biases are F32, any other weight keeps the model's dtype.
+for a token embedding tied to the output), norms and biases are F32 (Gemma's norms plus one, as llama.cpp
+multiplies by them), any other weight keeps the model's dtype.
 
 Example:
     >>> entry = module_entries("model.norm", model.model.norm, None, plan)[0]  # doctest: +SKIP
@@ -25,6 +26,7 @@ import torch
 from seqcal.errors import SeqcalError
 from seqcal.gguf import grids
 from seqcal.gguf.families import Family, permutation
+from seqcal.gguf.gemma import norm_shifted
 from seqcal.gguf.pack import pack
 from seqcal.gguf.scheme import MIXES, GGUFScheme
 from seqcal.gguf.types import type_for_width
@@ -145,6 +147,8 @@ def module_entries(name: str, module: torch.nn.Module, qw: Any, plan: FilePlan) 
             entry = (
                 _rounded_entry(hf_name, param, kind) if kind else _float_entry(hf_name, param, param.dtype)
             )
+        elif plan.family.norm_shift and norm_shifted(hf_name):  # Gemma: x * (1 + w) is llama.cpp's x * w'
+            entry = _float_entry(hf_name, param.detach().float() + 1, torch.float32)
         else:
             entry = _float_entry(hf_name, param, param.dtype if param.dim() >= 2 else torch.float32)
         entry.name = gguf_name

@@ -4,7 +4,8 @@ Byte-level BPE tokenizers (GPT-2 style: SmolLM, Llama 3, Qwen) are written as ll
 their merges. llama.cpp splits text before BPE by a pre-tokenizer it names (``tokenizer.ggml.pre``); it is
 recognised here from the tokenizer's own pre-tokenizer (tokenizer.json), since a wrong one tokenizes digits and
 punctuation differently without any error. SentencePiece-style tokenizers (byte fallback: Mistral, Llama 2)
-are written as llama.cpp's ``llama`` model through gguf-py's ``LlamaHfVocab``. Special token ids, whether BOS
+are written as llama.cpp's ``llama`` model through gguf-py's ``LlamaHfVocab``, with whether a space is put
+before the text (``add_space_prefix``: Llama 2 and Mistral do, Gemma does not). Special token ids, whether BOS
 is added, and the chat template come from gguf-py's ``SpecialVocab``, which reads the saved tokenizer files.
 
 Example:
@@ -60,6 +61,20 @@ def bpe_pre(tokenizer_json: dict) -> str:
     )
 
 
+def space_prefix(tokenizer_json: dict) -> bool:
+    """Whether a SentencePiece-style tokenizer.json puts "▁" before the text: a ``Prepend`` normalizer (Llama 2,
+    Mistral) or a ``Metaspace`` pre-tokenizer that prepends; Gemma's replace spaces only."""
+
+    def steps(part: dict | None, key: str) -> list[dict]:
+        part = part or {}
+        return part.get(key, []) if part.get("type") == "Sequence" else [part]
+
+    if any(n.get("type") == "Prepend" for n in steps(tokenizer_json.get("normalizer"), "normalizers")):
+        return True
+    return any(p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") in ("always", "first")
+               for p in steps(tokenizer_json.get("pre_tokenizer"), "pretokenizers"))  # fmt: skip
+
+
 def check_tokenizer(tokenizer: Any) -> None:
     """Refuse, before calibration, a tokenizer :func:`add_tokenizer` could not write."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,6 +128,8 @@ def add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Any, vocab_size: int) -> N
         writer.add_token_types(types)
         if scores is not None:
             writer.add_token_scores(scores)
+        if kind == "llama":  # llama.cpp prepends a space unless told not to (Gemma's tokenizers do not)
+            writer.add_add_space_prefix(space_prefix(tokenizer_json))
         gguf.SpecialVocab(folder, load_merges=kind == "gpt2", n_vocab=len(tokens)).add_to_gguf(
             writer, quiet=True
         )
