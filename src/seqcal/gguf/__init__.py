@@ -13,6 +13,7 @@
     preflight.py  what output_format="gguf" refuses before calibrating
 
 A recipe names a GGUF scheme like any other (``GPTQModifier(scheme="Q4_K_M", ignore=["lm_head"])``; GPTQ, AWQ,
-AutoRound and round to nearest calibrate on them); the calibrating algorithm chooses the codes on the type's grid with the type's own scales, fixed first, and
-``oneshot(..., output_format="gguf")`` writes ``output_dir/model.gguf``.
+AutoRound and round to nearest calibrate on them); the calibrating algorithm chooses the codes on the type's grid
+with the type's own scales, fixed first, and ``oneshot(..., output_format="gguf")`` writes
+``output_dir/model.gguf``.
 """
