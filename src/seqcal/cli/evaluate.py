@@ -54,3 +54,20 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     text, text_name = eval_text(args.dataset)
     print(f"perplexity on {text_name}: {ppl_of(model, tokenizer, text, args):.3f}")
     return 0
+
+
+def add_eval(sub: Any) -> None:
+    """Register ``seqcal eval ppl`` on the subcommand parsers ``sub``."""
+    evaluate = sub.add_parser("eval", help="measure a model: eval ppl, perplexity on raw text")
+    ev = evaluate.add_subparsers(dest="metric", required=True)
+    ppl = ev.add_parser("ppl", help="WikiText-2-style perplexity (non-overlapping windows)")
+    ppl.add_argument("--model", required=True)
+    ppl.add_argument(
+        "--dataset",
+        default=None,
+        help=f"raw text file, e.g. WikiText-2's wiki.test.raw (default: {EVAL_DEFAULT})",
+    )
+    ppl.add_argument("--eval-seq-length", "--seq-len", dest="eval_seq_length", type=int, default=2048)
+    ppl.add_argument("--eval-windows", type=int, default=None)
+    ppl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ppl.set_defaults(func=cmd_eval_ppl)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from seqcal.cli.options import NO_VERIFY, TRACE_INTO
 from seqcal.errors import ModelLoadError, UsageError
 from seqcal.report import FORMATS
 
@@ -151,3 +152,35 @@ def cmd_trace(args: argparse.Namespace) -> int:
     print(f"\ncheck on a padded batch of {tuple(check['input_ids'].shape)} (not the trace sample): "
           f"max |partitioned - eager| = {diff:.3g} ({'OK' if ok else 'MISMATCH'}, tolerance {1e-5 * scale:.3g})")  # fmt: skip
     return 0 if ok else 1
+
+
+def add_trace(sub: Any) -> None:
+    """Register ``seqcal trace`` on the subcommand parsers ``sub``."""
+    trace = sub.add_parser("trace", help="trace a model and print its subgraphs")
+    trace.add_argument("--model", required=True, help="directory, Hub id 'org/name' or 'default'")
+    trace.add_argument("--targets", nargs="+", default=None, help="sequential target classes or re: patterns")
+    trace.add_argument("--ignore", nargs="+", default=None, help="functions/methods to keep opaque")
+    trace.add_argument(
+        "--leaf", nargs="+", default=None, help="module classes or re: patterns kept as one node"
+    )
+    trace.add_argument(
+        "--trace-into", nargs="+", default=None, metavar="CLASS|re:PATTERN|all", help=TRACE_INTO
+    )
+    trace.add_argument("--trace-depth", type=levels, default=None, metavar="N",
+                       help="with --trace-into: open modules at most N levels below the traced layers")  # fmt: skip
+    trace.add_argument("--check", action="store_true", help="run partitioned vs eager on a padded batch")
+    trace.add_argument("--no-verify", action="store_true", help=NO_VERIFY)
+    trace.add_argument(
+        "--export", nargs="+", default=None, type=export_path, metavar="PATH",
+        help="write the graph: .json (every node, with shapes), .dot, .svg, .html (one offline page) or .onnx (Netron)",
+    )  # fmt: skip
+    trace.add_argument(
+        "--output", default=None, metavar="FILE", help="write the graph to FILE (see --format)"
+    )
+    trace.add_argument("--format", default=None, choices=sorted(FORMATS),
+                       help="format of --output (default: from its suffix)")  # fmt: skip
+    trace.add_argument("--dataset", default=None, help="text file to take the sample and check batch from, or "
+                       "a JSON lines file of image or audio rows (as for oneshot)")  # fmt: skip
+    trace.add_argument("--max-seq-length", type=int, default=128)
+    trace.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    trace.set_defaults(func=cmd_trace)
