@@ -437,9 +437,9 @@ def test_column_loop_graph_cache_keeps_its_budget_and_skips_failed_shapes(monkey
 def test_docstring_examples_run():
     import doctest
 
-    from seqcal.algorithms import gptq, hessian, observe, packing, quant
+    from seqcal.algorithms import gptq, hessian, kept_hessian, observe, output_error, packing, quant
 
-    for module in (quant, observe, packing, gptq, hessian):
+    for module in (quant, observe, packing, gptq, hessian, kept_hessian, output_error):
         result = doctest.testmod(
             module, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE
         )
@@ -462,7 +462,8 @@ def test_relative_output_error_from_the_hessian_equals_the_forward_error() -> No
 
 def test_quadratic_forms_from_the_upper_blocks_equal_the_dense_product() -> None:
     """Over several column blocks (the last one ragged): the upper blocks give every row's ``a^T H a``."""
-    from seqcal.algorithms.hessian import UPPER_BLOCK, quadratic_forms
+    from seqcal.algorithms.hessian import UPPER_BLOCK
+    from seqcal.algorithms.output_error import quadratic_forms
 
     g = torch.Generator().manual_seed(6)
     d = 2 * UPPER_BLOCK + 44

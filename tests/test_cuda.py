@@ -391,7 +391,8 @@ def test_gptq_solve_on_cuda_keeps_the_hessian_in_pinned_host_memory() -> None:
     the weight-sized temporaries, the Hessian comes back bit for bit, and the codes equal those of a solve on a
     clone of it."""
     from seqcal.algorithms import gptq_quantize
-    from seqcal.algorithms.hessian import KeptHessian, symmetrize_upper
+    from seqcal.algorithms.hessian import symmetrize_upper
+    from seqcal.algorithms.kept_hessian import KeptHessian
 
     n, rows = 2048, 64
     g = torch.Generator(device="cuda").manual_seed(0)

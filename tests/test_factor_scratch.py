@@ -1,5 +1,5 @@
 """GPTQ's and SparseGPT's inverse factor computed in the Hessian's own memory, its values kept as half a matrix
-meanwhile and written back after the solve (``hessian.KeptHessian``, ``gptq._factor_scratch``)."""
+meanwhile and written back after the solve (``kept_hessian.KeptHessian``, ``gptq._factor_scratch``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,8 @@ import torch
 import seqcal.algorithms.gptq_factor as gptq_module
 import seqcal.backend.onednn as kernels
 from seqcal.algorithms import GPTQNumericalError, gptq_quantize, products
-from seqcal.algorithms.hessian import (
-    KeptHessian,
-    accumulate_hessian,
-    is_symmetric,
-    kept_bytes,
-    symmetrize_upper,
-)
+from seqcal.algorithms.hessian import accumulate_hessian, is_symmetric, symmetrize_upper
+from seqcal.algorithms.kept_hessian import KeptHessian, kept_bytes
 from seqcal.algorithms.sparsegpt import sparsegpt_prune
 from test_products import _allocation_peak
 

@@ -80,11 +80,11 @@ def test_one_float32_copy_of_the_weight_at_a_time(monkeypatch, actorder):
 def test_overwrite_writes_q_into_the_weight_with_the_same_error(monkeypatch, actorder, dtype):
     """``overwrite=True``: Q is W's own memory, with the bits of the returned Q of the default, and the relative
     output error is exactly the one taken afterwards from the two matrices (the same chunks: 16, 16 and 8 rows)."""
-    import seqcal.algorithms.hessian as hessian
-    from seqcal.algorithms.hessian import relative_output_error
+    import seqcal.algorithms.output_error as output_error
+    from seqcal.algorithms.output_error import relative_output_error
 
-    monkeypatch.setattr(hessian, "ERROR_CHUNK_FLOATS", 16 * 96)
-    assert hessian.error_rows(96) == 16
+    monkeypatch.setattr(output_error, "ERROR_CHUNK_FLOATS", 16 * 96)
+    assert output_error.error_rows(96) == 16
     W = torch.randn(40, 96, generator=torch.Generator().manual_seed(6)).to(dtype)
     H = _hessian(96)
     default = gptq_quantize(W, H.clone(), actorder=actorder, group_size=32)
@@ -144,10 +144,10 @@ def test_rows_solved_a_chunk_at_a_time_hold_no_weight_sized_float_copy(monkeypat
     """The row-chunked solve of a bfloat16 [4096, 128] weight holds its codes (1 byte a weight) and one chunk's float32
     copies (64 rows, a few at once: 2 bytes a weight at most) beside the Hessian; the whole solve holds W^T in float32 (4 bytes a weight) besides. The output
     error goes by 16 rows, so that its temporaries are small beside the weight."""
-    import seqcal.algorithms.hessian as hessian
+    import seqcal.algorithms.output_error as output_error
 
     monkeypatch.setattr(gptq_rows, "ROW_CHUNK_FLOATS", 64 * 128)
-    monkeypatch.setattr(hessian, "ERROR_CHUNK_FLOATS", 16 * 128)
+    monkeypatch.setattr(output_error, "ERROR_CHUNK_FLOATS", 16 * 128)
     out, n = 4096, 128
     W = torch.randn(out, n, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     H = _hessian(n)

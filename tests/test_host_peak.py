@@ -85,7 +85,8 @@ def test_the_last_subgraph_of_the_one_pass_cut_onloads_only_its_target() -> None
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_a_spilled_kept_hessian_is_restored_bit_for_bit_and_holds_no_memory(symmetric: bool) -> None:
-    from seqcal.algorithms.hessian import SPILL_BYTES, KeptHessian, kept_in_ram, symmetrize_upper
+    from seqcal.algorithms.hessian import symmetrize_upper
+    from seqcal.algorithms.kept_hessian import SPILL_BYTES, KeptHessian, kept_in_ram
 
     H = torch.randn(600, 600, generator=torch.Generator().manual_seed(0))
     H = symmetrize_upper(H) if symmetric else H

@@ -19,7 +19,8 @@ from seqcal.algorithms.gptq_factor import (
     lower_inverse_in_place_,
     processing_factor,
 )
-from seqcal.algorithms.hessian import KeptHessian, kept_in_ram, symmetrize_upper
+from seqcal.algorithms.hessian import symmetrize_upper
+from seqcal.algorithms.kept_hessian import KeptHessian, kept_in_ram
 from seqcal.backend import onednn_applies
 from seqcal.plan import PROCESS_BASELINE, MemoryPlan, SubgraphPlan
 from seqcal.plan.host import HostBudgetError, fit_host
@@ -288,7 +289,7 @@ def test_the_plan_counts_the_shards_hessians_while_calibrating_and_the_in_place_
 def test_the_solve_counts_a_stacked_copy_only_for_modules_solved_together() -> None:
     """A module solved alone is its own weight (counted with the subgraph's) and takes Q in its memory; a stack
     is a new matrix, and its Q another."""
-    from seqcal.algorithms.hessian import error_rows
+    from seqcal.algorithms.output_error import error_rows
     from seqcal.modifiers.solve_chunks import solve_bytes
 
     n_in, rows, dtype_bytes = 8192, 2048, 2
@@ -310,7 +311,7 @@ def test_the_lean_solve_counts_one_chunk_of_rows_for_a_module_alone() -> None:
     from compressed_tensors.quantization import preset_name_to_scheme
 
     from seqcal.algorithms.gptq_rows import ROW_CHUNK_FLOATS, chunk_rows
-    from seqcal.algorithms.hessian import error_rows
+    from seqcal.algorithms.output_error import error_rows
     from seqcal.modifiers import GPTAQModifier, GPTQModifier
     from seqcal.modifiers.solve_chunks import solve_bytes
 

@@ -387,7 +387,7 @@ def _is_damped_inverse_factor(Hinv: torch.Tensor, H: torch.Tensor) -> bool:
 def _factor_in_place(H: torch.Tensor, perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's inverse factor computed in a copy of ``H`` (the copy's memory, and the factor)."""
     import seqcal.algorithms.gptq as gptq_module
-    from seqcal.algorithms.hessian import KeptHessian
+    from seqcal.algorithms.kept_hessian import KeptHessian
 
     A = H.clone()
     dead = torch.zeros(H.shape[0], dtype=torch.bool)
@@ -430,7 +430,7 @@ def test_lapack_factor_in_the_hessians_memory_keeps_one_matrix_beside_it(monkeyp
     matrix (the Cholesky factor) at most; before, a dampened copy and the factor (8192-wide down_proj on a GPU:
     268 MB each). The values are those of the copy, bit for bit. Counted from torch's CPU allocations."""
     import seqcal.algorithms.gptq as gptq_module
-    from seqcal.algorithms.hessian import KeptHessian
+    from seqcal.algorithms.kept_hessian import KeptHessian
 
     monkeypatch.setenv("SEQCAL_CPU_MATMUL", "native")
     kernels.use_onednn.cache_clear()

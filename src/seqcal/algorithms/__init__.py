@@ -2,19 +2,14 @@
 
 ``quant``: qparams and (fake-)quantization, in the compressed-tensors convention. ``observe``: weight
 observers (min-max, MSE and importance-weighted MSE range searches).
-``packing``: int32 packing of low-bit codes. ``hessian``: the layer Hessian and errors measured with it.
+``packing``: int32 packing of low-bit codes. ``hessian``: the layer Hessian; ``output_error``: errors
+measured with it.
 ``gptq``: the GPTQ solver. ``formats`` (with ``fp4``, ``blocks``): block fp8, NVFP4 and MX weight formats.
 """
 
 from seqcal.algorithms import formats
 from seqcal.algorithms.gptq import ACTORDER, GPTQNumericalError, GPTQResult, gptq_quantize
-from seqcal.algorithms.hessian import (
-    UPPER_BLOCK,
-    accumulate_hessian,
-    quadratic_forms,
-    relative_output_error,
-    symmetrize_upper,
-)
+from seqcal.algorithms.hessian import UPPER_BLOCK, accumulate_hessian, symmetrize_upper
 from seqcal.algorithms.observe import (
     OBSERVERS,
     check_importance,
@@ -25,6 +20,7 @@ from seqcal.algorithms.observe import (
     observe_weight,
     weight_qparams,
 )
+from seqcal.algorithms.output_error import quadratic_forms, relative_output_error
 from seqcal.algorithms.packing import pack_int32, unpack_int32
 from seqcal.algorithms.quant import (
     FP8_DTYPE,

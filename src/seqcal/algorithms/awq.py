@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from seqcal.algorithms.hessian import add_products, quadratic_forms
+from seqcal.algorithms.hessian import add_products
+from seqcal.algorithms.output_error import quadratic_forms
 
 DUO_SCALING: tuple[object, ...] = (True, False, "both")
 

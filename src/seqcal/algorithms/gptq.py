@@ -67,7 +67,7 @@ class GPTQResult:
         retries: how many times dampening had to be increased (0 = first try worked).
         row_loss: ``[out]`` the objective per output row (``loss`` is its sum), so that rows of several
             modules solved together (they share one Hessian) can be told apart again.
-        rel_error: with ``overwrite=True``, :func:`~seqcal.algorithms.hessian.relative_output_error` of Q
+        rel_error: with ``overwrite=True``, :func:`~seqcal.algorithms.output_error.relative_output_error` of Q
             against W as it was (None otherwise).
     """
 

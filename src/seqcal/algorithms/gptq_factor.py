@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 import seqcal.algorithms.products as products
-from seqcal.algorithms.hessian import KeptHessian
+from seqcal.algorithms.kept_hessian import KeptHessian
 from seqcal.backend import onednn_applies
 from seqcal.backend.host import free_mkl_buffers, trim_host_memory
 
@@ -137,7 +137,7 @@ def _processing_hessian_(H: Tensor, perm: Tensor | None, dead: Tensor, symmetric
 @contextlib.contextmanager
 def _factor_scratch(H32: Tensor, H: Tensor) -> Iterator[KeptHessian]:
     """``H32``'s memory as the inverse factor's working copy (:func:`_inverse_hessian_factor`); yields its values,
-    kept meanwhile (``hessian.KeptHessian``: the upper triangle, half an [in, in] matrix, of a symmetric one).
+    kept meanwhile (``kept_hessian.KeptHessian``: the upper triangle, half an [in, in] matrix, of a symmetric one).
 
     When ``H32`` is ``H``'s memory (a float32 Hessian on the weight's device: the usual case), ``H``'s values are
     written back on exit, bit for bit, for the caller's later reads (errors measured with ``H``, the next chunk

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor
 
 from seqcal.algorithms.columns import quantize_columns
-from seqcal.algorithms.hessian import OutputError, error_rows
 from seqcal.algorithms.observe import weight_qparams
+from seqcal.algorithms.output_error import OutputError, error_rows
 from seqcal.backend.host import trim_host_memory
 
 
@@ -115,7 +115,7 @@ def _codes_in_order(codes: Tensor, inv: Tensor | None) -> Tensor:
 
 def _overwrite_in_order(W: Tensor, QT: Tensor, inv: Tensor | None, H: Tensor) -> float:
     """Q (``QT`` transposed, columns in the original order, in W's dtype) written over ``W`` in the row chunks of
-    :func:`~seqcal.algorithms.hessian.relative_output_error`, each chunk's error taken first; returns that error
+    :func:`~seqcal.algorithms.output_error.relative_output_error`, each chunk's error taken first; returns that error
     (the same value: the same chunks, sums and order)."""
 
     def q_rows(rows: slice) -> Tensor:
@@ -126,7 +126,7 @@ def _overwrite_in_order(W: Tensor, QT: Tensor, inv: Tensor | None, H: Tensor) ->
 
 
 def _overwrite_rows(W: Tensor, H: Tensor, q_rows: Callable[[slice], Tensor]) -> float:
-    """Q written over ``W`` in the row chunks of :func:`~seqcal.algorithms.hessian.relative_output_error`: for each
+    """Q written over ``W`` in the row chunks of :func:`~seqcal.algorithms.output_error.relative_output_error`: for each
     chunk ``rows``, ``q_rows(rows)`` ([rows, in], original column order) in W's dtype, its output error taken before
     it replaces them; returns the relative output error."""
     error, step = OutputError(H), error_rows(W.shape[1])

@@ -11,13 +11,13 @@ import torch
 from safetensors.torch import load as load_bytes
 from safetensors.torch import save as save_bytes
 
-from seqcal.algorithms.hessian import SPILL_BYTES, read_exactly
+from seqcal.algorithms.kept_hessian import SPILL_BYTES, read_exactly
 from seqcal.records import Partial as Partial  # re-exported: the fold moved to seqcal.records
 from seqcal.records import Statistic
 from seqcal.records import fold as fold
 from seqcal.records import tensors_of as tensors_of
 
-# A running sum of the shards' statistics of SPILL_BYTES or more (``hessian.KeptHessian``'s threshold: SmolLM2's
+# A running sum of the shards' statistics of SPILL_BYTES or more (``kept_hessian.KeptHessian``'s threshold: SmolLM2's
 # Hessians stay in RAM) waits in a temporary file while the next shard accumulates (``SpilledSum``): on the cpu the
 # fold then holds one 8192-wide Hessian (268 MB) at a time, not the shard's beside the total.
 _STRIP = 1 << 20  # bytes read back and added at a time

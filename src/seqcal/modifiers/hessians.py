@@ -35,7 +35,7 @@ class _Accumulator:
     upper: bool = False  # H is accumulated upper-only (on cpu); symmetrize_upper before it is used
     # H made exactly symmetric from its upper triangle after the last batch (``symmetrize_upper``: the CPU's
     # lower triangle is stale, a GPU's full product equal to the upper's mirror up to rounding), so that a solve
-    # keeps its values as half a matrix while its memory serves as scratch (``hessian.KeptHessian``)
+    # keeps its values as half a matrix while its memory serves as scratch (``kept_hessian.KeptHessian``)
     symmetric: bool = False
     # The input most recently added, held so that its identity cannot be reused by a later tensor
     # (comparing data pointers is not enough: the allocator hands freed memory to the next batch).

@@ -21,7 +21,7 @@ import yaml
 from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms.allocation import OnlineAllocation, Unit, role_of
-from seqcal.algorithms.hessian import OutputError
+from seqcal.algorithms.output_error import OutputError
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.formats import check_widths
 from seqcal.modifiers.mixed_schemes import allocation_units, candidate_scheme, holds, stored_bits, unit_key

@@ -32,7 +32,8 @@ import torch
 
 from seqcal.algorithms.gptq_factor import factor_bytes
 from seqcal.algorithms.gptq_rows import chunk_rows
-from seqcal.algorithms.hessian import error_rows, kept_in_ram
+from seqcal.algorithms.kept_hessian import kept_in_ram
+from seqcal.algorithms.output_error import error_rows
 from seqcal.experts import routed_experts, shared_expert_inputs
 from seqcal.tracing.partition import Subgraph
 

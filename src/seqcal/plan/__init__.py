@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from seqcal.algorithms.hessian import SPILL_BYTES, kept_bytes
+from seqcal.algorithms.kept_hessian import SPILL_BYTES, kept_bytes
 from seqcal.checkpoint import streaming
 from seqcal.data.autobatch import AUTO, auto_batch_limits, samples_per_batch
 from seqcal.execution.cache import store as cache_store
