@@ -17,9 +17,9 @@ go through transformers' ``revert_weight_conversion`` (as ``save_pretrained`` do
 Shards are written as they fill; ``config.json`` is written last, so a crash never leaves a directory that
 looks finished.
 
-The config side (``ModelLayout``, ``quantization_config``, ``checkpoint_config``) lives in
-``seqcal.checkpoint.config`` and the per-module tensors in ``seqcal.checkpoint.tensors``; the config names are
-re-exported here.
+The key layout (``ModelLayout``) lives in ``seqcal.checkpoint.layout``, the config side
+(``quantization_config``, ``checkpoint_config``) in ``seqcal.checkpoint.config`` and the per-module tensors in
+``seqcal.checkpoint.tensors``; the layout's and the config's names are re-exported here.
 """
 
 from __future__ import annotations
@@ -32,13 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqcal.checkpoint.config import (
-    WRITABLE_FORMATS,
-    ModelLayout,
-    Revert,
-    checkpoint_config,
-    quantization_config,
-)
+from seqcal.checkpoint.config import WRITABLE_FORMATS, checkpoint_config, quantization_config
+from seqcal.checkpoint.layout import ModelLayout, Revert
 from seqcal.checkpoint.shard_file import _ShardFile
 from seqcal.checkpoint.tensors import _module_tensors
 from seqcal.modifiers.base import RunState
