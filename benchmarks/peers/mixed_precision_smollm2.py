@@ -1,103 +1,162 @@
-"""Mixed precision against uniform GPTQ at the same checkpoint size on SmolLM2-135M-Instruct (fp32, WikiText-2).
+"""Mixed precision on SmolLM2-135M-Instruct (fp32, WikiText-2): seqcal against auto-round 0.16.1's AutoScheme, and
+against uniform GPTQ at the same checkpoint size.
 
-Each run is GPTQ (seqcal, ``ignore: [lm_head]``) on the same calibration windows from WikiText-2 valid; the
-mixed runs choose every module's integer weight-only scheme under an average of 3.0 or 4.25 stored bits per
-weight (scales counted: fp32 scales, so W4A16 with groups of 64 is 4.5 bits), or at exactly the stored bits of
-a uniform run (W3A16 per channel: 3.06 bits; W4A16 g64: 4.5 bits). Prints wall time, the stored bits
-per weight of the quantized Linears as the checkpoint's files hold them, and WikiText-2 test perplexity.
+Runs (``--runs``, in the order given; each tool in a process of its own under GNU time: wall, CPU, peak RSS):
+- ``seqcal-<bits>``: ``MixedPrecisionModifier`` (GPTQ) at ``average_bits: <bits>`` (seqcal's count: stored bits
+  per weight, scales in the model's dtype, so fp32 here); ``seqcal-rtn-<bits>``: the same choice, round to nearest
+  (``QuantizationModifier``'s ``mixed_precision``).
+- ``autoscheme-<bits>``: auto-round's ``AutoScheme(avg_bits=<bits>)`` (its count: 16-bit scales, a zero point per
+  group) then auto-round's quantization at ``--iters`` steps (0: its optimised round to nearest), q/k/v and
+  gate/up tied (``benchmarks/_lib/run_autoscheme.py``, auto-round's venv).
+- ``uniform-w3`` / ``uniform-w4``: GPTQ W3A16 / W4A16, groups of 64; ``mixed-as-w3`` / ``mixed-as-w4``: seqcal's
+  mixed precision at exactly the stored bits of that uniform run's checkpoint.
+Every run gets the same calibration windows (the first ``--samples`` shuffled 512-token windows of WikiText-2 valid)
+and the same candidates (``--candidates``, symmetric int weight-only; ``lm_head`` is not quantized by either tool).
+Every checkpoint is evaluated by the same code (``harness.perplexity``: reloaded in fp32 by transformers, the first
+``--eval-windows`` 2048-token windows of WikiText-2 test). The bits each run used are counted both ways from the
+per-layer widths: ``bits_fp32`` as seqcal stores an fp32 model's weights (codes packed in int32 words, an fp32
+scale per group), ``bits_ar`` as auto-round counts (a 16-bit scale and a zero point per group).
 
-Usage (from the repo root):
-    .venv/bin/python benchmarks/peers/mixed_precision_smollm2.py [--runs uniform-w4,mixed-4.25,...]
-        [--samples 32] [--eval-windows 20]
+Usage (from the repo root; runs made one at a time are kept in .work/mixed_precision_results.json):
+    .venv/bin/python benchmarks/peers/mixed_precision_smollm2.py --runs seqcal-3.0,autoscheme-3.0 \
+        [--samples 8] [--eval-windows 8] [--iters 0] [--peer-python /work/peers/autoround/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
+import math
+import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "_lib"))  # the shared helpers
-from harness import SEQCAL, VENV, WORK, calibration_tokens, run_and_evaluate  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_lib"))  # the shared helpers: benchmarks/_lib
+from harness import SEQCAL, WORK, calibration_tokens, measure, perplexity  # noqa: E402
 
-# integer weight-only candidates, 2.5 to 8.06 stored bits per weight (SmolLM2's 576 inputs take no group of 128)
-CANDIDATES = ["W2A16:g64", "W2A16:g32", "W3A16:channel", "W3A16:g64", "W3A16:g32", "W4A16:channel", "W4A16:g64",
-              "W4A16:g32", "W8A16:channel"]  # fmt: skip
-UNIFORM = {
-    "uniform-w3": {"num_bits": 3, "strategy": "channel"},
-    "uniform-w4": {"num_bits": 4, "group_size": 64},
-}
-# name -> (average bits, or the uniform run whose stored bits it takes; what the allocation minimises)
-MIXED = {"mixed-3.0": (3.0, "relative"), "mixed-4.25": (4.25, "relative"), "mixed-as-w3": ("uniform-w3", "relative"),
-         "mixed-as-w4": ("uniform-w4", "relative"), "mixed-as-w4-abs": ("uniform-w4", "absolute")}  # fmt: skip
+CANDIDATES = "W2A16:g64,W3A16:g64,W4A16:g64,W8A16:channel"
+UNIFORM = {"uniform-w3": 3, "uniform-w4": 4}  # GPTQ, symmetric int, groups of 64
+RESULTS = WORK / "mixed_precision_results.json"
 
 
-def recipe(name: str, results: dict) -> str:
-    """The run's recipe (YAML); a mixed run at a uniform run's size reads its stored bits from ``results``."""
+def recipe(name: str, candidates: list[str], results: dict) -> str:
+    """The seqcal run's recipe (JSON, which YAML reads); ``mixed-as-*`` takes its uniform run's stored bits."""
     if name in UNIFORM:
-        w = {"type": "int", "symmetric": True, "strategy": "group", **UNIFORM[name]}
-        group = {"targets": ["Linear"], "weights": w}
-        return json.dumps({"GPTQModifier": {"config_groups": {"group_0": group}, "ignore": ["lm_head"]}})
-    bits, error = MIXED[name]
-    bits = results[bits]["bits"] if isinstance(bits, str) else bits
-    args = {"average_bits": bits, "candidates": CANDIDATES, "error": error, "ignore": ["lm_head"]}
-    return json.dumps({"MixedPrecisionModifier": args})
+        w = {
+            "num_bits": UNIFORM[name],
+            "type": "int",
+            "symmetric": True,
+            "strategy": "group",
+            "group_size": 64,
+        }
+        return json.dumps({"GPTQModifier": {"config_groups": {"g": {"targets": ["Linear"], "weights": w}},
+                                            "ignore": ["lm_head"]}})  # fmt: skip
+    if name.startswith("mixed-as-"):
+        bits = results[name.replace("mixed-as", "uniform")]["bits_fp32"]
+    else:
+        bits = float(name.rsplit("-", 1)[1])
+    mixed = {"average_bits": bits, "candidates": candidates}
+    if name.startswith("seqcal-rtn-"):
+        return json.dumps({"QuantizationModifier": {"mixed_precision": mixed, "ignore": ["lm_head"]}})
+    return json.dumps({"MixedPrecisionModifier": {**mixed, "ignore": ["lm_head"]}})
 
 
-def stored_bits(out: Path) -> float:
-    """Bits per weight the checkpoint stores for its quantized Linears (codes, scales, zero points, shapes)."""
-    code = (
-        "import json, sys, glob; from safetensors import safe_open;"
-        f"c = json.load(open({str(out / 'config.json')!r}))['quantization_config'];"
-        "t = {}; [t.update({k: f.get_tensor(k) for k in f.keys()}) for p in sorted(glob.glob("
-        f"{str(out / '*.safetensors')!r})) for f in [safe_open(p, 'pt')]];"
-        "mods = {k.rsplit('.', 1)[0] for k in t if k.endswith('.weight_packed') or k.endswith('.weight_scale')};"
-        "bits = sum(v.numel() * v.element_size() * 8 for k, v in t.items() if k.rsplit('.', 1)[0] in mods);"
-        "n = sum(int(t[m + '.weight_shape'].prod()) for m in mods); print(bits / n)"
-    )
-    done = subprocess.run(
-        [f"{VENV}/bin/python", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
-    )
-    return float(done.stdout.split()[-1])
+def shapes(model: Path) -> dict[str, tuple[int, int]]:
+    """``[out, in]`` of every Linear weight the tools quantize (every 2-D ``*_proj`` weight of the model)."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(model.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                if key.endswith("_proj.weight"):
+                    out[key.removesuffix(".weight")] = tuple(f.get_slice(key).get_shape())
+    return out
+
+
+def widths(out: Path, layers: list[str]) -> dict[str, tuple[int, int]]:
+    """Each layer's (bits, group size; -1 per channel) in a checkpoint: auto-round's ``layer_schemes.json``, or the
+    config groups of seqcal's ``quantization_config`` (a name target before a class target)."""
+    if (out / "layer_schemes.json").exists():
+        chosen = json.loads((out / "layer_schemes.json").read_text())
+        return {n: (c["bits"], c["group_size"]) for n, c in chosen.items() if c["bits"] < 16}
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    found: dict[str, tuple[int, int]] = {}
+    for by_name in (True, False):
+        for group in groups.values():
+            w = group["weights"]
+            width = (w["num_bits"], w["group_size"] if w["strategy"] == "group" else -1)
+            for target in group["targets"]:
+                named = (
+                    [n for n in layers if n == target] if by_name else layers if target == "Linear" else []
+                )
+                found.update({n: width for n in named if n not in found})
+    return found
+
+
+def bits_per_weight(
+    chosen: dict[str, tuple[int, int]], shape: dict[str, tuple[int, int]]
+) -> tuple[float, float]:
+    """(seqcal's stored bits with fp32 scales, auto-round's count) per weight over the layers in ``chosen``."""
+    from seqcal.modifiers.mixed_schemes import candidate_scheme, stored_bits
+
+    fp32 = ar = 0.0
+    for name, (bits, group) in chosen.items():
+        out, n_in = shape[name]
+        spec = f"W{bits}A16:" + ("channel" if group == -1 else f"g{group}")
+        fp32 += stored_bits(candidate_scheme(spec, ["Linear"], "bench"), (out, n_in), 32)
+        groups = out * (1 if group == -1 else math.ceil(n_in / group))
+        ar += bits * out * n_in + groups * (16 + bits)  # auto_scheme.utils.compute_layer_bits
+    params = sum(shape[n][0] * shape[n][1] for n in chosen)
+    return fp32 / params, ar / params
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--runs", default="uniform-w4,mixed-as-w4,uniform-w3,mixed-as-w3,mixed-4.25,mixed-3.0"
-    )
-    parser.add_argument("--eval-windows", type=int, default=20, help="2048-token windows of WikiText-2 test")
-    parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--runs", default="seqcal-3.0,autoscheme-3.0,seqcal-4.25,autoscheme-4.25")
+    parser.add_argument("--candidates", default=CANDIDATES)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=0, help="auto-round's steps after AutoScheme (0: RTN)")
+    parser.add_argument("--eval-windows", type=int, default=8, help="2048-token windows of WikiText-2 test")
+    parser.add_argument("--peer-python", default=os.environ.get("SEQCAL_BENCH_AUTOROUND_PYTHON",
+                                                                "/work/peers/autoround/bin/python"))  # fmt: skip
     args = parser.parse_args()
     from seqcal.models import default_model_dir
 
     model = default_model_dir()
-    tokens = calibration_tokens(model, args.samples, args.seq)
-    results = {}
+    tokens = calibration_tokens(model, args.samples, 512)
+    shape = shapes(model)
     for name in args.runs.split(","):
-        out, path = WORK / f"mixed-{name}", WORK / f"mixed-{name}.yaml"
-        path.write_text(recipe(name, results))
-        cmd = [
-            *SEQCAL,
-            "--recipe",
-            str(path),
-            "--model",
-            str(model),
-            "--tokens",
-            str(tokens),
-            "--out",
-            str(out),
-        ]
-        results[name] = run_and_evaluate(name, cmd, out, args.eval_windows)
-        results[name]["bits"] = round(stored_bits(out), 4)
-        print(f"{name:<18} stored bits per weight {results[name]['bits']:.4f}", flush=True)
-    (WORK / "mixed_precision_results.json").write_text(json.dumps(results, indent=1))
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        out = WORK / f"mixed-{name}"
+        if name.startswith("autoscheme-"):
+            cmd = [args.peer_python, "benchmarks/_lib/run_autoscheme.py", "--avg-bits", name.split("-")[1],
+                   "--options", args.candidates, "--samples", str(args.samples), "--iters", str(args.iters)]  # fmt: skip
+        else:
+            path = WORK / f"mixed-{name}.yaml"
+            path.write_text(recipe(name, args.candidates.split(","), results))
+            cmd = [*SEQCAL, "--recipe", str(path), "--samples", str(args.samples)]
+        cmd += ["--model", str(model), "--tokens", str(tokens), "--out", str(out)]
+        print("$", " ".join(cmd), flush=True)
+        load = os.getloadavg()[0]
+        wall, cpu, rss, _ = measure(cmd, log=WORK / f"mixed-{name}.log")
+        load_after = os.getloadavg()[0]
+        ppl = perplexity(out, args.eval_windows)
+        fp32, ar = bits_per_weight(widths(out, list(shape)), shape)
+        row = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss_gb": round(rss, 2), "ppl": round(ppl, 3),
+               "bits_fp32": round(fp32, 4), "bits_ar": round(ar, 4), "load": [round(load, 1), round(load_after, 1)],
+               "samples": args.samples, "eval_windows": args.eval_windows}  # fmt: skip
+        if name.startswith("autoscheme-"):
+            row["iters"] = args.iters
+        print(f"{name:<18} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.3f}  bits "
+              f"{fp32:.4f} (fp32 scales) {ar:.4f} (auto-round's count)  load {load:.1f} -> {load_after:.1f}",
+              flush=True)  # fmt: skip
+        results = (
+            json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        )  # another driver may have written
+        RESULTS.write_text(json.dumps({**results, name: row}, indent=1))
 
 
 if __name__ == "__main__":
