@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "assets"),
     ("console", "backend"),  # kernels, process settings, the thread count from the free cores
     ("algorithms", "models"),  # pure tensor math; model names and Hub ids -> directories
-    ("gguf",),  # GGUF's grids and types (schemes name them), its writer
+    ("gguf", "owners"),  # GGUF's grids and types (schemes name them), its writer; when writers write a module
     ("records", "sources"),  # the data that crosses stages; quantized source checkpoints read per weight
     ("tracing", "execution.cache", "data"),  # trace, partition, run a graph; the activation cache; batches
     ("experts", "report", "multimodal"),  # multimodal: processors, media rows

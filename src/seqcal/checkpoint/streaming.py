@@ -58,6 +58,7 @@ from seqcal.checkpoint.writer import (
 )
 from seqcal.errors import SeqcalError
 from seqcal.modifiers.base import RunState
+from seqcal.owners import module_owners
 from seqcal.records import Fold, fold_records, folds_from
 from seqcal.report.profile import NullProfiler
 from seqcal.sources.extras import ignore_modules, write_extra_tensors
@@ -131,7 +132,7 @@ class StreamingCheckpoint:
             shutil.rmtree(self.path / RESUME_DIR, ignore_errors=True)  # an overwritten run's saved subgraphs
             self._record(-1)  # first, before any work: the directory is a resumable run of these arguments
         self.last = self.finished  # the last subgraph whose modules and weights are on disk
-        self.owner = self._owners(subgraphs)
+        self.owner = module_owners(model, subgraphs, buffers=True)
 
     def _record(self, finished: int) -> None:
         choices = {"in_place_factor": bool(self.state.config.in_place_factor)}  # what a resume keeps
@@ -161,18 +162,6 @@ class StreamingCheckpoint:
             if not file.stem.isdigit() or int(file.stem) > finished:
                 file.unlink()  # written after the last record: recomputed
         return writer, finished
-
-    def _owners(self, subgraphs: Sequence[Subgraph]) -> dict[str, int]:
-        """Module name -> index of the last subgraph that uses it (-1: none; written at the end)."""
-        owner: dict[str, int] = {}
-        for name, module in self.model.named_modules():
-            if not any(True for _ in module.parameters(recurse=False)) and not module._buffers:
-                continue
-            owner[name] = -1
-            for sg in subgraphs:
-                if sg.holds(name):
-                    owner[name] = sg.index
-        return owner
 
     def done(self, sg: Subgraph) -> float:
         """``sg`` finished: write the modules it used last, save its quantized weights, record progress.

@@ -29,6 +29,7 @@ from seqcal.gguf.families import add_hparams, family_of, tensor_namer, text_conf
 from seqcal.gguf.scheme import GGUFScheme
 from seqcal.gguf.tensors import Entry, FilePlan, GGUFCheckError, module_entries, plan_types
 from seqcal.gguf.vocab import add_tokenizer
+from seqcal.owners import module_owners
 
 logger = logging.getLogger("seqcal")
 
@@ -73,7 +74,7 @@ class GGUFStream:
         self.plan = file_plan(model, [])  # its mix is known at the end
         self.entries: list[tuple[str, tuple[int, ...], int, np.dtype, int, str]] = []
         self.data = open(self.path / _PARTIAL, "wb")  # noqa: SIM115 - closed by finish / close
-        self.owner = _owners(model, subgraphs)
+        self.owner = module_owners(model, subgraphs, buffers=False)
         for edge in (model.get_input_embeddings(), model.get_output_embeddings()):
             self.owner.update({n: -1 for n, m in model.named_modules() if m is edge})
 
@@ -147,19 +148,6 @@ class GGUFStream:
                                      "the file is corrupt: write it again")  # fmt: skip
         logger.info("seqcal: wrote %s (%d tensors, %.1f MB), each tensor checked against the quantized weights",
                     target, len(digests), target.stat().st_size / 1e6)  # fmt: skip
-
-
-def _owners(model: torch.nn.Module, subgraphs: Sequence[Any]) -> dict[str, int]:
-    """Module name -> index of the last subgraph that uses it (-1: none; written at the end)."""
-    owner: dict[str, int] = {}
-    for name, module in model.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
-            continue
-        owner[name] = -1
-        for sg in subgraphs:
-            if sg.holds(name):
-                owner[name] = sg.index
-    return owner
 
 
 def export_gguf(model: torch.nn.Module, tokenizer: Any, output_dir: str | Path) -> Path:
