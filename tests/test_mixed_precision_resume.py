@@ -86,12 +86,13 @@ def test_the_allocation_mixes_widths_and_records_each_choice(single: Path) -> No
 def test_stopped_at_several_subgraphs_and_resumed_gives_the_uninterrupted_result(
     model_dir: Path, single: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One directory stopped after subgraph 1, then by its resumed runs after 3 and 6, then finished: every resume
-    continues the allocation with the budget and curves the stopped run had."""
+    """One directory stopped after subgraph 1, then by its resumed runs after 3 and 6, then finished by two
+    processes: every resume continues the allocation with the budget and curves the stopped run had (the process
+    that does not read the resume files gets them with the replayed modules)."""
     out = tmp_path / "stopped"
     for stop, resume in ((1, False), (2, True), (3, True)):
         stopped_after(monkeypatch, stop, **_args(model_dir, out, resume=resume))
-    oneshot(**_args(model_dir, out, resume=True))
+    run(2, tmp_path / "err", **_args(model_dir, out, resume=True))
     _same_result(out, single)
 
 

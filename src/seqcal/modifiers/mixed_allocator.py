@@ -3,8 +3,9 @@
 ``MixedPrecision`` is the ``mixed_precision`` argument of ``QuantizationModifier`` and ``GPTQModifier`` (and
 ``MixedPrecisionModifier``'s own arguments): it checks the arguments when the recipe is read, checks the
 model before any weight is calibrated (``validate``: pins that match nothing, units no candidate holds, a
-budget below the cheapest allocation), and during the pass sets each module's scheme from its error curve
-(``assign``). How and what it guarantees: ``seqcal.modifiers.mixed_precision``.
+budget below the cheapest allocation), during the pass sets each module's scheme from its error curve
+(``assign``), and takes the choices another process or an interrupted run made from the curves they recorded
+(``catch_up``). How and what it guarantees: ``seqcal.modifiers.mixed_precision``.
 """
 
 from __future__ import annotations
