@@ -288,7 +288,9 @@ def test_bad_input_is_refused_before_anything_is_written(llama: Path, sharded: P
     for file in sharded.iterdir():
         if not file.name.startswith("model-00002"):
             (broken / file.name).write_bytes(file.read_bytes())
-    with pytest.raises(SourceError, match="names the shard model-00002-of-.*fetch the missing shard"):
+    with pytest.raises(
+        SourceError, match="model-free: .*names shard 'model-00002-of-.*download the missing shards"
+    ):
         model_free_ptq(broken, out, scheme="W4A16")
     assert not out.exists()
     out.mkdir()

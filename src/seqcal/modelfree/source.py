@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from seqcal.modelfree.stored import SAFETENSORS_NAMES, Stored, read_stored
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+from seqcal.sources.checkpoint import INDEX_NAME, SINGLE_FILE, index_weight_map
+from seqcal.sources.format import SourceFormatError
 
 # safetensors' dtype names -> bytes per element (header sizes without reading data)
 DTYPE_BYTES = {
@@ -120,23 +119,17 @@ class SourceCheckpoint:
 
 def _weight_map(root: Path) -> dict[str, str]:
     """The index's key -> file map (empty for a one-file checkpoint); every file it names must be there."""
-    index = root / INDEX_NAME
-    if not index.is_file():
+    try:
+        weight_map = index_weight_map(root)  # the reader of quantized sources: the same checks
+    except SourceFormatError as err:
+        raise SourceError(f"model-free: {err}") from None
+    if weight_map is None:
         if not (root / SINGLE_FILE).is_file():
             raise SourceError(
                 f"model-free: {root} has neither {SINGLE_FILE} nor {INDEX_NAME}; model-free reads safetensors "
                 "checkpoints (convert .bin weights with transformers' save_pretrained first)"
             )
         return {}
-    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise SourceError(f"model-free: {index} has no weight_map; regenerate the index")
-    for name in dict.fromkeys(weight_map.values()):
-        if not (root / name).is_file():
-            raise SourceError(
-                f"model-free: {index} names the shard {name}, which is not in {root}; the download is "
-                "incomplete, fetch the missing shard"
-            )
     return weight_map
 
 

@@ -25,6 +25,8 @@ from safetensors import safe_open
 from seqcal.sources.detect import detect_source
 from seqcal.sources.format import Family, Infos, Part, SourceFormat, SourceFormatError
 
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 # reads one stored tensor: (safetensors file, key) -> tensor
 Reader = Callable[[str, str], torch.Tensor]
 
@@ -48,24 +50,40 @@ def family_for(source: SourceFormat) -> Family:
     return IntPackedFamily(source)
 
 
+def index_weight_map(path: str | Path) -> dict[str, str] | None:
+    """Stored key -> shard file name (relative to ``path``) from ``model.safetensors.index.json``, every shard it
+    names checked to be there; None when ``path`` has no index (one ``model.safetensors``, or no weights).
+
+    Raises:
+        SourceFormatError: the index has no weight_map, or names a shard that is not in the directory.
+    """
+    path = Path(path)
+    index = path / INDEX_NAME
+    if not index.is_file():
+        return None
+    weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise SourceFormatError(f"{index} has no weight_map; regenerate the index")
+    missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+    if missing:
+        raise SourceFormatError(f"{index}: the index names shard {missing[0]!r}"
+                                f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which is "
+                                f"not in {str(path)!r}; download the missing shards again")  # fmt: skip
+    return weight_map
+
+
 def checkpoint_files(path: str | Path) -> dict[str, str]:
     """Stored key -> the safetensors file holding it, from ``model.safetensors.index.json`` or the one file.
 
     Raises:
-        SourceFormatError: the index names a shard that is not in the directory.
+        SourceFormatError: the index has no weight_map or names a shard that is not in the directory.
         FileNotFoundError: no safetensors weights at all.
     """
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-        if missing:
-            raise SourceFormatError(f"{index}: the index names shard {missing[0]!r}"
-                                    f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, which is "
-                                    f"not in {str(path)!r}; download the missing shards again")  # fmt: skip
+    weight_map = index_weight_map(path)
+    if weight_map is not None:
         return {key: str(path / file) for key, file in weight_map.items()}
-    single = path / "model.safetensors"
+    single = path / SINGLE_FILE
     if not single.is_file():
         raise FileNotFoundError(f"{path} has no model.safetensors(.index.json); seqcal reads weights with "
                                 "safetensors only (convert .bin checkpoints with transformers' save_pretrained "
