@@ -18,6 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dist_helpers import data, run, stopped_after, tensor_hashes
 from seqcal.entrypoint import oneshot
+from seqcal.modifiers import MixedPrecisionModifier, QuantizedWeight
+from seqcal.modifiers.base import RunState
 from seqcal.modifiers.mixed_allocator import ALLOCATION_KEY, RECIPE_FILENAME
 
 CANDIDATES = ["W2A16:g32", "W3A16:g32", "W4A16:g32", "W8A16:channel"]
@@ -111,3 +113,21 @@ def test_same_result_for_1_and_2_processes(
     _same_result(two, reference)
     owners = json.loads((two / "quantization_report.json").read_text())["distributed"]["owners"]
     assert set(owners) == {0, 1}  # the other process solved some subgraphs
+
+
+def test_a_missing_or_contradicted_record_stops_the_run(model_dir: Path) -> None:
+    """A unit quantized without a record of its choice (a resume file of an older seqcal), or whose recorded curve
+    gives another scheme here, would let the allocation continue from another state: refused."""
+    modifier = MixedPrecisionModifier(average_bits=3.6, candidates=CANDIDATES, ignore=["lm_head"])
+    modifier.validate(LlamaForCausalLM.from_pretrained(model_dir))
+    key, members = next(iter(modifier.mixed.units.items()))
+    state = RunState()
+    for m in members:
+        state.results.quantized[m] = QuantizedWeight(torch.empty(0), torch.empty(0), None, None, None)
+    with pytest.raises(RuntimeError, match="without a record of its allocation"):
+        modifier.mixed.catch_up(modifier.modules, state)
+    errors = [0.0, 1.0, 2.0, 3.0]  # the fewest bits have the least error: the cheapest candidate is chosen
+    state.results.module_errors[members[0]] = {"scheme": CANDIDATES[-1], "allocation": {"unit": key, "step": 0,
+                                                                                       "errors": errors}}  # fmt: skip
+    with pytest.raises(RuntimeError, match="its recorded curve chooses W2A16:g32"):
+        modifier.mixed.catch_up(modifier.modules, state)

@@ -230,6 +230,9 @@ class MixedPrecision:
             record = next((e[ALLOCATION_KEY] for e in entries if ALLOCATION_KEY in e), None)
             if key not in self.chosen and record is not None and record["unit"] == key:
                 records.append(record)
+            elif key not in self.chosen and all(m in state.results.quantized for m in members):
+                raise RuntimeError(f"{self.where}: {key} was quantized without a record of its allocation (a resume "
+                                   "file written by an older seqcal); start the run again with overwrite=True")  # fmt: skip
         for record in sorted(records, key=lambda r: r["step"]):
             key = record["unit"]
             if record["step"] != len(self.chosen):
