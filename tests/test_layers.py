@@ -18,7 +18,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "assets"),
     ("console", "backend"),  # kernels, process settings, the thread count from the free cores
     ("algorithms", "models"),  # pure tensor math; model names and Hub ids -> directories
-    ("gguf", "owners"),  # GGUF's grids and types (schemes name them), its writer; when writers write a module
+    ("owners",),  # after which subgraph the streaming writers (checkpoint, GGUF) write each module
+    ("gguf",),  # GGUF's grids and types (schemes name them), its writer
     ("records", "sources"),  # the data that crosses stages; quantized source checkpoints read per weight
     ("tracing", "execution.cache", "data"),  # trace, partition, run a graph; the activation cache; batches
     ("experts", "report", "multimodal"),  # multimodal: processors, media rows

@@ -2,8 +2,8 @@
 
 The safetensors checkpoint (``seqcal.checkpoint.streaming``) and the GGUF file (``seqcal.gguf.stream``) are
 written as subgraphs finish: a module's tensors go out once no later subgraph can change them, and a module no
-subgraph holds (a vision tower run inside opaque code, a tied output projection) at the end. Below both in the
-package's layers, it reads a subgraph only through its ``index`` and ``holds(name)``.
+subgraph holds (a vision tower run inside opaque code, a tied output projection) at the end. On a layer of its
+own below both, it reads a subgraph only through its ``index`` and ``holds(name)``.
 """
 
 from __future__ import annotations
