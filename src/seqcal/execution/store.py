@@ -194,8 +194,8 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
     merged = _merged_on_load(model, missing)
     if merged:
         raise ModelLoadError(
-            f"{path}: {type(model).__name__} builds {merged[0]} from several checkpoint tensors ({merged[1]}) "
-            "that transformers merges as it loads, which seqcal's offloaded loader does not do yet; pass the model "
+            f"{path}: {type(model).__name__} builds {merged[0]} from checkpoint tensors ({merged[1]}) that "
+            "transformers merges or splits as it loads, which seqcal's offloaded loader does not do yet; pass the model "
             "loaded in memory to oneshot (model=AutoModelForCausalLM.from_pretrained(path)), which holds all its "
             "weights in RAM"
         )
@@ -208,14 +208,15 @@ def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_rem
 
 def _merged_on_load(model: torch.nn.Module, missing: list[str]) -> tuple[str, str] | None:
     """A missing parameter that one of transformers' weight converters builds from several checkpoint tensors
-    (Kimi-Linear's ``conv1d`` from ``q/k/v_conv1d``): (its name, the converter's sources), else None."""
+    (Kimi-Linear's ``conv1d`` from ``q/k/v_conv1d``) or from a part of one (HRM's ``q_proj`` from ``gqkv_proj``):
+    (its name, the converter's sources), else None."""
     import re
 
     from seqcal.experts.layout import weight_conversions
 
     for conv in weight_conversions(model) if missing else ():
         sources = list(conv.source_patterns)
-        if len(sources) < 2:
+        if len(sources) < 2 and len(conv.target_patterns) < 2:  # a renaming: not a merge or a split
             continue
         for target in conv.target_patterns:
             hit = next((n for n in missing if re.search(target, n)), None)

@@ -202,7 +202,11 @@ def check_targets(
                 fix=f"keep it one node: leaf_modules=[{type(model.get_submodule(name)).__name__!r}]",
             )
         )
-    for name, count in called_targets(graph, targets, entered).items():
+    counts = called_targets(graph, targets, entered)
+    # the classes of the targets the forward does call: a layer kind it skips (Mllama's cross-attention layers
+    # without images) is left out by targeting these
+    running = sorted({type(model.get_submodule(n)).__name__ for n, c in counts.items() if c > 0})
+    for name, count in counts.items():
         module = model.get_submodule(name)
         if count == 1:
             continue
@@ -225,6 +229,8 @@ def check_targets(
                 if site
                 else f"exclude it: sequential_targets=['re:...'] matching only the called layers, or ignore={name!r}"
             )
+            if running and type(module).__name__ not in running:
+                fix = f"target only the layers that run: sequential_targets={running!r}; or " + fix
             if where in hidden_by:
                 hidden_by[where].append(name)
                 continue
@@ -234,8 +240,11 @@ def check_targets(
             problems.append(
                 Problem(
                     where=name,
-                    what=f"target {name} ({type(module).__name__}) is called {count} times (shared/tied layer)",
-                    fix="choose a target class whose instances are each called once, e.g. its parent or children",
+                    what=f"target {name} ({type(module).__name__}) is called {count} times in one forward (a layer "
+                    "shared, or looped over as in recurrent-depth models): a sequential run calibrates each target "
+                    "once, in forward order, from the one input the subgraph before it gives",
+                    fix="pass pipeline='basic' (the whole model in one forward, each Linear's statistics over all its "
+                    "calls), or choose a target class whose instances are each called once",
                 )
             )
     return [_with_count(p, hidden_by.get(p.where, [])) for p in problems]
