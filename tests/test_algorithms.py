@@ -437,9 +437,18 @@ def test_column_loop_graph_cache_keeps_its_budget_and_skips_failed_shapes(monkey
 def test_docstring_examples_run():
     import doctest
 
-    from seqcal.algorithms import gptq, hessian, kept_hessian, observe, output_error, packing, quant
+    from seqcal.algorithms import (
+        gptq,
+        hessian,
+        kept_hessian,
+        observe,
+        output_error,
+        packing,
+        quant,
+        range_search,
+    )
 
-    for module in (quant, observe, packing, gptq, hessian, kept_hessian, output_error):
+    for module in (quant, observe, range_search, packing, gptq, hessian, kept_hessian, output_error):
         result = doctest.testmod(
             module, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE
         )

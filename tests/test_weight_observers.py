@@ -21,7 +21,7 @@ from seqcal.algorithms import (
     observe_mse,
     weight_qparams,
 )
-from seqcal.algorithms.observe import shrink_search
+from seqcal.algorithms.range_search import shrink_search
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from test_cli import SMALL, assert_user_error, seqcal, tiny_dir  # noqa: F401 (tiny_dir is a fixture)
@@ -137,7 +137,7 @@ def test_the_in_place_search_equals_fake_quantize_bit_for_bit(
 ) -> None:
     """The float32 int search runs in a reused buffer, chunk by chunk; each candidate's errors, and so the
     chosen ranges, are those of ``fake_quantize`` exactly (chunks of 40 values: a ragged last chunk)."""
-    import seqcal.algorithms.observe as observe
+    import seqcal.algorithms.range_search as range_search
 
     f = FORMATS[fmt]
     gs = f["group_size"] if f["strategy"] == "group" else None
@@ -147,12 +147,12 @@ def test_the_in_place_search_equals_fake_quantize_bit_for_bit(
     kw = dict(
         strategy=f["strategy"], num_bits=f["num_bits"], symmetric=f["symmetric"], group_size=gs, type="int"
     )
-    monkeypatch.setattr(observe, "_CHUNK_VALUES", 40)
+    monkeypatch.setattr(range_search, "_CHUNK_VALUES", 40)
     lo, hi = shrink_search(W, **kw, shrinks=shrinks, patience=None, norm=3.0, importance=a)
 
     # the reference: every candidate through fake_quantize, whole-weight temporaries
-    rows = observe._as_rows(W, f["strategy"], gs)
-    weights = None if a is None else observe._row_weights(a, W, f["strategy"], gs)
+    rows = range_search._as_rows(W, f["strategy"], gs)
+    weights = None if a is None else range_search._row_weights(a, W, f["strategy"], gs)
     best_err = torch.full((rows.shape[0],), math.inf)
     best_lo, best_hi = rows.amin(-1).clone(), rows.amax(-1).clone()
     for p in shrinks:
