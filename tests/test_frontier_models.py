@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from frontier_helpers import ARCHITECTURES, add_mtp_layer, save_bf16, write_fp8_release
 from seqcal.entrypoint import oneshot
-from seqcal.modifiers import GPTQModifier
+from seqcal.modifiers import GPTQModifier, QuantizationModifier
 from seqcal.sources import QuantizedCheckpoint
 from sources_helpers import token_data
 
@@ -135,3 +135,26 @@ def test_untargeted_fp8_weights_keep_the_dequantized_values_in_the_runs_dtype(
     with safe_open(str(next(f for f in out.glob("*.safetensors") if name in safe_open(str(f), "pt").keys())), "pt") as f:  # fmt: skip
         kept = f.get_tensor(name)
     assert kept.dtype == torch.bfloat16 and torch.equal(kept, ckpt.read(name, torch.bfloat16))
+
+
+def test_a_datafree_run_keeps_the_mtp_layer_too(tmp_path: Path, releases: dict[str, Path]) -> None:
+    """Round to nearest writes the whole checkpoint at the end (no streaming): the MTP layer is kept there too."""
+    w8a16 = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}}
+    recipe = QuantizationModifier(config_groups={"w8a16": {"targets": ["Linear"], **w8a16}}, ignore=["lm_head", r"re:.*mlp\.gate$"])  # fmt: skip
+    oneshot(
+        model=str(releases["deepseek_v3"]),
+        recipe=recipe,
+        output_dir=str(tmp_path),
+        pipeline="datafree",
+        requantize=True,
+    )
+    mtp = [
+        n
+        for n in QuantizedCheckpoint.open(releases["deepseek_v3"]).names()
+        if n.startswith("model.layers.2.")
+    ]
+    assert mtp and set(mtp) <= set(stored_keys(tmp_path))
+    assert (
+        "model.layers.2.eh_proj"
+        in json.loads((tmp_path / "config.json").read_text())["quantization_config"]["ignore"]
+    )

@@ -38,6 +38,7 @@ from seqcal.checkpoint.shard_file import _ShardFile
 from seqcal.checkpoint.tensors import _module_tensors
 from seqcal.modifiers.base import RunState
 from seqcal.records import QuantizedWeight
+from seqcal.sources.extras import ignore_modules, write_extra_tensors
 
 __all__ = [
     "CONFIG_NAME",
@@ -368,8 +369,9 @@ def save_checkpoint(
         for name, module in model.named_modules():
             writer.add_module(name, module, state.results.quantized.get(name))
         writer.add_transforms(state.results.transform_tensors)
+        kept = write_extra_tensors(writer, model)  # the source's MTP layers, as it has them
         write_extras(writer.output_dir, model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)
-        return writer.close(config)
+        return writer.close(ignore_modules(config, kept))
     except BaseException:
         writer.abort()
         raise

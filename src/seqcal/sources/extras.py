@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from seqcal.sources.checkpoint import checkpoint_files, quantized_source
+from seqcal.sources.checkpoint import _read_copy, checkpoint_files, quantized_source
 
 logger = logging.getLogger("seqcal")
 
@@ -76,18 +76,16 @@ def write_extra_tensors(writer: Any, model: torch.nn.Module) -> list[str]:
     names = extra_tensor_names(model)
     if not names:
         return []
-    from seqcal.execution.store import read_tensor
-
     dtype = getattr(model, "dtype", torch.float32)
     path = _source_dir(model)
-    source = quantized_source(path, read=read_tensor)
+    source = quantized_source(path)
     files = source.files if source is not None else checkpoint_files(path)
     modules = []
     for name in names:
         if source is not None:
             tensor = source.read(name, dtype)
         else:
-            tensor = read_tensor(files[name], name)
+            tensor = _read_copy(files[name], name)
             tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
         writer.add_tensor(name, tensor.contiguous())
         if name.endswith(".weight") and tensor.dim() == 2:
