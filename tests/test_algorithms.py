@@ -440,6 +440,7 @@ def test_docstring_examples_run():
     from seqcal.algorithms import (
         gptq,
         hessian,
+        in_place,
         kept_hessian,
         observe,
         output_error,
@@ -448,7 +449,17 @@ def test_docstring_examples_run():
         range_search,
     )
 
-    for module in (quant, observe, range_search, packing, gptq, hessian, kept_hessian, output_error):
+    for module in (
+        quant,
+        observe,
+        range_search,
+        packing,
+        gptq,
+        hessian,
+        kept_hessian,
+        output_error,
+        in_place,
+    ):
         result = doctest.testmod(
             module, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE
         )

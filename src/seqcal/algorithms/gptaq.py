@@ -32,9 +32,10 @@ from torch import Tensor
 
 from seqcal.algorithms.columns import one_intra_op_thread, quantize_columns
 from seqcal.algorithms.gptq import ACTORDER, GPTQResult
-from seqcal.algorithms.gptq_factor import Factor, _permute_, processing_factor
+from seqcal.algorithms.gptq_factor import Factor, processing_factor
 from seqcal.algorithms.gptq_rows import _codes_in_order, _original_order, _stored_qparams, _weight_and_qparams
 from seqcal.algorithms.hessian import running_square
+from seqcal.algorithms.in_place import _permute_
 from seqcal.algorithms.quant import STRATEGIES, Strategy, quant_range
 
 # The reference implementation's scale of the input-mismatch term (its authors' most stable choice).

@@ -15,6 +15,14 @@ import torch
 from torch import Tensor
 
 import seqcal.algorithms.products as products
+from seqcal.algorithms.in_place import (
+    FACTOR_BLOCK,
+    _permute_,
+    _reverse_,
+    _transpose_,
+    cholesky_in_place_,
+    lower_inverse_in_place_,
+)
 from seqcal.algorithms.kept_hessian import KeptHessian
 from seqcal.backend import onednn_applies
 from seqcal.backend.host import free_mkl_buffers, trim_host_memory
@@ -24,10 +32,6 @@ class GPTQNumericalError(RuntimeError):
     """The Hessian could not be inverted even after extra dampening; fall back to RTN for this module."""
 
 
-# Floats per temporary of the in-place passes below (1 MiB): they run between the Hessian's allocation and the
-# Cholesky factor's, the solve's peak, so what they leave on the C heap adds to it. Strips of 256 rows (4 MB at a
-# 4096-wide down_proj) and chunks of 4 MB left 26 MiB of free heap resident there (tests/test_host_peak.py).
-STRIP_FLOATS = 1 << 18
 # MKL's work buffers for the Cholesky factor and the triangular solve beside the [n, n] factor: LAPACK_PANEL floats
 # per input column and LAPACK_CODE bytes, the envelope of RSS measured on 1 and 2 threads (2-core x86: 1024 inputs
 # 7.4 MiB, 2048: 11.4, 4096: 19.5, 8192: 35.6; benchmarks/RESULTS.md)
@@ -35,14 +39,6 @@ LAPACK_PANEL = 1024
 LAPACK_CODE = 4 << 20
 
 
-def strip_rows(n: int) -> int:
-    """Rows of an [n, n] matrix per temporary strip of the in-place passes (``STRIP_FLOATS``), at least one."""
-    return max(1, STRIP_FLOATS // max(n, 1))
-
-
-# Order of the diagonal blocks of the factor computed in the Hessian's own memory (:func:`cholesky_in_place_`):
-# its temporaries are a few [block, block] matrices (1 MiB each), its products large enough to run near BLAS's rate
-FACTOR_BLOCK = 512
 # What it holds at most beside the Hessian, in [block, block] float32 blocks, and LAPACK_PANEL / 2 floats per input
 # column: its temporaries and MKL's buffers for the blocks' products, the envelope of RSS measured on 2 threads
 # (2-core x86: 2048 inputs 19.6 MiB, 4096: 22.1, 8192: 29.6; torch's own allocations 4 blocks at 2048)
@@ -55,7 +51,7 @@ IN_PLACE_FROM = 4096
 
 
 def factors_in_place(n: int, device_on_host: bool, in_place: bool = False) -> bool:
-    """Whether the inverse factor of an [n, n] Hessian is computed in its own memory (:func:`cholesky_in_place_`):
+    """Whether the inverse factor of an [n, n] Hessian is computed in its own memory (``in_place.cholesky_in_place_``):
     on the host, wider than one block, when the run asks (``in_place``) or from ``IN_PLACE_FROM`` inputs."""
     return device_on_host and n > FACTOR_BLOCK and (in_place or n >= IN_PLACE_FROM)
 
@@ -71,59 +67,6 @@ def factor_bytes(n: int, device_on_host: bool = True, in_place: bool = False) ->
     if factors_in_place(n, device_on_host, in_place):
         return IN_PLACE_BLOCKS * FACTOR_BLOCK * FACTOR_BLOCK * 4 + n * LAPACK_PANEL // 2 * 4
     return n * n * 4 + (n * LAPACK_PANEL * 4 + LAPACK_CODE if device_on_host else 0)
-
-
-def _reverse_(t: Tensor, chunk: int = STRIP_FLOATS) -> Tensor:
-    """Reverse the elements of contiguous ``t`` in place, ``chunk`` at a time (no full-size temporary).
-
-    For a contiguous square matrix that is ``P t P`` with P the reversal permutation.
-    """
-    flat = t.view(-1)
-    n = flat.numel()
-    for i in range(0, n // 2, chunk):
-        j = min(i + chunk, n // 2)
-        head = flat[i:j].flip(0)  # [j - i] copy
-        flat[i:j] = flat[n - j : n - i].flip(0)
-        flat[n - j : n - i] = head
-    return t
-
-
-def _transpose_(t: Tensor, rows: int | None = None) -> Tensor:
-    """Transpose contiguous square ``t`` in place, a strip of ``rows`` rows at a time (no full-size temporary;
-    None: ``strip_rows``)."""
-    n = t.shape[0]
-    rows = rows or strip_rows(n)
-    for i0 in range(0, n, rows):
-        i1 = min(i0 + rows, n)
-        block = t[i0:i1, i0:i1]
-        block.copy_(block.T.clone())
-        right = t[i0:i1, i1:].clone()  # [rows, n - i1]
-        t[i0:i1, i1:] = t[i1:, i0:i1].T
-        t[i1:, i0:i1] = right.T
-    return t
-
-
-def _permute_(H: Tensor, perm: Tensor, symmetric: bool = False, rows: int | None = None) -> Tensor:
-    """``H[perm][:, perm]`` in ``H``'s memory (contiguous, square), with temporaries of ``rows`` rows (None:
-    ``strip_rows``).
-
-    ``P^T H P = ((H^T P)^T) P``: columns are permuted a strip of rows at a time (a gather each), and a transpose in
-    place turns permuted columns into permuted rows; ``symmetric`` (``H == H^T`` exactly) skips the first
-    transpose. A constant number of passes, however many cycles ``perm`` has.
-    """
-    rows = rows or strip_rows(H.shape[0])
-    if not symmetric:
-        _transpose_(H, rows)  # H^T
-    _permute_columns_(H, perm, rows)  # H^T P
-    _transpose_(H, rows)  # P^T H
-    return _permute_columns_(H, perm, rows)  # P^T H P
-
-
-def _permute_columns_(H: Tensor, perm: Tensor, rows: int) -> Tensor:
-    """``H[:, perm]`` in ``H``'s memory, a strip of ``rows`` rows at a time."""
-    for r in range(0, H.shape[0], rows):
-        H[r : r + rows] = H[r : r + rows].index_select(1, perm)
-    return H
 
 
 def _processing_hessian_(H: Tensor, perm: Tensor | None, dead: Tensor, symmetric: bool = False) -> Tensor:
@@ -181,7 +124,7 @@ def processing_factor(
     values are written back, bit for bit, when the block ends); dead inputs' diagonal 1; columns ordered by
     descending ``diag(H)`` for ``actorder`` ``"weight"`` or ``"group"``; dampening raised ``damp_growth``x per
     failed Cholesky, up to ``max_retries`` times. The factor must not be read after the block. ``in_place``: on
-    the CPU and wider than ``FACTOR_BLOCK``, the factor of :func:`cholesky_in_place_` (no second [in, in] matrix;
+    the CPU and wider than ``FACTOR_BLOCK``, the factor of ``in_place.cholesky_in_place_`` (no second [in, in] matrix;
     equal to LAPACK's up to float32 rounding, not bit for bit: for host budgets that need it).
 
     Raises:
@@ -225,7 +168,7 @@ def _inverse_hessian_factor(
     are those of dampening one copy step by step. Memory besides ``H`` and ``kept``: the Cholesky factor (one
     [in, in] matrix), or with the blocked factor of ``products.inverse_cholesky_factor_`` (float32 CPU solves
     wider than ``FACTOR_LEAF`` where oneDNN is on) three quarters of one, or with ``in_place`` (CPU) a few
-    [FACTOR_BLOCK, FACTOR_BLOCK] blocks (:func:`cholesky_in_place_`). Building the working copy in ``H``'s
+    [FACTOR_BLOCK, FACTOR_BLOCK] blocks (``in_place.cholesky_in_place_``). Building the working copy in ``H``'s
     memory instead of a new [in, in] matrix bounds a layer's peak for wide inputs (down_proj: 5632^2 floats =
     127 MB each).
     """
@@ -279,7 +222,7 @@ def _lower_inverse(Hr: Tensor, method: str) -> Tensor | None:
     """``Lr^-1`` for the lower Cholesky factor ``Lr`` of ``Hr``, or None if ``Hr`` is not positive definite.
 
     ``method`` ``"blocked"``: ``products.inverse_cholesky_factor_`` in ``Hr``'s memory (row-major);
-    ``"in_place"``: :func:`cholesky_in_place_` then :func:`lower_inverse_in_place_` (row-major). ``"lapack"``:
+    ``"in_place"``: ``in_place.cholesky_in_place_`` then ``lower_inverse_in_place_`` (row-major). ``"lapack"``:
     LAPACK's (or cuSOLVER's) Cholesky, then ``Lr^-1`` in place of an identity written into ``Hr``'s memory and
     laid out column-major, as solve_triangular lays out its own output: same call, same values, one [in, in]
     matrix (the factor ``Lr``) besides ``Hr``.
@@ -295,62 +238,6 @@ def _lower_inverse(Hr: Tensor, method: str) -> Tensor | None:
         free_mkl_buffers()  # the Cholesky's pooled work buffers, not the solve's: 2-5 MiB off the peak
     inv = Hr.zero_().fill_diagonal_(1).t()  # Hr is spent: the identity in its memory, column-major
     return torch.linalg.solve_triangular(Lr, inv, upper=False, out=inv)
-
-
-def cholesky_in_place_(A: Tensor, block: int = FACTOR_BLOCK) -> Tensor | None:
-    """The lower Cholesky factor ``L`` of ``A`` (``A = L L^T``) in ``A``'s lower triangle, its upper triangle
-    zeroed; None if ``A`` is not positive definite (``A`` then holds partial results). ``A``: contiguous [n, n],
-    only its lower triangle read.
-
-    Right-looking and blocked: LAPACK factors each diagonal block (a copy of ``block`` rows), the panel below it
-    is solved against it ``block`` rows at a time, and the trailing lower triangle takes the panel's product in
-    place, block row by block row (``addmm_`` on views of ``A``): temporaries of ``[block, block]`` only.
-
-    Example:
-        >>> A = torch.tensor([[4.0, 2.0], [2.0, 3.0]])
-        >>> torch.allclose(cholesky_in_place_(A.clone(), block=1), torch.linalg.cholesky(A))
-        True
-    """
-    n = A.shape[0]
-    for k0 in range(0, n, block):
-        k1 = min(k0 + block, n)
-        L, info = torch.linalg.cholesky_ex(A[k0:k1, k0:k1])  # [b, b], a copy
-        if info.item() != 0:
-            return None
-        A[k0:k1, k0:k1] = L
-        for r0 in range(k1, n, block):  # L_ik = A_ik L_kk^-T
-            rows = A[r0 : r0 + block, k0:k1]
-            rows.copy_(torch.linalg.solve_triangular(L.T, rows, upper=True, left=False))
-        for j0 in range(k1, n, block):  # A_jj' -= L_jk L_j'k^T, on and below the diagonal blocks
-            j1 = min(j0 + block, n)
-            A[j0:j1, k1:j1].addmm_(A[j0:j1, k0:k1], A[k1:j1, k0:k1].T, alpha=-1)
-    return A.tril_()
-
-
-def lower_inverse_in_place_(L: Tensor, block: int = FACTOR_BLOCK) -> Tensor:
-    """``L^-1`` in ``L``'s memory for a lower triangular ``L`` (its upper triangle zero), blocked, with
-    temporaries of ``[block, block]`` only.
-
-    Block columns from the last: with ``X = L^-1`` known below and right of block ``j``, ``X_jj = L_jj^-1`` and
-    ``X_ij = -(sum_k X_ik L_kj) X_jj`` for the blocks ``i`` below, computed from the bottom block up, so that the
-    ``L_kj`` a block reads are not yet overwritten.
-
-    Example:
-        >>> L = torch.tensor([[2.0, 0.0], [1.0, 4.0]])
-        >>> torch.allclose(lower_inverse_in_place_(L.clone(), block=1), torch.linalg.inv(L))
-        True
-    """
-    n = L.shape[0]
-    for j0 in reversed(range(0, n, block)):
-        j1 = min(j0 + block, n)
-        eye = torch.eye(j1 - j0, dtype=L.dtype, device=L.device)
-        inverse = torch.linalg.solve_triangular(L[j0:j1, j0:j1], eye, upper=False)  # X_jj
-        for r0 in reversed(range(j1, n, block)):
-            r1 = min(r0 + block, n)
-            below = L[r0:r1, j1:r1] @ L[j1:r1, j0:j1]  # X_i,j1: (lower triangular) times L_j1:, j
-            L[r0:r1, j0:j1] = torch.mm(below, inverse).neg_()
-        L[j0:j1, j0:j1] = inverse
-    return L
 
 
 def _order(H: Tensor, dead: Tensor, actorder: str | None) -> Tensor | None:
