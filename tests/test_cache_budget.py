@@ -387,7 +387,7 @@ def test_the_last_pass_frees_each_batchs_inputs_before_the_next_batch(
     during: list[int] = []  # resident bytes after each put, inside the passes
     cuts: list[int] = []  # when a subgraph starts: what crosses the cut before it
     added: list[int] = []  # bytes one put added
-    real_put, real_run_one = ActivationCache.put, executor._run_one
+    real_put, real_run_one = ActivationCache.put, executor.run_one
 
     def put(self: ActivationCache, batch: int, name: str, value: Any) -> None:
         before = self.resident_bytes()
@@ -415,7 +415,7 @@ def test_the_last_pass_frees_each_batchs_inputs_before_the_next_batch(
     baseline = tiny_llama()
     run(baseline)
     monkeypatch.setattr(ActivationCache, "put", put)
-    monkeypatch.setattr(executor, "_run_one", run_one)
+    monkeypatch.setattr(executor, "run_one", run_one)
     model = tiny_llama()
     run(model)
     assert during and cuts

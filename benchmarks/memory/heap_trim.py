@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 # Run in the child before run_seqcal.py: replaces the trim the executor and the weight release call.
 CHILD = textwrap.dedent("""
     import ctypes, os, runpy, sys
-    import seqcal.execution.executor as executor
+    import seqcal.execution.one_subgraph as one_subgraph
     import seqcal.backend.host as host
     import seqcal.execution.weights as weights
 
@@ -91,7 +91,7 @@ CHILD = textwrap.dedent("""
         return host.trim_host_memory()
 
     if policy != "every":
-        executor.trim_host_memory = weights.trim_host_memory = trim
+        one_subgraph.trim_host_memory = weights.trim_host_memory = trim
     sys.argv = [script, *sys.argv[3:]]
     runpy.run_path(script, run_name="__main__")
 """)

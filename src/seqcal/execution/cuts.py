@@ -105,7 +105,7 @@ def one_pass_subgraphs(
 def runs_forward(sg: Subgraph) -> bool:
     """Whether the calibration runs ``sg``'s nodes at all. A subgraph cut before its targets whose outputs no
     later subgraph reads and that runs no KV-cache update (the one-pass cut's last one: down_proj, the final norm,
-    lm_head) calibrates from its targets' cached inputs and solves, nothing more (``executor._run_from_inputs``);
+    lm_head) calibrates from its targets' cached inputs and solves, nothing more (``one_subgraph.run_from_inputs``);
     so does its replay and its full-precision reference pass (both only for a subgraph with outputs)."""
     return bool(sg.outputs or sg.kv_updates or not sg.target_inputs)
 
