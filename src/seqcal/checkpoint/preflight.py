@@ -13,7 +13,7 @@ import torch
 
 from seqcal.checkpoint.writer import CONFIG_NAME, PROGRESS_NAME
 from seqcal.errors import SeqcalError
-from seqcal.execution.cache.store import OFFLOAD_TIERS
+from seqcal.execution.cache.tiers import OFFLOAD_TIERS
 
 # Headroom on free-space estimates: shards are written whole, and the filesystem needs slack.
 DISK_MARGIN = 1.1

@@ -38,6 +38,7 @@ from seqcal.algorithms.kept_hessian import SPILL_BYTES, kept_bytes
 from seqcal.checkpoint import streaming
 from seqcal.data.autobatch import AUTO, auto_batch_limits, samples_per_batch
 from seqcal.execution.cache import store as cache_store
+from seqcal.execution.cache.tiers import OFFLOAD_TIERS, same_device, tier_device
 from seqcal.execution.cuts import onloaded_modules
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
 from seqcal.execution.subgraphs import trace_subgraphs
@@ -269,9 +270,7 @@ def make_plan(
     on_host = on_cpu and not torch.cuda.is_available()
     first = next((p.device for p in model.parameters()), torch.device("cpu"))
     execution = torch.device("cpu") if on_host else torch.device("cuda") if on_cpu else first
-    if cache_tier not in cache_store.OFFLOAD_TIERS and cache_store.same_device(
-        cache_store.tier_device(cache_tier, execution), execution
-    ):
+    if cache_tier not in OFFLOAD_TIERS and same_device(tier_device(cache_tier, execution), execution):
         cache_tier = "device"  # "cuda:0" running on cuda:0: the execution device's memory
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
     targets, notes = sequential_targets, []
