@@ -63,9 +63,8 @@ from seqcal.execution.cache.transfers import Transfers
 from seqcal.execution.cache.tree import flatten, unflatten
 
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-DEDUP_MAX_BYTES = (
-    4 << 20
-)  # Copies to and from a CUDA device on side streams, overlapping the compute (transfers.py); False: on the compute
+DEDUP_MAX_BYTES = 4 << 20
+# Copies to and from a CUDA device on side streams, overlapping the compute (transfers.py); False: on the compute
 # stream, as torch's non-blocking copies go. The default of ActivationCache's ``overlap``.
 OVERLAP = True
 
