@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,8 @@ class SharedInputs:
     def hooks(self, names: list[str], model: torch.nn.Module, batches: BatchCursor) -> Iterator[None]:
         """Forward pre-hooks on ``names`` for one calibration pass (``batches``: the batch it runs); removed (and
         inputs released) on exit."""
-        shared: dict[int, _Accumulator] = {}  # id of the first batch's input -> accumulator
+        # id of the first batch's input -> (a weak reference to it, the accumulator)
+        shared: dict[int, tuple] = {}
         handles = []
         try:
             for name in names:
@@ -91,8 +93,11 @@ class SharedInputs:
             x = args[0]
             acc = self.acc.get(name)
             if acc is None:  # first batch: modules fed the very same tensor share one accumulator
-                acc = shared.setdefault(id(x), _Accumulator())
-                self.acc[name] = acc
+                # by id while that tensor lives: a later input may get a freed one's id (a whole-model pass)
+                held = shared.get(id(x))
+                if held is None or held[0]() is not x:
+                    held = shared[id(x)] = (weakref.ref(x), _Accumulator())
+                acc = self.acc[name] = held[1]
             if acc.last_input is x and acc.last_version == x._version:
                 return  # a sibling (q after k, up after gate) already added this input
             acc.last_input, acc.last_version = x, x._version
