@@ -14,10 +14,13 @@ OMP_NUM_THREADS, with the peak RSS of the command's whole process tree sampled e
 Each output is then loaded by transformers from its own config.json: the model class with the first two
 layers (the dense one and the first MoE one) through ``from_pretrained`` (compressed-tensors decompressing),
 a forward with finite logits; and every stored tensor of the later layers has the name, shape and dtype of its
-counterpart in the loaded MoE layer (``reload_check``).
+counterpart in the loaded MoE layer (``reload_check``). auto-round's W4A16 (its auto_gptq packing) is not reloaded:
+that needs auto-round's own loader. SEQCAL_BENCH_SRC runs seqcal from another copy of its sources (the shared
+working tree may be mid-edit during an hour-long run).
 
 Usage (from the repo root):
-    .venv/bin/python benchmarks/peers/giant_fp8_vs_peers.py [--data /work/bench-data] [--steps make gptq model-free]
+    .venv/bin/python benchmarks/peers/giant_fp8_vs_peers.py [--data /work/bench-data] [--shape dsv3 | tiny]
+        [--steps make gptq model-free]
         [--schemes W4A16 NVFP4A16] [--tools seqcal llm-compressor auto-round] [--threads 2] [--gptq-limit S]
 """
 
@@ -55,6 +58,13 @@ from auto_round import AutoRound
 src, out, scheme = sys.argv[1], sys.argv[2], sys.argv[3]
 AutoRound(model=src, scheme=scheme, model_free=True, device_map="cpu").quantize_and_save(out)
 """
+# dsv3: 3.2 GB (4 layers, the first dense, 8 routed experts); tiny: 0.2 GB, one MoE layer of 2 experts, for a quick look
+SHAPES = {
+    "dsv3": _dsv3_fp8.Shape(),
+    "tiny": _dsv3_fp8.Shape(
+        layers=1, dense_layers=0, experts=2, experts_per_token=1, vocab=512, shard_bytes=100 << 20
+    ),
+}
 RECIPE = "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n"
 
 
@@ -181,6 +191,7 @@ def main() -> None:
     parser.add_argument("--steps", nargs="+", default=["make", "gptq", "model-free"])
     parser.add_argument("--schemes", nargs="+", default=["W4A16", "NVFP4A16"])
     parser.add_argument("--tools", nargs="+", default=["seqcal", "llm-compressor", "auto-round"])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="dsv3", help="tiny: one MoE layer, 0.2 GB")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
@@ -191,8 +202,8 @@ def main() -> None:
     parser.add_argument("--autoround", default="/work/peers/autoround/bin/python")
     parser.add_argument("--no-reload", action="store_true")
     args = parser.parse_args()
-    shape = _dsv3_fp8.Shape()
-    src, work = args.data / "dsv3-fp8", args.data / "runs"
+    shape = SHAPES[args.shape]
+    src, work = args.data / f"{args.shape}-fp8", args.data / f"runs-{args.shape}"
     work.mkdir(parents=True, exist_ok=True)
     if "make" in args.steps and not (src / "model.safetensors.index.json").is_file():
         from seqcal.models import default_model_dir
@@ -206,7 +217,11 @@ def main() -> None:
         print(f"| GPTQ W4A16 | {r['wall']:.0f} s ({state}) | peak {r['peak']:.3f} GB = {r['peak'] / size:.3f}x "
               f"size on disk (bound 0.333) | load {r['load'][0]:.1f} -> {r['load'][1]:.1f} |", flush=True)  # fmt: skip
         if not r["stopped"] and not r["rc"] and not args.no_reload:
-            print("reload:", reload_check(r["out"], shape.layers, str(ROOT / ".venv/bin/python")), flush=True)
+            print(
+                "reload:",
+                reload_check(r["out"], shape.layers, str(ROOT / ".venv/bin/python"), min(2, shape.layers)),
+                flush=True,
+            )
     if "model-free" not in args.steps:
         return
     peers = {"llm-compressor": args.llmc, "auto-round": args.autoround}
@@ -222,7 +237,7 @@ def main() -> None:
             print(f"| {scheme} | {tool} | {r['wall']:.1f} | {r['peak']:.3f} | {r['rc']} | "
                   f"{r['load'][0]:.1f} -> {r['load'][1]:.1f} |", flush=True)  # fmt: skip
             if r["rc"] == 0 and not args.no_reload and tool != "auto-round":
-                print(f"  reload {tool} {scheme}:", reload_check(out, shape.layers, str(ROOT / ".venv/bin/python")),
+                print(f"  reload {tool} {scheme}:", reload_check(out, shape.layers, str(ROOT / ".venv/bin/python"), min(2, shape.layers)),
                       flush=True)  # fmt: skip
 
 
