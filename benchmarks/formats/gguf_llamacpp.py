@@ -7,6 +7,7 @@ Rows (each made once; its file kept under ``benchmarks/.work/gguf/<row>/``, resu
     seqcal-gptq-Q4_K_M      ``seqcal oneshot`` with GPTQ, ``scheme: Q4_K_M``, ``--output-format gguf``
     seqcal-gptq-Q4_0        the same with ``scheme: Q4_0``
     seqcal-autoround-Q4_K_M, seqcal-autoround-Q4_0   the same with AutoRound
+    seqcal-rtn-Q4_K_M, seqcal-rtn-Q4_0   round to nearest on the same grids (no data: ``--pipeline datafree``)
     llama-Q4_K_M, llama-Q4_0            ``llama-quantize`` of the f32 file, no importance matrix
     llama-Q4_K_M-imatrix, llama-Q4_0-imatrix    ``llama-imatrix`` on the calibration text, then
                                         ``llama-quantize --imatrix`` (its wall time includes llama-imatrix's)
@@ -48,14 +49,15 @@ BIN = Path(os.environ.get("LLAMA_CPP_BIN", "/work/peers/llamacpp-build/bin"))
 CALIB_TEXT = WIKI / "wiki.valid.raw"
 TEST_TEXT = WIKI / "wiki.test.raw"
 RUNS = ["f32", "seqcal-gptq-Q4_K_M", "seqcal-gptq-Q4_0", "llama-Q4_K_M", "llama-Q4_K_M-imatrix", "llama-Q4_0",
-        "llama-Q4_0-imatrix", "autoround-q4_k_m", "seqcal-autoround-Q4_K_M", "seqcal-autoround-Q4_0"]  # fmt: skip
+        "llama-Q4_0-imatrix", "autoround-q4_k_m", "seqcal-autoround-Q4_K_M", "seqcal-autoround-Q4_0", "seqcal-rtn-Q4_K_M",
+        "seqcal-rtn-Q4_0"]  # fmt: skip
 RECIPE = """quant_stage:
   quant_modifiers:
     {modifier}:
       scheme: {scheme}
       ignore: ["lm_head"]
 """
-MODIFIERS = {"gptq": "GPTQModifier", "autoround": "AutoRoundModifier"}
+MODIFIERS = {"gptq": "GPTQModifier", "autoround": "AutoRoundModifier", "rtn": "QuantizationModifier"}
 
 
 def model_dir() -> Path:
@@ -110,7 +112,7 @@ def seqcal_row(name: str, calib: Path, args: argparse.Namespace) -> dict:
            str(recipe), "--dataset", str(calib), "--no-shuffle", "--num-calibration-samples", str(args.samples),
            "--max-seq-length", str(args.seq), "--dtype", "float32", "--threads", str(args.threads),
            "--max-host-memory", args.max_host_memory, "--output-dir", str(folder), "--output-format", "gguf",
-           "--overwrite", "--plot", "none"]  # fmt: skip
+           "--overwrite", "--plot", "none", *(["--pipeline", "datafree"] if algo == "rtn" else [])]  # fmt: skip
     return _timed(cmd, folder / "quantize.log", max_host_memory=args.max_host_memory)
 
 
@@ -124,7 +126,10 @@ def llama_row(name: str, f32: Path, args: argparse.Namespace) -> dict:
         imatrix = OUT / f"imatrix_{args.samples}x{args.seq}.gguf"
         cmd = [str(BIN / "llama-imatrix"), "-m", str(f32), "-f", str(CALIB_TEXT), "-c", str(args.seq),
                "--chunks", str(args.samples), "-t", str(args.threads), "-o", str(imatrix)]  # fmt: skip
-        before = _timed(cmd, OUT / f"imatrix_{args.samples}x{args.seq}.log")
+        made = OUT / f"imatrix_{args.samples}x{args.seq}.json"  # one importance matrix for both rows
+        if not made.exists():
+            made.write_text(json.dumps(_timed(cmd, OUT / f"imatrix_{args.samples}x{args.seq}.log")))
+        before = json.loads(made.read_text())
         extra = ["--imatrix", str(imatrix)]
     cmd = [str(BIN / "llama-quantize"), *extra, str(f32), str(folder / "model.gguf"), kind, str(args.threads)]
     row = _timed(cmd, folder / "quantize.log")

@@ -20,6 +20,7 @@ against PyTorch with the control's weights) shows the size of a real difference 
 Usage (from the repo root, after gguf_llamacpp.py made the files):
     .venv/bin/python benchmarks/formats/gguf_logits.py [--files f32,seqcal-gptq-Q4_K_M,...]
         [--control llama-Q4_K_M] [--windows 8] [--ctx 512] [--threads 2]
+    .venv/bin/python benchmarks/formats/gguf_logits.py --bytes seqcal-rtn-Q4_K_M,llama-Q4_K_M
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def read_dump(path: Path) -> tuple[np.ndarray, np.ndarray]:
     raw = path.read_bytes()
     if raw[:8] != b"_logits_":
         raise SystemExit(f"{path} is not a llama-perplexity logits file")
-    n_ctx, n_vocab, n_chunk = np.frombuffer(raw, np.int32, 3, 8)
+    n_ctx, n_vocab, n_chunk = (int(v) for v in np.frombuffer(raw, np.int32, 3, 8))
     tokens = np.frombuffer(raw, np.int32, n_chunk * n_ctx, 20).reshape(n_chunk, n_ctx)
     nv, rows = 2 * ((n_vocab + 1) // 2) + 4, n_ctx - 1 - n_ctx // 2
     body = np.frombuffer(raw, np.uint16, n_chunk * rows * nv, 20 + 4 * n_chunk * n_ctx).reshape(
@@ -111,6 +112,24 @@ def compare(cpp: np.ndarray, tokens: np.ndarray, pt: torch.Tensor) -> dict:
             "logp_max_abs_diff": float(torch.stack(d_high).max()), "top1_agree": float(agree_all.mean())}  # fmt: skip
 
 
+def same_tensors(a: str, b: str) -> dict:
+    """Which tensors two rows' files hold in the same type and the same bytes (e.g. seqcal's round to nearest
+    against llama-quantize without an importance matrix, which round the same weights on the same grids)."""
+    import gguf
+
+    ta = {t.name: t for t in gguf.GGUFReader(OUT / a / "model.gguf").tensors}
+    tb = {t.name: t for t in gguf.GGUFReader(OUT / b / "model.gguf").tensors}
+    same, differ = 0, []
+    for name in sorted(set(ta) | set(tb)):
+        x, y = ta.get(name), tb.get(name)
+        ok = x is not None and y is not None and x.tensor_type == y.tensor_type
+        if ok and np.array_equal(np.asarray(x.data).view(np.uint8), np.asarray(y.data).view(np.uint8)):
+            same += 1
+        else:
+            differ.append(f"{name} ({x.tensor_type.name if x else '-'} / {y.tensor_type.name if y else '-'})")
+    return {"files": f"{a} / {b}", "same": same, "differ": len(differ), "first_differing": differ[:8]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,9 +140,15 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
+        "--bytes", default=None, metavar="A,B", help="only compare two rows' tensors byte for byte"
+    )
+    parser.add_argument(
         "--factor", type=float, default=2.0, help="allowed multiple of the control's deviation"
     )
     args = parser.parse_args()
+    if args.bytes:
+        print(json.dumps(same_tensors(*args.bytes.split(",")), indent=1))
+        return
     torch.set_num_threads(args.threads)
     names = [args.control, *[n for n in args.files.split(",") if n != args.control]]
     results, control_pt = {}, None
