@@ -149,3 +149,17 @@ def test_transformers_reloads_qwen3_moe_at_every_width(runs: Callable) -> None:
     ids = torch.tensor([list(range(3, 19))])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, quantized(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_experts_at_several_widths_are_named_as_unloadable_by_transformers(caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint of the xfail above is written, with a warning that says transformers cannot load it and how to
+    get one it can; one width for all experts (or none) says nothing."""
+    from seqcal.checkpoint.config import _warn_experts_at_several_widths
+
+    one = {"model.layers.0.mlp.experts.0.up_proj": 0, "model.layers.1.mlp.experts.0.up_proj": 0,
+           "model.layers.0.self_attn.q_proj": 1}  # fmt: skip
+    with caplog.at_level("WARNING", logger="seqcal.checkpoint.config"):
+        _warn_experts_at_several_widths(one)
+        assert not caplog.records
+        _warn_experts_at_several_widths({**one, "model.layers.1.mlp.experts.0.up_proj": 1})
+    assert len(caplog.records) == 1 and "transformers' from_pretrained" in caplog.text and "pin" in caplog.text

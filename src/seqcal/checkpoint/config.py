@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
+import re
 from collections.abc import Sequence
 
 import compressed_tensors
@@ -27,6 +29,8 @@ from compressed_tensors.utils.match import is_match, match_named_modules, match_
 from seqcal.checkpoint.layout import ModelLayout
 from seqcal.checkpoint.sparse import sparsity_block
 from seqcal.modifiers.base import RunState
+
+logger = logging.getLogger(__name__)
 
 WRITABLE_FORMATS = (
     "pack-quantized",
@@ -103,6 +107,7 @@ def quantization_config(
             "quantization_config: state.results.quantized is empty; save an unquantized model with save_pretrained"
         )
     schemes, index = _groups(state, order)
+    _warn_experts_at_several_widths(index)
     groups = {}
     for i, scheme in enumerate(schemes):
         group = scheme.model_copy(deep=True)
@@ -129,6 +134,27 @@ def quantization_config(
     if needs_dequantize_load(block):
         block["dequantize"] = True
     return block
+
+
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _warn_experts_at_several_widths(index: dict[str, int]) -> None:
+    """Warn when an MoE model's experts hold more than one scheme across its layers.
+
+    transformers (5.24) loads the experts of every MoE layer into its fused experts modules with one config
+    group, the first that targets them (``integrations/compressed_tensors.py``), so such a checkpoint fails
+    to load there with a size mismatch; compressed-tensors and vLLM resolve each expert's own group. The
+    checkpoint is what was calibrated, so it is written; the warning says who cannot read it.
+    """
+    widths = {index[n] for n in index if _EXPERT.search(n)}
+    if len(widths) > 1:
+        logger.warning(
+            "seqcal: the experts of this MoE model hold %d different schemes across its layers; compressed-tensors "
+            "and vLLM load each at its own, but transformers' from_pretrained loads every layer's experts with one "
+            "config group and refuses this checkpoint (give every expert one scheme, e.g. a mixed-precision pin "
+            "'re:.*experts.*', for a checkpoint transformers loads)", len(widths),
+        )  # fmt: skip
 
 
 def runs_only_in_bfloat16(block: dict) -> bool:
