@@ -9,6 +9,7 @@ convert_hf_to_gguf.py does; transformers' GGUF loader undoes it); Qwen2, Qwen3 a
 their own (``seqcal.gguf.gemma``). Families outside ``FAMILIES`` are refused before calibration.
 
 Example:
+    >>> from transformers import LlamaConfig
     >>> family_of(LlamaConfig()).arch
     'llama'
 """
