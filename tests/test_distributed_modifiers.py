@@ -109,9 +109,9 @@ def test_same_bytes_for_1_and_2_processes(name: str, model_dir: Path, tmp_path: 
 
 
 def _gram_always(rank: int) -> None:
-    import seqcal.modifiers.awq as awq
+    import seqcal.modifiers.awq_search as awq_search
 
-    awq.GRAM_TOKENS_PER_INPUT = 0.0  # in the forked child only: down_proj scored from its Gram matrix
+    awq_search.GRAM_TOKENS_PER_INPUT = 0.0  # in the forked child only: down_proj scored from its Gram matrix
 
 
 def test_awq_gram_spans_give_the_same_bytes_for_1_and_2_processes(model_dir: Path, tmp_path: Path) -> None:

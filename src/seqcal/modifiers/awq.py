@@ -1,6 +1,6 @@
 """AWQModifier: activation-aware scales searched per mapping, folded, then round-to-nearest quantization.
 
-Math in ``seqcal.algorithms.awq``; mappings from the traced graph (``seqcal.mappings``) or the recipe
+Math in ``seqcal.algorithms.awq``; the search for one mapping's scales in ``seqcal.modifiers.awq_search``; mappings from the traced graph (``seqcal.mappings``) or the recipe
 (``seqcal.modifiers._awq_mappings``, llm-compressor's format); the scales fold through ``RunState.fold``.
 """
 
@@ -13,30 +13,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from seqcal.algorithms.awq import (
-    DUO_SCALING,
-    add_channel_abs,
-    add_gram,
-    grid_points,
-    linear_error,
-    masked_mse,
-    search_all_scales,
-    shortlist,
-    weight_mean,
-)
+from seqcal.algorithms.awq import DUO_SCALING, add_channel_abs
 from seqcal.mappings import resolve_mappings
 from seqcal.modifiers._awq_mappings import AWQMapping, from_mapping, resolve
 from seqcal.modifiers.activations import InputCalibration
+from seqcal.modifiers.awq_search import search_autocast, search_mapping
 from seqcal.modifiers.base import BatchCursor, RunState, Statistic
 from seqcal.modifiers.quantization import QuantizationModifier
-from seqcal.modifiers.round_to_nearest import fake_quantized, quant_kwargs
+from seqcal.modifiers.round_to_nearest import quant_kwargs
 from seqcal.modifiers.spans import SpanCache
-from seqcal.modifiers.state import real_tokens
 from seqcal.tracing.partition import Subgraph
-
-# A span that is one Linear is scored from the Gram matrix of its inputs once it saw more tokens than this many per
-# input: a candidate then costs ``out * in^2`` instead of ``tokens * out * in`` (and the matrix one pass).
-GRAM_TOKENS_PER_INPUT = 1.0
 
 
 @dataclass
@@ -225,8 +211,8 @@ class AWQModifier(QuantizationModifier):
             if total is None or count == 0:
                 state.results.log.append(f"AWQ: {m.smooth} saw no tokens; its mapping keeps scale 1")
                 continue
-            with _autocast(state):
-                result = self._search(m, model, total / count, state)
+            with search_autocast(state):
+                result = search_mapping(self, m, model, total / count, state)
             state.fold(model, m.mapping(), result.scales)
             for name in m.balance:
                 state.results.module_errors.setdefault(name, {}).update(
@@ -251,149 +237,3 @@ class AWQModifier(QuantizationModifier):
                 f"AWQ: {len(missed)} mapping(s) never calibrated (scale 1), such as {missed[0]}"
             )
         super().finalize(model, state)
-
-    def _search(self, m: AWQMapping, model: torch.nn.Module, x_mean: torch.Tensor, state: RunState) -> Any:
-        parent, span = model.get_submodule(m.parent), self._spans[m.parent]
-        quantized = {n: model.get_submodule(n).weight for n in m.balance if n in self.modules}
-        originals = {n: w.data.clone() for n, w in quantized.items()}
-        local = (
-            len(state.config.sharding.plan.shards_of(state.config.sharding.group.rank))
-            if state.config.sharding is not None
-            else 1
-        )
-        gram = self._gram(m, parent, quantized, span, local, state)  # X^T X of every shard, or None
-        references = (
-            [] if gram is not None else span.outputs(parent, state.config.device)
-        )  # the float span's output
-        self._screened = 0
-
-        def place(s: torch.Tensor) -> None:
-            """Q(W s) / s in place of each quantized balance weight."""
-            for n, w in quantized.items():
-                view = s.to(w.device, torch.float32).view(1, -1)
-                w.data = (fake_quantized(originals[n].float() * view, self.modules[n]) / view).to(w.dtype)
-
-        def run(c: int, calls: list[int]) -> None:
-            """Candidate ``c`` (placed) on the recorded ``calls``: squared errors into ``per_call[call, c]``."""
-            for i in calls:
-                output = span.run(parent, state.config.device, i)
-                per_call[i, c], elements[i] = masked_mse(references[i], output, span.calls[i][2])
-
-        def reduced(calls: list[int], kept: list[int]) -> tuple[list[float], bool]:
-            """The mean squared error of the ``kept`` candidates over ``calls`` of every process's shards (per
-            local shard summed in call order, folded in shard order: ``RunState.reduce_shards``), inf for the
-            other candidates; and whether ``calls`` were every recorded call of every process."""
-            errors = torch.zeros(local, len(kept), dtype=torch.float64)
-            counts = torch.zeros(local, dtype=torch.int64)
-            used = torch.zeros(local, dtype=torch.int64)
-            for i in calls:
-                errors[span.shards[i]] += per_call[i, kept]
-                counts[span.shards[i]] += elements[i]
-                used[span.shards[i]] += 1
-            per_shard = [{"awq_loss": {"errors": Statistic(errors[k]), "elements": Statistic(counts[k : k + 1]),
-                                       "calls": Statistic(torch.tensor([span.shards.count(k)])),
-                                       "used": Statistic(used[k : k + 1])}}
-                         for k in range(local)]  # fmt: skip
-            total = state.reduce_shards(per_shard)["awq_loss"]
-            self._calls = int(total["calls"].item())
-            values = [float("inf")] * per_call.shape[1]
-            for c, value in zip(kept, (total["errors"] / max(int(total["elements"].item()), 1)).tolist()):
-                values[c] = value
-            return values, int(total["used"].item()) == self._calls
-
-        points = len(grid_points(self.n_grid, self.duo_scaling))
-        # [call, candidate]: each squared error on each recorded call, NaN where not run
-        per_call = torch.full((len(span.calls), points), float("nan"), dtype=torch.float64)
-        elements = [0] * len(span.calls)
-
-        def losses(candidates: list[torch.Tensor]) -> list[float]:
-            """Every candidate's output MSE over every process's shards; screened out: inf."""
-            if gram is not None:  # every process holds the same reduced Gram matrix: no reduction
-                values = []
-                for s in candidates:
-                    place(s)
-                    error = linear_error(originals[m.parent].float() - quantized[m.parent].float(), gram)
-                    values.append(error / max(self._tokens * parent.out_features, 1))
-                return values
-            every, kept = list(range(len(span.calls))), list(range(len(candidates)))
-            rest = every
-            # decided from the arguments alone, so that every process takes the same rounds of reduction
-            if self.screen_keep is not None and self.screen_keep + 1 < len(kept):
-                screen = screened_calls(span.shards, self.screen_every)
-                for c, s in enumerate(candidates):  # the whole grid on the screening calls
-                    place(s)
-                    run(c, screen)
-                values, covered = reduced(screen, kept)
-                screened = set(screen)
-                rest = [i for i in every if i not in screened]
-                if not covered:  # (every call of every process screened: the whole grid is scored already)
-                    kept = shortlist(values, self.screen_keep)
-                    self._screened = len(candidates) - len(kept)
-            for c in kept:
-                place(candidates[c])
-                run(c, rest)
-            return reduced(every, kept)[0]
-
-        scheme = self.modules[next(iter(quantized))]
-        group = (
-            scheme.weights.group_size
-            if quant_kwargs(scheme)["strategy"] in ("group", "tensor_group")
-            else None
-        )
-        weights = [model.get_submodule(n).weight for n in m.balance]
-        w_mean = weight_mean(weights, group) if self.duo_scaling is not False else None
-        try:
-            return search_all_scales(
-                losses, x_mean.to(state.config.device), w_mean, self.n_grid, self.duo_scaling
-            )
-        finally:
-            for n, w in quantized.items():
-                w.data = originals[n]
-
-    def _gram(self, m: AWQMapping, parent: torch.nn.Module, quantized: dict[str, torch.Tensor], span: SpanCache,
-              local: int, state: RunState) -> torch.Tensor | None:  # fmt: skip
-        """For a span that is the one balance Linear (o_proj, down_proj): ``X^T X`` of its recorded inputs over
-        every shard of every process (folded in shard order), from which ``linear_error`` gives each candidate's
-        loss without running the span; None when the span is anything else, or when running it costs less (its
-        tokens fewer than its inputs: the Gram matrix costs ``out * in^2`` per candidate, a run ``tokens * out *
-        in``)."""
-        if not (list(quantized) == [m.parent] == list(m.balance) and state.config.compute_dtype is None):
-            return None
-        width = parent.in_features
-        per_shard = [{"awq_gram": {"gram": Statistic(torch.zeros(width, width, device=state.config.device)),
-                                   "tokens": Statistic(torch.zeros(1, dtype=torch.int64)),
-                                   "calls": Statistic(torch.tensor([span.shards.count(k)]))}}
-                     for k in range(local)]  # fmt: skip
-        for (args, _, mask), shard in zip(span.calls, span.shards):
-            X = real_tokens(
-                args[0].to(state.config.device), None if mask is None else mask.to(state.config.device)
-            )
-            stats = per_shard[shard]["awq_gram"]
-            add_gram(stats["gram"].tensor, X)
-            stats["tokens"].tensor += X.shape[0]
-        total = state.reduce_shards(per_shard)["awq_gram"]
-        self._tokens, self._calls = int(total["tokens"].item()), int(total["calls"].item())
-        return total["gram"] if self._tokens > GRAM_TOKENS_PER_INPUT * width else None
-
-
-def screened_calls(shards: list[int], every: int) -> list[int]:
-    """The recorded calls that score the whole grid: every ``every``-th call of each virtual shard (its first
-    included), so the choice is the same whichever processes hold the shards.
-
-    Example:
-        >>> screened_calls([0, 0, 0, 0, 0, 1, 1], 2)
-        [0, 2, 4, 5]
-    """
-    seen: dict[int, int] = {}
-    picked = []
-    for i, shard in enumerate(shards):
-        if seen.get(shard, 0) % every == 0:
-            picked.append(i)
-        seen[shard] = seen.get(shard, 0) + 1
-    return picked
-
-
-def _autocast(state: RunState) -> contextlib.AbstractContextManager:
-    """The forward passes' autocast (``compute_dtype``), so the search sees the spans as calibration ran them."""
-    dtype = state.config.compute_dtype
-    return torch.autocast(state.config.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
