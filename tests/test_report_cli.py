@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaForCausalLM
 
-from seqcal.cli import ERRORS_PNG, main
+from seqcal.checkpoint.writer import ERRORS_PNG
+from seqcal.cli import main
 from seqcal.report import TRACKS, Profiler, plot_timeline
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -75,7 +76,7 @@ def test_trace_cli_format_and_output(tokenized_llama_dir: Path, tmp_path: Path) 
 def test_explicit_plot_without_matplotlib_is_reported_not_raised(tmp_path: Path, monkeypatch, capsys) -> None:
     import sys
 
-    from seqcal import cli
+    from seqcal.cli import oneshot as cli
 
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
