@@ -21,17 +21,14 @@ from seqcal.gguf.grids import gguf_format
 from seqcal.gguf.pack import pack
 from seqcal.gguf.types import GGUF_TYPES
 from seqcal.modifiers import AutoRoundModifier, AWQModifier, QuantizationModifier
-from tokenizer_helpers import byte_level_bpe
+from tokenizer_helpers import FOX_TEXTS, fox_tokenizer
 
-TEXTS = [f"the quick brown fox jumps over the lazy dog {i} times, then {i * 7} more" for i in range(40)]
+TEXTS = FOX_TEXTS
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    raw = byte_level_bpe(TEXTS, 300)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    return fox_tokenizer()
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])

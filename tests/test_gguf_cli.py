@@ -16,14 +16,13 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
-    PreTrainedTokenizerFast,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
 
-from tokenizer_helpers import byte_level_bpe
+from tokenizer_helpers import FOX_TEXTS, fox_tokenizer
 
-TEXTS = [f"the quick brown fox jumps over the lazy dog {i} times, then {i * 7} more" for i in range(40)]
+TEXTS = FOX_TEXTS
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
              head_dim=256, max_position_embeddings=256, bos_token_id=2, eos_token_id=1, pad_token_id=0)  # fmt: skip
 BUDGET = 2 * 2**30
@@ -32,10 +31,7 @@ BUDGET = 2 * 2**30
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny Gemma 3 and a tiny Qwen3-MoE saved with a tokenizer, and the calibration text as a file."""
-    raw = byte_level_bpe(TEXTS, 300)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    tokenizer = fox_tokenizer()
     root = tmp_path_factory.mktemp("gguf-cli")
     torch.manual_seed(0)
     models = {

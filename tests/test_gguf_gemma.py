@@ -23,17 +23,14 @@ from seqcal import oneshot
 from seqcal.gguf.families import add_hparams, family_of
 from seqcal.gguf.vocab import space_prefix
 from seqcal.modifiers import QuantizationModifier
-from tokenizer_helpers import byte_level_bpe
+from tokenizer_helpers import FOX_TEXTS, fox_tokenizer
 
-TEXTS = [f"the quick brown fox jumps over the lazy dog {i} times, then {i * 7} more" for i in range(40)]
+TEXTS = FOX_TEXTS
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    raw = byte_level_bpe(TEXTS, 300)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    return fox_tokenizer()
 
 
 def _gemma(kind: str, vocab: int, **overrides) -> torch.nn.Module:

@@ -26,17 +26,14 @@ import seqcal.entrypoint
 from seqcal import oneshot
 from seqcal.cli import build_parser
 from seqcal.modifiers import GPTQModifier, QuantizationModifier
-from tokenizer_helpers import byte_level_bpe
+from tokenizer_helpers import FOX_TEXTS, fox_tokenizer
 
-TEXTS = [f"the quick brown fox jumps over the lazy dog {i} times, then {i * 7} more" for i in range(40)]
+TEXTS = FOX_TEXTS
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    raw = byte_level_bpe(TEXTS, 300)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    return fox_tokenizer()
 
 
 def _model(kind: str, vocab: int, tied: bool = False) -> torch.nn.Module:

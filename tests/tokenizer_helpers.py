@@ -34,3 +34,14 @@ def word_level(words: Sequence[str], **special: Any) -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", **special)
+
+
+# The GGUF tests' text: short sentences whose words and numbers a 300-token BPE covers.
+FOX_TEXTS = [f"the quick brown fox jumps over the lazy dog {i} times, then {i * 7} more" for i in range(40)]
+
+
+def fox_tokenizer() -> PreTrainedTokenizerFast:
+    """A 300-token byte-level BPE of ``FOX_TEXTS`` with <bos>, <eos> and <pad>: what the GGUF writer's tests save."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=byte_level_bpe(FOX_TEXTS, 300), bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
