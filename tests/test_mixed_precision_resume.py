@@ -1,6 +1,7 @@
 """Mixed precision gives the same checkpoint, config.json, replay recipe and allocation report whether the run was
 stopped and resumed, or run by one process or two (``MixedPrecision.catch_up``: each choice's error curve travels
-with its modules' report entries to the other processes and into the resume files).
+with its modules' report entries to the other processes and into the resume files), with GPTQ solving each
+module at its chosen width and with round to nearest.
 
 The allocation spends a budget as the pass goes, so a run that lost the curves and budget spent before a stop (or
 that another process solved) would choose differently after it: the tiny Llama's second layer is scaled down, so
@@ -23,13 +24,12 @@ from seqcal.modifiers.base import RunState
 from seqcal.modifiers.mixed_allocator import ALLOCATION_KEY, RECIPE_FILENAME
 
 CANDIDATES = ["W2A16:g32", "W3A16:g32", "W4A16:g32", "W8A16:channel"]
-RECIPE = f"""quant_stage:
-  quant_modifiers:
-    MixedPrecisionModifier:
-      average_bits: 3.6
-      candidates: {json.dumps(CANDIDATES)}
-      ignore: [lm_head]
-"""
+MIXED = f"average_bits: 3.6, candidates: {json.dumps(CANDIDATES)}"
+# the same choice made for GPTQ (MixedPrecisionModifier) and for round to nearest (QuantizationModifier's argument)
+RECIPES = {
+    "gptq": f"MixedPrecisionModifier: {{{MIXED}, ignore: [lm_head]}}",
+    "rtn": f"QuantizationModifier: {{mixed_precision: {{{MIXED}}}, ignore: [lm_head]}}",
+}
 # per-module report entries that are measurements of time, not results
 TIMES = ("gptq_seconds",)
 
@@ -50,8 +50,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _args(model_dir: Path, out: Path, **extra: object) -> dict:
-    return {"model": str(model_dir), "dataset": data(4, 24), "recipe": RECIPE, "max_seq_length": 24,
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def solver(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _args(model_dir: Path, out: Path, solver: str, **extra: object) -> dict:
+    recipe = "quant_stage:\n  quant_modifiers:\n    " + RECIPES[solver] + "\n"
+    return {"model": str(model_dir), "dataset": data(4, 24), "recipe": recipe, "max_seq_length": 24,
             "output_dir": str(out), **extra}  # fmt: skip
 
 
@@ -69,10 +75,10 @@ def _same_result(out: Path, reference: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def single(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def single(model_dir: Path, solver: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One process, never interrupted: the reference."""
     out = tmp_path_factory.mktemp("runs") / "single"
-    oneshot(**_args(model_dir, out))
+    oneshot(**_args(model_dir, out, solver))
     return out
 
 
@@ -86,30 +92,30 @@ def test_the_allocation_mixes_widths_and_records_each_choice(single: Path) -> No
 
 
 def test_stopped_at_several_subgraphs_and_resumed_gives_the_uninterrupted_result(
-    model_dir: Path, single: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, solver: str, single: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One directory stopped after subgraph 1, then by its resumed runs after 3 and 6, then finished by two
     processes: every resume continues the allocation with the budget and curves the stopped run had (the process
     that does not read the resume files gets them with the replayed modules)."""
     out = tmp_path / "stopped"
     for stop, resume in ((1, False), (2, True), (3, True)):
-        stopped_after(monkeypatch, stop, **_args(model_dir, out, resume=resume))
-    run(2, tmp_path / "err", **_args(model_dir, out, resume=True))
+        stopped_after(monkeypatch, stop, **_args(model_dir, out, solver, resume=resume))
+    run(2, tmp_path / "err", **_args(model_dir, out, solver, resume=True))
     _same_result(out, single)
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
 def test_same_result_for_1_and_2_processes(
-    model_dir: Path, single: Path, tmp_path: Path, one_pass: bool
+    model_dir: Path, solver: str, single: Path, tmp_path: Path, one_pass: bool
 ) -> None:
     """The one-pass cut (each subgraph one unit, solved by its owner) and the layer cut (a layer's units, which
     several processes would otherwise solve side by side, on one process in module order)."""
     reference = single
     if not one_pass:
         reference = tmp_path / "single"
-        oneshot(**_args(model_dir, reference, one_pass=False))
+        oneshot(**_args(model_dir, reference, solver, one_pass=False))
     two = tmp_path / "two"
-    run(2, tmp_path / "err", **_args(model_dir, two, one_pass=one_pass))
+    run(2, tmp_path / "err", **_args(model_dir, two, solver, one_pass=one_pass))
     _same_result(two, reference)
     owners = json.loads((two / "quantization_report.json").read_text())["distributed"]["owners"]
     assert set(owners) == {0, 1}  # the other process solved some subgraphs

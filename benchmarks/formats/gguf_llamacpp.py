@@ -241,6 +241,8 @@ def main() -> None:
         row.update(size_mib=round(target.stat().st_size / 2**20, 2), ppl=ppl, ppl_err=err, chunks=args.chunks,
                    samples=args.samples, seq=args.seq, threads=args.threads, types=tensor_types(target),
                    same_test_tokens=name == "f32" or llama_tokens(target, TEST_TEXT) == llama_tokens(f32, TEST_TEXT))  # fmt: skip
+        # merged into the file as it is now: another instance of this script may have written rows meanwhile
+        results = {**(json.loads(results_path.read_text()) if results_path.exists() else {}), name: row}
         results_path.write_text(json.dumps(results, indent=1))
         print(_line(name, row), flush=True)
     print("\n" + table(results))
