@@ -21,6 +21,7 @@ from seqcal.execution.pipeline import OutputPlan, PipelineArgs, run_pipeline
 from seqcal.experts import linearize_experts
 from seqcal.gguf.preflight import check_gguf_output
 from seqcal.loading import load_model
+from seqcal.modifiers.keep_source import KeepSourceFormatModifier
 from seqcal.modifiers.state import RunState
 from seqcal.multimodal.inputs import MediaArgs
 from seqcal.multimodal.processor import processor_source, split_processor
@@ -86,6 +87,7 @@ def oneshot(
     data_collator: Any = None,
     preprocessing_func: Any = None,
     requantize: bool = False,
+    keep_source_format: bool = False,
     output_format: str = "compressed-tensors",
     **unknown: Any,
 ) -> torch.nn.Module:
@@ -170,6 +172,8 @@ def oneshot(
         preprocessing_func: a function applied to each row first (llm-compressor's route).
         requantize: quantize a quantized checkpoint (``seqcal.sources``: FP8, MXFP4, compressed-tensors, AWQ,
             GPTQ) to as many bits as it has or more; refused without it, since the two roundings' errors compound.
+        keep_source_format: an FP8 checkpoint's Linears the recipe leaves alone are written in their FP8 form
+            (weights and scales byte for byte) instead of dequantized (``KeepSourceFormatModifier``).
         output_format: "compressed-tensors" (default) or "gguf": ``output_dir/model.gguf`` for llama.cpp, from GGUF
             schemes (``scheme: Q4_K_M``, ``Q4_0``, ...; ``seqcal.gguf``), each tensor checked against seqcal's weights.
         num_shards: virtual shards of the calibration batches. Statistics are accumulated per shard and
@@ -196,6 +200,9 @@ def run_oneshot(args: OneshotArgs) -> Any:
     host_budget = check_budget(parse_bytes(args.max_host_memory, "max_host_memory"), total_ram())
     pipe_args, out_args = _pipeline_args(args), args.output_args()
     parsed = parse_recipe(args.recipe)
+    if args.keep_source_format and not any(isinstance(m, KeepSourceFormatModifier) for m in parsed.modifiers):
+        parsed.modifiers.append(KeepSourceFormatModifier())
+    KeepSourceFormatModifier.check_last(parsed.modifiers)
     group.agree(  # only its writer reads it
         "checking the output directory",
         lambda: check_output_dir(out_args.output_dir, overwrite=out_args.overwrite, resume=out_args.resume)

@@ -122,6 +122,7 @@ class OneshotArgs:
     data_collator: Any = None
     preprocessing_func: Any = None
     requantize: bool = False
+    keep_source_format: bool = False
     output_format: str = "compressed-tensors"
 
     @classmethod

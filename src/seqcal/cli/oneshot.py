@@ -86,7 +86,8 @@ def cmd_oneshot(args: argparse.Namespace) -> int:
         one_pass=not args.layer_cut, trace_into=args.trace_into, verify=not args.no_verify, text_column=args.text_column, splits=args.splits,
         dataset_config_name=args.dataset_config_name, shuffle_calibration_samples=args.shuffle,
         moe_calibrate_all_experts=args.moe_calibrate_all_experts, num_shards=args.num_shards,
-        requantize=args.requantize, output_format=args.output_format,
+        requantize=args.requantize, keep_source_format=args.keep_source_format,
+        output_format=args.output_format,
     )  # fmt: skip
     elapsed = time.perf_counter() - start
     if args.output_dir and writer_rank():  # under torchrun the others neither wrote nor print the report
@@ -183,6 +184,9 @@ def add_oneshot(sub: Any) -> None:
     one.add_argument("--requantize", action="store_true",
                      help="quantize an FP8/NVFP4/int4 checkpoint to as many bits as it has or more (the "
                           "roundings' errors compound)")  # fmt: skip
+    one.add_argument("--keep-source-format", action="store_true",
+                     help="an FP8 checkpoint's Linears the recipe leaves alone stay FP8 in the output (its weights "
+                          "and scales as stored) instead of dequantized")  # fmt: skip
     one.add_argument("--profile", default=None, metavar="TRACE.json",
                      help="write a Chrome trace of time and memory per stage (open in ui.perfetto.dev)")  # fmt: skip
     one.add_argument("--plot", default="auto", metavar="ERRORS.png",

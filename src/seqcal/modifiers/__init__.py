@@ -5,6 +5,7 @@ from seqcal.modifiers.awq import AWQModifier
 from seqcal.modifiers.base import Batch, BatchCursor, Modifier, QuantizedWeight, RunState
 from seqcal.modifiers.gptaq import GPTAQModifier
 from seqcal.modifiers.gptq import GPTQModifier
+from seqcal.modifiers.keep_source import KeepSourceFormatModifier
 from seqcal.modifiers.magnitude import ConstantPruningModifier, MagnitudePruningModifier
 from seqcal.modifiers.mixed_precision import MixedPrecisionModifier
 from seqcal.modifiers.needs import Gather, Needs
@@ -33,6 +34,7 @@ MODIFIERS: dict[str, type[Modifier]] = {
     "QuIPModifier": QuIPModifier,
     "SpinQuantModifier": SpinQuantModifier,
     "MixedPrecisionModifier": MixedPrecisionModifier,
+    "KeepSourceFormatModifier": KeepSourceFormatModifier,
 }
 """Every modifier a recipe names without an import path: recipe name -> class (a miss lists these names)."""
 
@@ -46,6 +48,7 @@ __all__ = [
     "BatchCursor",
     "GPTQModifier",
     "Gather",
+    "KeepSourceFormatModifier",
     "LogarithmicEqualizationModifier",
     "MagnitudePruningModifier",
     "MixedPrecisionModifier",

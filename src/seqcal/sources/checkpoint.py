@@ -166,6 +166,12 @@ class QuantizedCheckpoint:
         tensors = {key: self._read(self.files[key], key) for key in part.keys}
         return self.family.dequantize(name, tensors, dtype)
 
+    def read_stored(self, key: str) -> torch.Tensor:
+        """Stored tensor ``key`` as the file holds it (a quantized weight's codes or scales, not dequantized)."""
+        if key not in self.files:
+            raise KeyError(f"{self.path}: no stored tensor {key!r} in the checkpoint")
+        return self._read(self.files[key], key)
+
     def experts(self, name: str, dtype: torch.dtype) -> ExpertSlices:
         """A stacked weight indexed by expert (``[e]``): each index reads and dequantizes one expert only."""
         part = self.parts[name]
