@@ -80,7 +80,8 @@ def test_untargeted_fp8_weights_keep_their_bytes(deepseek: Path, kept: tuple[Pat
     for scale_key in attention:
         weight_key = scale_key.removesuffix("_scale_inv")
         assert written[weight_key].dtype == torch.float8_e4m3fn
-        assert torch.equal(written[weight_key].view(torch.uint8), source[weight_key].view(torch.uint8)), weight_key
+        as_bytes = written[weight_key].view(torch.uint8), source[weight_key].view(torch.uint8)
+        assert torch.equal(*as_bytes), weight_key
         assert torch.equal(written[scale_key.removesuffix("_inv")], source[scale_key]), scale_key
     assert any(k.endswith("mlp.down_proj.weight_packed") for k in written)  # the recipe's int4 beside them
     block = json.loads((out / "config.json").read_text())["quantization_config"]

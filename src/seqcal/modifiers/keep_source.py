@@ -113,12 +113,10 @@ class KeepSourceFormatModifier(Modifier):
         for name in self.modules_in(subgraph):
             if name in state.results.quantized or name in state.results.sparsity:
                 continue  # the recipe's: quantized or pruned by another modifier
-            kept = self.stored_form(name)
+            kept, key = self.stored_form(name), self._stored[name]
             weight = model.get_submodule(name).weight
-            dequantized = self._checkpoint.family.dequantize(
-                self._stored[name], {self._stored[name]: kept.q, _scale_key(self._stored[name]): kept.scale},
-                weight.dtype,
-            )
+            stored = {key: kept.q, _scale_key(key): kept.scale}
+            dequantized = self._checkpoint.family.dequantize(key, stored, weight.dtype)
             if not torch.equal(dequantized, weight.detach().to(dequantized.device)):
                 logger.info("seqcal: %s: its weight is no longer the source's FP8 values (another modifier "
                             "changed it); written in %s", name, weight.dtype)  # fmt: skip
@@ -140,7 +138,8 @@ class KeepSourceFormatModifier(Modifier):
         per token)."""
         block = self._checkpoint.family.block
         fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
-        if block is not None and math.prod(scale_shape) > 1:  # one scale per block (the family checked the grid)
+        # one scale per block (the family checked the grid), else one per tensor or row
+        if block is not None and math.prod(scale_shape) > 1:
             weights = QuantizationArgs(**fp8, strategy="block", block_structure=list(block), dynamic=False)
             inputs = QuantizationArgs(**fp8, strategy="group", group_size=block[1], dynamic=True)
         else:
