@@ -59,6 +59,20 @@ def test_legacy_scales_are_llama_cpps(name: str) -> None:
     assert ((ours - W) ** 2).mean() <= ((theirs - W) ** 2).mean() * 1.001
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0"])
+def test_importance_weighted_scales_as_llama_quantize_with_an_imatrix(name: str) -> None:
+    """With the inputs' E[x^2] the scales are fitted to the error those inputs see (quantize_row_q4_0_impl's rule),
+    which lowers it against the rule without; the other legacy types keep theirs."""
+    fmt, W = gguf_format(name), _weight()
+    importance = torch.rand(W.shape[1], generator=torch.Generator().manual_seed(1)) ** 4
+    err = lambda s: (((dequantize(quantize(W, s, None, fmt), s, None, fmt) - W) ** 2) * importance).sum()  # noqa: E731
+    plain, weighted = qparams(W, fmt)[0], qparams(W, fmt, importance)[0]
+    assert err(weighted) < 0.9 * err(plain)
+    assert torch.equal(qparams(W, fmt, torch.ones(W.shape[1]) * 3)[0], qparams(W, fmt, torch.ones(W.shape[1]))[0])
+    for other in ("Q8_0", "Q4_1"):
+        assert torch.equal(qparams(W, gguf_format(other), importance)[0], qparams(W, gguf_format(other))[0])
+
+
 @pytest.mark.parametrize("name", TYPES)
 def test_gptq_codes_on_the_types_grid(name: str) -> None:
     """GPTQ keeps the type's scales and chooses the codes: the weight it returns is what llama.cpp reads, and its
@@ -70,7 +84,7 @@ def test_gptq_codes_on_the_types_grid(name: str) -> None:
     fmt = gguf_format(name)
     result = gptq_quantize(W, H.clone(), fmt=fmt, num_bits=fmt.num_bits, actorder="weight")
     scale, zero = result.scale, None if fmt.symmetric else result.zero_point
-    assert torch.equal(result.scale, qparams(W, fmt)[0])
+    assert torch.equal(result.scale, qparams(W, fmt, H.diagonal())[0])  # Q4_0 / Q5_0: weighted by E[x^2]
     assert torch.equal(_read(pack(result.q, scale, zero, fmt), name), result.Q)
     rtn = dequantize(quantize(W, scale, zero, fmt), scale, zero, fmt)
     err = lambda Q: (((Q - W) @ X.T) ** 2).mean()  # noqa: E731

@@ -159,13 +159,17 @@ def global_scale_of(W: Tensor) -> Tensor:
     return nvfp4_global_scale(W.abs().amax())
 
 
-def qparams(W: Tensor, fmt: WeightFormat, global_scale: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def qparams(
+    W: Tensor, fmt: WeightFormat, global_scale: Tensor | None = None, importance: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
     """Min-max qparams of ``W [out, in]`` in ``fmt``, in W's dtype (compressed-tensors' ``calculate_qparams``).
 
     Args:
         W: the weight.
         fmt: its format.
         global_scale: float32 ``[1]`` for ``tensor_group`` (from :func:`global_scale_of`, or shared).
+        importance: the inputs' E[x^2] per column: GGUF types choose their scales with it as llama.cpp does with
+            an importance matrix (``seqcal.gguf.grids.qparams``); the other formats are min-max and ignore it.
 
     Returns:
         ``(scale, zero_point)``: scale ``[RB, CB]`` (block), ``[out, G]`` (group / tensor_group),
@@ -177,7 +181,7 @@ def qparams(W: Tensor, fmt: WeightFormat, global_scale: Tensor | None = None) ->
         (torch.Size([4, 2]), None)
     """
     if fmt.scale == "gguf":
-        return fmt.grid_qparams(W)  # type: ignore[attr-defined]: a seqcal.gguf.grids.GGUFFormat
+        return fmt.grid_qparams(W, importance)  # type: ignore[attr-defined]: a seqcal.gguf.grids.GGUFFormat
     if fmt.strategy == "tensor_group":
         if global_scale is None:
             raise ValueError("qparams: tensor_group (NVFP4) needs the global scale; see global_scale_of")

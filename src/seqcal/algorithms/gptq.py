@@ -113,11 +113,12 @@ def _format_qparams(
     actorder: str | None,
     fmt: WeightFormat,
     global_scale: Tensor | None,
+    importance: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor, None]:
     """:func:`_weight_and_qparams` for a ``seqcal.algorithms.formats`` format (contiguous groups / blocks only)."""
     if actorder == "group":
         raise ValueError("gptq_quantize: actorder='group' is not supported for block, NVFP4 or MX formats")
-    scale, zero_point = formats.qparams(_float_rows(W, dead, None), fmt, global_scale)
+    scale, zero_point = formats.qparams(_float_rows(W, dead, None), fmt, global_scale, importance)
     return _processing_rows(W, dead, perm), scale, zero_point, torch.empty(0), None
 
 
@@ -218,6 +219,11 @@ def gptq_quantize(
     qkw.update(type=type, observer=observer, observer_kwargs=observer_kwargs, importance=importance)
 
     order = ACTORDER.get(actorder) if actorder else None
+    # GGUF scales weighted by the inputs' E[x^2] as llama.cpp's with an importance matrix: H's diagonal (2/n X^T X,
+    # a constant times E[x^2], which the weighted fit does not see), read before the factor overwrites H
+    grid_importance = importance
+    if fmt is not None and fmt.scale == "gguf" and grid_importance is None:
+        grid_importance = H.diagonal().float().clone()
     # the factor in H's memory (float32 on W's device: no copy), H's values back after the loop; the inverse
     # first: its [in, in] temporaries are gone before the weight-sized ones appear
     with processing_factor(
@@ -227,7 +233,9 @@ def gptq_quantize(
         QT = None  # the row-chunked solve keeps none: Q comes from the codes
         one_thread = one_intra_op_thread() if W.device.type == "cpu" else contextlib.nullcontext()
         if fmt is not None:
-            WT, scale, zero_point, col_group, g_idx = _format_qparams(W, dead, perm, order, fmt, global_scale)
+            WT, scale, zero_point, col_group, g_idx = _format_qparams(
+                W, dead, perm, order, fmt, global_scale, grid_importance
+            )
             # exact: fp8 values, powers of two, or block scales rounded first. GGUF scales stay float32: fp16
             # values and small ints, which bf16 would round.
             if fmt.scale != "gguf":

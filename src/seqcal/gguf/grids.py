@@ -43,8 +43,8 @@ class GGUFFormat(WeightFormat):
         return gguf_type(self.gguf)
 
     # what seqcal.algorithms.formats calls for a format with scale="gguf"
-    def grid_qparams(self, W: Tensor) -> tuple[Tensor, Tensor | None]:
-        return qparams(W, self)
+    def grid_qparams(self, W: Tensor, importance: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        return qparams(W, self, importance)
 
     def grid_columns(self, scale: Tensor, zero: Tensor | None, shape: tuple[int, int]) -> tuple[Tensor, ...]:
         return column_qparams(scale, zero, self, shape)
@@ -70,8 +70,11 @@ def _fp16(x: Tensor) -> Tensor:
     return x.to(torch.float16).to(torch.float32)
 
 
-def _legacy(blocks: Tensor, t: GGUFType) -> tuple[Tensor, Tensor | None]:
-    """Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 from each block's extremes ([out, nb, 32] -> [out, nb, 1])."""
+def _legacy(blocks: Tensor, t: GGUFType, importance: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Q4_0 / Q5_0 / Q8_0 / Q4_1 / Q5_1 from each block's extremes ([out, nb, 32] -> [out, nb, 1]); Q4_0 and Q5_0
+    with ``importance`` ([in]: the inputs' E[x^2]) as llama.cpp quantizes them with an importance matrix."""
+    if importance is not None and not t.has_min and t.name != "Q8_0":
+        return _fp16(_weighted_legacy(blocks, t, importance)), None
     if t.has_min:
         lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
         return _fp16((hi - lo) / t.qmax), _fp16(lo)
@@ -80,6 +83,17 @@ def _legacy(blocks: Tensor, t: GGUFType) -> tuple[Tensor, Tensor | None]:
     # the signed extreme takes code qmin, the side with one more step
     index = blocks.abs().argmax(-1, keepdim=True)
     return _fp16(blocks.gather(-1, index) / t.qmin), None
+
+
+def _weighted_legacy(blocks: Tensor, t: GGUFType, importance: Tensor) -> Tensor:
+    """``quantize_row_q4_0_impl`` / ``q5_0``'s scale with quant weights: each block's ``make_qx_quants`` fit
+    weighted by ``importance * sqrt(sigma2 + x^2)``, ``sigma2`` the row's mean square (float32, [out, nb, 1])."""
+    out, nb, size = blocks.shape
+    sigma2 = blocks.pow(2).sum((1, 2), keepdim=True) / (nb * size)  # the row's, over all its blocks
+    weights = importance.float().reshape(1, nb, size) * (sigma2 + blocks.pow(2)).sqrt()
+    with one_intra_op_thread():
+        scale = search.qx(blocks.reshape(-1, size), -t.qmin, weights.reshape(-1, size))
+    return scale.reshape(out, nb, 1)
 
 
 def _sub_scales(x: Tensor, t: GGUFType) -> tuple[Tensor, Tensor | None]:
@@ -115,8 +129,10 @@ def _quantized_scales(values: Tensor, t: GGUFType) -> Tensor:
     return torch.cat([d, ints], dim=-1)
 
 
-def qparams(W: Tensor, fmt: GGUFFormat) -> tuple[Tensor, Tensor | None]:
-    """The stored scales of ``W [out, in]`` in ``fmt``'s type, by llama.cpp's rule.
+def qparams(W: Tensor, fmt: GGUFFormat, importance: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The stored scales of ``W [out, in]`` in ``fmt``'s type, by llama.cpp's rule: with ``importance`` (the
+    inputs' E[x^2] per column, what ``llama-imatrix`` collects; GPTQ passes its Hessian's diagonal), the rule
+    ``llama-quantize --imatrix`` follows for Q4_0 and Q5_0 (the other types keep the rule without one).
 
     Returns:
         ``(scale, zero)``: float32 ``[out, in // block, 1 + subs]``; zero None for the symmetric types.
@@ -128,7 +144,7 @@ def qparams(W: Tensor, fmt: GGUFFormat) -> tuple[Tensor, Tensor | None]:
         raise ValueError(f"{t.name} needs widths that are multiples of {t.block}, got {n}")
     blocks = n // t.block
     if not t.sub_bits:
-        return _legacy(W.reshape(out, blocks, t.block), t)
+        return _legacy(W.reshape(out, blocks, t.block), t, importance)
     # the searches are dozens of small elementwise passes: on one intra-op thread, as GPTQ's column loop, since a
     # thread hand-off per pass dominates on a busy machine (15x slower with two threads on two loaded cores)
     with one_intra_op_thread():

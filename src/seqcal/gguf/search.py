@@ -77,9 +77,10 @@ def _signed_max(x: Tensor) -> tuple[Tensor, Tensor]:
     return peak, peak.abs()
 
 
-def qx(x: Tensor, nmax: int) -> Tensor:
-    """``make_qx_quants`` with ``rmse_type=1`` (Q6_K): the signed scale of ``x ~ scale * l``, l in -nmax..nmax-1,
-    fitted with weights ``x^2`` over the trial steps ``-(nmax + 0.1 i) / max``, i = -9..9.
+def qx(x: Tensor, nmax: int, w: Tensor | None = None) -> Tensor:
+    """``make_qx_quants`` with ``rmse_type=1`` (Q6_K; Q4_0 and Q5_0 with an importance matrix): the signed scale of
+    ``x ~ scale * l``, l in -nmax..nmax-1, fitted with weights ``w`` (default ``x^2``) over the trial steps
+    ``-(nmax + 0.1 i) / max``, i = -9..9.
 
     Returns:
         ``scale [N]``; 0 for an all-zero sub-block.
@@ -87,7 +88,7 @@ def qx(x: Tensor, nmax: int) -> Tensor:
     peak, amax = _signed_max(x)
     zero = amax < GROUP_MAX_EPS
     peak = torch.where(zero, torch.ones_like(peak), peak)
-    w = x * x
+    w = x * x if w is None else w
 
     def fit(iscale: Tensor) -> tuple[Tensor, Tensor]:
         codes = torch.round(iscale[:, None] * x).clamp_(-nmax, nmax - 1)
