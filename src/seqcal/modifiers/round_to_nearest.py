@@ -75,7 +75,7 @@ def _round_to_nearest(
     if fmt is not None:  # block fp8, NVFP4, MX: seqcal.algorithms.formats
         if fmt.needs_global_scale and global_scale is None:
             global_scale = formats.global_scale_of(W)
-        scale, zero_point = formats.qparams(W, fmt, global_scale, importance)  # GGUF types weigh by importance
+        scale, zero_point = formats.qparams(W, fmt, global_scale)
         q = formats.quantize(W, scale, zero_point, fmt, global_scale)
         qw = QuantizedWeight(q=q, scale=scale, zero_point=zero_point, g_idx=None, scheme=scheme,
                              global_scale=global_scale if fmt.needs_global_scale else None)  # fmt: skip
