@@ -51,7 +51,8 @@ class MixedPrecisionModifier(GPTQModifier):
         max_size: bytes of the whole checkpoint's tensors (``"70MB"``, an int), instead of average_bits.
         candidates: the schemes to choose from: presets, ``PRESET:g<N>`` / ``PRESET:channel``, scheme dicts.
         pin: ``{pattern: scheme}``: modules matching a pattern (class name or ``re:``) keep that scheme.
-        error: "absolute" (default: the modules' output errors summed) or "relative" (their relative errors).
+        error: "relative" (default: the modules' relative errors, weighted by their sizes) or "absolute" (their output
+            errors summed, which on SmolLM2 chose better allocations: benchmarks/RESULTS.md).
 
     Example:
         >>> MixedPrecisionModifier(average_bits=3.0, candidates=["W2A16:g64", "W3A16:g64", "W4A16", "W8A16"],
