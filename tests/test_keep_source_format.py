@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from dist_helpers import run, stopped_after, tensor_hashes
+from save_helpers import checkpoint_tensors
 from seqcal.entrypoint import oneshot
 from seqcal.evaluation.loading import load_causal_lm
 from seqcal.modifiers import GPTQModifier, KeepSourceFormatModifier, QuantizationModifier
@@ -40,14 +40,6 @@ MLP_ONLY = {"mlp": {"targets": ["re:.*mlp\\.(experts|shared_experts|gate_proj|up
 def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("keep")
     return write_fp8_block(save_deepseek(root / "bf16"), root / "fp8-block")
-
-
-def _stored(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,7 +66,7 @@ def kept(deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
 
 def test_untargeted_fp8_weights_keep_their_bytes(deepseek: Path, kept: tuple[Path, torch.nn.Module]) -> None:
     out, _ = kept
-    source, written = _stored(deepseek), _stored(out)
+    source, written = checkpoint_tensors(deepseek), checkpoint_tensors(out)
     attention = [k for k in source if ".self_attn." in k and k.endswith(".weight_scale_inv")]
     assert len(attention) == 10  # q_a, q_b, kv_a_with_mqa, kv_b and o_proj of 2 layers
     for scale_key in attention:
@@ -103,7 +95,7 @@ def plain(deepseek: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_without_the_option_the_attention_is_dequantized(plain: Path) -> None:
-    written = _stored(plain)
+    written = checkpoint_tensors(plain)
     assert written["model.layers.0.self_attn.o_proj.weight"].dtype == torch.bfloat16
     assert not any(k.endswith("weight_scale") and ".self_attn." in k for k in written)
 
@@ -155,7 +147,7 @@ def test_per_tensor_fp8_through_the_data_free_pipeline(tmp_path: Path) -> None:
                                   ignore=["lm_head"])  # fmt: skip
     oneshot(model=str(source), recipe=recipe, pipeline="datafree", output_dir=str(tmp_path / "out"),
             keep_source_format=True)  # fmt: skip
-    stored, written = _stored(source), _stored(tmp_path / "out")
+    stored, written = checkpoint_tensors(source), checkpoint_tensors(tmp_path / "out")
     key = "model.layers.0.self_attn.q_proj"
     assert torch.equal(written[f"{key}.weight"].view(torch.uint8), stored[f"{key}.weight"].view(torch.uint8))
     assert torch.equal(written[f"{key}.weight_scale"], stored[f"{key}.weight_scale_inv"])

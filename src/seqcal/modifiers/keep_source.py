@@ -34,6 +34,8 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.base import Modifier, QuantizedWeight, RunState
+from seqcal.sources.checkpoint import quantized_source
+from seqcal.sources.fp8 import Fp8Family, scale_float32, scale_key
 from seqcal.tracing.partition import Subgraph
 
 logger = logging.getLogger("seqcal")
@@ -58,9 +60,6 @@ class KeepSourceFormatModifier(Modifier):
             ValueError: the model is not read from a checkpoint directory, the checkpoint is not quantized, or
                 its format is not FP8 (one sentence, with what to do).
         """
-        from seqcal.sources.checkpoint import quantized_source
-        from seqcal.sources.fp8 import Fp8Family
-
         path = self.source or getattr(model, "name_or_path", None)
         where = f"{self.name}"
         if path and not Path(path).is_dir():  # a Hub id: its snapshot, as the model was read from it
@@ -115,7 +114,7 @@ class KeepSourceFormatModifier(Modifier):
                 continue  # the recipe's: quantized or pruned by another modifier
             kept, key = self.stored_form(name), self._stored[name]
             weight = model.get_submodule(name).weight
-            stored = {key: kept.q, _scale_key(key): kept.scale}
+            stored = {key: kept.q, scale_key(key): kept.scale}
             dequantized = self._checkpoint.family.dequantize(key, stored, weight.dtype)
             if not torch.equal(dequantized, weight.detach().to(dequantized.device)):
                 logger.info("seqcal: %s: its weight is no longer the source's FP8 values (another modifier "
@@ -128,8 +127,8 @@ class KeepSourceFormatModifier(Modifier):
         """Module ``name``'s FP8 weight and float32 scales as the source stores them, with their scheme."""
         key = self._stored[name]
         q = self._checkpoint.read_stored(key)
-        scale = self._checkpoint.read_stored(_scale_key(key))
-        return QuantizedWeight(q=q, scale=_float32_scale(scale), zero_point=None, g_idx=None,
+        scale = self._checkpoint.read_stored(scale_key(key))
+        return QuantizedWeight(q=q, scale=_compressed_scale(scale), zero_point=None, g_idx=None,
                                scheme=self.scheme_of(tuple(q.shape), tuple(scale.shape)))  # fmt: skip
 
     def scheme_of(self, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> QuantizationScheme:
@@ -152,16 +151,8 @@ class KeepSourceFormatModifier(Modifier):
         return {}  # ``source`` is a path of this machine; a replay finds it as the model's own
 
 
-def _scale_key(weight_key: str) -> str:
-    from seqcal.sources.fp8 import SCALE
-
-    return weight_key.removesuffix(".weight") + SCALE
-
-
-def _float32_scale(scale: torch.Tensor) -> torch.Tensor:
+def _compressed_scale(scale: torch.Tensor) -> torch.Tensor:
     """The stored scales as the float32 values they stand for (e8m0 exponent bytes and float8_e8m0fnu included);
     a single scale as compressed-tensors' per-tensor ``[1]``."""
-    from seqcal.sources.fp8 import _scale_float32
-
-    out = _scale_float32(scale)
+    out = scale_float32(scale)
     return out.reshape(1) if out.numel() == 1 else out

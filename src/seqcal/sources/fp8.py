@@ -44,8 +44,8 @@ class Fp8Family:
                 parts[weight] = Part((weight, key))
         for key, (dtype, _) in infos.items():
             if dtype in FP8_DTYPES and key not in parts:
-                raise SourceFormatError(f"{key} is stored in FP8 but its scale {key.removesuffix('.weight')}"
-                                        f"{SCALE} is missing; the checkpoint is incomplete: download it again")  # fmt: skip
+                raise SourceFormatError(f"{key} is stored in FP8 but its scale {scale_key(key)} is missing; the "
+                                        "checkpoint is incomplete: download it again")  # fmt: skip
         return parts
 
     def _check(self, weight: str, shape: tuple[int, ...], key: str, scale: tuple[int, ...]) -> None:
@@ -64,7 +64,7 @@ class Fp8Family:
                                     "not match its weight_block_size: check config.json or the file")  # fmt: skip
 
     def dequantize(self, name: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        weight, scale = tensors[name], _scale_float32(tensors[name.removesuffix(".weight") + SCALE])
+        weight, scale = tensors[name], scale_float32(tensors[scale_key(name)])
         if self.block is None or scale.numel() == 1:  # one scale per tensor, or per row
             scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(*weight.shape[:-1], 1)
             return (weight.to(torch.float32) * scale).to(dtype)
@@ -83,7 +83,12 @@ class Fp8Family:
         return out.reshape(weight.shape)
 
 
-def _scale_float32(scale: torch.Tensor) -> torch.Tensor:
+def scale_key(weight: str) -> str:
+    """The stored name of weight ``weight``'s scales (``...weight`` -> ``...weight_scale_inv``)."""
+    return weight.removesuffix(".weight") + SCALE
+
+
+def scale_float32(scale: torch.Tensor) -> torch.Tensor:
     """Scales as float32: e8m0 exponent bytes (uint8) are ``2 ** (byte - 127)``, as transformers reads them."""
     if scale.dtype == torch.uint8:
         return (scale.to(torch.float32) - 127.0).exp2()
