@@ -36,10 +36,11 @@ from harness import SEQCAL, WORK, calibration_tokens, measure, perplexity  # noq
 
 CANDIDATES = "W2A16:g64,W3A16:g64,W4A16:g64,W8A16:channel"
 UNIFORM = {"uniform-w3": 3, "uniform-w4": 4}  # GPTQ, symmetric int, groups of 64
+OBSERVER = "mse"  # the uniform runs' weight observer: the one mixed precision gives its preset candidates
 RESULTS = WORK / "mixed_precision_results.json"
 
 
-def recipe(name: str, candidates: list[str], results: dict) -> str:
+def recipe(name: str, candidates: list[str], results: dict, error: str | None = None) -> str:
     """The seqcal run's recipe (JSON, which YAML reads); ``mixed-as-*`` takes its uniform run's stored bits."""
     if name in UNIFORM:
         w = {
@@ -48,6 +49,7 @@ def recipe(name: str, candidates: list[str], results: dict) -> str:
             "symmetric": True,
             "strategy": "group",
             "group_size": 64,
+            "observer": OBSERVER,
         }
         return json.dumps({"GPTQModifier": {"config_groups": {"g": {"targets": ["Linear"], "weights": w}},
                                             "ignore": ["lm_head"]}})  # fmt: skip
@@ -55,7 +57,7 @@ def recipe(name: str, candidates: list[str], results: dict) -> str:
         bits = results[name.replace("mixed-as", "uniform")]["bits_fp32"]
     else:
         bits = float(name.rsplit("-", 1)[1])
-    mixed = {"average_bits": bits, "candidates": candidates}
+    mixed = {"average_bits": bits, "candidates": candidates, **({"error": error} if error else {})}
     if name.startswith("seqcal-rtn-"):
         return json.dumps({"QuantizationModifier": {"mixed_precision": mixed, "ignore": ["lm_head"]}})
     return json.dumps({"MixedPrecisionModifier": {**mixed, "ignore": ["lm_head"]}})
@@ -118,6 +120,7 @@ def main() -> None:
     parser.add_argument("--runs", default="seqcal-3.0,autoscheme-3.0,seqcal-4.25,autoscheme-4.25")
     parser.add_argument("--candidates", default=CANDIDATES)
     parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--error", default=None, help="mixed precision's error (default: seqcal's)")
     parser.add_argument("--iters", type=int, default=0, help="auto-round's steps after AutoScheme (0: RTN)")
     parser.add_argument("--eval-windows", type=int, default=8, help="2048-token windows of WikiText-2 test")
     parser.add_argument("--peer-python", default=os.environ.get("SEQCAL_BENCH_AUTOROUND_PYTHON",
@@ -136,7 +139,7 @@ def main() -> None:
                    "--options", args.candidates, "--samples", str(args.samples), "--iters", str(args.iters)]  # fmt: skip
         else:
             path = WORK / f"mixed-{name}.yaml"
-            path.write_text(recipe(name, args.candidates.split(","), results))
+            path.write_text(recipe(name, args.candidates.split(","), results, args.error))
             cmd = [*SEQCAL, "--recipe", str(path), "--samples", str(args.samples)]
         cmd += ["--model", str(model), "--tokens", str(tokens), "--out", str(out)]
         print("$", " ".join(cmd), flush=True)

@@ -26,7 +26,7 @@ from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.hessians import SharedInputs, add_hessian
 from seqcal.modifiers.importance import usable_importance, uses_importance
 from seqcal.modifiers.quantization import QuantizationModifier
-from seqcal.modifiers.round_to_nearest import fake_quantized, quant_kwargs, rtn_quantize_module
+from seqcal.modifiers.round_to_nearest import quant_kwargs, rounded, rtn_quantize_module
 from seqcal.modifiers.solve_chunks import chunk_bytes, dense_solve_bytes, split_rows
 from seqcal.tracing.partition import Subgraph
 
@@ -162,7 +162,7 @@ class GPTQModifier(QuantizationModifier):
         names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         if self.mixed is not None:  # each unit's scheme from its errors under every candidate, with H
             self.mixed.assign(
-                names, model, self.modules, state, lambda n: (self._hessian(n), None), fake_quantized
+                names, model, self.modules, state, lambda n: (self._hessian(n), None), rounded
             )
         solved: dict[tuple[int, str], list[str]] = {}  # (accumulator, scheme) -> modules solved together
         for name in names:

@@ -22,9 +22,11 @@ import yaml
 from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms.allocation import OnlineAllocation, Unit, role_of
+from seqcal.algorithms.observe import importance_from_hessian
 from seqcal.algorithms.output_error import OutputError
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.formats import check_widths
+from seqcal.modifiers.importance import uses_importance
 from seqcal.modifiers.mixed_schemes import allocation_units, candidate_scheme, holds, stored_bits, unit_key
 from seqcal.modifiers.schemes import matches_target
 from seqcal.modifiers.state import RunState
@@ -36,8 +38,12 @@ RECIPE_FILENAME = "mixed_precision_recipe.yaml"
 ALLOCATION_KEY = "allocation"
 # module name -> (its inputs' Hessian [in, in], or None; their E[x^2] [in], or None)
 InputsOf = Callable[[str], tuple[torch.Tensor | None, torch.Tensor | None]]
-# a weight rounded to nearest under a scheme (``quantization.fake_quantized``: its min-max qparams, no codes kept)
-Rounding = Callable[[torch.Tensor, QuantizationScheme], torch.Tensor]
+# a weight rounded to nearest under a scheme with the scheme's observer (``round_to_nearest.rounded``), given the
+# inputs' E[x^2] for imatrix_mse
+Rounding = Callable[[torch.Tensor, QuantizationScheme, torch.Tensor | None], torch.Tensor]
+# the weight observer of a candidate or pin named by a preset: a range search below min-max (at 2 and 3 bits the
+# presets' min-max ranges cost more than a bit of the budget: benchmarks/RESULTS.md); a dict candidate keeps its own
+OBSERVER = "mse"
 
 
 @dataclass
@@ -100,15 +106,20 @@ class MixedPrecision:
             raise ValueError(
                 f"{w}: candidates must be a non-empty list of schemes, e.g. ['W3A16:g64', 'W4A16']"
             )
-        self.schemes = [candidate_scheme(c, self.targets, w) for c in self.candidates]
+        self.schemes = [_searched(c, candidate_scheme(c, self.targets, w)) for c in self.candidates]
         self.labels = [c if isinstance(c, str) else f"candidate_{i}" for i, c in enumerate(self.candidates)]
         if not isinstance(self.pin, dict):
             raise ValueError(
                 f"{w}: pin must map module patterns to schemes, e.g. {{'re:.*down_proj': 'W8A16'}}"
             )
-        self.pinned = {p: candidate_scheme(s, [p], w) for p, s in self.pin.items()}
+        self.pinned = {p: _searched(s, candidate_scheme(s, [p], w)) for p, s in self.pin.items()}
         self.allocation: OnlineAllocation | None = None
         self.chosen: dict[str, int] = {}  # unit key -> candidate index
+
+    def every_scheme(self) -> dict[str, QuantizationScheme]:
+        """Every scheme a module may get, by name: the pins and the candidates (observer overrides reach them all)."""
+        return {**{f"pin_{i}": s for i, s in enumerate(self.pinned.values())},
+                **{f"candidate_{i}": s for i, s in enumerate(self.schemes)}}  # fmt: skip
 
     def groups(self) -> dict[str, QuantizationScheme]:
         """Config groups for ``resolve_modules``: the pins first (the first match wins), then every other
@@ -266,7 +277,7 @@ class MixedPrecision:
                 out.append((0.0, 0.0))
                 continue
             try:
-                Q = rounded(W, scheme)
+                Q = rounded(W, scheme, _importance(scheme, H, diag))
             except (ValueError, RuntimeError):  # a width this candidate cannot hold: its bits are inf already
                 out.append((math.inf, 1.0))
                 continue
@@ -328,6 +339,21 @@ def output_errors(
         return error.num.item() / 2, error.den.item() / 2
     d = diag.to(device=W.device, dtype=torch.float32)  # type: ignore[union-attr]
     return ((Q.float() - W.float()).pow(2) * d).sum().item(), (W.float().pow(2) * d).sum().item()
+
+
+def _importance(scheme: QuantizationScheme, H: torch.Tensor | None, diag: torch.Tensor | None) -> torch.Tensor | None:
+    """The inputs' E[x^2] for a candidate whose observer weighs the range search by it (imatrix_mse)."""
+    if not uses_importance(scheme):
+        return None
+    return diag if diag is not None else importance_from_hessian(H)  # type: ignore[arg-type]
+
+
+def _searched(spec: Any, scheme: QuantizationScheme) -> QuantizationScheme:
+    """A preset candidate's scheme with the ``OBSERVER`` range search (a dict candidate's is its own)."""
+    if isinstance(spec, str) and scheme.weights is not None and scheme.weights.observer in (None, "minmax"):
+        scheme = scheme.model_copy(deep=True)
+        scheme.weights.observer = OBSERVER
+    return scheme
 
 
 def _relative(num: float, den: float) -> float:

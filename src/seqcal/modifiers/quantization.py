@@ -26,7 +26,7 @@ from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
 from seqcal.modifiers.mixed_allocator import MixedPrecision
 from seqcal.modifiers.needs import Needs
 from seqcal.modifiers.observers import apply_observer_overrides
-from seqcal.modifiers.round_to_nearest import fake_quantized, rtn_quantize_module
+from seqcal.modifiers.round_to_nearest import rounded, rtn_quantize_module
 from seqcal.modifiers.round_to_nearest import quant_kwargs as quant_kwargs  # re-exported: moved beside RTN
 from seqcal.modifiers.round_to_nearest import rtn_quantize_weight as rtn_quantize_weight
 from seqcal.modifiers.schemes import check_supported, resolve_modules, resolve_schemes, strategy_of
@@ -136,8 +136,10 @@ class QuantizationModifier(Modifier):
         given = (self.weight_observer, self.input_observer, self.output_observer, self.observer)
         if all(v is None for v in given):
             return
-        apply_observer_overrides(self.groups, self.name, *given)
-        for name, group in self.groups.items():
+        # with mixed precision, every candidate and pin, not only the groups that resolve the modules
+        groups = {**self.groups, **self.mixed.every_scheme()} if self.mixed is not None else self.groups
+        apply_observer_overrides(groups, self.name, *given)
+        for name, group in groups.items():
             check_supported(group, f"{self.name} group {name!r}")
 
     def validate(self, model: torch.nn.Module) -> None:
@@ -271,7 +273,7 @@ class QuantizationModifier(Modifier):
         names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
         if self.mixed is not None:  # each unit's scheme from its errors under every candidate (E[x^2])
             self.mixed.assign(
-                names, model, self.modules, state, lambda n: (None, self._mean_square(n)), fake_quantized
+                names, model, self.modules, state, lambda n: (None, self._mean_square(n)), rounded
             )
         self.prepare_global_scales(model, names)
         for name in names:

@@ -90,6 +90,13 @@ def _round_to_nearest(
     return qw, lambda: dequantize(q, scale, zero_point, group_size=kw["group_size"], dtype=W.dtype)
 
 
+def rounded(W: torch.Tensor, scheme: QuantizationScheme, importance: torch.Tensor | None = None) -> torch.Tensor:
+    """``W`` rounded to nearest as ``rtn_quantize_module`` rounds it (the scheme's observer: ``mse`` searches the
+    range, ``imatrix_mse`` with ``importance``), without touching a module or keeping the codes. Mixed precision
+    predicts each candidate's error with it."""
+    return _round_to_nearest(W, scheme, None, importance)[1]()
+
+
 def fake_quantized(W: torch.Tensor, scheme: QuantizationScheme) -> torch.Tensor:
     """``W`` rounded to nearest with ``scheme``'s weights and min-max qparams (no module touched, no codes kept).
 
