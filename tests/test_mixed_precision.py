@@ -17,7 +17,7 @@ from seqcal.algorithms.allocation import OnlineAllocation, Unit
 from seqcal.entrypoint import oneshot
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.experts import linearize_experts
-from seqcal.modifiers import MODIFIERS, MixedPrecisionModifier, QuantizationModifier
+from seqcal.modifiers import MixedPrecisionModifier, QuantizationModifier
 from seqcal.modifiers.mixed_allocator import RECIPE_FILENAME
 from seqcal.modifiers.mixed_schemes import candidate_scheme, stored_bits
 from zoo import ARCHS

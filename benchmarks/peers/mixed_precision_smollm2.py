@@ -7,7 +7,8 @@ Runs (``--runs``, in the order given; each tool in a process of its own under GN
   (``QuantizationModifier``'s ``mixed_precision``).
 - ``autoscheme-<bits>``: auto-round's ``AutoScheme(avg_bits=<bits>)`` (its count: 16-bit scales, a zero point per
   group) then auto-round's quantization at ``--iters`` steps (0: its optimised round to nearest), q/k/v and
-  gate/up tied (``benchmarks/_lib/run_autoscheme.py``, auto-round's venv).
+  gate/up tied (``benchmarks/_lib/run_autoscheme.py``, auto-round's venv); ``autoscheme-opt-<bits>``: the same with
+  auto-round's optimised round to nearest (its default at 0 steps: ``disable_opt_rtn=False``).
 - ``uniform-w3`` / ``uniform-w4``: GPTQ W3A16 / W4A16, groups of 64; ``mixed-as-w3`` / ``mixed-as-w4``: seqcal's
   mixed precision at exactly the stored bits of that uniform run's checkpoint.
 Every run gets the same calibration windows (the first ``--samples`` shuffled 512-token windows of WikiText-2 valid)
@@ -135,8 +136,9 @@ def main() -> None:
         results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
         out = WORK / f"mixed-{name}"
         if name.startswith("autoscheme-"):
-            cmd = [args.peer_python, "benchmarks/_lib/run_autoscheme.py", "--avg-bits", name.split("-")[1],
+            cmd = [args.peer_python, "benchmarks/_lib/run_autoscheme.py", "--avg-bits", name.split("-")[-1],
                    "--options", args.candidates, "--samples", str(args.samples), "--iters", str(args.iters)]  # fmt: skip
+            cmd += ["--opt-rtn"] if name.startswith("autoscheme-opt-") else []
         else:
             path = WORK / f"mixed-{name}.yaml"
             path.write_text(recipe(name, args.candidates.split(","), results, args.error))
@@ -153,6 +155,7 @@ def main() -> None:
                "samples": args.samples, "eval_windows": args.eval_windows}  # fmt: skip
         if name.startswith("autoscheme-"):
             row["iters"] = args.iters
+            row["opt_rtn"] = name.startswith("autoscheme-opt-")
         print(f"{name:<18} wall {wall:7.1f} s  cpu {cpu:7.1f} s  peak RSS {rss:5.2f} GB  ppl {ppl:7.3f}  bits "
               f"{fp32:.4f} (fp32 scales) {ar:.4f} (auto-round's count)  load {load:.1f} -> {load_after:.1f}",
               flush=True)  # fmt: skip

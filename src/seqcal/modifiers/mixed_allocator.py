@@ -41,9 +41,6 @@ InputsOf = Callable[[str], tuple[torch.Tensor | None, torch.Tensor | None]]
 # a weight rounded to nearest under a scheme with the scheme's observer (``round_to_nearest.rounded``), given the
 # inputs' E[x^2] for imatrix_mse
 Rounding = Callable[[torch.Tensor, QuantizationScheme, torch.Tensor | None], torch.Tensor]
-# the weight observer of a candidate or pin named by a preset: a range search below min-max (at 2 and 3 bits the
-# presets' min-max ranges cost more than a bit of the budget: benchmarks/RESULTS.md); a dict candidate keeps its own
-OBSERVER = "mse"
 
 
 @dataclass
@@ -106,13 +103,13 @@ class MixedPrecision:
             raise ValueError(
                 f"{w}: candidates must be a non-empty list of schemes, e.g. ['W3A16:g64', 'W4A16']"
             )
-        self.schemes = [_searched(c, candidate_scheme(c, self.targets, w)) for c in self.candidates]
+        self.schemes = [candidate_scheme(c, self.targets, w) for c in self.candidates]
         self.labels = [c if isinstance(c, str) else f"candidate_{i}" for i, c in enumerate(self.candidates)]
         if not isinstance(self.pin, dict):
             raise ValueError(
                 f"{w}: pin must map module patterns to schemes, e.g. {{'re:.*down_proj': 'W8A16'}}"
             )
-        self.pinned = {p: _searched(s, candidate_scheme(s, [p], w)) for p, s in self.pin.items()}
+        self.pinned = {p: candidate_scheme(s, [p], w) for p, s in self.pin.items()}
         self.allocation: OnlineAllocation | None = None
         self.chosen: dict[str, int] = {}  # unit key -> candidate index
 
@@ -346,14 +343,6 @@ def _importance(scheme: QuantizationScheme, H: torch.Tensor | None, diag: torch.
     if not uses_importance(scheme):
         return None
     return diag if diag is not None else importance_from_hessian(H)  # type: ignore[arg-type]
-
-
-def _searched(spec: Any, scheme: QuantizationScheme) -> QuantizationScheme:
-    """A preset candidate's scheme with the ``OBSERVER`` range search (a dict candidate's is its own)."""
-    if isinstance(spec, str) and scheme.weights is not None and scheme.weights.observer in (None, "minmax"):
-        scheme = scheme.model_copy(deep=True)
-        scheme.weights.observer = OBSERVER
-    return scheme
 
 
 def _relative(num: float, den: float) -> float:

@@ -2,11 +2,12 @@
 
 ``candidate_scheme`` reads a candidate: a compressed-tensors preset (``"W4A16"``, ``"NVFP4A16"``,
 ``"MXFP4A16"``, ``"FP8_DYNAMIC"``), optionally with its group changed (``"W3A16:g64"``, ``"W8A16:channel"``),
-or a dict of QuantizationScheme fields. ``stored_bits`` is what a module's weight takes in the checkpoint
-under a scheme, as ``seqcal.checkpoint`` writes it: packed codes, scales in the weight's dtype (fp8 for NVFP4,
-e8m0 for MX), zero points packed along the outputs, NVFP4's global scale and the packed weights' shape.
-``allocation_units`` groups the modules that must share one scheme because a serving engine loads them as one
-weight (q/k/v, gate/up: ``modifiers.formats.fused_groups``; the experts of one MoE layer, one tensor).
+its weights' range searched (``OBSERVER``), or a dict of QuantizationScheme fields (its observer its own).
+``stored_bits`` is what a module's weight takes in the checkpoint under a scheme, as ``seqcal.checkpoint``
+writes it: packed codes, scales in the weight's dtype (fp8 for NVFP4, e8m0 for MX), zero points packed along
+the outputs, NVFP4's global scale and the packed weights' shape. ``allocation_units`` groups the modules that
+must share one scheme because a serving engine loads them as one weight (q/k/v, gate/up:
+``modifiers.formats.fused_groups``; the experts of one MoE layer, one tensor).
 
 Example:
     >>> candidate_scheme("W3A16:g64", ["Linear"], "m").weights.group_size
@@ -28,6 +29,9 @@ from seqcal.modifiers.schemes import SUPPORTED_PRESETS, check_supported, resolve
 
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")  # "model.layers.3.mlp.experts.17.down_proj" -> its MoE layer
 _SUFFIX = re.compile(r"^g(\d+)$|^channel$")
+# the weight observer of a candidate or pin named by a preset: a range search below min-max (at 2 and 3 bits the
+# presets' min-max ranges cost more than the allocation wins: benchmarks/RESULTS.md); a dict candidate keeps its own
+OBSERVER = "mse"
 
 
 def candidate_scheme(spec: str | dict[str, Any], targets: list[str], where: str) -> QuantizationScheme:
@@ -63,6 +67,7 @@ def candidate_scheme(spec: str | dict[str, Any], targets: list[str], where: str)
             raise ValueError(f"{where}: candidate {spec!r} is not a scheme seqcal knows; {valid}") from None
         if suffix:
             scheme = _regrouped(scheme, suffix, spec, where)
+        scheme = _searched(scheme)
     else:
         raise ValueError(f"{where}: candidate {spec!r} is a {type(spec).__name__}; {valid}")
     if calibrated_inputs(scheme) is not None:
@@ -70,6 +75,14 @@ def candidate_scheme(spec: str | dict[str, Any], targets: list[str], where: str)
             f"{where}: candidate {spec!r} has input activations calibrated on data (static or NVFP4 scales), which "
             "an allocation chosen after calibration cannot give; use a weight-only or dynamic candidate"
         )
+    return scheme
+
+
+def _searched(scheme: QuantizationScheme) -> QuantizationScheme:
+    """A preset's scheme with the ``OBSERVER`` range search in place of its min-max range."""
+    if scheme.weights is not None and scheme.weights.observer in (None, "minmax"):
+        scheme = scheme.model_copy(deep=True)
+        scheme.weights.observer = OBSERVER
     return scheme
 
 

@@ -26,8 +26,8 @@ from seqcal.modifiers.kv_cache import KVCacheCalibration, kv_cache_args
 from seqcal.modifiers.mixed_allocator import MixedPrecision
 from seqcal.modifiers.needs import Needs
 from seqcal.modifiers.observers import apply_observer_overrides
-from seqcal.modifiers.round_to_nearest import rounded, rtn_quantize_module
 from seqcal.modifiers.round_to_nearest import quant_kwargs as quant_kwargs  # re-exported: moved beside RTN
+from seqcal.modifiers.round_to_nearest import rounded, rtn_quantize_module
 from seqcal.modifiers.round_to_nearest import rtn_quantize_weight as rtn_quantize_weight
 from seqcal.modifiers.schemes import check_supported, resolve_modules, resolve_schemes, strategy_of
 from seqcal.tracing.partition import Subgraph
