@@ -155,13 +155,13 @@ def test_absolute_error_moves_bits_off_the_layer_that_matters_little() -> None:
 
 
 def test_candidates_search_their_ranges_unless_told_otherwise() -> None:
-    """Preset candidates and pins take the mse range search; a dict candidate keeps its observer; the modifier's
+    """Preset candidates and pins take the imatrix_mse range search; a dict candidate keeps its observer; the modifier's
     weight_observer reaches every candidate and pin, not only the group that first resolves the modules."""
     explicit = {"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                             "group_size": 64, "observer": "minmax"}}  # fmt: skip
     default = MixedPrecisionModifier(average_bits=3.0, candidates=[*CANDIDATES, explicit], pin={"re:.*o_proj": "W8A16"})
-    assert [s.weights.observer for s in default.mixed.schemes] == ["mse"] * 4 + ["minmax"]
-    assert [s.weights.observer for s in default.mixed.pinned.values()] == ["mse"]
+    assert [s.weights.observer for s in default.mixed.schemes] == ["imatrix_mse"] * 4 + ["minmax"]
+    assert [s.weights.observer for s in default.mixed.pinned.values()] == ["imatrix_mse"]
     told = MixedPrecisionModifier(average_bits=3.0, candidates=CANDIDATES, pin={"re:.*o_proj": "W8A16"},
                                   weight_observer="memoryless_minmax")  # fmt: skip
     assert {s.weights.observer for s in told.mixed.every_scheme().values()} == {"memoryless_minmax"}

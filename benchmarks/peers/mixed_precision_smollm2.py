@@ -3,12 +3,15 @@ against uniform GPTQ at the same checkpoint size.
 
 Runs (``--runs``, in the order given; each tool in a process of its own under GNU time: wall, CPU, peak RSS):
 - ``seqcal-<bits>``: ``MixedPrecisionModifier`` (GPTQ) at ``average_bits: <bits>`` (seqcal's count: stored bits
-  per weight, scales in the model's dtype, so fp32 here); ``seqcal-rtn-<bits>``: the same choice, round to nearest
+  per weight, scales in the model's dtype, so fp32 here); ``seqcal-abs-<bits>``: the same with ``error: absolute``;
+  ``seqcal-rtn-<bits>``: the same choice, round to nearest
   (``QuantizationModifier``'s ``mixed_precision``).
 - ``autoscheme-<bits>``: auto-round's ``AutoScheme(avg_bits=<bits>)`` (its count: 16-bit scales, a zero point per
   group) then auto-round's quantization at ``--iters`` steps (0: its optimised round to nearest), q/k/v and
   gate/up tied (``benchmarks/_lib/run_autoscheme.py``, auto-round's venv); ``autoscheme-opt-<bits>``: the same with
   auto-round's optimised round to nearest (its default at 0 steps: ``disable_opt_rtn=False``).
+- ``gptq-on-autoscheme-<bits>``: GPTQ (the uniform runs' observer) with the widths the ``autoscheme-<bits>`` run
+  chose, one config group per width: the solver of the seqcal rows on AutoScheme's allocation.
 - ``uniform-w3`` / ``uniform-w4``: GPTQ W3A16 / W4A16, groups of 64; ``mixed-as-w3`` / ``mixed-as-w4``: seqcal's
   mixed precision at exactly the stored bits of that uniform run's checkpoint.
 Every run gets the same calibration windows (the first ``--samples`` shuffled 512-token windows of WikiText-2 valid)
@@ -37,31 +40,38 @@ from harness import SEQCAL, WORK, calibration_tokens, measure, perplexity  # noq
 
 CANDIDATES = "W2A16:g64,W3A16:g64,W4A16:g64,W8A16:channel"
 UNIFORM = {"uniform-w3": 3, "uniform-w4": 4}  # GPTQ, symmetric int, groups of 64
-OBSERVER = "mse"  # the uniform runs' weight observer: the one mixed precision gives its preset candidates
+OBSERVER = "imatrix_mse"  # the uniform runs' weight observer: the one mixed precision gives its preset candidates
 RESULTS = WORK / "mixed_precision_results.json"
 
 
 def recipe(name: str, candidates: list[str], results: dict, error: str | None = None) -> str:
     """The seqcal run's recipe (JSON, which YAML reads); ``mixed-as-*`` takes its uniform run's stored bits."""
     if name in UNIFORM:
-        w = {
-            "num_bits": UNIFORM[name],
-            "type": "int",
-            "symmetric": True,
-            "strategy": "group",
-            "group_size": 64,
-            "observer": OBSERVER,
-        }
+        w = _weights(UNIFORM[name], 64)
         return json.dumps({"GPTQModifier": {"config_groups": {"g": {"targets": ["Linear"], "weights": w}},
                                             "ignore": ["lm_head"]}})  # fmt: skip
+    if name.startswith("gptq-on-"):
+        chosen = widths(WORK / f"mixed-{name.removeprefix('gptq-on-')}", [])
+        groups: dict[tuple[int, int], list[str]] = {}
+        for layer, width in chosen.items():
+            groups.setdefault(width, []).append(layer)
+        config = {f"w{b}g{g}": {"targets": names, "weights": _weights(b, g)} for (b, g), names in groups.items()}
+        return json.dumps({"GPTQModifier": {"config_groups": config, "ignore": ["lm_head"]}})
     if name.startswith("mixed-as-"):
         bits = results[name.replace("mixed-as", "uniform")]["bits_fp32"]
     else:
         bits = float(name.rsplit("-", 1)[1])
+    error = "absolute" if name.startswith("seqcal-abs-") else error
     mixed = {"average_bits": bits, "candidates": candidates, **({"error": error} if error else {})}
     if name.startswith("seqcal-rtn-"):
         return json.dumps({"QuantizationModifier": {"mixed_precision": mixed, "ignore": ["lm_head"]}})
     return json.dumps({"MixedPrecisionModifier": {**mixed, "ignore": ["lm_head"]}})
+
+
+def _weights(bits: int, group: int) -> dict:
+    """Symmetric int weights of ``bits`` per group of ``group`` (-1: per channel), the runs' observer."""
+    strategy = {"strategy": "channel"} if group == -1 else {"strategy": "group", "group_size": group}
+    return {"num_bits": bits, "type": "int", "symmetric": True, **strategy, "observer": OBSERVER}
 
 
 def shapes(model: Path) -> dict[str, tuple[int, int]]:

@@ -18,8 +18,8 @@ come (their curves predicted from the last unit of the same role, e.g. the previ
 the budget that remains, and never more bits than leave the later units their cheapest candidates: the total
 is guaranteed within the budget. The solver (GPTQ or round to nearest) then quantizes with the chosen scheme.
 
-Candidates and pins named by a preset search their ranges (the ``mse`` weight observer), in the curves and in the
-solve: min-max ranges at 2 and 3 bits cost more than the allocation wins. A dict candidate keeps its observer;
+Candidates and pins named by a preset search their ranges (the ``imatrix_mse`` weight observer), in the curves and
+in the solve: min-max ranges at 2 and 3 bits cost more than the allocation wins. A dict candidate keeps its observer;
 ``weight_observer`` / ``observer`` set every candidate's and pin's.
 
 Pinned modules (``pin: {pattern: scheme}``) keep their scheme and count against the budget; ``ignore`` stays
