@@ -165,6 +165,9 @@ def test_candidates_search_their_ranges_unless_told_otherwise() -> None:
     told = MixedPrecisionModifier(average_bits=3.0, candidates=CANDIDATES, pin={"re:.*o_proj": "W8A16"},
                                   weight_observer="memoryless_minmax")  # fmt: skip
     assert {s.weights.observer for s in told.mixed.every_scheme().values()} == {"memoryless_minmax"}
+    # the fp4 and MX formats take min-max ranges only: their presets keep them
+    assert candidate_scheme("NVFP4A16", ["Linear"], "test").weights.observer in (None, "minmax")
+    assert candidate_scheme("MXFP4A16", ["Linear"], "test").weights.observer in (None, "minmax")
 
 
 def test_predicted_error_is_the_error_of_the_rounding_the_solver_does(tmp_path: Path) -> None:

@@ -80,8 +80,10 @@ def candidate_scheme(spec: str | dict[str, Any], targets: list[str], where: str)
 
 
 def _searched(scheme: QuantizationScheme) -> QuantizationScheme:
-    """A preset's scheme with the ``OBSERVER`` range search in place of its min-max range."""
-    if scheme.weights is not None and scheme.weights.observer in (None, "minmax"):
+    """An integer preset's scheme with the ``OBSERVER`` range search in place of its min-max range (the fp4, MX and
+    block fp8 formats take min-max ranges only: ``schemes.check_supported``)."""
+    w = scheme.weights
+    if w is not None and str(getattr(w.type, "value", w.type)) == "int" and w.observer in (None, "minmax"):
         scheme = scheme.model_copy(deep=True)
         scheme.weights.observer = OBSERVER
     return scheme
