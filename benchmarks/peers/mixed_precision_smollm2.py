@@ -44,7 +44,7 @@ OBSERVER = "imatrix_mse"  # the uniform runs' weight observer: the one mixed pre
 RESULTS = WORK / "mixed_precision_results.json"
 
 
-def recipe(name: str, candidates: list[str], results: dict, error: str | None = None) -> str:
+def recipe(name: str, candidates: list[str], results: dict) -> str:
     """The seqcal run's recipe (JSON, which YAML reads); ``mixed-as-*`` takes its uniform run's stored bits."""
     if name in UNIFORM:
         w = _weights(UNIFORM[name], 64)
@@ -61,8 +61,8 @@ def recipe(name: str, candidates: list[str], results: dict, error: str | None = 
         bits = results[name.replace("mixed-as", "uniform")]["bits_fp32"]
     else:
         bits = float(name.rsplit("-", 1)[1])
-    error = "absolute" if name.startswith("seqcal-abs-") else error
-    mixed = {"average_bits": bits, "candidates": candidates, **({"error": error} if error else {})}
+    error = {"error": "absolute"} if name.startswith("seqcal-abs-") else {}
+    mixed = {"average_bits": bits, "candidates": candidates, **error}
     if name.startswith("seqcal-rtn-"):
         return json.dumps({"QuantizationModifier": {"mixed_precision": mixed, "ignore": ["lm_head"]}})
     return json.dumps({"MixedPrecisionModifier": {**mixed, "ignore": ["lm_head"]}})
@@ -131,7 +131,6 @@ def main() -> None:
     parser.add_argument("--runs", default="seqcal-3.0,autoscheme-3.0,seqcal-4.25,autoscheme-4.25")
     parser.add_argument("--candidates", default=CANDIDATES)
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--error", default=None, help="mixed precision's error (default: seqcal's)")
     parser.add_argument("--iters", type=int, default=0, help="auto-round's steps after AutoScheme (0: RTN)")
     parser.add_argument("--eval-windows", type=int, default=8, help="2048-token windows of WikiText-2 test")
     parser.add_argument("--peer-python", default=os.environ.get("SEQCAL_BENCH_AUTOROUND_PYTHON",
@@ -151,7 +150,7 @@ def main() -> None:
             cmd += ["--opt-rtn"] if name.startswith("autoscheme-opt-") else []
         else:
             path = WORK / f"mixed-{name}.yaml"
-            path.write_text(recipe(name, args.candidates.split(","), results, args.error))
+            path.write_text(recipe(name, args.candidates.split(","), results))
             cmd = [*SEQCAL, "--recipe", str(path), "--samples", str(args.samples)]
         cmd += ["--model", str(model), "--tokens", str(tokens), "--out", str(out)]
         print("$", " ".join(cmd), flush=True)

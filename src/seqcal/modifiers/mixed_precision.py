@@ -6,21 +6,21 @@ checkpoint meets ``max_size``. ``GPTQModifier`` and ``QuantizationModifier`` (ro
 choice as their ``mixed_precision`` argument: ``{average_bits: 3.0, candidates: [...], pin: {...}}``.
 
 How it chooses. The bits every candidate costs every module are known before the run (from the shapes,
-``mixed_schemes.stored_bits``). When the pass reaches a group of modules, each candidate's error is measured
-on the group's own calibration inputs, which the solver holds already: the relative output error
-``||(Q_c - W) X^T||^2 / ||W X^T||^2`` of the weight rounded to nearest under candidate ``c`` (with its observer), from GPTQ's
-Hessian ``X^T X`` (round to nearest: from the inputs' ``E[x^2]``, the Hessian's diagonal); no extra pass runs
-and only the group's curve (one number per candidate) is kept. The modules a serving engine fuses (q/k/v,
+``mixed_schemes.stored_bits``). When the pass reaches a group of modules, each candidate's error is measured on the
+group's own calibration inputs, which the solver holds already: the relative output error
+``||(Q_c - W) X^T||^2 / ||W X^T||^2`` of the weight rounded to nearest under candidate ``c`` (with its observer),
+from GPTQ's Hessian ``X^T X`` (round to nearest: from the inputs' ``E[x^2]``, the Hessian's diagonal); no extra
+pass runs and only the group's curve (one number per candidate) is kept. The modules a serving engine fuses (q/k/v,
 gate/up, an MoE layer's experts) form one unit with one scheme; the error of a unit is the sum of its modules'
-relative errors weighted by their sizes. ``seqcal.algorithms.allocation.OnlineAllocation`` then takes the
-unit's candidate minimising ``error + lambda * bits``, ``lambda`` solved over this unit and the units still to
-come (their curves predicted from the last unit of the same role, e.g. the previous layer's down_proj) with
-the budget that remains, and never more bits than leave the later units their cheapest candidates: the total
-is guaranteed within the budget. The solver (GPTQ or round to nearest) then quantizes with the chosen scheme.
+relative errors weighted by their sizes. ``seqcal.algorithms.allocation.OnlineAllocation`` then takes the unit's
+candidate minimising ``error + lambda * bits``, ``lambda`` solved over this unit and the units still to come (their
+curves predicted from the last unit of the same role, e.g. the previous layer's down_proj) with the budget that
+remains, and never more bits than leave the later units their cheapest candidates: the total is guaranteed within
+the budget. The solver (GPTQ or round to nearest) then quantizes with the chosen scheme.
 
-Candidates and pins named by a preset search their ranges (the ``imatrix_mse`` weight observer), in the curves and
-in the solve: min-max ranges at 2 and 3 bits cost more than the allocation wins. A dict candidate keeps its observer;
-``weight_observer`` / ``observer`` set every candidate's and pin's.
+Candidates and pins named by an integer preset search their ranges (the ``imatrix_mse`` weight observer), in the
+curves and in the solve: min-max ranges at 2 and 3 bits cost more than the allocation wins. A dict candidate keeps
+its observer; ``weight_observer`` / ``observer`` set every candidate's and pin's.
 
 Pinned modules (``pin: {pattern: scheme}``) keep their scheme and count against the budget; ``ignore`` stays
 in full precision and does not count. Each module's report entry (quantization_report.json) gives its
@@ -56,7 +56,8 @@ class MixedPrecisionModifier(GPTQModifier):
         candidates: the schemes to choose from: presets, ``PRESET:g<N>`` / ``PRESET:channel``, scheme dicts.
         pin: ``{pattern: scheme}``: modules matching a pattern (class name or ``re:``) keep that scheme.
         error: "relative" (default: the modules' relative errors, weighted by their sizes) or "absolute" (their output
-            errors summed, which on SmolLM2 chose better allocations: benchmarks/RESULTS.md).
+            errors summed, which on SmolLM2 chose the better allocation at 3 bits per weight and the worse at 3.5:
+            benchmarks/RESULTS.md).
 
     Example:
         >>> MixedPrecisionModifier(average_bits=3.0, candidates=["W2A16:g64", "W3A16:g64", "W4A16", "W8A16"],
