@@ -7,6 +7,7 @@ import math
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from seqcal.entrypoint import oneshot
 from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.experts import linearize_experts
 from seqcal.modifiers import MixedPrecisionModifier, QuantizationModifier
-from seqcal.modifiers.mixed_allocator import RECIPE_FILENAME
+from seqcal.modifiers.importance import usable_importance
+from seqcal.modifiers.mixed_allocator import RECIPE_FILENAME, _importance
 from seqcal.modifiers.mixed_schemes import candidate_scheme, stored_bits
 from zoo import ARCHS
 
@@ -256,3 +258,21 @@ def test_a_pinned_module_keeps_its_scheme_and_counts() -> None:
     assert math.isclose(
         modifier.mixed.params, sum(model.get_submodule(n).weight.numel() for n in modifier.modules)
     )
+
+
+@pytest.mark.parametrize("strategy", ["group", "tensor"])
+@pytest.mark.parametrize("diag", ["usable", "zeros", "nan", "short"])
+def test_curves_weigh_the_search_exactly_where_the_solve_does(strategy: str, diag: str) -> None:
+    """The importance a candidate's curve rounds with is the one the solve will use (``usable_importance``): none
+    for the tensor strategy or for statistics it cannot use (all zero, not finite, the wrong length), where the
+    solve searches uniformly."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": strategy, "observer": "imatrix_mse"}  # fmt: skip
+    scheme = candidate_scheme({"weights": {**weights, "group_size": 32 if strategy == "group" else None}},
+                              ["Linear"], "test")  # fmt: skip
+    values = {"usable": torch.rand(64) + 0.1, "zeros": torch.zeros(64), "nan": torch.full((64,), math.nan),
+              "short": torch.rand(32)}[diag]  # fmt: skip
+    state = SimpleNamespace(results=SimpleNamespace(log=[]))
+    expected = usable_importance("m", scheme, values, 64, state)  # type: ignore[arg-type]
+    got = _importance(scheme, None, values, 64)
+    assert (got is None) == (expected is None) and (got is None or torch.equal(got, expected))
+    assert (got is not None) == (strategy == "group" and diag == "usable")

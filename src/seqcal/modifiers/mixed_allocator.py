@@ -22,13 +22,13 @@ import yaml
 from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms.allocation import OnlineAllocation, Unit, role_of
-from seqcal.algorithms.observe import importance_from_hessian
+from seqcal.algorithms.observe import check_importance, importance_from_hessian
 from seqcal.algorithms.output_error import OutputError
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.formats import check_widths
 from seqcal.modifiers.importance import uses_importance
 from seqcal.modifiers.mixed_schemes import allocation_units, candidate_scheme, holds, stored_bits, unit_key
-from seqcal.modifiers.schemes import matches_target
+from seqcal.modifiers.schemes import matches_target, strategy_of
 from seqcal.modifiers.state import RunState
 
 logger = logging.getLogger("seqcal")
@@ -274,7 +274,7 @@ class MixedPrecision:
                 out.append((0.0, 0.0))
                 continue
             try:
-                Q = rounded(W, scheme, _importance(scheme, H, diag))
+                Q = rounded(W, scheme, _importance(scheme, H, diag, W.shape[1]))
             except (ValueError, RuntimeError):  # a width this candidate cannot hold: its bits are inf already
                 out.append((math.inf, 1.0))
                 continue
@@ -338,11 +338,18 @@ def output_errors(
     return ((Q.float() - W.float()).pow(2) * d).sum().item(), (W.float().pow(2) * d).sum().item()
 
 
-def _importance(scheme: QuantizationScheme, H: torch.Tensor | None, diag: torch.Tensor | None) -> torch.Tensor | None:
-    """The inputs' E[x^2] for a candidate whose observer weighs the range search by it (imatrix_mse)."""
+def _importance(
+    scheme: QuantizationScheme, H: torch.Tensor | None, diag: torch.Tensor | None, in_features: int
+) -> torch.Tensor | None:
+    """The inputs' E[x^2] for a candidate whose observer weighs the range search by it (imatrix_mse); None where
+    the solve would search uniformly (``usable_importance``: the tensor strategy, or statistics it cannot use), so
+    the curve predicts the search the solve makes. The solve logs that fallback (or refuses it, when strict)."""
     if not uses_importance(scheme):
         return None
-    return diag if diag is not None else importance_from_hessian(H)  # type: ignore[arg-type]
+    importance = diag if diag is not None else importance_from_hessian(H)  # type: ignore[arg-type]
+    if strategy_of(scheme.weights) == "tensor" or check_importance(importance, in_features) is not None:
+        return None
+    return importance
 
 
 def _relative(num: float, den: float) -> float:
