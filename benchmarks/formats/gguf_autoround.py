@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--format", default="gguf:q4_k_m")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=None, help="tuning steps; default: auto-round's (200)")
+    parser.add_argument("--no-amp", action="store_true", help="search in float32 (amp=False), not bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from auto_round import AutoRound
@@ -39,11 +40,14 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     steps = {} if args.iters is None else {"iters": args.iters}  # 0: auto-round's optimized round to nearest
+    if args.no_amp:  # on a CPU without bfloat16 instructions its default bf16 search is emulated, and very slow
+        steps["amp"] = False
     ar = AutoRound(model, tokenizer=tokenizer, scheme=args.format, dataset=data, nsamples=len(data),
                    seqlen=len(rows[0]), device_map="cpu", enable_torch_compile=False, **steps)  # fmt: skip
     ar.quantize_and_save(args.out, format=args.format)
     seconds = time.perf_counter() - start
-    print(json.dumps({"tool": "auto-round", "format": args.format, "iters": args.iters, "seconds": round(seconds, 1),
+    print(json.dumps({"tool": "auto-round", "format": args.format, "iters": args.iters, "amp": not args.no_amp,
+                      "seconds": round(seconds, 1),
                       "windows": len(rows), "seq": len(rows[0])}))  # fmt: skip
 
 

@@ -27,6 +27,7 @@ Usage (from the repo root; LLAMA_CPP_BIN: the folder of llama-quantize, llama-im
 llama-tokenize; the auto-round row needs --autoround-python):
     .venv/bin/python benchmarks/formats/gguf_llamacpp.py [--runs f32,seqcal-gptq-Q4_K_M,...] [--samples 128]
         [--seq 512] [--chunks 40] [--threads 2] [--max-host-memory 2GB] [--autoround-python PATH]
+        [--autoround-iters N] [--autoround-amp off]   (off: both AutoRounds search in float32)
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def seqcal_row(name: str, calib: Path, args: argparse.Namespace) -> dict:
     recipe = folder / "recipe_in.yaml"
     steps = args.autoround_iters
     extra = f"      iters: {steps}\n" if algo == "autoround" and steps is not None else ""
+    extra += "      amp: false\n" if algo == "autoround" and args.autoround_amp == "off" else ""
     recipe.write_text(RECIPE.format(modifier=MODIFIERS[algo], scheme=scheme) + extra)
     cmd = [f"{VENV}/bin/python", "-m", "seqcal.cli", "oneshot", "--model", str(model_dir()), "--recipe",
            str(recipe), "--dataset", str(calib), "--no-shuffle", "--num-calibration-samples", str(args.samples),
@@ -146,7 +148,8 @@ def autoround_row(calib: Path, args: argparse.Namespace) -> dict:
     folder = OUT / "autoround-q4_k_m"
     cmd = [args.autoround_python, "benchmarks/formats/gguf_autoround.py", "--model", str(model_dir()),
            "--tokens", str(calib), "--out", str(folder), "--threads", str(args.threads),
-           *(["--iters", str(args.autoround_iters)] if args.autoround_iters is not None else [])]  # fmt: skip
+           *(["--iters", str(args.autoround_iters)] if args.autoround_iters is not None else []),
+           *(["--no-amp"] if args.autoround_amp == "off" else [])]  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
     row = _timed(cmd, folder / "quantize.log")
     found = sorted(folder.rglob("*.gguf"))
@@ -224,6 +227,8 @@ def main() -> None:
         default=None,
         help="both AutoRounds' steps (default: each tool's own, 200)",
     )
+    parser.add_argument("--autoround-amp", choices=["on", "off"], default="on",
+                        help="both AutoRounds search under bfloat16 autocast (on, their default) or in float32")
     parser.add_argument("--remake", action="store_true", help="quantize again even where the file exists")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -236,16 +241,23 @@ def main() -> None:
             check_calibration_tokens(f32, calib)
         if args.remake or not target.exists() or name not in results:
             results[name] = {"made": make(name, f32, calib, args)}
+            _merge(results_path, name, results[name])  # kept even if the scoring below fails
         row = results[name]
         ppl, err = perplexity(target, args)
         row.update(size_mib=round(target.stat().st_size / 2**20, 2), ppl=ppl, ppl_err=err, chunks=args.chunks,
                    samples=args.samples, seq=args.seq, threads=args.threads, types=tensor_types(target),
                    same_test_tokens=name == "f32" or llama_tokens(target, TEST_TEXT) == llama_tokens(f32, TEST_TEXT))  # fmt: skip
-        # merged into the file as it is now: another instance of this script may have written rows meanwhile
-        results = {**(json.loads(results_path.read_text()) if results_path.exists() else {}), name: row}
-        results_path.write_text(json.dumps(results, indent=1))
+        results = _merge(results_path, name, row)
         print(_line(name, row), flush=True)
     print("\n" + table(results))
+
+
+def _merge(path: Path, name: str, row: dict) -> dict:
+    """Row ``name`` merged into the results file as it is now (another instance of this script may have written
+    rows meanwhile); returns the file's rows."""
+    results = {**(json.loads(path.read_text()) if path.exists() else {}), name: row}
+    path.write_text(json.dumps(results, indent=1))
+    return results
 
 
 def _line(name: str, row: dict) -> str:
