@@ -20,7 +20,8 @@ from seqcal.execution.pipeline import PipelineArgs, run_pipeline
 from seqcal.experts import linearize_experts
 from seqcal.modifiers import MixedPrecisionModifier, QuantizationModifier
 from seqcal.modifiers.importance import usable_importance
-from seqcal.modifiers.mixed_allocator import RECIPE_FILENAME, _importance
+from seqcal.modifiers.mixed_allocator import RECIPE_FILENAME
+from seqcal.modifiers.mixed_curves import curve_importance
 from seqcal.modifiers.mixed_schemes import candidate_scheme, stored_bits
 from zoo import ARCHS
 
@@ -273,6 +274,6 @@ def test_curves_weigh_the_search_exactly_where_the_solve_does(strategy: str, dia
               "short": torch.rand(32)}[diag]  # fmt: skip
     state = SimpleNamespace(results=SimpleNamespace(log=[]))
     expected = usable_importance("m", scheme, values, 64, state)  # type: ignore[arg-type]
-    got = _importance(scheme, None, values, 64)
+    got = curve_importance(scheme, None, values, 64)
     assert (got is None) == (expected is None) and (got is None or torch.equal(got, expected))
     assert (got is not None) == (strategy == "group" and diag == "usable")

@@ -4,7 +4,7 @@
 ``MixedPrecisionModifier``'s own arguments): it checks the arguments when the recipe is read, checks the
 model before any weight is calibrated (``validate``: pins that match nothing, units no candidate holds, a
 budget below the cheapest allocation), during the pass sets each module's scheme from its error curve
-(``assign``), and takes the choices another process or an interrupted run made from the curves they recorded
+(``assign``, from the curves ``mixed_curves`` measures), and takes the choices another process or an interrupted run made from the curves they recorded
 (``catch_up``). How and what it guarantees: ``seqcal.modifiers.mixed_precision``.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -22,13 +21,11 @@ import yaml
 from compressed_tensors.quantization import QuantizationScheme
 
 from seqcal.algorithms.allocation import OnlineAllocation, Unit, role_of
-from seqcal.algorithms.observe import check_importance, importance_from_hessian
-from seqcal.algorithms.output_error import OutputError
 from seqcal.mappings.names import checkpoint_names
 from seqcal.modifiers.formats import check_widths
-from seqcal.modifiers.importance import uses_importance
+from seqcal.modifiers.mixed_curves import InputsOf, Rounding, error_curve, output_errors, relative
 from seqcal.modifiers.mixed_schemes import allocation_units, candidate_scheme, holds, stored_bits, unit_key
-from seqcal.modifiers.schemes import matches_target, strategy_of
+from seqcal.modifiers.schemes import matches_target
 from seqcal.modifiers.state import RunState
 
 logger = logging.getLogger("seqcal")
@@ -36,11 +33,6 @@ logger = logging.getLogger("seqcal")
 RECIPE_FILENAME = "mixed_precision_recipe.yaml"
 # the report entry of a unit's first module that records its choice: {"unit", "step", "errors"} (``catch_up``)
 ALLOCATION_KEY = "allocation"
-# module name -> (its inputs' Hessian [in, in], or None; their E[x^2] [in], or None)
-InputsOf = Callable[[str], tuple[torch.Tensor | None, torch.Tensor | None]]
-# a weight rounded to nearest under a scheme with the scheme's observer (``round_to_nearest.rounded``), given the
-# inputs' E[x^2] for imatrix_mse
-Rounding = Callable[[torch.Tensor, QuantizationScheme, torch.Tensor | None], torch.Tensor]
 
 
 @dataclass
@@ -195,7 +187,7 @@ class MixedPrecision:
                 continue
             present = [m for m in members if m in names]
             curves = {
-                m: self._curve(model.get_submodule(m).weight.data, *inputs_of(m), rounded) for m in present
+                m: error_curve(model.get_submodule(m).weight.data, self.schemes, *inputs_of(m), rounded) for m in present
             }
             unit = self.allocation.units[key]
             share = unit.params / sum(model.get_submodule(m).weight.numel() for m in present)
@@ -215,7 +207,7 @@ class MixedPrecision:
                     scheme=self.labels[index], bits=_bits(self.schemes[index], weight) / weight.numel()
                 )
                 if m in curves:
-                    report["predicted_rel_error"] = _relative(*curves[m][index])
+                    report["predicted_rel_error"] = relative(*curves[m][index])
             logger.info("seqcal: %s -> %s (%.3f bits per weight, lambda %.3g)", key, self.labels[index],
                         unit.bits[index] / unit.params, self.allocation.choices[key].lam)  # fmt: skip
 
@@ -263,29 +255,11 @@ class MixedPrecision:
             return num
         return weight.numel() * num / den if den > 0 else 0.0
 
-    def _curve(
-        self, W: torch.Tensor, H: torch.Tensor | None, diag: torch.Tensor | None, rounded: Rounding
-    ) -> list[tuple[float, float]]:
-        """The output error of ``W`` rounded to nearest under each candidate and the output's size (``output_errors``;
-        zeros when no input reached it)."""
-        out = []
-        for scheme in self.schemes:
-            if H is None and diag is None:
-                out.append((0.0, 0.0))
-                continue
-            try:
-                Q = rounded(W, scheme, _importance(scheme, H, diag, W.shape[1]))
-            except (ValueError, RuntimeError):  # a width this candidate cannot hold: its bits are inf already
-                out.append((math.inf, 1.0))
-                continue
-            out.append(output_errors(W, Q, H, diag))
-        return out
-
     def measured(self, name: str, before: torch.Tensor, after: torch.Tensor, diag: torch.Tensor | None,
                  state: RunState) -> None:  # fmt: skip
         """Round to nearest: the module's relative output error as quantized, beside the predicted one."""
         if diag is not None:
-            error = _relative(*output_errors(before, after, None, diag))
+            error = relative(*output_errors(before, after, None, diag))
             state.results.module_errors.setdefault(name, {})["rel_error"] = error
 
     def finish(self, solver: str, arguments: dict[str, Any], modules: dict[str, QuantizationScheme],
@@ -322,38 +296,6 @@ class MixedPrecision:
             "DEFAULT_stage": {"DEFAULT_modifiers": {modifier: {**arguments, "config_groups": config_groups}}}
         }
         return f"# {head}\n" + yaml.safe_dump(body, sort_keys=False, default_flow_style=None)
-
-
-def output_errors(
-    W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor | None, diag: torch.Tensor | None
-) -> tuple[float, float]:
-    """``(||(Q - W) X^T||^2, ||W X^T||^2)`` per calibration token, from the inputs' Hessian ``H``
-    (``OutputError``: ``H`` is ``2/n X^T X``) or, without it, their ``E[x^2]`` ``diag`` (its diagonal, halved)."""
-    if H is not None:
-        error = OutputError(H)
-        for r in range(0, W.shape[0], 256):
-            error.add(W[r : r + 256], Q[r : r + 256])
-        return error.num.item() / 2, error.den.item() / 2
-    d = diag.to(device=W.device, dtype=torch.float32)  # type: ignore[union-attr]
-    return ((Q.float() - W.float()).pow(2) * d).sum().item(), (W.float().pow(2) * d).sum().item()
-
-
-def _importance(
-    scheme: QuantizationScheme, H: torch.Tensor | None, diag: torch.Tensor | None, in_features: int
-) -> torch.Tensor | None:
-    """The inputs' E[x^2] for a candidate whose observer weighs the range search by it (imatrix_mse); None where
-    the solve would search uniformly (``usable_importance``: the tensor strategy, or statistics it cannot use), so
-    the curve predicts the search the solve makes. The solve logs that fallback (or refuses it, when strict)."""
-    if not uses_importance(scheme):
-        return None
-    importance = diag if diag is not None else importance_from_hessian(H)  # type: ignore[arg-type]
-    if strategy_of(scheme.weights) == "tensor" or check_importance(importance, in_features) is not None:
-        return None
-    return importance
-
-
-def _relative(num: float, den: float) -> float:
-    return math.sqrt(max(num, 0.0) / den) if den > 0 else 0.0
 
 
 def _size(value: int | str, where: str) -> int:
