@@ -11,7 +11,11 @@ Rows (each made once; its file kept under ``benchmarks/.work/gguf/<row>/``, resu
     llama-Q4_K_M, llama-Q4_0            ``llama-quantize`` of the f32 file, no importance matrix
     llama-Q4_K_M-imatrix, llama-Q4_0-imatrix    ``llama-imatrix`` on the calibration text, then
                                         ``llama-quantize --imatrix`` (its wall time includes llama-imatrix's)
-    autoround-q4_k_m        auto-round 0.16.1 ``format="gguf:q4_k_m"`` (``gguf_autoround.py`` in its own venv)
+    autoround-q4_k_m        auto-round 0.16.1 ``format="gguf:q4_k_m"`` (``gguf_autoround.py`` in its own venv), its
+                            default steps; ``autoround-q4_k_m-rtn``: 0 steps, its optimized round to nearest (what
+                            it recommends for GGUF at 4 bits)
+    <row>-vocab             ``<row>``'s tensors under the f32 file's metadata (``gguf_revocab.py``): auto-round names
+                            SmolLM2's pre-tokenizer otherwise, and llama.cpp would score other test tokens
 
 Calibration: every tool sees the same windows, the first ``--samples`` consecutive ``--seq``-token windows of
 WikiText-2 valid (the raw file as it is): seqcal and auto-round get them as token ids; llama-imatrix gets the file
@@ -50,7 +54,7 @@ BIN = Path(os.environ.get("LLAMA_CPP_BIN", "/work/peers/llamacpp-build/bin"))
 CALIB_TEXT = WIKI / "wiki.valid.raw"
 TEST_TEXT = WIKI / "wiki.test.raw"
 RUNS = ["f32", "seqcal-gptq-Q4_K_M", "seqcal-gptq-Q4_0", "llama-Q4_K_M", "llama-Q4_K_M-imatrix", "llama-Q4_0",
-        "llama-Q4_0-imatrix", "autoround-q4_k_m", "seqcal-autoround-Q4_K_M", "seqcal-autoround-Q4_0", "seqcal-rtn-Q4_K_M",
+        "llama-Q4_0-imatrix", "autoround-q4_k_m-vocab", "seqcal-autoround-Q4_K_M", "seqcal-autoround-Q4_0", "seqcal-rtn-Q4_K_M",
         "seqcal-rtn-Q4_0"]  # fmt: skip
 RECIPE = """quant_stage:
   quant_modifiers:
@@ -141,14 +145,15 @@ def llama_row(name: str, f32: Path, args: argparse.Namespace) -> dict:
     return row
 
 
-def autoround_row(calib: Path, args: argparse.Namespace) -> dict:
+def autoround_row(name: str, calib: Path, args: argparse.Namespace) -> dict:
     """auto-round 0.16.1's ``gguf:q4_k_m`` export on the same windows, run in its own venv."""
     if not args.autoround_python:
-        raise SystemExit("the autoround-q4_k_m row needs --autoround-python (auto-round 0.16.1's venv)")
-    folder = OUT / "autoround-q4_k_m"
+        raise SystemExit(f"the {name} row needs --autoround-python (auto-round 0.16.1's venv)")
+    folder = OUT / name
+    steps = 0 if name.endswith("-rtn") else args.autoround_iters
     cmd = [args.autoround_python, "benchmarks/formats/gguf_autoround.py", "--model", str(model_dir()),
            "--tokens", str(calib), "--out", str(folder), "--threads", str(args.threads),
-           *(["--iters", str(args.autoround_iters)] if args.autoround_iters is not None else []),
+           *(["--iters", str(steps)] if steps is not None else []),
            *(["--no-amp"] if args.autoround_amp == "off" else [])]  # fmt: skip
     folder.mkdir(parents=True, exist_ok=True)
     row = _timed(cmd, folder / "quantize.log")
@@ -173,7 +178,7 @@ def _timed(cmd: list[str], log: Path, max_host_memory: str | None = None) -> dic
 def perplexity(gguf: Path, args: argparse.Namespace) -> float:
     """llama-perplexity's final estimate on the first ``chunks`` 2048-token windows of WikiText-2 test."""
     cmd = [str(BIN / "llama-perplexity"), "-m", str(gguf), "-f", str(TEST_TEXT), "-c", "2048", "-b", "2048",
-           "--chunks", str(args.chunks), "-t", str(args.threads)]  # fmt: skip
+           "--chunks", str(args.chunks), "-t", str(args.threads), *([] if args.repack else ["--no-repack"])]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     (gguf.parent / f"perplexity_{args.chunks}.log").write_text(
         " ".join(cmd) + "\n" + proc.stdout + proc.stderr
@@ -205,8 +210,14 @@ def make(name: str, f32: Path, calib: Path, args: argparse.Namespace) -> dict:
         return {"wall_s": round(time.perf_counter() - start, 1), "command": "seqcal.gguf.stream.export_gguf"}
     if name.startswith("seqcal-"):
         return seqcal_row(name, calib, args)
-    if name == "autoround-q4_k_m":
-        return autoround_row(calib, args)
+    if name.endswith("-vocab"):
+        base = OUT / name.removesuffix("-vocab") / "model.gguf"
+        cmd = [sys.executable, str(Path(__file__).with_name("gguf_revocab.py")), "--metadata", str(f32),
+               "--tensors", str(base), "--out", str(OUT / name / "model.gguf")]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        return {"wall_s": 0.0, "command": " ".join(cmd), "tensors_of": name.removesuffix("-vocab")}
+    if name.startswith("autoround-"):
+        return autoround_row(name, calib, args)
     return llama_row(name, f32, args)
 
 
@@ -229,6 +240,10 @@ def main() -> None:
     )
     parser.add_argument("--autoround-amp", choices=["on", "off"], default="on",
                         help="both AutoRounds search under bfloat16 autocast (on, their default) or in float32")
+    # llama.cpp repacks Q4_0 / Q4_K weights into interleaved layouts for its CPU kernels where the CPU has them; in
+    # the llama.cpp of llama-cpp-python 0.3.36 that path crashed (SIGSEGV) on an AVX-512 Xeon, so the plain kernels
+    # (every CPU has them) are the default here; each row records which ran
+    parser.add_argument("--repack", action="store_true", help="let llama-perplexity repack the weights")
     parser.add_argument("--remake", action="store_true", help="quantize again even where the file exists")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -245,7 +260,7 @@ def main() -> None:
         row = results[name]
         ppl, err = perplexity(target, args)
         row.update(size_mib=round(target.stat().st_size / 2**20, 2), ppl=ppl, ppl_err=err, chunks=args.chunks,
-                   samples=args.samples, seq=args.seq, threads=args.threads, types=tensor_types(target),
+                   samples=args.samples, seq=args.seq, threads=args.threads, repack=args.repack, types=tensor_types(target),
                    same_test_tokens=name == "f32" or llama_tokens(target, TEST_TEXT) == llama_tokens(f32, TEST_TEXT))  # fmt: skip
         results = _merge(results_path, name, row)
         print(_line(name, row), flush=True)
