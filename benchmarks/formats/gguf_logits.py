@@ -46,7 +46,7 @@ def dump(name: str, args: argparse.Namespace) -> Path:
     if not path.exists():
         cmd = [str(BIN / "llama-perplexity"), "-m", str(OUT / name / "model.gguf"), "-f", str(TEST_TEXT), "-c",
                str(args.ctx), "-b", str(args.ctx), "--chunks", str(args.windows), "-t", str(args.threads),
-               "--kl-divergence-base", str(path)]  # fmt: skip
+               "--kl-divergence-base", str(path), *([] if args.repack else ["--no-repack"])]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         (path.parent / f"logits_{args.windows}x{args.ctx}.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode:
@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repack", action="store_true", help="let llama.cpp repack (gguf_llamacpp.py's --repack)")
     parser.add_argument(
         "--bytes", default=None, metavar="A,B", help="only compare two rows' tensors byte for byte"
     )
