@@ -84,11 +84,35 @@ def test_gptq_codes_on_the_types_grid(name: str) -> None:
     fmt = gguf_format(name)
     result = gptq_quantize(W, H.clone(), fmt=fmt, num_bits=fmt.num_bits, actorder="weight")
     scale, zero = result.scale, None if fmt.symmetric else result.zero_point
-    assert torch.equal(result.scale, qparams(W, fmt, H.diagonal())[0])  # Q4_0 / Q5_0: weighted by E[x^2]
+    fixed = qparams(W, fmt, H.diagonal())[0]  # Q4_0 / Q5_0: weighted by E[x^2]
+    if name in ("Q4_0", "Q5_0", "Q8_0"):  # refitted to the codes (test_block_scales_refitted_to_gptqs_codes)
+        assert not torch.equal(result.scale, fixed) and torch.equal(result.scale, result.scale.half().float())
+    else:
+        assert torch.equal(result.scale, fixed)
     assert torch.equal(_read(pack(result.q, scale, zero, fmt), name), result.Q)
     rtn = dequantize(quantize(W, scale, zero, fmt), scale, zero, fmt)
     err = lambda Q: (((Q - W) @ X.T) ** 2).mean()  # noqa: E731
     assert err(result.Q) < err(rtn)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0"])
+def test_block_scales_refitted_to_gptqs_codes(name: str) -> None:
+    """Once GPTQ chose the codes, each row's block scales are the fp16 least-squares fit to them: no row's output
+    error rises against the scales it was solved with, the sum falls, and overwriting W gives the same bytes."""
+    torch.manual_seed(1)
+    X = torch.randn(2048, 256) * torch.linspace(0.1, 3, 256) + torch.randn(2048, 1)  # correlated columns
+    H, _ = accumulate_hessian(None, X, 0)
+    W = torch.randn(48, 256) * 0.05
+    fmt = gguf_format(name)
+    result = gptq_quantize(W, H.clone(), fmt=fmt, num_bits=fmt.num_bits, actorder="weight")
+    before = dequantize(result.q, qparams(W, fmt, H.diagonal())[0], None, fmt)
+    row_error = lambda Q: torch.einsum("ri,ij,rj->r", Q - W, H, Q - W)  # noqa: E731
+    assert bool((row_error(result.Q) <= row_error(before) * (1 + 1e-6)).all())
+    assert row_error(result.Q).sum() < 0.99 * row_error(before).sum()
+    copy = W.clone()
+    again = gptq_quantize(copy, H.clone(), fmt=fmt, num_bits=fmt.num_bits, actorder="weight", overwrite=True)
+    assert again.Q is copy and torch.equal(copy, result.Q) and torch.equal(again.scale, result.scale)
+    assert again.rel_error == pytest.approx(float((row_error(result.Q).sum() / torch.einsum("ri,ij,rj->", W, H, W)).sqrt()), rel=1e-4)
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])

@@ -33,6 +33,7 @@ from seqcal.algorithms.gptq_rows import (
     _float_rows,
     _original_order,
     _overwrite_in_order,
+    _overwrite_rows,
     _processing_rows,
     _stored_qparams,
     _strips,
@@ -266,18 +267,27 @@ def gptq_quantize(
         del Hinv
     inv = None if perm is None else torch.argsort(perm)  # processing -> original order
     rel_error = None
-    if QT is None:  # H holds its values again here (processing_factor restored them)
-        rel_error, Q = overwrite_from_codes(W, codes, scale32, zero32, col_group, inv, H), W
-    elif overwrite:
-        rel_error, Q = _overwrite_in_order(W, QT, inv, H), W
-    else:
-        Q = _original_order(QT, inv, W.dtype)
-    codes = _codes_in_order(codes, inv)
-    del QT
     if fmt is not None and fmt.scale == "gguf":
-        # the loop's (c - z) * s is within a rounding of s * c + b, the weight llama.cpp computes
+        # the loop's (c - z) * s is within a rounding of s * c + b, the weight llama.cpp computes: the weight is
+        # taken from the codes, with the block scales refitted to them where the type allows (seqcal.gguf.refit;
+        # W and H hold their values here)
+        del QT
+        codes = _codes_in_order(codes, inv)
+        scale, zero_point = fmt.grid_refit(W, codes, scale, zero_point, H)  # type: ignore[attr-defined]
         exact = formats.dequantize(codes, scale, zero_point, fmt, dtype=W.dtype)
-        Q = Q.copy_(exact) if Q is W else exact
+        if overwrite:
+            rel_error, Q = _overwrite_rows(W, H, lambda rows: exact[rows]), W
+        else:
+            Q = exact
+    else:
+        if QT is None:  # H holds its values again here (processing_factor restored them)
+            rel_error, Q = overwrite_from_codes(W, codes, scale32, zero32, col_group, inv, H), W
+        elif overwrite:
+            rel_error, Q = _overwrite_in_order(W, QT, inv, H), W
+        else:
+            Q = _original_order(QT, inv, W.dtype)
+        codes = _codes_in_order(codes, inv)
+        del QT
     if fmt is not None and zero_point is None:
         zero_point = torch.zeros_like(scale, dtype=fmt.code_dtype)
     return GPTQResult(

@@ -28,6 +28,7 @@ from torch import Tensor
 from seqcal.algorithms.columns import one_intra_op_thread
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.gguf import search
+from seqcal.gguf.refit import refit_scales
 from seqcal.gguf.types import GGUFType, gguf_type
 
 
@@ -56,6 +57,16 @@ class GGUFFormat(WeightFormat):
         self, q: Tensor, scale: Tensor, zero: Tensor | None, dtype: torch.dtype | None
     ) -> Tensor:
         return dequantize(q, scale, zero, self, dtype)
+
+    def grid_refit(
+        self, W: Tensor, q: Tensor, scale: Tensor, zero: Tensor | None, H: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """GPTQ's scales once its codes are chosen: refitted to them for Q4_0, Q5_0 and Q8_0 (one fp16 scale per
+        block; ``seqcal.gguf.refit``), as they are for the types with minimums or sub-block scales."""
+        t = self.gtype
+        if t.sub_bits or t.has_min:
+            return scale, zero
+        return refit_scales(W, q, scale, H, t.block), zero
 
 
 def gguf_format(name: str) -> GGUFFormat:
