@@ -210,12 +210,14 @@ def make(name: str, f32: Path, calib: Path, args: argparse.Namespace) -> dict:
         return {"wall_s": round(time.perf_counter() - start, 1), "command": "seqcal.gguf.stream.export_gguf"}
     if name.startswith("seqcal-"):
         return seqcal_row(name, calib, args)
-    if name.endswith("-vocab"):
-        base = OUT / name.removesuffix("-vocab") / "model.gguf"
+    if name.endswith("-vocab"):  # the base row made first where it is not (not scored: its tokens differ)
+        base_name = name.removesuffix("-vocab")
+        base = OUT / base_name / "model.gguf"
+        made = make(base_name, f32, calib, args) if not base.exists() else {"wall_s": 0.0, "note": "made before"}
         cmd = [sys.executable, str(Path(__file__).with_name("gguf_revocab.py")), "--metadata", str(f32),
                "--tensors", str(base), "--out", str(OUT / name / "model.gguf")]  # fmt: skip
         subprocess.run(cmd, check=True)
-        return {"wall_s": 0.0, "command": " ".join(cmd), "tensors_of": name.removesuffix("-vocab")}
+        return {**made, "revocab": " ".join(cmd), "tensors_of": base_name}
     if name.startswith("autoround-"):
         return autoround_row(name, calib, args)
     return llama_row(name, f32, args)
