@@ -15,6 +15,7 @@ from seqcal.algorithms import accumulate_hessian, gptq_quantize
 from seqcal.gguf.grids import dequantize, gguf_format, qparams, quantize
 from seqcal.gguf.pack import pack
 from seqcal.gguf.scheme import GGUFScheme, gguf_preset, mix_type
+from seqcal.gguf.tensors import plan_types
 from seqcal.gguf.types import GGUF_TYPES
 from seqcal.modifiers import QuantizationModifier
 from seqcal.modifiers.round_to_nearest import rtn_quantize_module
@@ -150,6 +151,13 @@ def test_mix_types_follow_llama_cpp() -> None:
     assert modules["model.layers.0.self_attn.v_proj"].gguf_type == "Q6_K"
     assert modules["model.layers.2.self_attn.v_proj"].gguf_type == "Q4_K"
     assert modules["model.layers.3.self_attn.q_proj"].gguf_mix == "Q4_K_M"
+    # Q4_0 / Q5_0 as llama-quantize writes them with an importance matrix: the first eighth's down_proj in Q4_1 / Q5_1
+    assert [mix_type("Q4_0_MIX", "down_proj", i, 30, 3.0) for i in (0, 2, 3)] == ["Q4_1", "Q4_1", "Q4_0"]
+    assert mix_type("Q5_0_MIX", "down_proj", 0, 30, 3.0) == "Q5_1"
+    assert mix_type("Q4_0_MIX", "v_proj", 0, 30, 3.0) == "Q4_0"
+    legacy = resolve_modules(model, resolve_schemes("Q4_0_MIX", None, "Linear", "m"), ["lm_head"], "m")
+    assert {n for n, s in legacy.items() if s.gguf_type == "Q4_1"} == {"model.layers.0.mlp.down_proj"}
+    assert plan_types(list(legacy.values())) == ("Q4_0", int(gguf.LlamaFileType.MOSTLY_Q4_0))
 
 
 def test_k_quant_on_ragged_width_takes_llama_cpps_fallback(caplog: pytest.LogCaptureFixture) -> None:

@@ -3,7 +3,10 @@
 A plain type name (Q4_0, Q5_0, Q8_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) gives every targeted Linear that
 type. A mix name is one of llama.cpp's file types, whose types vary by tensor (``llama_tensor_get_type`` in
 llama-quant.cpp): Q4_K_M keeps Q4_K for most Linears and gives ``v_proj`` and ``down_proj`` Q6_K in the layers
-``use_more_bits`` picks. llama.cpp's Q2_K file type is ``Q2_K_MIX`` here, since Q2_K names the type. A module whose
+``use_more_bits`` picks. llama.cpp's Q2_K file type is ``Q2_K_MIX`` here, since Q2_K names the type; its Q4_0 and Q5_0 file types, as
+``llama-quantize`` writes them with an importance matrix (the calibrating algorithms always have one: the inputs'
+E[x^2]), are ``Q4_0_MIX`` and ``Q5_0_MIX``: ``down_proj`` in the first eighth of the layers gets Q4_1 / Q5_1,
+llama.cpp's guard against those layers' outliers. A module whose
 width the type's block does not divide gets llama.cpp's fallback type (Q4_K -> Q5_0, ...; said in the log);
 a width no 32-block type divides is refused (llama.cpp would keep it in F16), with the ``ignore`` fix.
 
@@ -31,7 +34,7 @@ logger = logging.getLogger("seqcal")
 # llama.cpp's mixes (file types) -> the type most tensors get
 MIXES: dict[str, str] = {
     "Q2_K_MIX": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K",
-    "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
+    "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "Q4_0_MIX": "Q4_0", "Q5_0_MIX": "Q5_0",
 }  # fmt: skip
 GGUF_SCHEMES: tuple[str, ...] = (*GGUF_TYPES, *MIXES)
 
@@ -96,7 +99,9 @@ def mix_type(mix: str, leaf: str, layer: int, layers: int, gqa: float) -> str:
         return "Q6_K" if more else rules.get(mix, base)
     if leaf in ("down_proj", "w2", "fc2"):
         rules = {"Q2_K_MIX": "Q3_K", "Q3_K_M": "Q5_K" if layer < layers // 16 else "Q4_K", "Q3_K_L": "Q5_K",
-                 "Q4_K_S": "Q5_K" if layer < layers // 8 else base}  # fmt: skip
+                 "Q4_K_S": "Q5_K" if layer < layers // 8 else base,
+                 "Q4_0_MIX": "Q4_1" if layer < layers // 8 else base,
+                 "Q5_0_MIX": "Q5_1" if layer < layers // 8 else base}  # fmt: skip
         more = _use_more_bits(layer, layers) and mix in ("Q4_K_M", "Q5_K_M")
         return "Q6_K" if more else rules.get(mix, base)
     if leaf in ("o_proj", "dense", "out_proj"):

@@ -77,7 +77,8 @@ def plan_types(schemes: list[GGUFScheme]) -> tuple[str | None, int]:
     base = (
         MIXES[mix] if mix else max((s.gguf_type for s in schemes), key=[s.gguf_type for s in schemes].count)
     )
-    names = {"Q2_K_MIX": "Q2_K", "Q2_K": "Q2_K", "Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S"}
+    names = {"Q2_K_MIX": "Q2_K", "Q2_K": "Q2_K", "Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S", "Q5_K": "Q5_K_S",
+             "Q4_0_MIX": "Q4_0", "Q5_0_MIX": "Q5_0"}  # fmt: skip
     return base, int(gguf.LlamaFileType[f"MOSTLY_{names.get(mix or base, mix or base)}"])
 
 
