@@ -290,6 +290,8 @@ def table(results: dict) -> str:
     lines = ["| row | MiB | ppl (llama-perplexity) | wall s | CPU s | peak RSS GB | load before/after | types |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, row in results.items():
+        if "ppl" not in row:  # made, not scored yet (another instance of this script is scoring it)
+            continue
         made = row["made"]
         types = ", ".join(f"{k} {v}" for k, v in sorted(row["types"].items()))
         lines.append(f"| {name} | {row['size_mib']:.2f} | {row['ppl']:.3f} ± {row['ppl_err']:.3f} | {made['wall_s']} | "
