@@ -3,11 +3,11 @@
 A plain type name (Q4_0, Q5_0, Q8_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) gives every targeted Linear that
 type. A mix name is one of llama.cpp's file types, whose types vary by tensor (``llama_tensor_get_type`` in
 llama-quant.cpp): Q4_K_M keeps Q4_K for most Linears and gives ``v_proj`` and ``down_proj`` Q6_K in the layers
-``use_more_bits`` picks. llama.cpp's Q2_K file type is ``Q2_K_MIX`` here, since Q2_K names the type; its Q4_0 and Q5_0 file types, as
-``llama-quantize`` writes them with an importance matrix (the calibrating algorithms always have one: the inputs'
-E[x^2]), are ``Q4_0_MIX`` and ``Q5_0_MIX``: ``down_proj`` in the first eighth of the layers gets Q4_1 / Q5_1,
-llama.cpp's guard against those layers' outliers. A module whose
-width the type's block does not divide gets llama.cpp's fallback type (Q4_K -> Q5_0, ...; said in the log);
+``use_more_bits`` picks. llama.cpp's Q2_K file type is ``Q2_K_MIX`` here, since Q2_K names the type; its Q4_0 and
+Q5_0 file types, as ``llama-quantize`` writes them with an importance matrix (the calibrating algorithms always
+have one: the inputs' E[x^2]), are ``Q4_0_MIX`` and ``Q5_0_MIX``: ``down_proj`` in the first eighth of the layers
+gets Q4_1 / Q5_1, llama.cpp's guard against those layers' outliers. A module whose width the type's block does not
+divide gets llama.cpp's fallback type (Q4_K -> Q5_0, ...; said in the log);
 a width no 32-block type divides is refused (llama.cpp would keep it in F16), with the ``ignore`` fix.
 
 The scheme is a compressed-tensors ``QuantizationScheme`` whose weights describe the grid (bits, sub-block as

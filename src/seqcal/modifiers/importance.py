@@ -51,16 +51,21 @@ def usable_importance(
     """
     if not uses_importance(scheme):
         return None
-    if strategy_of(scheme.weights) == "tensor":
-        reason: str | None = "the tensor strategy has no per-column search"
-    else:
-        reason = check_importance(importance, in_features)
+    reason = unusable(scheme, importance, in_features)
     if reason is None:
         return importance
     if (scheme.weights.observer_kwargs or {}).get("strict", False):
         raise ValueError(f"{name}: imatrix_mse cannot weight the search ({reason}) and strict is set")
     state.results.log.append(f"{name}: imatrix_mse without importance ({reason}); uniform search")
     return None
+
+
+def unusable(scheme: QuantizationScheme, importance: Tensor | None, in_features: int) -> str | None:
+    """Why the imatrix_mse search of ``scheme`` cannot weigh by ``importance`` (it then searches uniformly), or
+    None when it can."""
+    if strategy_of(scheme.weights) == "tensor":
+        return "the tensor strategy has no per-column search"
+    return check_importance(importance, in_features)
 
 
 # imatrix_mse's statistics of a module's inputs, gathered by the framework (``Modifier.gathers``): the sum of

@@ -4,8 +4,8 @@
 ``MixedPrecisionModifier``'s own arguments): it checks the arguments when the recipe is read, checks the
 model before any weight is calibrated (``validate``: pins that match nothing, units no candidate holds, a
 budget below the cheapest allocation), during the pass sets each module's scheme from its error curve
-(``assign``, from the curves ``mixed_curves`` measures), and takes the choices another process or an interrupted run made from the curves they recorded
-(``catch_up``). How and what it guarantees: ``seqcal.modifiers.mixed_precision``.
+(``assign``, from the curves ``mixed_curves`` measures), and takes the choices another process or an interrupted
+run made from the curves they recorded (``catch_up``). How and what it guarantees: ``seqcal.modifiers.mixed_precision``.
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ class MixedPrecision:
                 continue
             present = [m for m in members if m in names]
             curves = {
-                m: error_curve(model.get_submodule(m).weight.data, self.schemes, *inputs_of(m), rounded) for m in present
+                m: error_curve(model.get_submodule(m).weight.data, self.schemes, *inputs_of(m), rounded)
+                for m in present
             }
             unit = self.allocation.units[key]
             share = unit.params / sum(model.get_submodule(m).weight.numel() for m in present)

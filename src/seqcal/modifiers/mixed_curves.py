@@ -17,10 +17,9 @@ from collections.abc import Callable
 import torch
 from compressed_tensors.quantization import QuantizationScheme
 
-from seqcal.algorithms.observe import check_importance, importance_from_hessian
+from seqcal.algorithms.observe import importance_from_hessian
 from seqcal.algorithms.output_error import OutputError
-from seqcal.modifiers.importance import uses_importance
-from seqcal.modifiers.schemes import strategy_of
+from seqcal.modifiers.importance import unusable, uses_importance
 
 # module name -> (its inputs' Hessian [in, in], or None; their E[x^2] [in], or None)
 InputsOf = Callable[[str], tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -70,9 +69,7 @@ def curve_importance(
     if not uses_importance(scheme):
         return None
     importance = diag if diag is not None else importance_from_hessian(H)  # type: ignore[arg-type]
-    if strategy_of(scheme.weights) == "tensor" or check_importance(importance, in_features) is not None:
-        return None
-    return importance
+    return None if unusable(scheme, importance, in_features) else importance
 
 
 def relative(num: float, den: float) -> float:
