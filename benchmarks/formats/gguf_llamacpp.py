@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -189,6 +190,21 @@ def perplexity(gguf: Path, args: argparse.Namespace) -> float:
     return float(found.group(1)), float(found.group(2))
 
 
+def window_nlls(name: str, chunks: int) -> list[float]:
+    """Each window's mean NLL, from llama-perplexity's running estimates ``[k]ppl_k`` in the row's log."""
+    log = (OUT / name / f"perplexity_{chunks}.log").read_text()
+    running = [math.log(float(v)) for v in re.findall(r"\[\d+\]([0-9.]+),", log)]
+    return [(k + 1) * running[k] - k * running[k - 1] if k else running[0] for k in range(len(running))]
+
+
+def paired(a: str, b: str, chunks: int) -> dict:
+    """Row ``b`` against row ``a`` window by window (``paired_ppl.compare``: mean difference, its standard error)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
+    from paired_ppl import compare
+
+    return {"a": a, "b": b, **compare(window_nlls(a, chunks), window_nlls(b, chunks))}
+
+
 def tensor_types(gguf: Path) -> dict[str, int]:
     """How many tensors of each GGML type the file holds (the mix it really is)."""
     import gguf as gg
@@ -247,7 +263,11 @@ def main() -> None:
     # (every CPU has them) are the default here; each row records which ran
     parser.add_argument("--repack", action="store_true", help="let llama-perplexity repack the weights")
     parser.add_argument("--remake", action="store_true", help="quantize again even where the file exists")
+    parser.add_argument("--paired", metavar="A,B", help="only compare two scored rows window by window")
     args = parser.parse_args()
+    if args.paired:
+        print(json.dumps(paired(*args.paired.split(","), args.chunks)))
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     results_path = OUT / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
