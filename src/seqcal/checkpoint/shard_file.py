@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +55,28 @@ class _ShardFile:
             )
         data = t.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
         self._file.write(memoryview(data))
-        entry = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                 "data_offsets": [self.size, self.size + data.nbytes]}  # fmt: skip
+        return self._entry(name, _SAFETENSORS_DTYPES[t.dtype], list(t.shape), data.nbytes)
+
+    def add_pieces(self, name: str, dtype: str, shape: list[int], pieces: Iterable[memoryview]) -> int:
+        """Write a tensor given as its bytes in pieces (``seqcal.execution.store.stored_pieces``: a tensor copied
+        from another safetensors file without holding it), ``dtype`` its safetensors name; returns how many."""
+        if dtype not in _SAFETENSORS_DTYPES.values():
+            raise ValueError(
+                f"CheckpointWriter: {name!r} has dtype {dtype}, which this writer does not store"
+            )
+        nbytes = 0
+        for piece in pieces:
+            self._file.write(piece)
+            nbytes += len(piece)
+        return self._entry(name, dtype, list(shape), nbytes)
+
+    def _entry(self, name: str, dtype: str, shape: list[int], nbytes: int) -> int:
+        """The header entry of the tensor whose ``nbytes`` were just written."""
+        entry = {"dtype": dtype, "shape": shape, "data_offsets": [self.size, self.size + nbytes]}
         self.entries[name] = entry
         self._header_bytes += len(json.dumps({name: entry}, separators=(",", ":")))
-        self.size += data.nbytes
-        return data.nbytes
+        self.size += nbytes
+        return nbytes
 
     def finish(self, metadata: dict[str, str]) -> None:
         """Write the header into its reserved room and close the file."""

@@ -18,7 +18,7 @@ import mmap
 import os
 import struct
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,37 @@ def read_tensor(path: str, key: str) -> torch.Tensor:
                 raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
             done += count
     return out.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def stored_pieces(path: str, key: str, buffer: int) -> tuple[str, list[int], Iterator[memoryview]] | None:
+    """Tensor ``key`` of the safetensors file ``path`` as it is stored: its dtype's safetensors name, its shape, and
+    its bytes in pieces of at most ``buffer`` read into one reused buffer (a piece is valid until the next is
+    asked for). For copying a tensor to another file without holding it (``_ShardFile.add_pieces``); None where
+    ``read_tensor`` would go through safetensors (a dtype it does not list, a big-endian host).
+    """
+    stat = os.stat(path)
+    start, header = _header(path, stat.st_mtime_ns, stat.st_size)
+    info = header.get(key)
+    if info is None or info["dtype"] not in _DTYPES or sys.byteorder != "little":
+        return None
+    begin, end = info["data_offsets"]
+
+    def pieces() -> Iterator[memoryview]:
+        scratch = memoryview(bytearray(min(buffer, end - begin)))
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start + begin)
+            left = end - begin
+            while left:
+                view, done = scratch[: min(left, len(scratch))], 0
+                while done < len(view):
+                    count = f.readinto(view[done:])
+                    if not count:
+                        raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
+                    done += count
+                left -= done
+                yield view
+
+    return info["dtype"], list(info["shape"]), pieces()
 
 
 # Reads of this many bytes or more get a mapping of their own (``_own_memory``)

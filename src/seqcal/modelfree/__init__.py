@@ -33,6 +33,7 @@ from seqcal.modelfree.finish import checkpoint_json, finish
 from seqcal.modelfree.memory import job_peak, workers_for, working_factor
 from seqcal.modelfree.plan import Plan, plan_jobs
 from seqcal.modelfree.progress import prepare_output, run_identity
+from seqcal.modelfree.rows import rows_per_chunk
 from seqcal.modelfree.run import run_jobs
 from seqcal.modelfree.skeleton import build_skeleton
 from seqcal.modelfree.source import SourceCheckpoint
@@ -137,6 +138,8 @@ def _peaks(plan: Plan, source: SourceCheckpoint) -> list[int]:
             if unit.quantize is not None:
                 info = source.info[unit.quantize.key]
                 numel = info.shape[0] * info.shape[1]
-                weights.append((info.nbytes, numel, working_factor(unit.quantize.scheme)))
+                scheme = unit.quantize.scheme
+                chunk = rows_per_chunk(info.shape, scheme) * info.shape[1]
+                weights.append((info.nbytes, numel, working_factor(scheme), chunk))
         peaks.append(job_peak(weights))
     return peaks

@@ -1,13 +1,17 @@
 """How many worker processes fit ``max_host_memory``: each holds the interpreter and torch, and, while it
 quantizes a weight, the weight and the quantizer's temporaries; the main process waits meanwhile.
 
-The temporaries grow with the weight's element count by a factor per format, measured on an 8192 x 8192
-bfloat16 weight (peak resident memory above the weight, per float32 byte of it; the factors keep a margin):
-int codes 0.56 (W4A16, W8A16), fp8 2.0 (FP8_DYNAMIC), fp8 blocks 3.0, MX 3.6, NVFP4 5.1.
+The temporaries grow with the element count of what is rounded at once by a factor per format, measured on an
+8192 x 8192 bfloat16 weight (peak resident memory above the weight, per float32 byte of it; the factors keep a
+margin): int codes 0.56 (W4A16, W8A16), fp8 2.0 (FP8_DYNAMIC), fp8 blocks 3.0, MX 3.6, NVFP4 5.1. A weight whose
+scales are per row is rounded a chunk of rows at a time (``seqcal.modelfree.rows``): its temporaries are a
+chunk's, beside its codes (a byte per element, twice while the chunks' are stacked). Tensors copied as they are
+stream from file to file through a buffer (``COPY_BUFFER``) and add nothing.
 
 Example:
-    >>> workers_for(budget=16 << 30, wanted=8, peaks=[job_peak([(128 << 20, 64 << 20, 5.5)])], main=600 << 20)
-    7
+    >>> workers_for(budget=16 << 30, wanted=16, peaks=[job_peak([(128 << 20, 64 << 20, 5.5, 16 << 20)])],
+    ...             main=600 << 20)
+    12
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from seqcal.modifiers.formats import weight_format
 WORKER_BASE = 400 << 20
 # Peak temporaries of quantizing a weight, per float32 byte of it (module docstring), by format
 FACTORS = {"int": 0.75, "fp8": 2.5, "block": 3.5, "mx": 4.0, "nvfp4": 5.5}
+# Bytes of a tensor copied at once from the source file to the output (``_ShardFile.add_copy``)
+COPY_BUFFER = 64 << 20
 
 
 class HostMemoryError(ValueError):
@@ -44,15 +50,25 @@ def working_factor(scheme: QuantizationScheme) -> float:
     return FACTORS["mx"]
 
 
-def job_peak(weights: Sequence[tuple[int, int, float]]) -> int:
-    """Bytes a worker holds at its peak for one job: its base, plus the largest of (the weight read, its fused
-    partners read for a shared scale, and the temporaries) over the job's weights.
+def job_peak(weights: Sequence[tuple[int, int, float, int]]) -> int:
+    """Bytes a worker holds at its peak for one job: its base and a copy buffer, plus the largest of (the weight
+    read, its fused partners read for a shared scale, its codes and the temporaries of a chunk) over the job's
+    weights.
 
     Args:
-        weights: per quantized weight (its stored bytes, its element count, its format's factor).
+        weights: per quantized weight (its stored bytes, its element count, its format's factor, the elements
+            rounded at once: ``rows.rows_per_chunk`` times its columns).
     """
-    return WORKER_BASE + max(
-        (int(2 * nbytes + 4 * numel * factor) for nbytes, numel, factor in weights), default=0
+    return (
+        WORKER_BASE
+        + COPY_BUFFER
+        + max(
+            (
+                int(2 * nbytes + 2 * numel + 4 * min(numel, chunk) * factor)
+                for nbytes, numel, factor, chunk in weights
+            ),
+            default=0,
+        )
     )
 
 

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqcal.execution.store import read_tensor
+from seqcal.checkpoint.shard_file import _ShardFile
+from seqcal.execution.store import read_tensor, stored_pieces
+from seqcal.modelfree.memory import COPY_BUFFER
 
 # torch dtype names -> safetensors', for the dequantized weights' headers
 SAFETENSORS_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -51,6 +53,15 @@ class Stored:
 
         tensors = {k: read_tensor(str(source_dir / f), k) for k, f in part}
         return family_for(self.source_format).dequantize(key, tensors, getattr(torch, self.dtype))
+
+    def copy(self, source_dir: Path, key: str, file: str, shard: _ShardFile) -> None:
+        """Write tensor ``key`` of ``file`` to ``shard`` as stored, through a buffer of ``COPY_BUFFER`` bytes
+        (an embedding of a giant is gigabytes), or, a quantized weight, dequantized."""
+        pieces = None if key in self.parts else stored_pieces(str(source_dir / file), key, COPY_BUFFER)
+        if pieces is None:
+            shard.add(key, self.read(source_dir, key, file))
+        else:
+            shard.add_pieces(key, *pieces)
 
     def subset(self, keys: set[str]) -> Stored:
         """The same reader knowing only ``keys``' parts (what one job sends to its worker)."""

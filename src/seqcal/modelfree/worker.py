@@ -2,7 +2,7 @@
 nearest, everything written to the output file of the same name.
 
 The quantization is ``QuantizationModifier``'s (``rtn_quantize_weight``, its codes without the fake-quantized
-weight), the NVFP4 global scale of a fused group
+weight, taken a chunk of rows at a time: ``seqcal.modelfree.rows``), the NVFP4 global scale of a fused group
 ``QuantizationModifier``'s (``shared_global_scales``), the stored tensors the checkpoint writer's (``_compressed``
 and ``_ShardFile``): the same functions ``oneshot`` runs, so the bytes agree by construction. The file is written
 as ``<name>.partial`` and renamed when complete, so a killed run leaves no file that looks finished.
@@ -29,9 +29,9 @@ from torch import Tensor
 from seqcal.checkpoint.shard_file import HEADER_RESERVE, _ShardFile
 from seqcal.checkpoint.tensors import _compressed
 from seqcal.modelfree.plan import Job, Quantize
+from seqcal.modelfree.rows import rtn_by_rows
 from seqcal.modelfree.stored import Stored
 from seqcal.modifiers.formats import shared_global_scales
-from seqcal.modifiers.round_to_nearest import rtn_quantize_weight
 
 PARTIAL = ".partial"  # suffix of an output file being written
 # per header entry: the key, its JSON punctuation, dtype, shape and offsets (``_ShardFile.fits``' bound)
@@ -76,13 +76,19 @@ def run_job(job: Job, source_dir: str, output_dir: str, device: str = "cpu") -> 
     keys: list[str] = []
     try:
         for unit in job.units:
-            tensors = {key: job.stored.read(source, key, job.file) for key in unit.keys}
+            tensors: dict[str, Tensor | None] = dict.fromkeys(unit.keys)  # None: copied as stored
             if unit.quantize is not None:
                 q = unit.quantize
-                weight = tensors.pop(q.key)
+                del tensors[q.key]
+                weight = job.stored.read(source, q.key, job.file)
                 tensors.update(_quantized(q, weight, job.stored, source, scales, torch.device(device)))
+                del weight
             for key in sorted(tensors):
-                shard.add(key, tensors[key])
+                tensor = tensors[key]
+                if tensor is None:
+                    job.stored.copy(source, key, job.file, shard)
+                else:
+                    shard.add(key, tensor)
                 keys.append(key)
             del tensors
         shard.finish({"format": "pt"})
@@ -107,7 +113,7 @@ def _quantized(q: Quantize, weight: Tensor, stored: Stored, source: Path, scales
 
         shared_global_scales(_Members(read), [q.module], [tuple(files)], scales)
         global_scale = scales[q.module]
-    qw = rtn_quantize_weight(W, q.scheme, global_scale)
+    qw = rtn_by_rows(W, q.scheme, global_scale)  # a chunk of rows at a time: the same codes
     prefix = q.key.removesuffix("weight")
     return {prefix + k: v.to("cpu") for k, v in _compressed(q.module, qw, tuple(weight.shape)).items()}
 
