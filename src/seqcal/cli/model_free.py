@@ -42,6 +42,8 @@ def add_model_free(sub: Any) -> None:
     mf.add_argument("--overwrite", action="store_true", help="replace what --output-dir holds")
     mf.add_argument("--requantize", action="store_true",
                     help="quantize an FP8 source to 8 bits again (the roundings' errors compound)")  # fmt: skip
+    mf.add_argument("--keep-source-format", action="store_true",
+                    help="write an FP8 source's Linears the scheme leaves alone in their FP8 form, not dequantized")  # fmt: skip
     mf.add_argument("--trust-remote-code", action="store_true",
                     help="let transformers build the checkpoint's own class (only to read its modules)")  # fmt: skip
     mf.set_defaults(func=cmd_model_free)
@@ -59,6 +61,7 @@ def cmd_model_free(args: argparse.Namespace) -> int:
         max_workers=args.max_workers, device=args.device, targets=args.targets,
         max_host_memory=args.max_host_memory, resume=args.resume, overwrite=args.overwrite,
         trust_remote_code=args.trust_remote_code, requantize=args.requantize,
+        keep_source_format=args.keep_source_format,
     )  # fmt: skip
     print(f"model-free took {time.perf_counter() - start:.1f} s; checkpoint: {out}")
     return 0

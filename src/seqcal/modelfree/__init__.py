@@ -30,6 +30,7 @@ from typing import Any
 
 from seqcal.modelfree.args import ModelFreeArgs
 from seqcal.modelfree.finish import checkpoint_json, finish
+from seqcal.modelfree.keep import keep_source_form
 from seqcal.modelfree.memory import job_peak, workers_for, working_factor
 from seqcal.modelfree.plan import Plan, plan_jobs
 from seqcal.modelfree.progress import prepare_output, run_identity
@@ -62,6 +63,7 @@ def model_free_ptq(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     requantize: bool = False,
+    keep_source_format: bool = False,
 ) -> Path:
     """Quantize a safetensors checkpoint without loading the model (llm-compressor 0.14's keywords).
 
@@ -82,6 +84,9 @@ def model_free_ptq(
         trust_remote_code: let transformers build the checkpoint's own class (only to read its modules).
         requantize: quantize an FP8 source (DeepSeek's blocks) to 8 bits again; lower widths (NVFP4, W4A16)
             need no flag.
+        keep_source_format: an FP8 source's Linears the scheme leaves alone (ignored or not targeted) are written
+            in their stored FP8 form (float8 weight, float32 scales), as ``oneshot`` writes them with the same
+            flag, instead of dequantized.
 
     Returns:
         ``save_directory``.
@@ -96,7 +101,7 @@ def model_free_ptq(
         )
     args = ModelFreeArgs(
         model_stub, save_directory, scheme, config, targets, ignore, max_workers, max_host_memory, device,
-        resume, overwrite, trust_remote_code, requantize,
+        resume, overwrite, trust_remote_code, requantize, keep_source_format,
     )  # fmt: skip
     modifier = args.modifier()
     source = SourceCheckpoint.open(_local(args.model_stub))
@@ -104,6 +109,8 @@ def model_free_ptq(
     report = check_source(ModelArgs(str(source.path)), [modifier], args.requantize)
     skeleton = build_skeleton(source, args.trust_remote_code)
     plan = plan_jobs(source, skeleton, modifier)
+    if args.keep_source_format:
+        plan = keep_source_form(plan, source, skeleton)
     config_json = checkpoint_json(skeleton, source, plan.modules, report)
     workers = workers_for(args.host_budget, args.max_workers, _peaks(plan, source), peak_rss())
     done = prepare_output(args.save_directory, run_identity(source, config_json["quantization_config"]),
@@ -135,7 +142,10 @@ def _peaks(plan: Plan, source: SourceCheckpoint) -> list[int]:
     for job in plan.jobs:
         weights = []
         for unit in job.units:
-            if unit.quantize is not None:
+            if unit.quantize is not None and unit.quantize.keep:  # its fp8 bytes and scales, no rounding
+                info = source.info[unit.quantize.key]
+                weights.append((0, info.shape[0] * info.shape[1], 0.0, 0))
+            elif unit.quantize is not None:
                 info = source.info[unit.quantize.key]
                 numel = info.shape[0] * info.shape[1]
                 scheme = unit.quantize.scheme

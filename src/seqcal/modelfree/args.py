@@ -42,6 +42,8 @@ class ModelFreeArgs:
         overwrite: replace what ``save_directory`` holds.
         trust_remote_code: let transformers build a class the checkpoint's code defines (only to read its modules).
         requantize: quantize an FP8 source to 8 bits again (refused by default: the two roundings compound).
+        keep_source_format: write an FP8 source's Linears the scheme leaves alone in their stored FP8 form
+            (``seqcal.modelfree.keep``), not dequantized.
     """
 
     model_stub: str | os.PathLike
@@ -57,6 +59,7 @@ class ModelFreeArgs:
     overwrite: bool = False
     trust_remote_code: bool = False
     requantize: bool = False
+    keep_source_format: bool = False
 
     def __post_init__(self) -> None:
         if (self.scheme is None) == (self.config is None):

@@ -17,12 +17,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import torch
 from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.utils.match import match_name
 
 from seqcal.modelfree.skeleton import Skeleton, natural_key
 from seqcal.modelfree.source import SourceCheckpoint, SourceError
-from seqcal.modelfree.stored import Stored
+from seqcal.modelfree.stored import SAFETENSORS_NAMES, Stored
 from seqcal.modifiers.formats import fused_groups
 from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.schemes import strategy_of
@@ -38,12 +39,15 @@ class Quantize:
         scheme: its scheme.
         fused: NVFP4: (module name, checkpoint key, file) of every member of its fused group (itself included),
             whose weights give the one global scale vLLM's merged weight has; empty otherwise.
+        keep: the weight is written in the FP8 form the source stores it in, not rounded (``scheme`` describes
+            that form; ``seqcal.modelfree.keep``).
     """
 
     module: str
     key: str
     scheme: QuantizationScheme
     fused: tuple[tuple[str, str, str], ...] = ()
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,13 @@ class Unit:
     Attributes:
         keys: the source keys (the quantized weight's among them).
         quantize: the weight to quantize, or None (every tensor copied as it is).
+        casts: (key, torch dtype name) of the tensors written in another float dtype than the source stores them
+            in: the one transformers' model holds them in, as ``oneshot`` writes them (``Skeleton.dtypes``).
     """
 
     keys: tuple[str, ...]
     quantize: Quantize | None = None
+    casts: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,18 +112,39 @@ def plan_jobs(source: SourceCheckpoint, skeleton: Skeleton, modifier: Quantizati
     fused = _fused(modules, keys, source, skeleton)
     quantize = {keys[n]: Quantize(n, keys[n], s, fused.get(n, ())) for n, s in modules.items()}
     rank = _ranks(source, skeleton)
+    casts = _casts(source, skeleton, set(quantize))
     jobs = []
     for file in source.files:
         units: dict[tuple, list[str]] = {}
         for key in source.keys_of(file):
             units.setdefault(rank[key], []).append(key)
         ordered = [tuple(units[r]) for r in sorted(units)]
-        job_units = tuple(Unit(ks, next((quantize[k] for k in ks if k in quantize), None)) for ks in ordered)
+        job_units = tuple(
+            Unit(
+                ks,
+                next((quantize[k] for k in ks if k in quantize), None),
+                tuple((k, casts[k]) for k in ks if k in casts),
+            )
+            for ks in ordered
+        )
         read = {k for u in job_units for k in u.keys} | {
             m[1] for u in job_units if u.quantize for m in u.quantize.fused
         }
         jobs.append(Job(file, job_units, source.stored.subset(read)))
     return Plan(jobs, modules)
+
+
+def _casts(source: SourceCheckpoint, skeleton: Skeleton, quantized: set[str]) -> dict[str, str]:
+    """Key -> torch dtype name, for each tensor copied whose float dtype in the model differs from the stored one."""
+    names = {getattr(torch, n): code for n, code in SAFETENSORS_NAMES.items()}
+    out = {}
+    for key, dtype in skeleton.dtypes().items():
+        info = source.info.get(key)
+        if info is None or key in quantized or dtype not in names:
+            continue
+        if info.dtype in names.values() and info.dtype != names[dtype]:
+            out[key] = str(dtype).removeprefix("torch.")
+    return out
 
 
 def _refuse_stacked(source: SourceCheckpoint, modifier: QuantizationModifier) -> None:

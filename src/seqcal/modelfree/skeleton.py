@@ -78,6 +78,18 @@ class Skeleton:
             out.append((name, sorted(keys)))
         return out
 
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Checkpoint key -> the dtype transformers' model holds the tensor in, which ``oneshot`` writes (float32
+        for a router a model keeps in float32, the model's dtype for a norm stored in float32), for the keys
+        renamed one to one; empty for a tree built from names, whose tensors are written as stored."""
+        if not self.known:
+            return {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, module in self.model.named_modules():
+            tensors.update(_module_tensors(name, module, None))
+        renamed = self._renamed([k for k in tensors if k not in self.layout.skip])
+        return {renamed[k]: tensors[k].dtype for k in renamed}
+
     def weight_key(self, name: str) -> str:
         """The checkpoint key of module ``name``'s weight."""
         key = f"{name}.weight"

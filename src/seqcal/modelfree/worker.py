@@ -28,10 +28,14 @@ from torch import Tensor
 
 from seqcal.checkpoint.shard_file import HEADER_RESERVE, _ShardFile
 from seqcal.checkpoint.tensors import _compressed
+from seqcal.execution.store import read_tensor
 from seqcal.modelfree.plan import Job, Quantize
 from seqcal.modelfree.rows import rtn_by_rows
 from seqcal.modelfree.stored import Stored
 from seqcal.modifiers.formats import shared_global_scales
+from seqcal.modifiers.keep_source import compressed_scale
+from seqcal.records import QuantizedWeight
+from seqcal.sources.fp8 import scale_key
 
 PARTIAL = ".partial"  # suffix of an output file being written
 # per header entry: the key, its JSON punctuation, dtype, shape and offsets (``_ShardFile.fits``' bound)
@@ -77,15 +81,21 @@ def run_job(job: Job, source_dir: str, output_dir: str, device: str = "cpu") -> 
     try:
         for unit in job.units:
             tensors: dict[str, Tensor | None] = dict.fromkeys(unit.keys)  # None: copied as stored
-            if unit.quantize is not None:
+            if unit.quantize is not None and unit.quantize.keep:
+                del tensors[unit.quantize.key]
+                tensors.update(_kept(unit.quantize, job.stored, source))
+            elif unit.quantize is not None:
                 q = unit.quantize
                 del tensors[q.key]
                 weight = job.stored.read(source, q.key, job.file)
                 tensors.update(_quantized(q, weight, job.stored, source, scales, torch.device(device)))
                 del weight
+            casts = dict(unit.casts)
             for key in sorted(tensors):
                 tensor = tensors[key]
-                if tensor is None:
+                if tensor is None and key in casts:  # written in the dtype transformers' model holds it in
+                    shard.add(key, job.stored.read(source, key, job.file).to(getattr(torch, casts[key])))
+                elif tensor is None:
                     job.stored.copy(source, key, job.file, shard)
                 else:
                     shard.add(key, tensor)
@@ -116,6 +126,17 @@ def _quantized(q: Quantize, weight: Tensor, stored: Stored, source: Path, scales
     qw = rtn_by_rows(W, q.scheme, global_scale)  # a chunk of rows at a time: the same codes
     prefix = q.key.removesuffix("weight")
     return {prefix + k: v.to("cpu") for k, v in _compressed(q.module, qw, tuple(weight.shape)).items()}
+
+
+def _kept(q: Quantize, stored: Stored, source: Path) -> dict[str, Tensor]:
+    """The tensors compressed-tensors stores for a weight kept in its FP8 source form (``seqcal.modelfree.keep``):
+    the float8 weight and its scales as stored, as ``KeepSourceFormatModifier`` records them."""
+    parts = {key: read_tensor(str(source / file), key) for key, file in stored.parts[q.key]}
+    codes = parts[q.key]
+    qw = QuantizedWeight(q=codes, scale=compressed_scale(parts[scale_key(q.key)]), zero_point=None, g_idx=None,
+                         scheme=q.scheme)  # fmt: skip
+    prefix = q.key.removesuffix("weight")
+    return {prefix + k: v for k, v in _compressed(q.module, qw, tuple(codes.shape)).items()}
 
 
 class _Members:

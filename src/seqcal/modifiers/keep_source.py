@@ -96,6 +96,12 @@ class KeepSourceFormatModifier(Modifier):
             raise ValueError(f"{where}: no Linear of {type(model).__name__} is stored in FP8 in {path}; drop "
                              "keep_source_format")  # fmt: skip
 
+    @property
+    def stored(self) -> dict[str, str]:
+        """Module name -> the checkpoint key of its FP8 weight, for every Linear the source stores in FP8 (after
+        ``validate``)."""
+        return dict(self._stored)
+
     @staticmethod
     def check_last(modifiers: list[Modifier]) -> None:
         """It must compress after every other modifier of a subgraph, to see what they quantized or changed."""
@@ -128,7 +134,7 @@ class KeepSourceFormatModifier(Modifier):
         key = self._stored[name]
         q = self._checkpoint.read_stored(key)
         scale = self._checkpoint.read_stored(scale_key(key))
-        return QuantizedWeight(q=q, scale=_compressed_scale(scale), zero_point=None, g_idx=None,
+        return QuantizedWeight(q=q, scale=compressed_scale(scale), zero_point=None, g_idx=None,
                                scheme=self.scheme_of(tuple(q.shape), tuple(scale.shape)))  # fmt: skip
 
     def scheme_of(self, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> QuantizationScheme:
@@ -151,7 +157,7 @@ class KeepSourceFormatModifier(Modifier):
         return {}  # ``source`` is a path of this machine; a replay finds it as the model's own
 
 
-def _compressed_scale(scale: torch.Tensor) -> torch.Tensor:
+def compressed_scale(scale: torch.Tensor) -> torch.Tensor:
     """The stored scales as the float32 values they stand for (e8m0 exponent bytes and float8_e8m0fnu included);
     a single scale as compressed-tensors' per-tensor ``[1]``."""
     out = scale_float32(scale)
