@@ -277,3 +277,23 @@ def test_curves_weigh_the_search_exactly_where_the_solve_does(strategy: str, dia
     got = curve_importance(scheme, None, values, 64)
     assert (got is None) == (expected is None) and (got is None or torch.equal(got, expected))
     assert (got is not None) == (strategy == "group" and diag == "usable")
+
+
+@pytest.mark.parametrize(("bits", "two_bit"), [(3.3, False), (3.0, True)])
+def test_default_candidates_take_two_bits_only_where_the_budget_needs_them(bits: float, two_bit: bool) -> None:
+    """The default set: 3 and 4 bits in groups of 128 and 64, 8 bits; 2 bits when nothing else fits (W3A16:g128
+    stores 3.25 bits per fp32 weight, so 3.3 fits without them, 3.0 does not). Named by the user, 2 bits are
+    always among the choices."""
+    model = tiny_llama()
+    modifier = MixedPrecisionModifier(average_bits=bits, ignore=["lm_head"])
+    modifier.validate(model)
+    mixed = modifier.mixed
+    two = mixed.labels.index("W2A16:g64")
+    assert mixed.labels[:5] == ["W3A16:g128", "W3A16:g64", "W4A16:g128", "W4A16:g64", "W8A16"]
+    assert all(math.isfinite(u.bits[two]) == two_bit for u in mixed.allocation.units.values())
+    oneshot(model=model, dataset=data(), recipe=modifier, verify=False)
+    widths = {scheme.weights.num_bits for scheme in modifier.modules.values()}
+    assert (2 in widths) == two_bit  # 3.0 is below every unit at 3.25 bits: some must take 2
+    named = MixedPrecisionModifier(average_bits=3.3, candidates=CANDIDATES, ignore=["lm_head"])
+    named.validate(tiny_llama())
+    assert all(math.isfinite(u.bits[0]) for u in named.mixed.allocation.units.values())

@@ -13,7 +13,9 @@ Runs (``--runs``, in the order given; each tool in a process of its own under GN
 - ``gptq-on-autoscheme-<bits>``: GPTQ (the uniform runs' observer) with the widths the ``autoscheme-<bits>`` run
   chose, one config group per width: the solver of the seqcal rows on AutoScheme's allocation.
 - ``uniform-w3`` / ``uniform-w4``: GPTQ W3A16 / W4A16, groups of 64; ``mixed-as-w3`` / ``mixed-as-w4``: seqcal's
-  mixed precision at exactly the stored bits of that uniform run's checkpoint.
+  mixed precision at exactly the stored bits of that uniform run's checkpoint; ``mixed-abs-as-w3``: the same with
+  ``error: absolute``; ``mixed-fine-as-w3``: with the candidates ``FINE`` (no 2 bits, groups of 64 and 128);
+  ``mixed-default-as-w3``: with no candidates given (seqcal's default set).
 Every run gets the same calibration windows (the first ``--samples`` shuffled 512-token windows of WikiText-2 valid)
 and the same candidates (``--candidates``, symmetric int weight-only; ``lm_head`` is not quantized by either tool).
 Every checkpoint is evaluated by the same code (``harness.perplexity``: reloaded in fp32 by transformers, the first
@@ -39,8 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_lib"))  # the sha
 from harness import SEQCAL, WORK, calibration_tokens, measure, perplexity  # noqa: E402
 
 CANDIDATES = "W2A16:g64,W3A16:g64,W4A16:g64,W8A16:channel"
+# ``mixed-fine-as-w3``: no 2-bit candidate, the 3- and 4-bit ones at groups of 64 and 128 (3.25 to 4.5 bits)
+FINE = "W3A16:g128,W3A16:g64,W4A16:g128,W4A16:g64,W8A16:channel"
 UNIFORM = {"uniform-w3": 3, "uniform-w4": 4}  # GPTQ, symmetric int, groups of 64
-OBSERVER = "imatrix_mse"  # the uniform runs' weight observer: the one mixed precision gives its preset candidates
+OBSERVER = (
+    "imatrix_mse"  # the uniform runs' weight observer: the one mixed precision gives its preset candidates
+)
 RESULTS = WORK / "mixed_precision_results.json"
 
 
@@ -55,14 +61,23 @@ def recipe(name: str, candidates: list[str], results: dict) -> str:
         groups: dict[tuple[int, int], list[str]] = {}
         for layer, width in chosen.items():
             groups.setdefault(width, []).append(layer)
-        config = {f"w{b}g{g}": {"targets": names, "weights": _weights(b, g)} for (b, g), names in groups.items()}
+        config = {
+            f"w{b}g{g}": {"targets": names, "weights": _weights(b, g)} for (b, g), names in groups.items()
+        }
         return json.dumps({"GPTQModifier": {"config_groups": config, "ignore": ["lm_head"]}})
-    if name.startswith("mixed-as-"):
-        bits = results[name.replace("mixed-as", "uniform")]["bits_fp32"]
+    if name.startswith("mixed-"):  # mixed-as-w3, mixed-abs-as-w3, ...: the uniform run's stored bits
+        bits = results["uniform-" + name.rsplit("-as-", 1)[1]]["bits_fp32"]
     else:
         bits = float(name.rsplit("-", 1)[1])
-    error = {"error": "absolute"} if name.startswith("seqcal-abs-") else {}
-    mixed = {"average_bits": bits, "candidates": candidates, **error}
+    error = {"error": "absolute"} if name.startswith(("seqcal-abs-", "mixed-abs-")) else {}
+    if name.startswith("mixed-fine-"):
+        candidates = FINE.split(",")
+    # mixed-default-as-*: no candidates given, seqcal's default set
+    mixed = {
+        "average_bits": bits,
+        **({} if name.startswith("mixed-default-") else {"candidates": candidates}),
+        **error,
+    }
     if name.startswith("seqcal-rtn-"):
         return json.dumps({"QuantizationModifier": {"mixed_precision": mixed, "ignore": ["lm_head"]}})
     return json.dumps({"MixedPrecisionModifier": {**mixed, "ignore": ["lm_head"]}})

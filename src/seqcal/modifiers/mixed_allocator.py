@@ -41,7 +41,8 @@ class MixedPrecision:
 
     Attributes:
         average_bits: stored bits per weight over the quantized modules; or max_size: checkpoint bytes.
-        candidates: presets, ``PRESET:g<N>`` / ``PRESET:channel``, or scheme dicts.
+        candidates: presets, ``PRESET:g<N>`` / ``PRESET:channel``, or scheme dicts; None: ``DEFAULT_CANDIDATES``,
+            whose 2-bit ones (``FALLBACK``) are taken only where the budget cannot be met without them.
         pin: ``{pattern: candidate}``: modules that keep that scheme (counted in the budget).
         error: what the allocation minimises: "absolute", the sum of the modules' output errors
             ``||(Q - W) X^T||^2`` per token (the error o_proj and down_proj add to the residual stream), or
@@ -49,10 +50,17 @@ class MixedPrecision:
         targets: the modifier's targets; where: the modifier's name, for errors.
     """
 
-    DEFAULT_CANDIDATES: ClassVar[tuple[str, ...]] = ("W2A16:g64", "W3A16:g64", "W4A16", "W8A16")
+    # 3 and 4 bits at groups of 128 and 64 give the allocation steps of a quarter bit; 2 bits only as a fallback:
+    # a module's error curve underrates what a 2-bit module costs the model (errors that compound), and at 3.5
+    # bits on SmolLM2 the same allocation with 2 bits among its choices lost to uniform 3 bits, without them it
+    # won (benchmarks/RESULTS.md, "Mixed precision")
+    DEFAULT_CANDIDATES: ClassVar[tuple[str, ...]] = (
+        "W3A16:g128", "W3A16:g64", "W4A16:g128", "W4A16:g64", "W8A16", "W2A16:g64"
+    )  # fmt: skip
+    FALLBACK: ClassVar[tuple[str, ...]] = ("W2A16:g64",)
     average_bits: float | None = None
     max_size: int | str | None = None
-    candidates: list[Any] = field(default_factory=lambda: list(MixedPrecision.DEFAULT_CANDIDATES))
+    candidates: list[Any] | None = None
     pin: dict[str, Any] = field(default_factory=dict)
     error: str = "relative"
     targets: list[str] = field(default_factory=lambda: ["Linear"])
@@ -91,6 +99,9 @@ class MixedPrecision:
             raise ValueError(
                 f"{w}: error={self.error!r} is not 'absolute' (output error) or 'relative' (per module)"
             )
+        self.defaulted = self.candidates is None
+        if self.candidates is None:
+            self.candidates = list(self.DEFAULT_CANDIDATES)
         if not isinstance(self.candidates, (list, tuple)) or not self.candidates:
             raise ValueError(
                 f"{w}: candidates must be a non-empty list of schemes, e.g. ['W3A16:g64', 'W4A16']"
@@ -152,6 +163,7 @@ class MixedPrecision:
             self.units[key] = members
             units.append(Unit(key, role_of(key), sum(p.numel() for p in weights), bits))
         budget, total = self._budget(model, modules, params)
+        units = self._without_fallback(units, budget - fixed_bits)
         try:
             self.allocation = OnlineAllocation(units, budget - fixed_bits)
         except ValueError:
@@ -161,6 +173,20 @@ class MixedPrecision:
                              f"{type(model).__name__}, {least:.3f} bits per quantized weight ({total}); raise the "
                              "budget or add a smaller candidate") from None  # fmt: skip
         self.params = params
+
+    def _without_fallback(self, units: list[Unit], budget: float) -> list[Unit]:
+        """The default candidates' 2-bit ones (``FALLBACK``) left out of every unit (their bits ``inf``) where the
+        others meet ``budget`` at their cheapest; all of them where they do not, or where the user named them."""
+        fallback = [i for i, c in enumerate(self.candidates) if self.defaulted and c in self.FALLBACK]
+        if not fallback:
+            return units
+        kept = [Unit(u.key, u.role, u.params, [math.inf if i in fallback else b for i, b in enumerate(u.bits)])
+                for u in units]  # fmt: skip
+        if any(all(math.isinf(b) for b in u.bits) for u in kept) or sum(min(u.bits) for u in kept) > budget:
+            logger.info("seqcal: %s: the budget needs 2-bit modules: %s among the candidates", self.where,
+                        ", ".join(self.FALLBACK))  # fmt: skip
+            return units
+        return kept
 
     def _budget(self, model: torch.nn.Module, modules: dict[str, Any], params: int) -> tuple[float, str]:
         """Bits the quantized modules may take, and a note on the checkpoint for the error message."""
@@ -186,11 +212,13 @@ class MixedPrecision:
             if key in self.chosen or not any(m in names for m in members):
                 continue
             present = [m for m in members if m in names]
+            unit = self.allocation.units[key]
             curves = {
-                m: error_curve(model.get_submodule(m).weight.data, self.schemes, *inputs_of(m), rounded)
+                m: error_curve(
+                    model.get_submodule(m).weight.data, self.schemes, *inputs_of(m), rounded, unit.bits
+                )
                 for m in present
             }
-            unit = self.allocation.units[key]
             share = unit.params / sum(model.get_submodule(m).weight.numel() for m in present)
             errors = [share * sum(self._weighted(curves[m][c], model.get_submodule(m).weight) for m in present)
                       for c in range(len(self.schemes))]  # fmt: skip

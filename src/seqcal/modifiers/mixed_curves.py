@@ -29,11 +29,16 @@ Rounding = Callable[[torch.Tensor, QuantizationScheme, torch.Tensor | None], tor
 
 
 def error_curve(W: torch.Tensor, schemes: list[QuantizationScheme], H: torch.Tensor | None,
-                diag: torch.Tensor | None, rounded: Rounding) -> list[tuple[float, float]]:  # fmt: skip
+                diag: torch.Tensor | None, rounded: Rounding,
+                bits: list[float] | None = None) -> list[tuple[float, float]]:  # fmt: skip
     """The output error of ``W`` rounded to nearest under each of ``schemes`` and the output's size
-    (``output_errors``): ``(inf, 1)`` for a candidate that cannot hold ``W``, zeros when no input reached it."""
+    (``output_errors``): ``(inf, 1)`` for a candidate that cannot hold ``W`` or that its unit cannot take (``bits``
+    ``inf``, not measured), zeros when no input reached it."""
     out = []
-    for scheme in schemes:
+    for i, scheme in enumerate(schemes):
+        if bits is not None and math.isinf(bits[i]):
+            out.append((math.inf, 1.0))
+            continue
         if H is None and diag is None:
             out.append((0.0, 0.0))
             continue

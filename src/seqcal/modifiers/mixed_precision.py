@@ -18,6 +18,9 @@ curves predicted from the last unit of the same role, e.g. the previous layer's 
 remains, and never more bits than leave the later units their cheapest candidates: the total is guaranteed within
 the budget. The solver (GPTQ or round to nearest) then quantizes with the chosen scheme.
 
+The default candidates are 3 and 4 bits in groups of 128 and 64 and 8 bits per channel, and 2 bits in groups of
+64 only where the budget cannot be met without them: the curves underrate what a 2-bit module costs the model.
+
 Candidates and pins named by an integer preset search their ranges (the ``imatrix_mse`` weight observer), in the
 curves and in the solve: min-max ranges at 2 and 3 bits cost more than the allocation wins. A dict candidate keeps
 its observer; ``weight_observer`` / ``observer`` set every candidate's and pin's.
@@ -53,7 +56,9 @@ class MixedPrecisionModifier(GPTQModifier):
     Args (besides GPTQModifier's targets, ignore, block_size, dampening_frac, actorder, ...):
         average_bits: stored bits per weight over the quantized modules (scales and zero points counted).
         max_size: bytes of the whole checkpoint's tensors (``"70MB"``, an int), instead of average_bits.
-        candidates: the schemes to choose from: presets, ``PRESET:g<N>`` / ``PRESET:channel``, scheme dicts.
+        candidates: the schemes to choose from: presets, ``PRESET:g<N>`` / ``PRESET:channel``, scheme dicts; by
+            default ``MixedPrecision.DEFAULT_CANDIDATES`` (3 and 4 bits at groups of 128 and 64, 8 bits per
+            channel), with 2 bits in groups of 64 only where the budget cannot be met without them.
         pin: ``{pattern: scheme}``: modules matching a pattern (class name or ``re:``) keep that scheme.
         error: "relative" (default: the modules' relative errors, weighted by their sizes) or "absolute" (their output
             errors summed, which on SmolLM2 chose the better allocation at 3 bits per weight and the worse at 3.5:
@@ -67,7 +72,7 @@ class MixedPrecisionModifier(GPTQModifier):
     name: ClassVar[str] = "MixedPrecisionModifier"
     average_bits: float | None = None
     max_size: int | str | None = None
-    candidates: list[Any] = field(default_factory=lambda: list(MixedPrecision.DEFAULT_CANDIDATES))
+    candidates: list[Any] | None = None
     pin: dict[str, Any] = field(default_factory=dict)
     error: str = "relative"
 
