@@ -36,7 +36,7 @@ from seqcal.modifiers.base import BatchCursor, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
 from seqcal.modifiers.layer_calls import Calls, with_hidden
 from seqcal.modifiers.quantization import QuantizationModifier
-from seqcal.modifiers.round_to_nearest import quant_kwargs
+from seqcal.modifiers.round_to_nearest import quant_kwargs, rounded
 from seqcal.modifiers.spans import SpanCache
 from seqcal.tracing.partition import Subgraph
 
@@ -99,6 +99,10 @@ class AutoRoundModifier(QuantizationModifier):
             raise ValueError(
                 f"{self.name}: reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}"
             )
+        given = (self.weight_observer, self.observer)
+        if self.mixed_precision is not None and all(v is None for v in given):
+            # AutoRound learns its ranges from min-max: the candidates' error curves are measured with them too
+            self.weight_observer = "minmax"
         # the full-precision activations carried between layers are not in the checkpoint: a resumed run could
         # not continue them, so it is refused (the pipeline says so) instead of giving other weights
         self.resumable = self.reference == "quantized"
@@ -106,6 +110,13 @@ class AutoRoundModifier(QuantizationModifier):
 
     def validate(self, model: torch.nn.Module) -> None:
         super().validate(model)
+        if self.mixed is not None:  # every candidate and pin a module may get (mixed_precision)
+            for label, scheme in zip(
+                [*self.mixed.pin, *self.mixed.labels], self.mixed.every_scheme().values()
+            ):
+                if why := _refusal(scheme):
+                    raise ValueError(f"{self.name}: mixed_precision candidate {label!r}: {why}; AutoRound learns "
+                                     "min-max int, fp8, NVFP4, MX and GGUF weights")  # fmt: skip
         for name, scheme in self.modules.items():
             if why := _refusal(scheme):
                 raise ValueError(f"{self.name}: {name} {why}; AutoRound learns min-max int weights (2 to 8 bits, per "
@@ -160,6 +171,10 @@ class AutoRoundModifier(QuantizationModifier):
             with torch.no_grad(), self._reference_precision(state):
                 reference = self._reference_outputs(model.get_submodule(layer), calls, state.config.device)
             self._reference = reference if self.reference == "full_precision" else None
+            if names and self.mixed is not None:  # each unit's scheme from its errors under every candidate
+                self.mixed.assign(
+                    names, model, self.modules, state, lambda n: (None, self._mean_square(n)), rounded
+                )
             if names:
                 self._learn(layer, names, calls, reference, model, state)
                 changed = True

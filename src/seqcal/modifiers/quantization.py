@@ -120,9 +120,14 @@ class QuantizationModifier(Modifier):
         """Schemes chosen per module in the pass: groups from the candidates and pins; round to nearest measures
         with E[x^2]. Each choice depends on the curves measured before it, which travel with the modules' report
         entries to the other processes and into the resume files (``MixedPrecision.catch_up``)."""
-        if self.name not in ("QuantizationModifier", "GPTQModifier", "MixedPrecisionModifier"):
-            raise ValueError(f"{self.name}: mixed_precision is not supported here; use it with GPTQModifier or "
-                             "QuantizationModifier, or use MixedPrecisionModifier")  # fmt: skip
+        if self.name not in (
+            "QuantizationModifier",
+            "GPTQModifier",
+            "MixedPrecisionModifier",
+            "AutoRoundModifier",
+        ):
+            raise ValueError(f"{self.name}: mixed_precision is not supported here; use it with GPTQModifier, "
+                             "AutoRoundModifier or QuantizationModifier, or use MixedPrecisionModifier")  # fmt: skip
         if self.scheme is not None or self.config_groups is not None:
             raise ValueError(f"{self.name}: mixed_precision chooses each module's scheme from its candidates; give "
                              "no scheme or config_groups beside it (its pin fixes the scheme of some modules)")  # fmt: skip
@@ -294,7 +299,7 @@ class QuantizationModifier(Modifier):
 
     def finalize(self, model: torch.nn.Module, state: RunState) -> None:
         if self.mixed is not None:  # the allocation reached, and a recipe that replays it
-            solver = "QuantizationModifier" if self.name == "QuantizationModifier" else "GPTQModifier"
+            solver = "GPTQModifier" if self.name == "MixedPrecisionModifier" else self.name
             mixed = {"mixed_precision", "average_bits", "max_size", "candidates", "pin", "error", "targets"}
             arguments = {k: v for k, v in self.to_dict().items() if k not in mixed}
             self.mixed.finish(solver, arguments, self.modules, model, state)
