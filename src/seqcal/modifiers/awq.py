@@ -20,7 +20,7 @@ from seqcal.modifiers.activations import InputCalibration
 from seqcal.modifiers.awq_search import search_autocast, search_mapping
 from seqcal.modifiers.base import BatchCursor, RunState, Statistic
 from seqcal.modifiers.quantization import QuantizationModifier
-from seqcal.modifiers.round_to_nearest import quant_kwargs
+from seqcal.modifiers.round_to_nearest import quant_kwargs, rounded
 from seqcal.modifiers.spans import SpanCache
 from seqcal.tracing.partition import Subgraph
 
@@ -80,7 +80,10 @@ class AWQModifier(QuantizationModifier):
         if self.screen_keep is not None and (isinstance(self.screen_keep, bool) or not isinstance(self.screen_keep, int) or self.screen_keep < 1):  # fmt: skip
             raise ValueError(f"{self.name}: screen_keep must be an integer >= 1 or null (no screening), got "
                              f"{self.screen_keep!r}")  # fmt: skip
-        self.bare = self.scheme is None and self.config_groups is None
+        self.bare = self.scheme is None and self.config_groups is None and self.mixed_precision is None
+        if self.mixed_precision is not None and self.weight_observer is None and self.observer is None:
+            # the curves' ranges as AWQ's search rounds (min-max): its smoothing is chosen for min-max weights
+            self.weight_observer = "minmax"
         self._mappings: list[AWQMapping] = []
         self._skipped: list[str] = []
         if not self.bare:
@@ -205,6 +208,11 @@ class AWQModifier(QuantizationModifier):
         return hook
 
     def compress(self, subgraph: Subgraph, model: torch.nn.Module, state: RunState) -> bool:
+        if self.mixed is not None:  # each unit's width first, from the unsmoothed weights and their inputs
+            names = [n for n in self.modules_in(subgraph) if n not in state.results.quantized]
+            self.mixed.assign(
+                names, model, self.modules, state, lambda n: (None, self._mean_square(n)), rounded
+            )
         for m in [m for m in self._mappings if self._stats.get(m.smooth) is not None]:
             total, count = self._stats[m.smooth]
             self._stats[m.smooth] = None  # folded (or left at scale 1): never calibrated again

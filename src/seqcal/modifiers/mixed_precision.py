@@ -2,9 +2,10 @@
 
 ``MixedPrecisionModifier`` is GPTQ whose per-module scheme is chosen from ``candidates`` so that the
 quantized modules meet ``average_bits`` (stored bits per weight, scales and zero points counted) or the whole
-checkpoint meets ``max_size``. ``GPTQModifier``, ``AutoRoundModifier`` (curves with min-max ranges, the ones it
-learns from) and ``QuantizationModifier`` (round to nearest) take the same choice as their ``mixed_precision``
-argument: ``{average_bits: 3.0, candidates: [...], pin: {...}}``.
+checkpoint meets ``max_size``. ``GPTQModifier``, ``AWQModifier`` (widths chosen before it smooths),
+``AutoRoundModifier`` (both with min-max curves, the ranges their searches round with) and ``QuantizationModifier``
+(round to nearest) take the same choice as their ``mixed_precision`` argument: ``{average_bits: 3.0,
+candidates: [...], pin: {...}}``.
 
 How it chooses. The bits every candidate costs every module are known before the run (from the shapes,
 ``mixed_schemes.stored_bits``). When the pass reaches a group of modules, each candidate's error is measured on the

@@ -125,9 +125,10 @@ class QuantizationModifier(Modifier):
             "GPTQModifier",
             "MixedPrecisionModifier",
             "AutoRoundModifier",
+            "AWQModifier",
         ):
             raise ValueError(f"{self.name}: mixed_precision is not supported here; use it with GPTQModifier, "
-                             "AutoRoundModifier or QuantizationModifier, or use MixedPrecisionModifier")  # fmt: skip
+                             "AWQModifier, AutoRoundModifier or QuantizationModifier, or MixedPrecisionModifier")  # fmt: skip
         if self.scheme is not None or self.config_groups is not None:
             raise ValueError(f"{self.name}: mixed_precision chooses each module's scheme from its candidates; give "
                              "no scheme or config_groups beside it (its pin fixes the scheme of some modules)")  # fmt: skip
