@@ -323,3 +323,20 @@ def test_host_budget_sets_the_workers_or_refuses() -> None:
     assert workers_for((1 << 30) + WORKER_BASE + 3 * peak, 8, [peak], 1 << 30) == 3
     with pytest.raises(HostMemoryError, match=r"largest weight needs \(2.00 GiB with one process\)"):
         workers_for(1 << 30, 2, [peak], 1 << 30)
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "NVFP4A16"])
+def test_float32_file_under_a_bfloat16_config_is_quantized_as_oneshot_does(tmp_path: Path, scheme: str) -> None:
+    """oneshot reads a float32 file into the bfloat16 model its config names and rounds those weights; model-free
+    casts each weight (and its fused partners) the same way first, and writes the other tensors in bfloat16 too."""
+    source = tmp_path / "fp32"
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(source)  # float32 tensors
+    data = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**data, "dtype": "bfloat16"}))
+    ref = _oneshot(source, tmp_path / "oneshot", scheme)
+    out = model_free_ptq(source, tmp_path / "mf", scheme=scheme, ignore=["lm_head"])
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name

@@ -41,6 +41,9 @@ class Quantize:
             whose weights give the one global scale vLLM's merged weight has; empty otherwise.
         keep: the weight is written in the FP8 form the source stores it in, not rounded (``scheme`` describes
             that form; ``seqcal.modelfree.keep``).
+        cast: the float dtype (torch name) transformers' model holds the weight in where the source stores another
+            (a float32 file under a bfloat16 config): ``oneshot`` rounds that, so the weight and its fused
+            partners are cast to it first; None: as stored.
     """
 
     module: str
@@ -48,6 +51,7 @@ class Quantize:
     scheme: QuantizationScheme
     fused: tuple[tuple[str, str, str], ...] = ()
     keep: bool = False
+    cast: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,10 @@ def plan_jobs(source: SourceCheckpoint, skeleton: Skeleton, modifier: Quantizati
                 f"one per module, add {name} to ignore"
             )
     fused = _fused(modules, keys, source, skeleton)
-    quantize = {keys[n]: Quantize(n, keys[n], s, fused.get(n, ())) for n, s in modules.items()}
+    casts = _casts(source, skeleton)
+    quantize = {keys[n]: Quantize(n, keys[n], s, fused.get(n, ()), cast=casts.pop(keys[n], None))
+                for n, s in modules.items()}  # fmt: skip
     rank = _ranks(source, skeleton)
-    casts = _casts(source, skeleton, set(quantize))
     jobs = []
     for file in source.files:
         units: dict[tuple, list[str]] = {}
@@ -134,13 +139,13 @@ def plan_jobs(source: SourceCheckpoint, skeleton: Skeleton, modifier: Quantizati
     return Plan(jobs, modules)
 
 
-def _casts(source: SourceCheckpoint, skeleton: Skeleton, quantized: set[str]) -> dict[str, str]:
-    """Key -> torch dtype name, for each tensor copied whose float dtype in the model differs from the stored one."""
+def _casts(source: SourceCheckpoint, skeleton: Skeleton) -> dict[str, str]:
+    """Key -> torch dtype name, for each tensor whose float dtype in the model differs from the stored one."""
     names = {getattr(torch, n): code for n, code in SAFETENSORS_NAMES.items()}
     out = {}
     for key, dtype in skeleton.dtypes().items():
         info = source.info.get(key)
-        if info is None or key in quantized or dtype not in names:
+        if info is None or dtype not in names:
             continue
         if info.dtype in names.values() and info.dtype != names[dtype]:
             out[key] = str(dtype).removeprefix("torch.")

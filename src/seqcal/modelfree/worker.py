@@ -112,14 +112,15 @@ def run_job(job: Job, source_dir: str, output_dir: str, device: str = "cpu") -> 
 def _quantized(q: Quantize, weight: Tensor, stored: Stored, source: Path, scales: dict[str, Tensor],
                device: torch.device) -> dict[str, Tensor]:  # fmt: skip
     """The tensors compressed-tensors stores for ``q``'s weight, under its checkpoint keys."""
-    W = weight.to(device)  # [out, in]
+    dtype = getattr(torch, q.cast) if q.cast else None  # the model's dtype, which oneshot rounds
+    W = weight.to(device=device, dtype=dtype)  # [out, in]
     global_scale = None
     if q.fused:  # NVFP4: one global scale over the fused group, from the weights before any is quantized
         files = {m: (key, file) for m, key, file in q.fused}
 
         def read(name: str) -> Tensor:
             key, file = files[name]
-            return W if name == q.module else stored.read(source, key, file).to(device)
+            return W if name == q.module else stored.read(source, key, file).to(device=device, dtype=dtype)
 
         shared_global_scales(_Members(read), [q.module], [tuple(files)], scales)
         global_scale = scales[q.module]
