@@ -15,14 +15,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from functools import cache
-from pathlib import Path
 
 from seqcal.modelfree.plan import Plan, Quantize, Unit
 from seqcal.modelfree.skeleton import Skeleton
-from seqcal.modelfree.source import SourceCheckpoint, read_header
+from seqcal.modelfree.source import SourceCheckpoint
 from seqcal.modifiers.keep_source import KeepSourceFormatModifier
-from seqcal.sources.fp8 import scale_key
 
 
 def keep_source_form(plan: Plan, source: SourceCheckpoint, skeleton: Skeleton) -> Plan:
@@ -37,16 +34,14 @@ def keep_source_form(plan: Plan, source: SourceCheckpoint, skeleton: Skeleton) -
         keeper.validate(skeleton.model)
     except ValueError as err:
         raise ValueError(str(err).replace(keeper.name, "model-free: keep_source_format", 1)) from None
-    headers = cache(lambda file: read_header(Path(source.path, file)))
     kept: dict[str, Quantize] = {}
     for module, key in keeper.stored.items():
         if module in plan.modules or key not in source.stored.parts:
             continue  # the scheme's, or not a weight this run reads dequantized
-        where = dict(source.stored.parts[key])  # stored key -> its file (a scale may lie in another)
-        shape, scales = headers(where[key])[key][1], headers(where[scale_key(key)])[scale_key(key)][1]
-        kept[key] = Quantize(module, key, keeper.scheme_of(shape, scales), keep=True)
+        kept[key] = Quantize(module, key, keeper.stored_scheme(module), keep=True)
     jobs = [
-        dataclasses.replace(job, units=tuple(_kept_unit(unit, kept) for unit in job.units)) for job in plan.jobs
+        dataclasses.replace(job, units=tuple(_kept_unit(unit, kept) for unit in job.units))
+        for job in plan.jobs
     ]
     schemes = {**plan.modules, **{q.module: q.scheme for q in kept.values()}}
     order = [name for name, _ in skeleton.model.named_modules() if name in schemes]
@@ -58,5 +53,4 @@ def _kept_unit(unit: Unit, kept: dict[str, Quantize]) -> Unit:
     if unit.quantize is not None:
         return unit
     keep = next((kept[k] for k in unit.keys if k in kept), None)
-    return unit if keep is None else Unit(unit.keys, keep)
-
+    return unit if keep is None else dataclasses.replace(unit, quantize=keep)

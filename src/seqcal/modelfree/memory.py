@@ -26,7 +26,7 @@ from seqcal.modifiers.formats import weight_format
 WORKER_BASE = 400 << 20
 # Peak temporaries of quantizing a weight, per float32 byte of it (module docstring), by format
 FACTORS = {"int": 0.75, "fp8": 2.5, "block": 3.5, "mx": 4.0, "nvfp4": 5.5}
-# Bytes of a tensor copied at once from the source file to the output (``_ShardFile.add_copy``)
+# Bytes of a tensor copied at once from the source file to the output (``Stored.copy``)
 COPY_BUFFER = 64 << 20
 
 

@@ -54,12 +54,17 @@ class Stored:
         tensors = {k: read_tensor(str(source_dir / f), k) for k, f in part}
         return family_for(self.source_format).dequantize(key, tensors, getattr(torch, self.dtype))
 
-    def copy(self, source_dir: Path, key: str, file: str, shard: _ShardFile) -> None:
+    def copy(
+        self, source_dir: Path, key: str, file: str, shard: _ShardFile, dtype: str | None = None
+    ) -> None:
         """Write tensor ``key`` of ``file`` to ``shard`` as stored, through a buffer of ``COPY_BUFFER`` bytes
-        (an embedding of a giant is gigabytes), or, a quantized weight, dequantized."""
-        pieces = None if key in self.parts else stored_pieces(str(source_dir / file), key, COPY_BUFFER)
+        (an embedding of a giant is gigabytes), or, a quantized weight, dequantized; or cast to ``dtype`` (a
+        torch dtype name) when given."""
+        whole = key in self.parts or dtype is not None  # read into memory: dequantized or cast
+        pieces = None if whole else stored_pieces(str(source_dir / file), key, COPY_BUFFER)
         if pieces is None:
-            shard.add(key, self.read(source_dir, key, file))
+            tensor = self.read(source_dir, key, file)
+            shard.add(key, tensor if dtype is None else tensor.to(getattr(torch, dtype)))
         else:
             shard.add_pieces(key, *pieces)
 

@@ -93,10 +93,8 @@ def run_job(job: Job, source_dir: str, output_dir: str, device: str = "cpu") -> 
             casts = dict(unit.casts)
             for key in sorted(tensors):
                 tensor = tensors[key]
-                if tensor is None and key in casts:  # written in the dtype transformers' model holds it in
-                    shard.add(key, job.stored.read(source, key, job.file).to(getattr(torch, casts[key])))
-                elif tensor is None:
-                    job.stored.copy(source, key, job.file, shard)
+                if tensor is None:  # as stored, or in the dtype transformers' model holds it in
+                    job.stored.copy(source, key, job.file, shard, casts.get(key))
                 else:
                     shard.add(key, tensor)
                 keys.append(key)

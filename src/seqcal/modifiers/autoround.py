@@ -69,6 +69,7 @@ class AutoRoundModifier(QuantizationModifier):
     """
 
     name: ClassVar[str] = "AutoRoundModifier"
+    mixed_observer: ClassVar[str | None] = "minmax"  # it learns its ranges from min-max ones
     needs_calibration: ClassVar[bool] = True
     input_only: ClassVar[bool] = False  # re-runs whole decoder layers on their recorded calls
     iters: int = 200
@@ -99,10 +100,6 @@ class AutoRoundModifier(QuantizationModifier):
             raise ValueError(
                 f"{self.name}: reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}"
             )
-        given = (self.weight_observer, self.observer)
-        if self.mixed_precision is not None and all(v is None for v in given):
-            # AutoRound learns its ranges from min-max: the candidates' error curves are measured with them too
-            self.weight_observer = "minmax"
         # the full-precision activations carried between layers are not in the checkpoint: a resumed run could
         # not continue them, so it is refused (the pipeline says so) instead of giving other weights
         self.resumable = self.reference == "quantized"

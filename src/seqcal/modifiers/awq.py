@@ -50,6 +50,7 @@ class AWQModifier(QuantizationModifier):
     """
 
     name: ClassVar[str] = "AWQModifier"
+    mixed_observer: ClassVar[str | None] = "minmax"  # its search rounds with min-max ranges
     needs_calibration: ClassVar[bool] = True
     input_only: ClassVar[bool] = False  # re-runs whole spans (self_attn, mlp) on their cached arguments
     mappings: list[Any] | None = None
@@ -81,9 +82,6 @@ class AWQModifier(QuantizationModifier):
             raise ValueError(f"{self.name}: screen_keep must be an integer >= 1 or null (no screening), got "
                              f"{self.screen_keep!r}")  # fmt: skip
         self.bare = self.scheme is None and self.config_groups is None and self.mixed_precision is None
-        if self.mixed_precision is not None and self.weight_observer is None and self.observer is None:
-            # the curves' ranges as AWQ's search rounds (min-max): its smoothing is chosen for min-max weights
-            self.weight_observer = "minmax"
         self._mappings: list[AWQMapping] = []
         self._skipped: list[str] = []
         if not self.bare:

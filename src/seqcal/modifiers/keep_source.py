@@ -135,7 +135,13 @@ class KeepSourceFormatModifier(Modifier):
         q = self._checkpoint.read_stored(key)
         scale = self._checkpoint.read_stored(scale_key(key))
         return QuantizedWeight(q=q, scale=compressed_scale(scale), zero_point=None, g_idx=None,
-                               scheme=self.scheme_of(tuple(q.shape), tuple(scale.shape)))  # fmt: skip
+                               scheme=self.stored_scheme(name))  # fmt: skip
+
+    def stored_scheme(self, name: str) -> QuantizationScheme:
+        """The scheme of module ``name``'s stored form, from the checkpoint's headers (``scheme_of``)."""
+        key = self._stored[name]
+        infos = self._checkpoint.infos
+        return self.scheme_of(tuple(infos[key][1]), tuple(infos[scale_key(key)][1]))
 
     def scheme_of(self, shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> QuantizationScheme:
         """compressed-tensors' description of the stored form: FP8 weights per block (with dynamic FP8

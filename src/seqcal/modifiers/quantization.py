@@ -66,6 +66,9 @@ class QuantizationModifier(Modifier):
     input_only: ClassVar[bool] = True
     # imatrix_mse weights: E[x^2] of the inputs gathered by the framework (False: the subclass has it, GPTQ's H)
     importance_from_inputs: ClassVar[bool] = True
+    # with mixed precision and no observer given, every candidate's weight observer: an algorithm that rounds with
+    # its own ranges (AWQ's search, AutoRound's learned ones start from min-max) measures the curves with them too
+    mixed_observer: ClassVar[str | None] = None
     targets: str | list[str] = "Linear"
     scheme: str | dict[str, Any] | None = None
     config_groups: dict[str, Any] | None = None
@@ -92,6 +95,13 @@ class QuantizationModifier(Modifier):
             # ``kv_update_sites``); where it cannot, the pipeline cuts after each layer.
             self.needs_calibration = True
         self.mixed = MixedPrecision.of(self.mixed_arguments(), self.targets, self.name)
+        if (
+            self.mixed is not None
+            and self.mixed_observer
+            and self.weight_observer is None
+            and self.observer is None
+        ):
+            self.weight_observer = self.mixed_observer
         if self.mixed is None:
             self.groups = resolve_schemes(self.scheme, self.config_groups, self.targets, self.name)
         else:
