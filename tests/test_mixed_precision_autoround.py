@@ -1,6 +1,7 @@
 """Mixed precision as AutoRound's option: each unit's width chosen in the pass from min-max error curves (the ranges
 AutoRound learns from), within the budget, reloaded by transformers at every width, replayed as an AutoRound
-recipe; a candidate AutoRound cannot learn is refused before calibration."""
+recipe; a candidate AutoRound cannot learn, or a per-tensor one AWQ's duo scaling cannot take, is refused before
+calibration."""
 
 from __future__ import annotations
 
@@ -54,5 +55,15 @@ def test_autoround_mixed_meets_budget_reloads_and_replays(tmp_path: Path) -> Non
 def test_a_candidate_autoround_cannot_learn_is_refused_before_calibration() -> None:
     modifier = _recipe(candidates=["W3A16:g64", "FP8_BLOCK"])
     with pytest.raises(ValueError, match="candidate 'FP8_BLOCK': has block 8-bit float weights") as caught:
+        modifier.validate(tiny_llama())
+    assert "\n" not in str(caught.value)
+
+
+def test_awq_refuses_a_per_tensor_candidate_its_duo_scaling_cannot_take() -> None:
+    from seqcal.modifiers import AWQModifier
+
+    per_tensor = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor"}}
+    modifier = AWQModifier(ignore=["lm_head"], mixed_precision={"average_bits": 6, "candidates": ["W4A16", per_tensor]})
+    with pytest.raises(ValueError, match="mixed_precision candidate 'candidate_1' is per tensor") as caught:
         modifier.validate(tiny_llama())
     assert "\n" not in str(caught.value)

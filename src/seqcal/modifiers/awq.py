@@ -111,6 +111,12 @@ class AWQModifier(QuantizationModifier):
             if tensor:
                 raise ValueError(f"{self.name}: duo_scaling needs per-channel or group weights, but {tensor[0]} is "
                                  "quantized per tensor; set duo_scaling: false or use a channel/group scheme")  # fmt: skip
+            labels = [*self.mixed.pin, *self.mixed.labels] if self.mixed is not None else []
+            for label, scheme in zip(labels, self.mixed.every_scheme().values() if self.mixed else []):
+                if quant_kwargs(scheme)["strategy"] == "tensor":  # a width the allocation may give any module
+                    raise ValueError(f"{self.name}: duo_scaling needs per-channel or group weights, but the "
+                                     f"mixed_precision candidate {label!r} is per tensor; set duo_scaling: false or "
+                                     "drop it")  # fmt: skip
 
     @property
     def needs_graph(self) -> bool:  # type: ignore[override]
