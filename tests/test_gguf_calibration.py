@@ -113,3 +113,29 @@ def test_awq_q4_k_m_file_is_its_model(tmp_path: Path, tokenizer) -> None:
     assert types["model.layers.0.self_attn.v_proj"] == "Q6_K"
     norm = model.model.layers[0].input_layernorm.weight
     assert not torch.equal(norm, torch.ones_like(norm))  # the scales were folded
+
+
+def test_autoround_fixes_gguf_scales_by_the_imatrix_rule(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AutoRound fixes each GGUF weight's scales as llama-quantize --imatrix does, from the E[x^2] of the Linear's
+    calibration inputs: at 0 steps every weight is the type's round to nearest on those scales."""
+    seen: dict[int, torch.Tensor | None] = {}
+    of = GridQuantizer.of
+
+    def spy(W, fmt, importance=None):
+        seen[id(W)] = importance
+        return of(W, fmt, importance)
+
+    monkeypatch.setattr(GridQuantizer, "of", staticmethod(spy))
+    full = _llama(len(tokenizer))
+    weights = {n: m.weight.detach().clone() for n, m in full.named_modules() if isinstance(m, torch.nn.Linear)}
+    model = _run(tokenizer, AutoRoundModifier(scheme="Q4_K", ignore=["lm_head"], iters=0, amp=False), None)
+    assert len(seen) == 7 and all(i is not None and i.shape == (256,) and (i > 0).all() for i in seen.values())
+    fmt, W = gguf_format("Q4_K"), weights["model.layers.0.mlp.down_proj"]
+
+    def rtn(importance: torch.Tensor | None) -> torch.Tensor:
+        scale, zero = formats.qparams(W, fmt, importance=importance)
+        return formats.dequantize(formats.quantize(W, scale, zero, fmt), scale, zero, fmt)
+
+    down = model.model.layers[0].mlp.down_proj.weight.detach()
+    assert not torch.equal(down, rtn(None))  # not the rule without an importance matrix
+    assert any(torch.equal(down, rtn(importance)) for importance in seen.values())  # one of them is down_proj's

@@ -1,7 +1,7 @@
 """AutoRound's learned rounding on a grid whose scales the format fixes first: GGUF's types (``scale="gguf"``).
 
-A GGUF type's scales are llama.cpp's own (its reference quantizer's rule, ``seqcal.gguf.grids``), computed once
-from the weight; what is left free is the codes. So, unlike the int and float formats
+A GGUF type's scales are llama.cpp's own (its quantizer's rule, ``seqcal.gguf.grids``), computed once from the
+weight and, where given, the inputs' E[x^2] (``llama-quantize --imatrix``'s rule); what is left free is the codes. So, unlike the int and float formats
 (``seqcal.algorithms.autoround``, ``seqcal.algorithms.autoround_formats``), only the rounding offsets are learned:
 
 - ``V [out, in]`` in [-0.5, 0.5], added before rounding: ``c = round(clamp((W - b) / s + V))`` with each
@@ -57,14 +57,15 @@ class GridQuantizer:
     shifted: Tensor
 
     @classmethod
-    def of(cls, W: Tensor, fmt: WeightFormat) -> GridQuantizer:
-        """The quantizer of ``W [out, in]`` on ``fmt``'s grid, its scales fixed by the format's rule."""
+    def of(cls, W: Tensor, fmt: WeightFormat, importance: Tensor | None = None) -> GridQuantizer:
+        """The quantizer of ``W [out, in]`` on ``fmt``'s grid, its scales fixed by the format's rule, weighted by
+        ``importance`` (``[in]``, the inputs' E[x^2]) where the type's rule takes one."""
         if fmt.scale != "gguf":
             raise ValueError(
                 f"GridQuantizer: learns the codes of formats with fixed scales (GGUF), not {fmt}"
             )
         W = W.detach().float()
-        scale, zero = formats.qparams(W, fmt)
+        scale, zero = formats.qparams(W, fmt, importance=importance)
         s, z, col_group = formats.column_qparams(scale, zero, fmt, tuple(W.shape), None)  # [out, G] each
         step, offset = s[:, col_group], z[:, col_group]  # [out, in]
         return cls(W, fmt, scale, zero, step, W / step + offset)

@@ -3,7 +3,8 @@
 ``qparams`` fixes a weight's scales the way llama.cpp's reference quantizer does (``quantize_row_*_ref``): the
 legacy types from each block's extremes, the k-quants from llama.cpp's sub-block searches
 (``seqcal.gguf.search``) with the sub-block scales and minimums then quantized to 4, 6 or 8 bits against the
-block's fp16 ``d`` / ``dmin``. After that only the codes are free: round to nearest (``quantize``) or GPTQ, whose
+block's fp16 ``d`` / ``dmin``; given the inputs' E[x^2], as ``llama-quantize --imatrix`` does for Q4_0, Q5_0 and
+Q4_K to Q6_K (fits weighted by it). After that only the codes are free: round to nearest (``quantize``) or GPTQ, whose
 column loop reads the effective per-sub-block ``s`` and ``b`` (``column_qparams``). ``dequantize`` computes
 ``s * c + b`` in float32 with the operations gguf-py and ggml use, so its result equals
 ``gguf.quants.dequantize`` of the packed blocks bit for bit (``seqcal.gguf.pack``). The layout of ``scale`` and
@@ -107,6 +108,11 @@ def _weighted_legacy(blocks: Tensor, t: GGUFType, importance: Tensor) -> Tensor:
     return scale.reshape(out, nb, 1)
 
 
+# the k-quants llama-quantize fits to an importance matrix by another rule than without one (Q2_K and Q3_K: seqcal
+# keeps the rule without one for them)
+WEIGHTED_K = ("Q4_K", "Q5_K", "Q6_K")
+
+
 def _sub_scales(x: Tensor, t: GGUFType) -> tuple[Tensor, Tensor | None]:
     """Each sub-block's scale (and minimum) as llama.cpp's reference quantizer searches it; ``x [N, sub]``."""
     if t.name in ("Q4_K", "Q5_K"):
@@ -118,6 +124,31 @@ def _sub_scales(x: Tensor, t: GGUFType) -> tuple[Tensor, Tensor | None]:
     if t.name == "Q6_K":
         return search.qx(x, 32), None
     return search.q3(x, 4), None
+
+
+def _weighted_k(W: Tensor, t: GGUFType, importance: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Q4_K, Q5_K and Q6_K as ``llama-quantize --imatrix`` quantizes them (``quantize_row_q*_K_impl``): Q6_K's
+    sub-block scales fitted with ``importance`` as the weights; Q4_K's and Q5_K's scales and minimums with
+    ``importance * sqrt(sigma2 + x^2)`` (``sigma2``: twice the block's mean square) on ``make_qkx3_quants``' steps,
+    then quantized against ``d`` / ``dmin`` by a fit weighted by each sub-block's summed weights (``search.qp``)."""
+    out, n = W.shape
+    blocks = n // t.block
+    columns = importance.float().reshape(1, blocks, t.subs, t.sub)
+    x = W.reshape(out, blocks, t.subs, t.sub)
+    if t.name == "Q6_K":
+        scales = search.qx(x.reshape(-1, t.sub), 32, columns.expand_as(x).reshape(-1, t.sub))
+        return _quantized_scales(scales.reshape(out, blocks, t.subs), t), None
+    sigma2 = 2 * x.pow(2).sum((2, 3), keepdim=True) / t.block  # [out, blocks, 1, 1]
+    w = columns * (sigma2 + x.pow(2)).sqrt()
+    scales, mins = search.qkx2(x.reshape(-1, t.sub), w.reshape(-1, t.sub), t.qmax, -0.9, 0.05, 36)
+    weight = w.sum(-1).reshape(-1, t.subs)  # each sub-block's summed weights
+    top = 2**t.sub_bits - 1
+
+    def fitted(values: Tensor) -> Tensor:
+        d, ints = search.qp(values.reshape(-1, t.subs), top, weight)
+        return torch.cat([_fp16(d)[:, None], ints], dim=-1).reshape(out, blocks, 1 + t.subs)
+
+    return fitted(scales), fitted(mins)
 
 
 def _quantized_scales(values: Tensor, t: GGUFType) -> Tensor:
@@ -142,8 +173,9 @@ def _quantized_scales(values: Tensor, t: GGUFType) -> Tensor:
 
 def qparams(W: Tensor, fmt: GGUFFormat, importance: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """The stored scales of ``W [out, in]`` in ``fmt``'s type, by llama.cpp's rule: with ``importance`` (the
-    inputs' E[x^2] per column, what ``llama-imatrix`` collects; GPTQ passes its Hessian's diagonal), the rule
-    ``llama-quantize --imatrix`` follows for Q4_0 and Q5_0 (the other types keep the rule without one).
+    inputs' E[x^2] per column, what ``llama-imatrix`` collects; GPTQ passes its Hessian's diagonal, AutoRound the
+    mean squares of the module's inputs), the rule ``llama-quantize --imatrix`` follows for Q4_0, Q5_0, Q4_K, Q5_K
+    and Q6_K (the other types keep the rule without one).
 
     Returns:
         ``(scale, zero)``: float32 ``[out, in // block, 1 + subs]``; zero None for the symmetric types.
@@ -159,6 +191,8 @@ def qparams(W: Tensor, fmt: GGUFFormat, importance: Tensor | None = None) -> tup
     # the searches are dozens of small elementwise passes: on one intra-op thread, as GPTQ's column loop, since a
     # thread hand-off per pass dominates on a busy machine (15x slower with two threads on two loaded cores)
     with one_intra_op_thread():
+        if importance is not None and t.name in WEIGHTED_K:
+            return _weighted_k(W, t, importance)
         scales, mins = _sub_scales(W.reshape(-1, t.sub), t)
     scale = _quantized_scales(scales.reshape(out, blocks, t.subs), t)
     zero = None if mins is None else _quantized_scales(mins.reshape(out, blocks, t.subs), t)

@@ -3,8 +3,11 @@
 Each function takes ``x [N, n]``, N sub-blocks of n weights in float32, and returns the scale (and minimum) the
 reference quantizer of a k-quant picks for every sub-block before it quantizes those scales against the block's
 fp16 ``d``: ``qkx2`` (Q2_K, Q4_K, Q5_K: a scale and a minimum fitted by weighted least squares over a grid of
-trial steps), ``qx`` (Q6_K: a signed scale from trial steps around ``max / nmax``) and ``q3`` (Q3_K: codes moved
-one at a time while the weighted fit improves). Rounding is to nearest, ties to even, as ggml's ``nearest_int``.
+trial steps; with an importance matrix the same fit is ``make_qkx3_quants`` on other steps and weights), ``qx``
+(Q6_K: a signed scale from trial steps around ``max / nmax``) and ``q3`` (Q3_K: codes moved one at a time while the
+weighted fit improves). With an importance matrix, Q4_K's and Q5_K's sub-block scales and minimums are then
+quantized against the block's ``d`` by ``qp`` (``make_qp_quants``: a weighted fit of ``d`` and the integers, not
+the largest one over 63). Rounding is to nearest, ties to even, as ggml's ``nearest_int``.
 
 Example:
     >>> scale, the_min = qkx2(torch.randn(4, 32), torch.ones(4, 32), 15, -1.0, 0.1, 20)
@@ -129,3 +132,48 @@ def q3(x: Tensor, nmax: int = 4, tries: int = 5) -> Tensor:
             sumlx, suml2 = torch.where(take, slx2, sumlx), torch.where(take, sl22, suml2)
     scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), torch.zeros_like(suml2))
     return torch.where(zero, torch.zeros_like(scale), scale)
+
+
+def qp(x: Tensor, nmax: int, w: Tensor) -> tuple[Tensor, Tensor]:
+    """``make_qp_quants``: per row of non-negative ``x [N, n]`` (a block's sub-block scales or minimums), the
+    block's ``d`` and integers ``l`` in 0..nmax of ``x ~ d * l``, fitted with weights ``w [N, n]``: the best of the
+    trial steps ``(nmax + 0.1 i) / max``, i = -4..4, then one integer at a time moved to its best value given the
+    others while the fit improves (at most 5 passes), ``d`` the least-squares one for the integers.
+
+    Returns:
+        ``(d [N], l [N, n])`` float32; 0 and 0 for a row whose largest value is below ``GROUP_MAX_EPS``.
+    """
+    peak = x.amax(1)
+    zero = peak < GROUP_MAX_EPS
+    peak = torch.where(zero, torch.ones_like(peak), peak)
+
+    def mse(iscale: Tensor) -> Tensor:
+        codes = torch.round(iscale[:, None] * x).clamp_(max=nmax)
+        return (w * (x - (1 / iscale)[:, None] * codes).pow(2)).sum(1)
+
+    iscale = nmax / peak
+    best = mse(iscale)
+    for i in [i for i in range(-4, 5) if i]:
+        trial = (_f32(0.1) * i + nmax) / peak
+        current = mse(trial)
+        better = current < best
+        best, iscale = torch.where(better, current, best), torch.where(better, trial, iscale)
+    codes = torch.round(iscale[:, None] * x).clamp_(max=nmax)
+    sumlx, suml2 = (w * x * codes).sum(1), (w * codes * codes).sum(1)
+    for _ in range(5):  # a row that changed nothing in a pass stays as it is in the next ones
+        for i in range(x.shape[1]):
+            wi, xi, li = w[:, i], x[:, i], codes[:, i]
+            slx, sl2 = sumlx - wi * xi * li, suml2 - wi * li * li
+            live = (slx > 0) & (sl2 > 0)
+            new = torch.round(xi * sl2 / torch.where(live, slx, 1.0)).clamp_(max=nmax)
+            slx2, sl22 = slx + wi * xi * new, sl2 + wi * new * new
+            take = live & (new != li) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            codes[:, i] = torch.where(take, new, li)
+            sumlx, suml2 = torch.where(take, slx2, sumlx), torch.where(take, sl22, suml2)
+    d = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), torch.zeros_like(suml2))
+    return torch.where(zero, torch.zeros_like(d), d), torch.where(zero[:, None], torch.zeros_like(codes), codes)
+
+
+def _f32(value: float) -> Tensor:
+    """``value`` as a float32 scalar, so that products with it round as ggml's ``0.1f * i``."""
+    return torch.tensor(value, dtype=torch.float32)

@@ -32,8 +32,10 @@ from seqcal.algorithms.autoround_grids import GridQuantizer
 from seqcal.algorithms.formats import WeightFormat
 from seqcal.algorithms.search_steps import TrainingKernels, batches_of, linear_lr, masked_mse
 from seqcal.backend import linears_on_onednn
+from seqcal.gguf.scheme import GGUFScheme
 from seqcal.modifiers.base import BatchCursor, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
+from seqcal.modifiers.importance import IMPORTANCE_GATHERS
 from seqcal.modifiers.layer_calls import Calls, with_hidden
 from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.round_to_nearest import quant_kwargs, rounded
@@ -104,6 +106,10 @@ class AutoRoundModifier(QuantizationModifier):
         # not continue them, so it is refused (the pipeline says so) instead of giving other weights
         self.resumable = self.reference == "quantized"
         super().__post_init__()
+        groups = [*self.groups.values(), *(self.mixed.every_scheme().values() if self.mixed is not None else ())]
+        if any(isinstance(g, GGUFScheme) for g in groups) and IMPORTANCE_GATHERS[0] not in self.gathers:
+            # GGUF types fix their scales by llama-quantize --imatrix's rule: the inputs' E[x^2] of each Linear
+            self.gathers = (*self.gathers, *IMPORTANCE_GATHERS)
 
     def validate(self, model: torch.nn.Module) -> None:
         super().validate(model)
@@ -250,7 +256,7 @@ class AutoRoundModifier(QuantizationModifier):
         self.losses[layer] = (first, best)
         for n in names:
             module, quantizer = model.get_submodule(n), quantizers[n]
-            if isinstance(quantizer, GridQuantizer):  # GGUF: llama.cpp's scales, the learned codes
+            if isinstance(quantizer, GridQuantizer):  # GGUF: llama.cpp's imatrix scales, the learned codes
                 q, scale, zp = quantizer.codes(kept[n])
                 module.weight.data = formats.dequantize(q, scale, zp, quantizer.fmt, dtype=W[n].dtype)
                 g = None
@@ -276,7 +282,7 @@ class AutoRoundModifier(QuantizationModifier):
         """The learned fake quantization of ``name``'s weight: int codes, a float / scaled format, or a GGUF type."""
         fmt = _float_format(self.modules[name])
         if fmt is not None and fmt.scale == "gguf":
-            return GridQuantizer.of(W, fmt)
+            return GridQuantizer.of(W, fmt, self._mean_square(name))
         if fmt is None:
             kw = _int_format(self.modules[name])
             return LearnedQuantizer.of(W, **kw)
