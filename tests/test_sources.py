@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig, FineGrai
 
 from seqcal.entrypoint import oneshot
 from seqcal.modifiers import QuantizationModifier
-from seqcal.sources import QuantizedCheckpoint, dequantize_weight, detect_source
+from seqcal.sources import QuantizedCheckpoint, dequantize_weight, detect_source, fp8_bits
 from seqcal.sources import fp8 as fp8_source
 from seqcal.sources.detect import SourceFormat
 from seqcal.sources.int_packed import IntPackedFamily
@@ -54,14 +54,18 @@ def fused_experts(ckpt: QuantizedCheckpoint, prefix: str, experts: int) -> tuple
     return gate_up, torch.stack([read(e, "down_proj") for e in range(experts)])
 
 
-@pytest.mark.parametrize("ue8m0, scale_dtype", [(False, torch.float32), (True, torch.float32),
-                                                (True, torch.float8_e8m0fnu)])  # fmt: skip
+@pytest.mark.parametrize("ue8m0, scale_dtype, by_bits", [(False, torch.float32, True), (True, torch.float32, True),
+                                                         (True, torch.float8_e8m0fnu, True),
+                                                         (False, torch.float32, False)])  # fmt: skip
 def test_fp8_blocks_equal_transformers_dequantized_load(
-    tmp_path: Path, deepseek: Path, ue8m0: bool, scale_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(
-        fp8_source, "CHUNK_ELEMENTS", 1
-    )  # a row of blocks at a time: the chunks change no bit
+    tmp_path: Path, deepseek: Path, ue8m0: bool, scale_dtype: torch.dtype, by_bits: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """From the bits (fp8_bits) and through compressed-tensors' converter (the fallback), a row of blocks at a
+    time: transformers' values bit for bit."""
+    monkeypatch.setattr(fp8_source, "CHUNK_ELEMENTS", 1)
+    if not by_bits:
+        monkeypatch.setattr(fp8_source, "exact_by_bits", lambda w, s: False)
     fp8 = write_fp8_block(deepseek, tmp_path / "fp8", ue8m0=ue8m0, scale_dtype=scale_dtype)
     ckpt = QuantizedCheckpoint.open(fp8)
     assert ckpt.source.name == ("fp8-block-ue8m0" if ue8m0 else "fp8-block")
@@ -78,13 +82,16 @@ def test_fp8_blocks_equal_transformers_dequantized_load(
             assert torch.equal(ckpt.read(name, torch.bfloat16), reference[name]), name
 
 
-@pytest.mark.parametrize("chunk", [1, fp8_source.CHUNK_ELEMENTS])
+@pytest.mark.parametrize("chunk, by_bits", [(1, False), (fp8_source.CHUNK_ELEMENTS, False), (0, True)])
 def test_fp8_partial_blocks_take_their_own_scale(
-    tmp_path: Path, chunk: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, chunk: int, by_bits: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """kv_a_proj_with_mqa of 192 rows (DeepSeek-V3's is 576): the last row block is partial, and its rows take
-    the scale of block 1, not a grid divided evenly over the rows (whole, or a row of blocks at a time)."""
-    monkeypatch.setattr(fp8_source, "CHUNK_ELEMENTS", chunk)
+    the scale of block 1, not a grid divided evenly over the rows (the converter whole, or a row of blocks at a
+    time, and from the bits)."""
+    monkeypatch.setattr(fp8_source, "CHUNK_ELEMENTS", chunk or fp8_source.CHUNK_ELEMENTS)
+    if not by_bits:
+        monkeypatch.setattr(fp8_source, "exact_by_bits", lambda w, s: False)
     src = save_deepseek(tmp_path / "bf16", rope=64)
     fp8 = write_fp8_block(src, tmp_path / "fp8", shards=1)
     name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
@@ -189,3 +196,33 @@ def test_fp8_per_tensor_equals_transformers_dequantized_load(tmp_path: Path) -> 
     reference = transformers_weights(fp8, FineGrainedFP8Config(dequantize=True))
     for name in ckpt.parts:
         assert torch.equal(ckpt.read(name, torch.bfloat16), reference[name]), name
+
+
+def test_fp8_from_the_bits_is_the_cast_for_every_code() -> None:
+    """Every e4m3fn code (subnormals, zeros of both signs) times scales of every size, partial blocks at both edges:
+    the float8 cast's product bit for bit; scales of 2^7 or more and a process that flushes subnormals
+    are left to the cast; the NaN codes read as NaN."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[~codes.float().isnan()]
+    g = torch.Generator().manual_seed(0)
+    weight = finite[torch.randint(len(finite), (300, 200), generator=g)]
+    weight[:2, :127], weight[140:142, 73:200] = finite[:127], finite[127:]  # every finite code, in two blocks
+    scale = torch.rand(3, 2, generator=g) * 10.0 ** torch.randint(-12, 2, (3, 2), generator=g).float()
+    scale[0, 0] = 2.0**-140  # a subnormal scale
+    assert fp8_bits.exact_by_bits(weight, scale)
+    expected = weight.float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    for dtype in (torch.float32, torch.bfloat16):
+        got = fp8_bits.blocks_times_scales(weight, scale, (128, 128), dtype)
+        assert torch.equal(got.view(torch.int8), expected.to(dtype).view(torch.int8)), dtype
+    nan = weight.clone()
+    nan[5, 5], nan[299, 199] = codes[0x7F], codes[0xFF]
+    got = fp8_bits.blocks_times_scales(nan, scale, (128, 128), torch.float32)
+    cast = nan.float() * scale.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    assert torch.equal(got.isnan(), cast.isnan()) and int(got.isnan().sum()) == 2
+    assert torch.equal(got.nan_to_num(), cast.nan_to_num())
+    assert not fp8_bits.exact_by_bits(weight, scale * 2.0**30)
+    try:
+        if torch.set_flush_denormal(True):  # the CPU can flush: the subnormal codes would read as 0
+            assert not fp8_bits.exact_by_bits(weight, scale)
+    finally:
+        torch.set_flush_denormal(False)

@@ -4,8 +4,10 @@ Each quantized Linear stores ``weight`` (float8 e4m3) and ``weight_scale_inv`` (
 later round the scales to powers of two, ``scale_fmt: ue8m0``, some store them as float8_e8m0fnu or as their
 exponent bytes): one scale per ``weight_block_size`` block (128 x 128; a partial block at the edge has its own
 scale), or one per tensor without a block size. The weight is ``fp8 * scale`` in float32, cast to the dtype,
-as transformers' ``FineGrainedFP8Config(dequantize=True)`` computes it; blocks go through compressed-tensors'
-``FP8BlockDequantizer`` (which pads the partial blocks), a single scale is one product here.
+as transformers' ``FineGrainedFP8Config(dequantize=True)`` computes it; blocks are taken from the bits
+(``seqcal.sources.fp8_bits``: the same values, without torch's slow float8 cast) or, where that would not be
+exact, through compressed-tensors' ``FP8BlockDequantizer`` (which pads the partial blocks); a single scale is one
+product here.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
 from seqcal.sources.format import Infos, Part, SourceFormat, SourceFormatError
+from seqcal.sources.fp8_bits import blocks_times_scales, exact_by_bits
 
 FP8_DTYPES = ("F8_E4M3",)
 # Elements dequantized at once (whole rows of blocks): the product is taken in float32, so DeepSeek-V3's dense MLP
@@ -68,9 +71,13 @@ class Fp8Family:
         if self.block is None or scale.numel() == 1:  # one scale per tensor, or per row
             scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(*weight.shape[:-1], 1)
             return (weight.to(torch.float32) * scale).to(dtype)
-        converter = FP8BlockDequantizer(targets=["w"], weight_block_size=self.block, dtype=dtype)
         flat_w, flat_s = weight.reshape(-1, *weight.shape[-2:]), scale.reshape(-1, *scale.shape[-2:])
         out = torch.empty(flat_w.shape, dtype=dtype)
+        if exact_by_bits(weight, scale):  # the same values, about 7x faster than the float8 cast (fp8_bits)
+            for w, s, o in zip(flat_w, flat_s, out):
+                blocks_times_scales(w, s, self.block, dtype, out=o)
+            return out.reshape(weight.shape)
+        converter = FP8BlockDequantizer(targets=["w"], weight_block_size=self.block, dtype=dtype)
         block_rows = self.block[0]
         rows = max(1, CHUNK_ELEMENTS // (weight.shape[-1] * block_rows)) * block_rows  # whole row blocks
         for w, s, o in zip(flat_w, flat_s, out):
