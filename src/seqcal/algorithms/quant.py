@@ -216,11 +216,12 @@ def round_fp8(x: Tensor, *, out_of_place: bool = True) -> Tensor:
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def _round_codes(x: Tensor, num_bits: int, type: QuantType) -> Tensor:
-    """Clamp to the code range and round (half to even, or to fp8), keeping x's dtype."""
+def _round_codes_(x: Tensor, num_bits: int, type: QuantType) -> Tensor:
+    """Clamp ``x`` (the caller's own temporary) to the code range and round it (half to even, or to fp8), in
+    place: no temporary of the weight's size per step."""
     qmin, qmax = quant_range(num_bits, type)
-    x = torch.clamp(x, qmin, qmax)  # a new tensor: fp8 rounds it in place
-    return round_fp8(x, out_of_place=False) if type == "float" else torch.round(x)
+    x.clamp_(qmin, qmax)
+    return round_fp8(x, out_of_place=False) if type == "float" else x.round_()
 
 
 def quantize(
@@ -252,10 +253,10 @@ def quantize(
         torch.int8
     """
     Wb, s = _broadcastable(W, scale, group_size, g_idx)
-    x = Wb / s
+    x = Wb / s  # a new tensor, then rounded in place
     if zero_point is not None:
-        x = x + _broadcastable(W, zero_point, group_size, g_idx)[1].to(W.dtype)
-    return _round_codes(x, num_bits, type).to(code_dtype(type)).reshape(W.shape)
+        x += _broadcastable(W, zero_point, group_size, g_idx)[1].to(W.dtype)
+    return _round_codes_(x, num_bits, type).to(code_dtype(type)).reshape(W.shape)
 
 
 def dequantize(

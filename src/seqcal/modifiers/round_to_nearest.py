@@ -83,7 +83,10 @@ def _round_to_nearest(
     kw = quant_kwargs(scheme)
     scale, zero_point = weight_qparams(W, **kw, importance=importance)
     qargs = {"num_bits": kw["num_bits"], "type": kw["type"], "group_size": kw["group_size"]}
-    q = quantize(W, scale, zero_point, **qargs)
+    # a symmetric int scheme's zero point is 0: adding it changes no code (-0.0 and 0.0 both round to 0) and costs a
+    # pass over the weight; fp8 codes keep it (it turns -0.0 into 0.0, as compressed-tensors' quantize does)
+    shift = None if kw["symmetric"] and kw["type"] == "int" else zero_point
+    q = quantize(W, scale, shift, **qargs)
     qw = QuantizedWeight(
         q=q, scale=scale, zero_point=None if kw["symmetric"] else zero_point, g_idx=None, scheme=scheme
     )
