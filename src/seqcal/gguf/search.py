@@ -120,16 +120,7 @@ def q3(x: Tensor, nmax: int = 4, tries: int = 5) -> Tensor:
     peak = torch.where(zero, torch.ones_like(peak), peak)
     codes = torch.round((-nmax / peak)[:, None] * x).clamp_(-nmax, nmax - 1)
     w = x * x
-    sumlx, suml2 = (w * x * codes).sum(1), (w * codes * codes).sum(1)
-    for _ in range(tries):  # a row that changed nothing in a pass stays as it is in the next ones
-        for i in range(x.shape[1]):
-            wi, xi, li = w[:, i], x[:, i], codes[:, i]
-            slx, sl2 = sumlx - wi * xi * li, suml2 - wi * li * li
-            new = torch.round(xi * sl2 / torch.where(slx > 0, slx, 1.0)).clamp_(-nmax, nmax - 1)
-            slx2, sl22 = slx + wi * xi * new, sl2 + wi * new * new
-            take = (slx > 0) & (new != li) & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
-            codes[:, i] = torch.where(take, new, li)
-            sumlx, suml2 = torch.where(take, slx2, sumlx), torch.where(take, sl22, suml2)
+    sumlx, suml2 = _move_codes_(x, w, codes, -nmax, nmax - 1, tries)
     scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), torch.zeros_like(suml2))
     return torch.where(zero, torch.zeros_like(scale), scale)
 
@@ -159,19 +150,30 @@ def qp(x: Tensor, nmax: int, w: Tensor) -> tuple[Tensor, Tensor]:
         better = current < best
         best, iscale = torch.where(better, current, best), torch.where(better, trial, iscale)
     codes = torch.round(iscale[:, None] * x).clamp_(max=nmax)
+    sumlx, suml2 = _move_codes_(x, w, codes, None, nmax, 5, positive_rest=True)
+    d = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), torch.zeros_like(suml2))
+    return torch.where(zero, torch.zeros_like(d), d), torch.where(zero[:, None], torch.zeros_like(codes), codes)
+
+
+def _move_codes_(x: Tensor, w: Tensor, codes: Tensor, lo: int | None, hi: int, tries: int,
+                 positive_rest: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The code-moving passes of ``make_q3_quants`` and ``make_qp_quants``: each code of a row, in order, moved to
+    ``round(x sl2 / slx)`` (within ``lo..hi``) from the fit of the others (``slx = sum w x l``, ``sl2 = sum w l^2``
+    without it, ``slx > 0``, and ``sl2 > 0`` with ``positive_rest``) where that improves the fit ``slx^2 / sl2``;
+    at most ``tries`` passes (a row that changed nothing in a pass stays as it is in the next ones). ``codes``
+    changes in place; returns the rows' final ``(sum w x l, sum w l^2)``."""
     sumlx, suml2 = (w * x * codes).sum(1), (w * codes * codes).sum(1)
-    for _ in range(5):  # a row that changed nothing in a pass stays as it is in the next ones
+    for _ in range(tries):
         for i in range(x.shape[1]):
             wi, xi, li = w[:, i], x[:, i], codes[:, i]
             slx, sl2 = sumlx - wi * xi * li, suml2 - wi * li * li
-            live = (slx > 0) & (sl2 > 0)
-            new = torch.round(xi * sl2 / torch.where(live, slx, 1.0)).clamp_(max=nmax)
+            live = (slx > 0) & (sl2 > 0) if positive_rest else slx > 0
+            new = torch.round(xi * sl2 / torch.where(live, slx, 1.0)).clamp_(lo, hi)
             slx2, sl22 = slx + wi * xi * new, sl2 + wi * new * new
-            take = live & (new != li) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
+            take = live & (new != li) & (sl22 > 0) & (slx2 * slx2 * suml2 > sumlx * sumlx * sl22)
             codes[:, i] = torch.where(take, new, li)
             sumlx, suml2 = torch.where(take, slx2, sumlx), torch.where(take, sl22, suml2)
-    d = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), torch.zeros_like(suml2))
-    return torch.where(zero, torch.zeros_like(d), d), torch.where(zero[:, None], torch.zeros_like(codes), codes)
+    return sumlx, suml2
 
 
 def _f32(value: float) -> Tensor:
