@@ -10,6 +10,7 @@ values transformers' own dequantizing load gives.
     checkpoint.py  QuantizedCheckpoint: which stored tensors make each weight (checked from the headers),
                    one weight read and dequantized at a time; dequantize_weight() for a single weight
     fp8.py         weight + weight_scale_inv (FP8 blocks, ue8m0 scales, per tensor)
+    fp8_bits.py    FP8 blocks times their scales from the float8 bits (the cast's values, faster)
     mxfp4.py       gpt-oss's *_blocks + *_scales experts, one expert at a time
     compressed.py  compressed-tensors formats, through its decompressors
     int_packed.py  AutoAWQ (through compressed-tensors' converter) and GPTQ int packing
