@@ -73,7 +73,7 @@ def _pack_rows(q: Tensor, num_bits: int) -> Tensor:
         return _pack_bytes(q, num_bits)
     u = q.to(torch.int32) + (1 << (num_bits - 1))  # [R, C] unsigned codes
     R, C = u.shape
-    if 32 % num_bits == 0:  # whole codes per word (1, 2, 4, 8 bits): one shift per code position in a word
+    if 32 % num_bits == 0:  # whole codes per word (1, 2, 4, 8 bits on a big-endian machine): one shift per position
         return _pack_whole(u, num_bits)
     chunks = math.ceil(C / 32)
     u = torch.nn.functional.pad(u, (0, chunks * 32 - C)).view(R, chunks, 32)  # 32 codes fill b words

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from compressed_tensors.quantization import QuantizationScheme
 from torch.func import functional_call
 
 from seqcal.algorithms import dequantize, formats
@@ -35,7 +36,6 @@ from seqcal.backend import linears_on_onednn
 from seqcal.gguf.scheme import GGUFScheme
 from seqcal.modifiers.base import BatchCursor, QuantizedWeight, RunState
 from seqcal.modifiers.formats import weight_format
-from seqcal.modifiers.importance import IMPORTANCE_GATHERS
 from seqcal.modifiers.layer_calls import Calls, with_hidden
 from seqcal.modifiers.quantization import QuantizationModifier
 from seqcal.modifiers.round_to_nearest import quant_kwargs, rounded
@@ -106,10 +106,10 @@ class AutoRoundModifier(QuantizationModifier):
         # not continue them, so it is refused (the pipeline says so) instead of giving other weights
         self.resumable = self.reference == "quantized"
         super().__post_init__()
-        groups = [*self.groups.values(), *(self.mixed.every_scheme().values() if self.mixed is not None else ())]
-        if any(isinstance(g, GGUFScheme) for g in groups) and IMPORTANCE_GATHERS[0] not in self.gathers:
-            # GGUF types fix their scales by llama-quantize --imatrix's rule: the inputs' E[x^2] of each Linear
-            self.gathers = (*self.gathers, *IMPORTANCE_GATHERS)
+
+    def gathers_importance(self, group: QuantizationScheme) -> bool:
+        # GGUF types fix their scales by llama-quantize --imatrix's rule: the inputs' E[x^2] of each Linear
+        return super().gathers_importance(group) or isinstance(group, GGUFScheme)
 
     def validate(self, model: torch.nn.Module) -> None:
         super().validate(model)

@@ -114,13 +114,18 @@ class QuantizationModifier(Modifier):
         self._fused: list[tuple[str, ...]] = []
         self._global_scales: dict[str, torch.Tensor] = {}
         self.inputs = InputCalibration({})
-        if self.importance_from_inputs and any(uses_importance(g) for g in self.groups.values()):
+        if self.importance_from_inputs and any(self.gathers_importance(g) for g in self.groups.values()):
             # imatrix_mse's E[x^2]: the framework gathers it, beside what a subclass declares
             self.gathers = (*type(self).gathers, *IMPORTANCE_GATHERS)
         if any(calibrated_inputs(g) or uses_importance(g) for g in self.groups.values()):
             self.needs_calibration = (
                 True  # static input scales and imatrix_mse weights are calibrated on data
             )
+
+    def gathers_importance(self, group: QuantizationScheme) -> bool:
+        """Whether modules of ``group`` need their inputs' E[x^2] (``imatrix_mse``); a subclass may add schemes
+        whose rounding uses it (AutoRound's GGUF scales)."""
+        return uses_importance(group)
 
     def mixed_arguments(self) -> dict[str, Any] | None:
         """The mixed-precision arguments (``seqcal.modifiers.mixed_precision``), or None: one scheme per group."""
