@@ -42,9 +42,9 @@ class _ShardFile:
         self._file = open(path, "wb")  # noqa: SIM115 - closed by finish() or discard()
         self._file.write(b"\0" * (8 + reserve))
 
-    def fits(self, name: str, tensor: Tensor) -> bool:
-        """Whether the header has room for one more entry."""
-        return self._header_bytes + len(name) + 32 + 8 * tensor.dim() + 48 <= self.reserve
+    def fits(self, name: str, dims: int) -> bool:
+        """Whether the header has room for one more entry, of a tensor of ``dims`` dimensions."""
+        return self._header_bytes + len(name) + 32 + 8 * dims + 48 <= self.reserve
 
     def add(self, name: str, tensor: Tensor) -> int:
         """Write ``tensor``'s bytes; returns how many."""
@@ -58,7 +58,7 @@ class _ShardFile:
         return self._entry(name, _SAFETENSORS_DTYPES[t.dtype], list(t.shape), data.nbytes)
 
     def add_pieces(self, name: str, dtype: str, shape: list[int], pieces: Iterable[memoryview]) -> int:
-        """Write a tensor given as its bytes in pieces (``seqcal.execution.store.stored_pieces``: a tensor copied
+        """Write a tensor given as its bytes in pieces (``seqcal.execution.files.stored_pieces``: a tensor copied
         from another safetensors file without holding it), ``dtype`` its safetensors name; returns how many."""
         if dtype not in _SAFETENSORS_DTYPES.values():
             raise ValueError(

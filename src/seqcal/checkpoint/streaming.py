@@ -23,7 +23,6 @@ leaves what a synchronous save leaves at some earlier moment. At most one subgra
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import shutil
@@ -38,6 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from seqcal.checkpoint.host_tensors import module_tensors_for_write
 from seqcal.checkpoint.identity import data_fingerprint, differences
 from seqcal.checkpoint.resume_files import (
     _deferred,
@@ -171,14 +171,11 @@ class StreamingCheckpoint:
         writes.
         """
         names = [n for n, i in self.owner.items() if i == sg.index]
-        # a module the subgraph holds but did not run (the lm_head after the last down_proj) is read for its write
-        reading = self.weights.modules_onloaded(names) if self.weights else contextlib.nullcontext()
-        with reading:
-            modules = [  # host copies: the worker never touches device memory nor a parameter released meanwhile
-                {k: v.detach().to("cpu") for k, v in self.writer.module_tensors(
-                    name, self.model.get_submodule(name), self.state.results.quantized.get(name)).items()}
-                for name in names
-            ]  # fmt: skip
+        # a module the subgraph holds but did not onload (an embedding read by rows, the lm_head after the last
+        # down_proj) is copied from its file, or read for its write
+        modules = module_tensors_for_write(
+            self.writer, self.weights, self.model, names, self.state.results.quantized
+        )
         mine = {n: q for n, q in self.state.results.quantized.items() if sg.holds(n)}
         tensors, schemes = resume_tensors(mine, self.state.results.module_errors)  # codes, schemes, entries
         edited, metadata = self._edited(sg)
@@ -375,10 +372,10 @@ class StreamingCheckpoint:
             self._record(self.last)
         # the modules no subgraph holds, one's weights at a time: they may be a vision tower run in opaque code
         for name in [name for name, index in self.owner.items() if index == -1]:
-            with self.weights.modules_onloaded([name]) if self.weights else contextlib.nullcontext():
-                self.writer.add_module(
-                    name, self.model.get_submodule(name), self.state.results.quantized.get(name)
-                )
+            quantized = self.state.results.quantized
+            self.writer.add_tensors(
+                module_tensors_for_write(self.writer, self.weights, self.model, [name], quantized)[0]
+            )
         self.writer.add_transforms(self.state.results.transform_tensors)
         kept = write_extra_tensors(self.writer, self.model)  # the source's MTP layers, as it has them
         write_extras(self.path, self.model, tokenizer=tokenizer, recipe_yaml=recipe_yaml)

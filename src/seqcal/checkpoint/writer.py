@@ -25,6 +25,7 @@ The key layout (``ModelLayout``) lives in ``seqcal.checkpoint.layout``, the conf
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from seqcal.checkpoint.config import WRITABLE_FORMATS, checkpoint_config, quanti
 from seqcal.checkpoint.layout import ModelLayout, Revert
 from seqcal.checkpoint.shard_file import _ShardFile
 from seqcal.checkpoint.tensors import _module_tensors
+from seqcal.execution.files import FileCopy
 from seqcal.modifiers.base import RunState
 from seqcal.records import QuantizedWeight
 from seqcal.sources.extras import ignore_modules, write_extra_tensors
@@ -63,6 +65,7 @@ PROGRESS_NAME = "seqcal_progress.json"  # present while a run is unfinished: wha
 REPORT_FILENAME = "quantization_report.json"  # the per-module errors (seqcal.evaluation.errors writes it)
 ERRORS_PNG = "quantization_errors.png"  # its plot (seqcal oneshot draws it there by default)
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024**3
+COPY_BUFFER = 64 << 20  # bytes: a FileCopy's pieces (an embedding of a giant is gigabytes)
 
 
 class CheckpointWriter:
@@ -148,27 +151,35 @@ class CheckpointWriter:
         for key in sorted(tensors):
             self.add_tensor(key, tensors[key])
 
-    def add_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one tensor under the checkpoint key ``name`` to the open shard (its bytes go to disk now)."""
+    def add_tensor(self, name: str, tensor: torch.Tensor | FileCopy) -> None:
+        """Write one tensor under the checkpoint key ``name`` to the open shard (its bytes go to disk now); a
+        ``FileCopy`` is copied from its file through a buffer of ``COPY_BUFFER`` bytes."""
         if self._closed:
             raise RuntimeError(f"CheckpointWriter: add_tensor({name!r}) after close()")
         if name in self._weight_map or name in self._pending:
             raise ValueError(f"CheckpointWriter: {name!r} was already added; each key is written once")
-        if tensor.device.type == "meta":
+        if isinstance(tensor, FileCopy):
+            dtype, shape, pieces = tensor.pieces(COPY_BUFFER)
+            dims, nbytes = len(shape), math.prod(shape) * tensor.dtype.itemsize
+        elif tensor.device.type == "meta":
             raise ValueError(
                 f"CheckpointWriter: {name!r} is on the meta device (offloaded); onload it before adding"
             )
-        nbytes = tensor.numel() * tensor.element_size()
-        full = self._open is not None and not self._open.fits(name, tensor)
+        else:
+            dims, nbytes = tensor.dim(), tensor.numel() * tensor.element_size()
+        full = self._open is not None and not self._open.fits(name, dims)
         if self._pending and (full or self._pending_bytes + nbytes > self.max_shard_size):
             self._flush()
         self._open = self._open or self._new_shard()
-        if not self._pending and not self._open.fits(name, tensor):
+        if not self._pending and not self._open.fits(name, dims):
             raise ValueError(
-                f"CheckpointWriter: the header entry of {name!r} ({len(name)} characters, {tensor.dim()} dims) "
+                f"CheckpointWriter: the header entry of {name!r} ({len(name)} characters, {dims} dims) "
                 f"does not fit a shard header's {self._open.reserve} bytes; shorten the key"
             )
-        self._open.add(name, tensor)
+        if isinstance(tensor, FileCopy):
+            self._open.add_pieces(name, dtype, shape, pieces)
+        else:
+            self._open.add(name, tensor)
         self._pending[name] = None
         self._pending_bytes += nbytes
         self._total_size += nbytes

@@ -120,8 +120,8 @@ def onloaded_modules(sg: Subgraph) -> list[str]:
         >>> onloaded_modules(subgraphs[-1])  # doctest: +SKIP   (one-pass cut, GPTQ)
         ['model.layers.23.mlp.down_proj']
     """
-    if runs_forward(sg):
-        return list(sg.modules)
+    if runs_forward(sg):  # less the embeddings read by rows (execution.embedding_rows)
+        return [m for m in sg.modules if m not in sg.by_rows]
     used = {str(n.target) for n in sg.nodes if n.op == "call_module"}
     for node in sg.nodes:  # a parameter stands for itself and for its owner (partition._modules_of)
         for arg in node.all_input_nodes:
@@ -183,7 +183,9 @@ def verify_run(
     if store is None:
         diverged = verify_partition(subgraphs, batch, device)
     else:
-        weights = SubgraphWeights(subgraphs.model, store, subgraphs, device)
+        # every module onloaded around its subgraph, less the embeddings read by rows, as calibration reads them
+        weights = SubgraphWeights(subgraphs.model, store, subgraphs, device,
+                                  read=lambda sg: [m for m in sg.modules if m not in sg.by_rows])  # fmt: skip
 
         @contextlib.contextmanager
         def onloading() -> Any:

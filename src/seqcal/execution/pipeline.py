@@ -32,6 +32,7 @@ from seqcal.execution.cuts import (
     reading_weights,
     verify_run,
 )
+from seqcal.execution.embedding_rows import mark_by_rows
 from seqcal.execution.executor import calibrate_subgraphs
 from seqcal.execution.pipeline_args import PipelineArgs
 from seqcal.execution.reference import reference_cache
@@ -150,6 +151,7 @@ def _run(
         def differs(candidate: SubgraphList) -> Divergence | None:
             if not args.verify or not modifiers.calibrating:
                 return None  # no forward pass will run through the partition
+            mark_by_rows(model, candidate, modifiers)  # the embeddings read by rows, as the run reads them
             # the trace's sample (its stand-in cache); eager and partitioned both on the calibration's kernels
             with profiler.span("verify", "partition vs eager"), linears_on_onednn(device):
                 return verify_run(candidate, getattr(candidate, "kv_sample", batches[0]), store, device)
@@ -171,6 +173,7 @@ def _run(
             with reading_weights(model, store), linears_on_onednn(device):
                 subgraphs, batches = layerwise_fallback(model, batches, targets, err)
         prepare_modifiers(model, subgraphs, batches[0], modifiers, state)  # v2: graph, producers they edit
+        mark_by_rows(model, subgraphs, modifiers)  # embeddings no modifier edits: read by the batches' rows
 
         def new_cache() -> ActivationCache:
             return ActivationCache(

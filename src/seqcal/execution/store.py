@@ -12,13 +12,7 @@ expert's tensors under its checkpoint name, or one expert's slice of a tensor th
 
 from __future__ import annotations
 
-import functools
-import json
-import mmap
-import os
-import struct
-import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +23,7 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 
 from seqcal.errors import ModelLoadError
+from seqcal.execution.files import owned_copy, read_stored_rows, read_tensor, stored_span
 from seqcal.sources.checkpoint import QuantizedCheckpoint, checkpoint_files, quantized_source
 
 
@@ -68,118 +63,36 @@ class WeightStore:
         if name in self.views:
             stored, part = self.views[name]
             if self.source is not None and self.source.is_quantized(stored):  # one expert dequantized
-                return _owned(part(self.source.experts(stored, dtype)))
+                return owned_copy(part(self.source.experts(stored, dtype)))
             with safe_open(self.files[stored], framework="pt") as f:
-                tensor = _owned(part(f.get_slice(stored)))  # memory of its own, not the file's (read_tensor)
+                tensor = owned_copy(part(f.get_slice(stored)))  # memory of its own (read_tensor)
         elif stored not in self.files:
             raise KeyError(f"parameter {name!r} is not in the checkpoint (looked for {stored!r})")
         elif self.source is not None and self.source.is_quantized(stored):
-            return _owned(self.source.read(stored, dtype))
+            return owned_copy(self.source.read(stored, dtype))
         else:
             tensor = read_tensor(self.files[stored], stored)
         return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
 
+    def stored_in_file(self, name: str) -> tuple[str, str] | None:
+        """(file, key) of parameter ``name`` when it is read as stored there, one tensor of a known dtype: not an
+        override, an expert's slice nor a quantized source's weight; else None."""
+        stored = self.aliases.get(name, name)
+        if {name, stored} & self.overrides.keys() or name in self.views or stored not in self.files:
+            return None
+        if self.source is not None and self.source.is_quantized(stored):
+            return None
+        file = self.files[stored]
+        return (file, stored) if stored_span(file, stored) is not None else None
 
-# safetensors' dtype names -> torch's, for ``read_tensor`` (others go through safetensors itself)
-_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I8": torch.int8,
-    "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
-
-
-def read_tensor(path: str, key: str) -> torch.Tensor:
-    """Tensor ``key`` of the safetensors file ``path``, read into memory of its own (``readinto``, no mapping).
-
-    Why not safetensors' ``get_tensor``: it returns a view of a mapping of the whole file, made anew by each
-    ``safe_open``, which lives as long as the tensor. Every tensor read so keeps its own mapping of the file's
-    header resident beside it (1.2 MB for a 512 MB shard of per-expert tensors), and its bytes count as the
-    file's pages: a layer of 105 per-expert tensors (102 MB) held 237 MB of the shard's pages until released
-    (benchmarks/RESULTS.md). Read into a buffer, a weight is its own bytes, in the process's memory, freed with it.
-    The file's layout is safetensors' (an 8-byte little-endian header length, the JSON header, the data);
-    dtypes it does not list, and big-endian hosts, go through safetensors.
-    """
-    stat = os.stat(path)
-    start, header = _header(path, stat.st_mtime_ns, stat.st_size)
-    info = header.get(key)
-    if info is None or info["dtype"] not in _DTYPES or sys.byteorder != "little":
-        with safe_open(path, framework="pt") as f:
-            return _owned(f.get_tensor(key))
-    begin, end = info["data_offsets"]
-    out = _own_memory(end - begin)
-    view, done = memoryview(out.numpy()), 0
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start + begin)
-        while done < len(view):
-            count = f.readinto(view[done:])
-            if not count:
-                raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
-            done += count
-    return out.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-
-
-def stored_pieces(path: str, key: str, buffer: int) -> tuple[str, list[int], Iterator[memoryview]] | None:
-    """Tensor ``key`` of the safetensors file ``path`` as it is stored: its dtype's safetensors name, its shape, and
-    its bytes in pieces of at most ``buffer`` read into one reused buffer (a piece is valid until the next is
-    asked for). For copying a tensor to another file without holding it (``_ShardFile.add_pieces``); None where
-    ``read_tensor`` would go through safetensors (a dtype it does not list, a big-endian host).
-    """
-    stat = os.stat(path)
-    start, header = _header(path, stat.st_mtime_ns, stat.st_size)
-    info = header.get(key)
-    if info is None or info["dtype"] not in _DTYPES or sys.byteorder != "little":
-        return None
-    begin, end = info["data_offsets"]
-
-    def pieces() -> Iterator[memoryview]:
-        scratch = memoryview(bytearray(min(buffer, end - begin)))
-        with open(path, "rb", buffering=0) as f:
-            f.seek(start + begin)
-            left = end - begin
-            while left:
-                view, done = scratch[: min(left, len(scratch))], 0
-                while done < len(view):
-                    count = f.readinto(view[done:])
-                    if not count:
-                        raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
-                    done += count
-                left -= done
-                yield view
-
-    return info["dtype"], list(info["shape"]), pieces()
-
-
-# Reads of this many bytes or more get a mapping of their own (``_own_memory``)
-OWN_MAPPING_BYTES = 256 << 10
-
-
-def _own_memory(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of writable host memory as a uint8 tensor, returned to the OS when the tensor is freed.
-
-    Why not ``torch.empty``: a run holds one subgraph's weights at a time, but a MoE layer's are hundreds of 1 MB
-    expert tensors, below glibc's mmap threshold (16 MB in a run, ``backend.host``), so they came from the heap;
-    read and freed module by module while a model is traced, they left 2.1 GB of free heap resident (a 1.35B MoE,
-    benchmarks/RESULTS.md). An anonymous mapping per weight is unmapped with it.
-    """
-    # (Windows' mmap has no private mappings: the heap there)
-    if nbytes < OWN_MAPPING_BYTES or not hasattr(mmap, "MAP_PRIVATE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous: not backed by any file
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
-
-
-def _owned(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` (one safetensors read, a view of the file's mapping) in ``_own_memory``."""
-    out = _own_memory(tensor.numel() * tensor.element_size()).view(tensor.dtype).reshape(tensor.shape)
-    return out.copy_(tensor)
-
-
-@functools.lru_cache(maxsize=16)
-def _header(path: str, mtime_ns: int, size: int) -> tuple[int, dict[str, Any]]:
-    """Where the data of safetensors file ``path`` starts, and its header (one read per file as it is now)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return 8 + length, json.loads(f.read(length))
+    def read_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (ascending, distinct) of parameter ``name`` on cpu, as ``read(name)[rows]`` gives them:
+        from the file without the other rows where it is stored as it is read, else from the whole value."""
+        where = self.stored_in_file(name)
+        tensor = read_stored_rows(*where, rows) if where is not None else None
+        if tensor is None:
+            return self.read(name).index_select(0, rows)
+        return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
 
 
 def load_offloaded(path: str | Path, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> tuple[

@@ -17,6 +17,7 @@ import torch
 from accelerate.utils import set_module_tensor_to_device
 
 from seqcal.backend.host import trim_host_memory
+from seqcal.execution.embedding_rows import lookup, reads_rows
 from seqcal.execution.store import WeightStore, offload
 
 
@@ -65,21 +66,31 @@ TRIM_EVERY = 64 * 1024**2
 @contextlib.contextmanager
 def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.device) -> Iterator[None]:
     """Onload, for one call, the parameters a module reads (its direct ones, all of a ``READS_CHILDREN``
-    module's) whenever it runs while they are on meta."""
+    module's) whenever it runs while they are on meta; an embedding read by rows gets only the rows its input names
+    (``embedding_rows.lookup``)."""
     handles = []
     owned: dict[int, tuple[str, list[str]]] = {}  # module id -> (its name, the relative names it reads)
     onloaded: dict[int, list[str]] = {}  # module id -> parameters this hook onloaded for the running call
+    restores: dict[int, Callable[[], None]] = {}  # module id -> what puts an embedding read by rows back
     freed = [0]  # host bytes released since the heap was last trimmed
 
-    def pre(module: torch.nn.Module, args: Any) -> None:
+    def pre(module: torch.nn.Module, args: Any) -> tuple | None:
         prefix, names = owned[id(module)]
         local = [n for n in names if _tensor(module, n).device.type == "meta"]
+        if local == ["weight"] and reads_rows(module):  # an embedding: the rows its input names
+            looked_up = lookup(module, prefix, store, device, args)
+            if looked_up is not None:
+                onloaded[id(module)], restores[id(module)] = [], looked_up[1]
+                return looked_up[0]
         onloaded[id(module)] = local
         for name in local:
             full = f"{prefix}.{name}" if prefix else name
             set_module_tensor_to_device(module, name, device, value=store.read(full))
+        return None
 
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if (restore := restores.pop(id(module), None)) is not None:
+            restore()
         for name in onloaded.pop(id(module), []):
             tensor = _tensor(module, name)
             freed[0] += tensor.nbytes if tensor.device.type == "cpu" else 0

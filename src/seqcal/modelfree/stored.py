@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from seqcal.checkpoint.shard_file import _ShardFile
-from seqcal.execution.store import read_tensor, stored_pieces
+from seqcal.execution.files import read_tensor, stored_pieces
 from seqcal.modelfree.memory import COPY_BUFFER
 
 # torch dtype names -> safetensors', for the dequantized weights' headers

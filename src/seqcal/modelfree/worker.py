@@ -28,7 +28,7 @@ from torch import Tensor
 
 from seqcal.checkpoint.shard_file import HEADER_RESERVE, _ShardFile
 from seqcal.checkpoint.tensors import _compressed
-from seqcal.execution.store import read_tensor
+from seqcal.execution.files import read_tensor
 from seqcal.modelfree.plan import Job, Quantize
 from seqcal.modelfree.rows import rtn_by_rows
 from seqcal.modelfree.stored import Stored

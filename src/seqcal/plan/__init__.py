@@ -2,7 +2,8 @@
 
 The model is built on the meta device and traced (no weights needed), then per subgraph:
 
-    device  = its weights + GPTQ Hessians of its Linear layers (fp32, one per shared input) + the larger of: one
+    device  = its weights (an embedding read by rows: a row per token of a batch, execution.embedding_rows) + GPTQ
+              Hessians of its Linear layers (fp32, one per shared input) + the larger of: one
               batch's activations (the values it reads and writes, its widest intermediate twice, the fp32 copy of
               a target's input the Hessian update makes, one virtual shard's Hessians beside the fold of those
               before (seqcal.distributed; on the cpu those of 32 MiB or more on disk meanwhile); on a GPU the next
@@ -40,6 +41,7 @@ from seqcal.data.autobatch import AUTO, auto_batch_limits, samples_per_batch
 from seqcal.execution.cache import store as cache_store
 from seqcal.execution.cache.tiers import OFFLOAD_TIERS, same_device, tier_device
 from seqcal.execution.cuts import onloaded_modules
+from seqcal.execution.embedding_rows import mark_by_rows
 from seqcal.execution.pipeline import PipelineArgs, one_pass_subgraphs
 from seqcal.execution.subgraphs import trace_subgraphs
 from seqcal.execution.weights import params_under
@@ -129,7 +131,8 @@ def plan_memory(
         # the modules it reads: not the lm_head after the last down_proj, whose subgraph runs no forward pass
         weights = sum(
             model.get_parameter(n).numel() * dtype_bytes for n in params_under(model, onloaded_modules(sg))
-        )
+        )  # and an embedding read by rows: at most a row per token of the batch
+        weights += sum(tokens * model.get_submodule(m).embedding_dim * dtype_bytes for m in sg.by_rows)
         read, made = sum(size(n) for n in sg.inputs), sum(size(n) for n in sg.outputs)
         wide = widest.get(sg.index, 0) if widest is not None else 3 * tokens * inter * dtype_bytes
         groups = solve_groups(model, sg, quantized)
@@ -280,6 +283,7 @@ def make_plan(
         )
         one_pass_cut = one_pass_subgraphs(model, sample, modifiers, args) if targets is None else None
         subgraphs = one_pass_cut or trace_subgraphs(model, sample, targets, tracing_ignore)
+        mark_by_rows(model, list(subgraphs), modifiers)  # as the run: embeddings read by rows
         try:
             values, widest = measure_values(subgraphs, batch_size, seq_len)
         except Exception as err:  # noqa: BLE001 - a failed stand-in run only costs precision, and says so

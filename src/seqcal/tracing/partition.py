@@ -27,6 +27,8 @@ class Subgraph:
             value each target reads -> the targets reading it (q/k/v share one, gate/up another).
         kv_updates: attention modules whose KV-cache update this subgraph runs (set by the pipeline for a
             ``kv_cache_scheme`` in the one-pass cut): it calibrates their k_scale / v_scale, and holds them.
+        by_rows: embeddings of ``modules`` it reads by rows, never onloaded whole (set by the pipeline:
+            ``execution.embedding_rows``).
     """
 
     index: int
@@ -39,6 +41,7 @@ class Subgraph:
     returns: bool = False
     target_inputs: dict[str, list[str]] = field(default_factory=dict)
     kv_updates: list[str] = field(default_factory=list)
+    by_rows: list[str] = field(default_factory=list)
 
     def holds(self, name: str) -> bool:
         """Whether module ``name`` is one of ``modules`` or inside one of them (``within``), or an attention
