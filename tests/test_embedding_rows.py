@@ -147,3 +147,18 @@ def test_a_transform_reads_the_table_whole(
     recipe = "SmoothQuantModifier: {smoothing_strength: 0.5}\nGPTQModifier: {scheme: W8A8, ignore: [lm_head]}"
     oneshot(model=str(model_dir), dataset=data(), recipe=recipe, output_dir=str(tmp_path / "smooth"))
     assert marked and not any(marked)  # SmoothQuant transforms weights: every one onloaded whole
+
+
+def test_a_failed_call_puts_the_weight_back(tmp_path: Path) -> None:
+    save_file({"weight": torch.randn(10, 4)}, tmp_path / "e.safetensors")
+    store = WeightStore(files={"weight": str(tmp_path / "e.safetensors")})
+    lazy = torch.nn.Embedding(10, 4, device="meta")
+    meta = lazy.weight
+
+    def fail(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        raise RuntimeError("later in the forward")
+
+    lazy.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="later"), safety_hooks(lazy, store, torch.device("cpu")):
+        lazy(torch.tensor([1, 2]))
+    assert lazy.weight is meta

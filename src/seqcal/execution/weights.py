@@ -111,6 +111,8 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
     finally:
         for handle in handles:
             handle.remove()
+        for restore in restores.values():  # a call that raised: its table goes, the weight is meta again
+            restore()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from seqcal.checkpoint.shard_file import _ShardFile
-from seqcal.execution.files import read_tensor, stored_pieces
+from seqcal.execution.files import FileCopy, read_tensor, stored_pieces, stored_span
 from seqcal.modelfree.memory import COPY_BUFFER
 
 # torch dtype names -> safetensors', for the dequantized weights' headers
@@ -57,11 +57,14 @@ class Stored:
     def copy(
         self, source_dir: Path, key: str, file: str, shard: _ShardFile, dtype: str | None = None
     ) -> None:
-        """Write tensor ``key`` of ``file`` to ``shard`` as stored, through a buffer of ``COPY_BUFFER`` bytes
-        (an embedding of a giant is gigabytes), or, a quantized weight, dequantized; or cast to ``dtype`` (a
-        torch dtype name) when given."""
-        whole = key in self.parts or dtype is not None  # read into memory: dequantized or cast
-        pieces = None if whole else stored_pieces(str(source_dir / file), key, COPY_BUFFER)
+        """Write tensor ``key`` of ``file`` to ``shard`` as stored, or cast to ``dtype`` (a torch dtype name) when
+        given, through a buffer of ``COPY_BUFFER`` bytes (an embedding of a giant is gigabytes); a quantized weight
+        dequantized."""
+        path, pieces = str(source_dir / file), None
+        # a quantized weight is read into memory, dequantized; so is a dtype or byte order read through safetensors
+        if key not in self.parts and stored_span(path, key) is not None:
+            cast = FileCopy(path, key, getattr(torch, dtype)) if dtype is not None else None
+            pieces = cast.pieces(COPY_BUFFER) if cast else stored_pieces(path, key, COPY_BUFFER)
         if pieces is None:
             tensor = self.read(source_dir, key, file)
             shard.add(key, tensor if dtype is None else tensor.to(getattr(torch, dtype)))
