@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import seqcal.plan as plan_module
 from seqcal.checkpoint.shard_file import _ShardFile
 from seqcal.entrypoint import oneshot
-from seqcal.execution import embedding_rows, pipeline
+from seqcal.execution import embedding_rows, head_rows, pipeline
 from seqcal.execution.files import FileCopy
 from seqcal.execution.store import WeightStore
 from seqcal.execution.weights import safety_hooks
@@ -162,3 +162,61 @@ def test_a_failed_call_puts_the_weight_back(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="later"), safety_hooks(lazy, store, torch.device("cpu")):
         lazy(torch.tensor([1, 2]))
     assert lazy.weight is meta
+
+
+def test_which_embeddings_only_look_up() -> None:
+    from transformers.models.bart.modeling_bart import BartLearnedPositionalEmbedding, BartScaledWordEmbedding
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    assert embedding_rows.reads_rows(torch.nn.Embedding(4, 2))
+    assert not embedding_rows.reads_rows(torch.nn.Embedding(4, 2, max_norm=1.0))  # it writes the table
+    assert embedding_rows.reads_rows(Gemma3TextScaledWordEmbedding(8, 4, 0, embed_scale=2.0))
+    assert embedding_rows.reads_rows(BartScaledWordEmbedding(8, 4, 0))
+    assert not embedding_rows.reads_rows(
+        BartLearnedPositionalEmbedding(8, 4)
+    )  # positions, not its input's rows
+
+    class Shifted(torch.nn.Embedding):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids + 1)
+
+    assert not embedding_rows.reads_rows(Shifted(8, 4))
+
+
+def test_a_scaled_embedding_by_rows(tmp_path: Path) -> None:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    whole = Gemma3TextScaledWordEmbedding(30, 4, 0, embed_scale=3.0)
+    save_file({"weight": whole.weight.detach().clone()}, tmp_path / "e.safetensors")
+    store = WeightStore(files={"weight": str(tmp_path / "e.safetensors")})
+    with torch.device("meta"):
+        lazy = Gemma3TextScaledWordEmbedding(30, 4, 0, embed_scale=3.0)
+    lazy.embed_scale = whole.embed_scale.clone()  # a buffer: real, as load_offloaded keeps buffers
+    ids = torch.tensor([[0, 7, 7, 29]])
+    with torch.no_grad(), safety_hooks(lazy, store, torch.device("cpu")):
+        assert torch.equal(lazy(ids), whole(ids).detach())
+
+
+def test_a_large_head_is_read_by_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(head_rows, "HEAD_BYTES", 1024)
+    monkeypatch.setattr(head_rows, "CHUNK_BYTES", 7 * 16 * 4)  # 7 rows a chunk: 50 rows in 8 chunks
+    whole = torch.nn.Linear(16, 50)
+    save_file(
+        {"weight": whole.weight.detach().clone(), "bias": whole.bias.detach().clone()},
+        tmp_path / "h.safetensors",
+    )
+    store = WeightStore(files=dict.fromkeys(["weight", "bias"], str(tmp_path / "h.safetensors")))
+    lazy = torch.nn.Linear(16, 50, device="meta")
+    reads: list[int] = []
+    real_rows = WeightStore.read_rows
+    monkeypatch.setattr(
+        WeightStore, "read_rows", lambda self, n, ids: reads.append(len(ids)) or real_rows(self, n, ids)
+    )
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad(), safety_hooks(lazy, store, torch.device("cpu")):
+        got = lazy(x)
+    assert torch.allclose(got, whole(x), atol=1e-6) and got.shape == (3, 5, 50)
+    assert reads == [7] * 7 + [1] and lazy.weight.device.type == "meta" and "forward" not in lazy.__dict__
+    onloaded = torch.nn.Linear(16, 50)  # a head onloaded runs its own forward
+    with torch.no_grad(), safety_hooks(onloaded, store, torch.device("cpu")):
+        assert torch.equal(onloaded(x), torch.nn.functional.linear(x, onloaded.weight, onloaded.bias))

@@ -1,8 +1,13 @@
 """An embedding read by rows against read whole: the same ``seqcal oneshot`` command from two source trees.
 
-Writes a random bf16 checkpoint with Llama-3.2-1B's widths and vocabulary (hidden 2048, intermediate 8192, 8 KV
-heads, 128256 x 2048 tied embedding: 0.53 GB) and ``--layers`` layers, with SmolLM2's tokenizer (its ids are
-inside the vocabulary), then runs, under GNU time, as a user would:
+Writes a random bf16 checkpoint of ``--shape``, with SmolLM2's tokenizer (its ids are inside the vocabulary):
+
+    gemma3-270m   Gemma 3 270M's text model as it is (Gemma3ForCausalLM: hidden 640, 18 layers, a tied 262144 x 640
+                  scaled embedding, 0.34 GB of its 0.54 GB)
+    llama-1b      Llama-3.2-1B's widths (hidden 2048, intermediate 8192, a tied 128256 x 2048 embedding, 0.53 GB)
+                  with ``--layers`` layers
+
+then runs, under GNU time, as a user would:
 
     seqcal oneshot --model DIR --recipe gptq.yaml --dataset wiki.valid.raw --num-calibration-samples 16
                    --max-seq-length 256 --output-dir OUT --overwrite --threads T
@@ -11,7 +16,8 @@ once with this tree's ``src`` and once with ``--base SRC`` (another checkout's `
 were read by rows). Prints wall time, CPU time and peak RSS side by side, and whether the two checkpoints' bytes
 are equal (they must be: the rows are the table's rows).
 
-Usage: .venv/bin/python benchmarks/memory/embedding_rows.py --base /tmp/seqcal-base/src [--layers 2] [--threads 1]
+Usage: .venv/bin/python benchmarks/memory/embedding_rows.py --base /tmp/seqcal-base/src [--shape gemma3-270m]
+           [--layers 2] [--threads 1]
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_lib"))
@@ -34,16 +40,23 @@ from harness import ROOT, WORK, measure  # noqa: E402
 RECIPE = "GPTQModifier:\n  scheme: W4A16\n  ignore: [lm_head]\n"
 
 
-def make_model(path: Path, layers: int) -> int:
-    """The checkpoint (Llama-3.2-1B's widths, ``layers`` layers) with SmolLM2's tokenizer; its bytes on disk."""
+def make_model(path: Path, shape: str, layers: int) -> int:
+    """The checkpoint of ``shape`` with SmolLM2's tokenizer; returns its bytes on disk."""
     from seqcal.models import default_model_dir
 
     if not (path / "config.json").exists():
-        config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
-                             num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                             tie_word_embeddings=True, torch_dtype="bfloat16")  # fmt: skip
+        if shape == "gemma3-270m":
+            config = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                      torch_dtype="bfloat16")  # fmt: skip
+            cls = Gemma3ForCausalLM
+        else:
+            config = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                 tie_word_embeddings=True, torch_dtype="bfloat16")  # fmt: skip
+            cls = LlamaForCausalLM
         with torch.device("meta"):
-            skeleton = LlamaForCausalLM(config)
+            skeleton = cls(config)
         shapes = {n: p.shape for n, p in skeleton.named_parameters() if n != "lm_head.weight"}  # tied
         write_random_checkpoint(path, config, shapes)
     for name in TOKENIZER_FILES:
@@ -65,26 +78,32 @@ def run(src: Path, model: Path, out: Path, threads: int) -> tuple[float, float, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base", type=Path, required=True, help="the src folder of the code to compare with")
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--shape", choices=["gemma3-270m", "llama-1b"], default="gemma3-270m")
+    parser.add_argument("--layers", type=int, default=2, help="llama-1b's layers")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     work = WORK / "embedding_rows"
     work.mkdir(parents=True, exist_ok=True)
-    model = work / f"llama1b-vocab-{args.layers}l"
-    size = make_model(model, args.layers)
-    print(f"checkpoint: {size / 1e9:.3f} GB on disk (embedding 128256 x 2048 bf16: 0.525 GB), {args.layers} layers, "
-          f"{args.threads} thread(s), {os.cpu_count()} CPUs")  # fmt: skip
+    model = work / (args.shape if args.shape == "gemma3-270m" else f"{args.shape}-{args.layers}l")
+    size = make_model(model, args.shape, args.layers)
+    print(f"{args.shape}: {size / 1e9:.3f} GB on disk, {args.threads} thread(s), {os.cpu_count()} CPUs")
     rows = {}
     for label, src in (("whole table (base)", args.base), ("by rows (this tree)", ROOT / "src")):
-        rows[label] = run(src, model, work / label.split(" (")[0].replace(" ", "-"), args.threads)
+        rows[label] = run(
+            src, model, work / f"{model.name}-{label.split(' (')[0].replace(' ', '-')}", args.threads
+        )
     print(f"{'embedding read':<22} {'wall s':>8} {'CPU s':>8} {'peak RSS GB':>12}")
     for label, (wall, cpu, rss) in rows.items():
         print(f"{label:<22} {wall:>8.1f} {cpu:>8.1f} {rss:>12.3f}")
-    outs = [work / "whole-table", work / "by-rows"]
+    outs = [work / f"{model.name}-whole-table", work / f"{model.name}-by-rows"]
     files = [sorted(p.name for p in o.glob("*.safetensors")) for o in outs]
-    same = files[0] == files[1] and all((outs[0] / f).read_bytes() == (outs[1] / f).read_bytes() for f in files[0])
+    same = files[0] == files[1] and all(
+        (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes() for f in files[0]
+    )
     print(f"checkpoints byte-equal: {same} ({len(files[0])} safetensors file(s))")
 
 

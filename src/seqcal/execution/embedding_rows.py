@@ -5,8 +5,9 @@ A vocabulary is often a model's largest single weight (DeepSeek-V3's 129280 x 71
 262144 rows are a third of its small models' weights), and one calibration batch names a few thousand of its
 rows. ``mark_by_rows`` lists, per subgraph (``Subgraph.by_rows``), the embeddings read so:
 
-- ``nn.Embedding``'s own forward (a subclass may do more with its input) without ``max_norm`` (which writes the
-  table), called as a module by the subgraph's nodes and never read as a parameter by any subgraph;
+- ``nn.Embedding``'s own forward, or a subclass's that only scales or normalizes what ``super().forward`` looks up
+  (Gemma's and Bart's scaled embeddings), without ``max_norm`` (which writes the table), called as a module by
+  the subgraph's nodes or its opaque statements and read otherwise by no subgraph;
 - not quantized or pruned by a modifier, in a run where no modifier transforms weights or edits them outside
   what it quantizes (a rotation folds into the embedding's table; such runs read every embedding whole).
 
@@ -14,7 +15,7 @@ rows. ``mark_by_rows`` lists, per subgraph (``Subgraph.by_rows``), the embedding
 one runs with its weight on meta, the safety hook (``execution.weights``) calls ``lookup``: for that call a table
 of just the rows its input names takes the weight's place, the input renumbered into it. The output is the
 whole table's, bit for bit (a lookup copies rows; ``padding_idx`` acts only on gradients). The checkpoint
-copies such a weight from its file in pieces (``checkpoint.streaming``).
+copies such a weight from its file in pieces (``checkpoint.host_tensors``).
 
 Example:
     >>> mark_by_rows(model, subgraphs, modifiers)  # doctest: +SKIP
@@ -25,6 +26,9 @@ Example:
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,12 +41,59 @@ from seqcal.tracing.values import OpaqueCall
 
 
 def reads_rows(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s forward only looks rows up in its weight: ``nn.Embedding``'s own, no ``max_norm``."""
+    """Whether ``module``'s forward only looks rows up in its weight (``_looks_up``), without ``max_norm``."""
+    return isinstance(module, torch.nn.Embedding) and module.max_norm is None and _looks_up(type(module))
+
+
+def _is_super_forward(node: ast.AST | None) -> bool:
+    """Whether ``node`` is ``super().forward``."""
     return (
-        isinstance(module, torch.nn.Embedding)
-        and type(module).forward is torch.nn.Embedding.forward
-        and module.max_norm is None
+        isinstance(node, ast.Attribute)
+        and node.attr == "forward"
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "super"
+        and not node.value.args
     )
+
+
+@functools.cache
+def _looks_up(cls: type) -> bool:
+    """Whether ``cls.forward`` only looks its input up: ``nn.Embedding``'s own, or a subclass's whose input goes only
+    to ``super().forward`` and that reads of the weight only its dtype (transformers' scaled embeddings, Gemma's
+    and Bart's: ``super().forward(input_ids) * self.embed_scale``, and those that normalize the rows)."""
+    if cls.forward is torch.nn.Embedding.forward:
+        return True
+    if "forward" not in cls.__dict__ or len(cls.__bases__) != 1:
+        return "forward" not in cls.__dict__ and len(cls.__bases__) == 1 and _looks_up(cls.__bases__[0])
+    try:
+        function = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+    except (OSError, TypeError, SyntaxError):  # no source: not known to only look up
+        return False
+    arguments = function.args if isinstance(function, ast.FunctionDef) else None
+    if (
+        arguments is None
+        or arguments.vararg
+        or arguments.kwarg
+        or arguments.kwonlyargs
+        or len(arguments.args) != 2
+    ):
+        return False
+    ids = arguments.args[1].arg
+    parent = {child: node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Name) and node.id == ids:
+            call = parent.get(node)
+            if not (isinstance(call, ast.Call) and call.args == [node] and not call.keywords):
+                return False
+            if not _is_super_forward(call.func):
+                return False
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if node.attr in ("padding_idx", "num_embeddings", "max_norm", "forward"):
+                return False
+            if node.attr == "weight" and getattr(parent.get(node), "attr", None) != "dtype":
+                return False
+    return _looks_up(cls.__bases__[0])
 
 
 def _only_called(code: str) -> set[str]:
@@ -55,7 +106,11 @@ def _only_called(code: str) -> set[str]:
     for node in ast.walk(tree):
         callee = node.func if isinstance(node, ast.Call) else None
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name) and child.value.id == "self":
+            if (
+                isinstance(child, ast.Attribute)
+                and isinstance(child.value, ast.Name)
+                and child.value.id == "self"
+            ):
                 (called if child is callee else other).add(child.attr)
     return called - other
 

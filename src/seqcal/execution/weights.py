@@ -18,6 +18,7 @@ from accelerate.utils import set_module_tensor_to_device
 
 from seqcal.backend.host import trim_host_memory
 from seqcal.execution.embedding_rows import lookup, reads_rows
+from seqcal.execution.head_rows import chunked_heads
 from seqcal.execution.store import WeightStore, offload
 
 
@@ -67,11 +68,12 @@ TRIM_EVERY = 64 * 1024**2
 def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.device) -> Iterator[None]:
     """Onload, for one call, the parameters a module reads (its direct ones, all of a ``READS_CHILDREN``
     module's) whenever it runs while they are on meta; an embedding read by rows gets only the rows its input names
-    (``embedding_rows.lookup``)."""
+    (``embedding_rows.lookup``), and a large Linear reads its weight a chunk of rows at a time (``head_rows``)."""
     handles = []
     owned: dict[int, tuple[str, list[str]]] = {}  # module id -> (its name, the relative names it reads)
     onloaded: dict[int, list[str]] = {}  # module id -> parameters this hook onloaded for the running call
     restores: dict[int, Callable[[], None]] = {}  # module id -> what puts an embedding read by rows back
+    stack = contextlib.ExitStack()
     freed = [0]  # host bytes released since the heap was last trimmed
 
     def pre(module: torch.nn.Module, args: Any) -> tuple | None:
@@ -101,8 +103,11 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
             freed[0] = 0
 
     try:
+        heads = set(
+            stack.enter_context(chunked_heads(model, store, device))
+        )  # read by chunks of rows instead
         for prefix, module in model.named_modules():
-            names = _hooked_params(module)
+            names = _hooked_params(module) if prefix not in heads else []
             if names:
                 owned[id(module)] = (prefix, names)
                 handles.append(module.register_forward_pre_hook(pre))
@@ -113,6 +118,7 @@ def safety_hooks(model: torch.nn.Module, store: WeightStore, device: torch.devic
             handle.remove()
         for restore in restores.values():  # a call that raised: its table goes, the weight is meta again
             restore()
+        stack.close()
 
 
 @contextlib.contextmanager
