@@ -8,8 +8,9 @@ rows. ``mark_by_rows`` lists, per subgraph (``Subgraph.by_rows``), the embedding
 - ``nn.Embedding``'s own forward, or a subclass's that only scales or normalizes what ``super().forward`` looks up
   (Gemma's and Bart's scaled embeddings), without ``max_norm`` (which writes the table), called as a module by
   the subgraph's nodes or its opaque statements and read otherwise by no subgraph;
-- not quantized or pruned by a modifier, in a run where no modifier transforms weights or edits them outside
-  what it quantizes (a rotation folds into the embedding's table; such runs read every embedding whole).
+- not quantized or pruned by a modifier, in a run whose every modifier declares it changes no other weight
+  (``Needs.own_modules_only``: the quantizers and pruners; a fold or a rotation edits the embedding's table, and
+  a user's modifier may, so such runs read every embedding whole).
 
 ``execution.cuts.onloaded_modules`` leaves them out of the subgraph's onload, and the memory plan with it. When
 one runs with its weight on meta, the safety hook (``execution.weights``) calls ``lookup``: for that call a table
@@ -123,7 +124,7 @@ def mark_by_rows(model: torch.nn.Module, subgraphs: Sequence[Subgraph], modifier
     weight, the module passed or read in opaque statements) reads it whole.
     """
     mods = ModifierSet.of(modifiers)
-    if mods.preparing() or mods.not_resumable():  # transforms, or weights changed besides the quantized ones
+    if not mods.own_modules_only():  # a modifier may change other weights (a fold, a rotation): all read whole
         return
     edited, modules = {*mods.quantized(), *mods.pruned()}, dict(model.named_modules())
     names = {id(m): n for n, m in modules.items()}

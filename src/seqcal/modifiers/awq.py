@@ -49,6 +49,8 @@ class AWQModifier(QuantizationModifier):
         >>> AWQModifier(scheme="W4A16_ASYM", ignore=["lm_head"], duo_scaling="both")  # doctest: +SKIP
     """
 
+    own_modules_only: ClassVar[bool] = False  # folds its scales into the producers of its modules
+
     name: ClassVar[str] = "AWQModifier"
     mixed_observer: ClassVar[str | None] = "minmax"  # its search rounds with min-max ranges
     needs_calibration: ClassVar[bool] = True

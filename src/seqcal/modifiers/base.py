@@ -79,6 +79,9 @@ class Modifier:
     )
     # True: ``compress`` removes or renumbers modules (REAP's expert pruning); it runs last in each subgraph.
     restructures: ClassVar[bool] = False
+    # True: it changes no weight besides its quantized or pruned modules' (``Needs.own_modules_only``); a
+    # subclass that folds into other modules (AWQ) says False again.
+    own_modules_only: ClassVar[bool] = False
 
     # Statistics the framework gathers for this modifier from each of its modules' inputs, in every cut, and
     # reduces across processes in shard order; ``compress`` reads them with ``gathered(module)``. Declared on
@@ -98,6 +101,7 @@ class Modifier:
             shared_statistics=self.shares_statistics(),
             resumable=self.resumable,
             restructures=self.restructures,
+            own_modules_only=self.own_modules_only,
         )
 
     def gathered(self, module: str) -> dict[str, torch.Tensor]:

@@ -174,6 +174,10 @@ class ModifierSet(tuple):
     def transforms(self) -> list[Modifier]:
         return [m for m, n in zip(self, self.needs) if n.transforms]
 
+    def own_modules_only(self) -> bool:
+        """Every modifier changes only the weights of the modules it quantizes or prunes (``Needs``)."""
+        return all(n.own_modules_only for n in self.needs)
+
     def preparing(self) -> list[Modifier]:
         """The modifiers whose ``prepare`` gets the graph (transforms and those that ask for it)."""
         return [m for m, n in zip(self, self.needs) if n.transforms or n.graph]

@@ -50,6 +50,8 @@ class KeepSourceFormatModifier(Modifier):
             entry point resolved it. Not part of the recipe it writes (a path of this machine).
     """
 
+    own_modules_only: ClassVar[bool] = True  # keeps its modules' stored form, changes nothing else
+
     name: ClassVar[str] = "KeepSourceFormatModifier"
     source: str | None = field(default=None, repr=False)
 

@@ -39,6 +39,8 @@ _BLOCK = re.compile(r"^block_(\d+),(\d+)$")
 class _OneShotPruning(Modifier):
     """What both share: targets resolved to Linear modules, the per-subgraph loop, the sparsity record."""
 
+    own_modules_only: ClassVar[bool] = True  # changes only the weights it prunes
+
     name: ClassVar[str] = "_OneShotPruning"
     input_only: ClassVar[bool] = True  # data-free: the one-pass cut is fine
     targets: str | list[str] | None = None

@@ -35,6 +35,10 @@ class Needs:
             modifier's ``compress`` in a subgraph, so their records keep the names they were gathered under.
         one_solver: its modules in one subgraph are solved by one process, in module order, never spread over
             several (each choice depends on those made before it: mixed precision's allocation).
+        own_modules_only: it changes no weight besides those of the modules it quantizes or prunes, so the run
+            may leave other weights on disk where it reads only part of them (an embedding read by the rows
+            a batch names: ``execution.embedding_rows``). False (the default, and a user modifier's unless it
+            says so) reads every weight a subgraph uses whole.
     """
 
     calibration: bool = False
@@ -46,6 +50,7 @@ class Needs:
     resumable: bool = True
     restructures: bool = False
     one_solver: bool = False
+    own_modules_only: bool = False
 
 
 @dataclass(frozen=True)

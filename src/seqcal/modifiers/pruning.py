@@ -30,6 +30,8 @@ _PRUNABLE_ELSEWHERE = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 class PruningModifier(Modifier):
     """Base of the pruning modifiers (llm-compressor's arguments; see the subclasses)."""
 
+    own_modules_only: ClassVar[bool] = True  # changes only the weights it prunes
+
     name: ClassVar[str] = "PruningModifier"
     needs_calibration: ClassVar[bool] = True
     input_only: ClassVar[bool] = True  # the statistics need only each Linear's input

@@ -61,6 +61,8 @@ class QuantizationModifier(Modifier):
         >>> QuantizationModifier(scheme="W4A16", ignore=["lm_head"])  # doctest: +SKIP
     """
 
+    own_modules_only: ClassVar[bool] = True  # changes only the weights it quantizes
+
     name: ClassVar[str] = "QuantizationModifier"
     # needs no data at all, or (static input activations) only its modules' inputs
     input_only: ClassVar[bool] = True
