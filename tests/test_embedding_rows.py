@@ -220,3 +220,47 @@ def test_a_large_head_is_read_by_chunks(tmp_path: Path, monkeypatch: pytest.Monk
     onloaded = torch.nn.Linear(16, 50)  # a head onloaded runs its own forward
     with torch.no_grad(), safety_hooks(onloaded, store, torch.device("cpu")):
         assert torch.equal(onloaded(x), torch.nn.functional.linear(x, onloaded.weight, onloaded.bias))
+
+
+def test_a_converted_weight_on_meta_is_onloaded_for_its_write(tmp_path: Path) -> None:
+    """A key conversion that computes a module's tensor from its weight (not the parameter itself) gets the
+    module onloaded, not a file copy of a tensor it would not write."""
+    import contextlib
+
+    from seqcal.checkpoint.host_tensors import module_tensors_for_write
+
+    weight = torch.randn(6, 4)
+    save_file({"m.weight": weight}, tmp_path / "w.safetensors")
+    store = WeightStore(files={"m.weight": str(tmp_path / "w.safetensors")})
+    model = torch.nn.Module()
+    model.m = torch.nn.Linear(4, 6, bias=False, device="meta")
+
+    class Weights:  # SubgraphWeights' two members the write reads
+        def __init__(self) -> None:
+            self.store = store
+
+        @contextlib.contextmanager
+        def modules_onloaded(self, names: list[str]):  # noqa: ANN202
+            for n in names:
+                model.get_submodule(n).weight = torch.nn.Parameter(store.read(f"{n}.weight"))
+            yield
+            for n in names:
+                model.get_submodule(n).weight = torch.nn.Parameter(torch.empty(6, 4, device="meta"))
+
+    class Writer:  # stores the weight transposed, as a key conversion might
+        def module_tensors(
+            self, name: str, module: torch.nn.Module, quantized: object
+        ) -> dict[str, torch.Tensor]:
+            return {f"{name}.weight_t": module.weight.t().contiguous()}
+
+    copied = module_tensors_for_write(Writer(), Weights(), model, ["m"], {})
+    assert torch.equal(copied[0]["m.weight_t"], weight.t())
+    plain = module_tensors_for_write(CheckpointWriterLike(), Weights(), model, ["m"], {})
+    assert isinstance(plain[0]["m.weight"], FileCopy)
+
+
+class CheckpointWriterLike:
+    def module_tensors(
+        self, name: str, module: torch.nn.Module, quantized: object
+    ) -> dict[str, torch.Tensor]:
+        return {f"{name}.weight": module.weight}

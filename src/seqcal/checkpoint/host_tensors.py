@@ -58,15 +58,21 @@ def module_tensors_for_write(
             if n not in quantized and (c := _file_copies(weights, n, m)) is not None
         }
     onloaded = [n for n in names if n not in copies]
-    reading = weights.modules_onloaded(onloaded) if weights is not None else contextlib.nullcontext()
-    out = []
-    with (
-        reading
-    ):  # host copies: the writer's thread never touches device memory nor a parameter released later
-        for name, module in modules.items():
-            files = copies.get(name, {})
-            tensors = writer.module_tensors(name, module, quantized.get(name))
-            out.append(
-                {k: files[id(v)] if id(v) in files else v.detach().to("cpu") for k, v in tensors.items()}
-            )
-    return out
+    # host copies: the writer's thread never touches device memory nor a parameter released later
+    with weights.modules_onloaded(onloaded) if weights is not None else contextlib.nullcontext():
+        return [
+            _host_tensors(writer, weights, name, module, quantized, copies.get(name))
+            for name, module in modules.items()
+        ]
+
+
+def _host_tensors(writer: CheckpointWriter, weights: Any, name: str, module: torch.nn.Module,
+                  quantized: Mapping[str, Any], files: dict[int, FileCopy] | None) -> dict[str, torch.Tensor | FileCopy]:  # fmt: skip
+    """One module's checkpoint tensors: host copies, its weights on meta as their ``files``; a value on meta that
+    is none of them (a key conversion that computes its tensor) has the module onloaded for it instead."""
+    tensors = writer.module_tensors(name, module, quantized.get(name))
+    if files and any(v.device.type == "meta" and id(v) not in files for v in tensors.values()):
+        with weights.modules_onloaded([name]):
+            return _host_tensors(writer, weights, name, module, quantized, None)
+    files = files or {}
+    return {k: files[id(v)] if id(v) in files else v.detach().to("cpu") for k, v in tensors.items()}
