@@ -14,11 +14,11 @@ import seqcal.plan as plan_module
 from seqcal.checkpoint.shard_file import _ShardFile
 from seqcal.entrypoint import oneshot
 from seqcal.execution import embedding_rows, head_rows, pipeline
-from seqcal.execution.files import FileCopy
 from seqcal.execution.store import WeightStore
 from seqcal.execution.weights import safety_hooks
 from seqcal.modifiers import GPTQModifier
 from seqcal.plan import make_plan
+from seqcal.sources.files import FileCopy
 
 RECIPE = "GPTQModifier: {scheme: W4A16, ignore: [lm_head]}"
 VOCAB = 512

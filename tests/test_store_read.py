@@ -1,4 +1,4 @@
-"""A weight read from a safetensors file (``execution.files.read_tensor``): the values safetensors reads, in memory of
+"""A weight read from a safetensors file (``sources.files.read_tensor``): the values safetensors reads, in memory of
 its own (no mapping of the file left behind while it lives), one sentence for a truncated file."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from seqcal.execution.files import read_tensor
 from seqcal.execution.store import WeightStore
+from seqcal.sources.files import read_tensor
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -66,7 +66,7 @@ def test_one_experts_slice_of_a_fused_tensor_is_read_into_memory_of_its_own(tmp_
     """A parameter stored as one expert's slice of a fused tensor (``WeightStore.views``): that slice's values, and
     no mapping of the file left behind while it lives."""
     path = tmp_path / "model.safetensors"
-    # 256 KiB an expert: each read gets an anonymous mapping (execution.files.OWN_MAPPING_BYTES)
+    # 256 KiB an expert: each read gets an anonymous mapping (sources.files.OWN_MAPPING_BYTES)
     fused = torch.randn(4, 256, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     save_file({"experts.gate_up_proj": fused}, str(path))
     store = WeightStore.from_checkpoint(tmp_path)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from seqcal.checkpoint.writer import CheckpointWriter
-from seqcal.execution.files import FileCopy
+from seqcal.sources.files import FileCopy
 
 
 def _file_copies(weights: Any, name: str, module: torch.nn.Module) -> dict[int, FileCopy] | None:

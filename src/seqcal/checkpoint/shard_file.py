@@ -58,7 +58,7 @@ class _ShardFile:
         return self._entry(name, _SAFETENSORS_DTYPES[t.dtype], list(t.shape), data.nbytes)
 
     def add_pieces(self, name: str, dtype: str, shape: list[int], pieces: Iterable[memoryview]) -> int:
-        """Write a tensor given as its bytes in pieces (``seqcal.execution.files.stored_pieces``: a tensor copied
+        """Write a tensor given as its bytes in pieces (``seqcal.sources.files.stored_pieces``: a tensor copied
         from another safetensors file without holding it), ``dtype`` its safetensors name; returns how many."""
         if dtype not in _SAFETENSORS_DTYPES.values():
             raise ValueError(

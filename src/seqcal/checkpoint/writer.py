@@ -37,10 +37,10 @@ from seqcal.checkpoint.config import WRITABLE_FORMATS, checkpoint_config, quanti
 from seqcal.checkpoint.layout import ModelLayout, Revert
 from seqcal.checkpoint.shard_file import _ShardFile
 from seqcal.checkpoint.tensors import _module_tensors
-from seqcal.execution.files import FileCopy
 from seqcal.modifiers.base import RunState
 from seqcal.records import QuantizedWeight
 from seqcal.sources.extras import ignore_modules, write_extra_tensors
+from seqcal.sources.files import FileCopy
 
 __all__ = [
     "CONFIG_NAME",

@@ -23,8 +23,8 @@ from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 
 from seqcal.errors import ModelLoadError
-from seqcal.execution.files import owned_copy, read_stored_rows, read_tensor, stored_span
 from seqcal.sources.checkpoint import QuantizedCheckpoint, checkpoint_files, quantized_source
+from seqcal.sources.files import owned_copy, read_stored_rows, read_tensor, stored_span
 
 
 @dataclass

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from seqcal.checkpoint.shard_file import _ShardFile
-from seqcal.execution.files import FileCopy, read_tensor, stored_pieces, stored_span
 from seqcal.modelfree.memory import COPY_BUFFER
+from seqcal.sources.files import FileCopy, read_tensor, stored_pieces, stored_span
 
 # torch dtype names -> safetensors', for the dequantized weights' headers
 SAFETENSORS_NAMES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}

@@ -28,13 +28,13 @@ from torch import Tensor
 
 from seqcal.checkpoint.shard_file import HEADER_RESERVE, _ShardFile
 from seqcal.checkpoint.tensors import _compressed
-from seqcal.execution.files import read_tensor
 from seqcal.modelfree.plan import Job, Quantize
 from seqcal.modelfree.rows import rtn_by_rows
 from seqcal.modelfree.stored import Stored
 from seqcal.modifiers.formats import shared_global_scales
 from seqcal.modifiers.keep_source import compressed_scale
 from seqcal.records import QuantizedWeight
+from seqcal.sources.files import read_tensor
 from seqcal.sources.fp8 import scale_key
 
 PARTIAL = ".partial"  # suffix of an output file being written
