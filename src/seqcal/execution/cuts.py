@@ -110,6 +110,11 @@ def runs_forward(sg: Subgraph) -> bool:
     return bool(sg.outputs or sg.kv_updates or not sg.target_inputs)
 
 
+def read_whole(sg: Subgraph) -> list[str]:
+    """``sg``'s modules less the embeddings it reads by rows (``execution.embedding_rows``)."""
+    return [m for m in sg.modules if m not in sg.by_rows]
+
+
 def onloaded_modules(sg: Subgraph) -> list[str]:
     """The modules of ``sg`` whose weights the calibration reads: all of them when its nodes run, else its
     targets and the modules none of its nodes use (producers a transform folds into: ``prepare_modifiers``).
@@ -120,8 +125,8 @@ def onloaded_modules(sg: Subgraph) -> list[str]:
         >>> onloaded_modules(subgraphs[-1])  # doctest: +SKIP   (one-pass cut, GPTQ)
         ['model.layers.23.mlp.down_proj']
     """
-    if runs_forward(sg):  # less the embeddings read by rows (execution.embedding_rows)
-        return [m for m in sg.modules if m not in sg.by_rows]
+    if runs_forward(sg):
+        return read_whole(sg)
     used = {str(n.target) for n in sg.nodes if n.op == "call_module"}
     for node in sg.nodes:  # a parameter stands for itself and for its owner (partition._modules_of)
         for arg in node.all_input_nodes:
@@ -183,9 +188,8 @@ def verify_run(
     if store is None:
         diverged = verify_partition(subgraphs, batch, device)
     else:
-        # every module onloaded around its subgraph, less the embeddings read by rows, as calibration reads them
-        weights = SubgraphWeights(subgraphs.model, store, subgraphs, device,
-                                  read=lambda sg: [m for m in sg.modules if m not in sg.by_rows])  # fmt: skip
+        # every module onloaded around its subgraph, the embeddings by rows as calibration reads them
+        weights = SubgraphWeights(subgraphs.model, store, subgraphs, device, read=read_whole)
 
         @contextlib.contextmanager
         def onloading() -> Any:

@@ -48,15 +48,24 @@ def read_tensor(path: str, key: str) -> torch.Tensor:
             return owned_copy(f.get_tensor(key))
     offset, dtype, shape = span
     out = _own_memory(shape.numel() * dtype.itemsize)
-    view, done = memoryview(out.numpy()), 0
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
-        while done < len(view):
-            count = f.readinto(view[done:])
-            if not count:
-                raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
-            done += count
+        _fill(f, memoryview(out.numpy()), path, key)
     return out.view(dtype).reshape(shape)
+
+
+def _fill(file: Any, view: memoryview, path: str, key: str) -> None:
+    """Fill ``view`` from ``file``'s next bytes (an unbuffered read may return fewer than asked: read again).
+
+    Raises:
+        OSError: the file ends first (tensor ``key`` of ``path`` is truncated).
+    """
+    done = 0
+    while done < len(view):
+        count = file.readinto(view[done:])
+        if not count:
+            raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
+        done += count
 
 
 def stored_span(path: str, key: str) -> tuple[int, torch.dtype, torch.Size] | None:
@@ -91,13 +100,8 @@ def read_stored_rows(path: str, key: str, rows: torch.Tensor) -> torch.Tensor | 
             last = first  # the run of consecutive rows from ids[first]
             while last + 1 < len(ids) and ids[last + 1] == ids[last] + 1:
                 last += 1
-            view, done = memoryview(out[first : last + 1].numpy()).cast("B"), 0
             f.seek(offset + ids[first] * row_bytes)
-            while done < len(view):
-                count = f.readinto(view[done:])
-                if not count:
-                    raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
-                done += count
+            _fill(f, memoryview(out[first : last + 1].numpy()).cast("B"), path, key)
             first = last + 1
     return out.view(dtype).reshape(len(rows), *shape[1:])
 
@@ -120,13 +124,9 @@ def stored_pieces(path: str, key: str, buffer: int) -> tuple[str, list[int], Ite
             f.seek(offset)
             left = nbytes
             while left:
-                view, done = scratch[: min(left, len(scratch))], 0
-                while done < len(view):
-                    count = f.readinto(view[done:])
-                    if not count:
-                        raise OSError(f"{path}: the data of {key!r} ends early; the file is truncated")
-                    done += count
-                left -= done
+                view = scratch[: min(left, len(scratch))]
+                _fill(f, view, path, key)
+                left -= len(view)
                 yield view
 
     return _SAFETENSORS_NAMES[dtype], list(shape), pieces()
@@ -181,15 +181,15 @@ class FileCopy:
     def pieces(self, buffer: int) -> tuple[str, list[int], Iterator[memoryview]]:
         """``stored_pieces``' dtype name, shape and pieces, each cast to ``dtype`` when the file stores another
         (a piece is whole elements: ``buffer`` a multiple of 8; the cast, elementwise, is the whole tensor's)."""
-        span, stored = stored_span(self.path, self.key), stored_pieces(self.path, self.key, buffer)
-        if span is None or stored is None or buffer % 8:
+        stored = stored_pieces(self.path, self.key, buffer)
+        if stored is None or buffer % 8:
             raise ValueError(
                 f"{self.path}: {self.key!r} cannot be copied in pieces (dtype, byte order or buffer)"
             )
-        source = span[1]
+        name, shape, pieces = stored
+        source = _DTYPES[name]
         if source == self.dtype:
             return stored
-        _, shape, pieces = stored
         cast = (
             memoryview(torch.frombuffer(p, dtype=source).to(self.dtype).view(torch.uint8).numpy())
             for p in pieces
