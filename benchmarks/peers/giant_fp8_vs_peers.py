@@ -19,9 +19,10 @@ that needs auto-round's own loader. SEQCAL_BENCH_SRC runs seqcal from another co
 working tree may be mid-edit during an hour-long run).
 
 Usage (from the repo root):
-    .venv/bin/python benchmarks/peers/giant_fp8_vs_peers.py [--data /work/bench-data] [--shape dsv3 | tiny]
+    .venv/bin/python benchmarks/peers/giant_fp8_vs_peers.py [--data /work/bench-data] [--shape dsv3 | dsv3-deep | tiny]
         [--steps make gptq model-free]
         [--schemes W4A16 NVFP4A16] [--tools seqcal llm-compressor auto-round] [--threads 2] [--gptq-limit S]
+        [--max-host-memory 3.7GB]
 """
 
 from __future__ import annotations
@@ -58,9 +59,12 @@ from auto_round import AutoRound
 src, out, scheme = sys.argv[1], sys.argv[2], sys.argv[3]
 AutoRound(model=src, scheme=scheme, model_free=True, device_map="cpu").quantize_and_save(out)
 """
-# dsv3: 3.2 GB (4 layers, the first dense, 8 routed experts); tiny: 0.2 GB, one MoE layer of 2 experts, for a quick look
+# dsv3: 3.2 GB (4 layers, the first dense, 8 routed experts); dsv3-deep: 12.4 GB, the same layers 24 deep (DeepSeek-V3
+# has 61), where one layer is a share of the checkpoint nearer the real model's; tiny: 0.2 GB, one MoE layer of 2
+# experts, for a quick look
 SHAPES = {
     "dsv3": _dsv3_fp8.Shape(),
+    "dsv3-deep": _dsv3_fp8.Shape(layers=24),
     "tiny": _dsv3_fp8.Shape(
         layers=1, dense_layers=0, experts=2, experts_per_token=1, vocab=512, shard_bytes=100 << 20
     ),
@@ -103,13 +107,17 @@ def size_on_disk(path: Path) -> float:
     return sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
 
 
-def run_gptq(src: Path, work: Path, threads: int, samples: int, seq: int, limit: float | None) -> dict:
-    """``seqcal oneshot`` GPTQ W4A16 from the FP8 checkpoint (the CLI, as a user runs it)."""
+def run_gptq(
+    src: Path, work: Path, threads: int, samples: int, seq: int, limit: float | None, budget: str | None = None
+) -> dict:
+    """``seqcal oneshot`` GPTQ W4A16 from the FP8 checkpoint (the CLI, as a user runs it; ``budget``: its
+    ``--max-host-memory``)."""
     recipe, out = work / "gptq_w4a16.yaml", work / "seqcal-gptq-w4a16"
     recipe.write_text(RECIPE)
     cmd = [str(ROOT / ".venv/bin/python"), "-m", "seqcal.cli", "oneshot", "--model", str(src), "--recipe",
            str(recipe), "--dataset", str(WIKI), "--num-calibration-samples", str(samples), "--max-seq-length",
            str(seq), "--output-dir", str(out), "--overwrite", "--threads", str(threads)]  # fmt: skip
+    cmd += ["--max-host-memory", budget] if budget else []
     print("command: seqcal", " ".join(cmd[3:]), flush=True)
     result = tree_run(cmd, threads, work / "gptq.log", limit)
     return {**result, "out": out}
@@ -198,6 +206,7 @@ def main() -> None:
     parser.add_argument(
         "--gptq-limit", type=float, default=None, help="stop the GPTQ run after this many seconds"
     )
+    parser.add_argument("--max-host-memory", default=None, help="the GPTQ run's --max-host-memory (e.g. 3.7GB)")
     parser.add_argument("--llmc", default="/work/peers/llmc/bin/python")
     parser.add_argument("--autoround", default="/work/peers/autoround/bin/python")
     parser.add_argument("--no-reload", action="store_true")
@@ -212,7 +221,7 @@ def main() -> None:
     size = size_on_disk(src)
     print(f"source: {src}: {size:.3f} GB on disk, {len(list(src.glob('*.safetensors')))} files, {shape}")
     if "gptq" in args.steps:
-        r = run_gptq(src, work, args.threads, args.samples, args.seq, args.gptq_limit)
+        r = run_gptq(src, work, args.threads, args.samples, args.seq, args.gptq_limit, args.max_host_memory)
         state = "stopped" if r["stopped"] else f"exit {r['rc']}"
         print(f"| GPTQ W4A16 | {r['wall']:.0f} s ({state}) | peak {r['peak']:.3f} GB = {r['peak'] / size:.3f}x "
               f"size on disk (bound 0.333) | load {r['load'][0]:.1f} -> {r['load'][1]:.1f} |", flush=True)  # fmt: skip

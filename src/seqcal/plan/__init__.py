@@ -282,7 +282,8 @@ def make_plan(
             sequential_targets=targets, tracing_ignore=list(tracing_ignore), one_pass=one_pass
         )
         one_pass_cut = one_pass_subgraphs(model, sample, modifiers, args) if targets is None else None
-        subgraphs = one_pass_cut or trace_subgraphs(model, sample, targets, tracing_ignore)
+        # weights on meta: the run checks its partition against the model's forward itself, with weights read
+        subgraphs = one_pass_cut or trace_subgraphs(model, sample, targets, tracing_ignore, verify=False)
         mark_by_rows(model, list(subgraphs), modifiers)  # as the run: embeddings read by rows
         try:
             values, widest = measure_values(subgraphs, batch_size, seq_len)
