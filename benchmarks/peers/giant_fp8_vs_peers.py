@@ -22,7 +22,7 @@ Usage (from the repo root):
     .venv/bin/python benchmarks/peers/giant_fp8_vs_peers.py [--data /work/bench-data] [--shape dsv3 | dsv3-deep | tiny]
         [--steps make gptq model-free]
         [--schemes W4A16 NVFP4A16] [--tools seqcal llm-compressor auto-round] [--threads 2] [--gptq-limit S]
-        [--max-host-memory 3.7GB]
+        [--max-host-memory 3.6GB]
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from auto_round import AutoRound
 src, out, scheme = sys.argv[1], sys.argv[2], sys.argv[3]
 AutoRound(model=src, scheme=scheme, model_free=True, device_map="cpu").quantize_and_save(out)
 """
-# dsv3: 3.2 GB (4 layers, the first dense, 8 routed experts); dsv3-deep: 12.4 GB, the same layers 24 deep (DeepSeek-V3
+# dsv3: 3.2 GB (4 layers, the first dense, 8 routed experts); dsv3-deep: 12.3 GB, the same layers 24 deep (DeepSeek-V3
 # has 61), where one layer is a share of the checkpoint nearer the real model's; tiny: 0.2 GB, one MoE layer of 2
 # experts, for a quick look
 SHAPES = {
@@ -206,7 +206,7 @@ def main() -> None:
     parser.add_argument(
         "--gptq-limit", type=float, default=None, help="stop the GPTQ run after this many seconds"
     )
-    parser.add_argument("--max-host-memory", default=None, help="the GPTQ run's --max-host-memory (e.g. 3.7GB)")
+    parser.add_argument("--max-host-memory", default=None, help="the GPTQ run's --max-host-memory (e.g. 3.6GB)")
     parser.add_argument("--llmc", default="/work/peers/llmc/bin/python")
     parser.add_argument("--autoround", default="/work/peers/autoround/bin/python")
     parser.add_argument("--no-reload", action="store_true")

@@ -282,7 +282,7 @@ def make_plan(
             sequential_targets=targets, tracing_ignore=list(tracing_ignore), one_pass=one_pass
         )
         one_pass_cut = one_pass_subgraphs(model, sample, modifiers, args) if targets is None else None
-        # weights on meta: the run checks its partition against the model's forward itself, with weights read
+        # a plan runs no forward pass (a dry run reads no weight): the run checks its partition itself
         subgraphs = one_pass_cut or trace_subgraphs(model, sample, targets, tracing_ignore, verify=False)
         mark_by_rows(model, list(subgraphs), modifiers)  # as the run: embeddings read by rows
         try:
