@@ -108,7 +108,13 @@ def size_on_disk(path: Path) -> float:
 
 
 def run_gptq(
-    src: Path, work: Path, threads: int, samples: int, seq: int, limit: float | None, budget: str | None = None
+    src: Path,
+    work: Path,
+    threads: int,
+    samples: int,
+    seq: int,
+    limit: float | None,
+    budget: str | None = None,
 ) -> dict:
     """``seqcal oneshot`` GPTQ W4A16 from the FP8 checkpoint (the CLI, as a user runs it; ``budget``: its
     ``--max-host-memory``)."""
@@ -206,7 +212,9 @@ def main() -> None:
     parser.add_argument(
         "--gptq-limit", type=float, default=None, help="stop the GPTQ run after this many seconds"
     )
-    parser.add_argument("--max-host-memory", default=None, help="the GPTQ run's --max-host-memory (e.g. 3.6GB)")
+    parser.add_argument(
+        "--max-host-memory", default=None, help="the GPTQ run's --max-host-memory (e.g. 3.6GB)"
+    )
     parser.add_argument("--llmc", default="/work/peers/llmc/bin/python")
     parser.add_argument("--autoround", default="/work/peers/autoround/bin/python")
     parser.add_argument("--no-reload", action="store_true")

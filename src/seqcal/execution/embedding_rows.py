@@ -124,9 +124,8 @@ def mark_by_rows(model: torch.nn.Module, subgraphs: Sequence[Subgraph], modifier
     weight, the module passed or read in opaque statements) reads it whole.
     """
     mods = ModifierSet.of(modifiers)
-    if (
-        not mods.own_modules_only()
-    ):  # a modifier may change other weights (a fold, a rotation): all read whole
+    # a modifier may change other weights (a fold, a rotation): all read whole
+    if not mods.own_modules_only():
         return
     edited, modules = {*mods.quantized(), *mods.pruned()}, dict(model.named_modules())
     names = {id(m): n for n, m in modules.items()}
